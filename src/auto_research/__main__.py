@@ -1,0 +1,3 @@
+from auto_research.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""Atomic file writes: write beside the target, then rename over it.
+
+A run killed half-way never leaves a half-written metrics.json or report behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from auto_research.errors import UserError
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, payload: object) -> Path:
+    return atomic_write_text(path, json.dumps(payload, indent=2, allow_nan=False) + "\n")
+
+
+def ensure_writable_directory(path: str | os.PathLike) -> Path:
+    """Create ``path`` if needed and prove a file can be written there.
+
+    Called before any work so that a run never computes for minutes and then
+    fails to save its results.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=path, prefix=".write-probe-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise UserError(f"cannot write to output directory {str(path)!r}: {reason}") from None
+    return path

@@ -1,0 +1,1 @@
+"""Post-training: one loop, one estimator module, algorithms as small functions."""

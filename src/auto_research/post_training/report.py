@@ -1,0 +1,156 @@
+"""What a run leaves behind: metrics.json, report.md, summaries and plots.
+
+One reader serves both levels: every metrics.json has ``algorithm``,
+``dataset``, ``baseline`` and ``final`` (``accuracy``, ``mean_reward``,
+``entropy``, ``kl_from_reference``), ``relative_accuracy``, ``training`` and
+``history``. Everything is written atomically.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from auto_research.files import atomic_write_bytes, atomic_write_json, atomic_write_text
+
+METRICS = ("accuracy", "mean_reward", "entropy", "kl_from_reference")
+LABELS = {
+    "accuracy": "accuracy",
+    "mean_reward": "mean reward",
+    "entropy": "entropy",
+    "kl_from_reference": "KL(reference)",
+}
+
+
+def before_after_table(metrics: dict) -> str:
+    rows = ["| metric | untrained | trained |", "|---|---:|---:|"]
+    for key in METRICS:
+        rows.append(f"| {LABELS[key]} | {metrics['baseline'][key]:.4f} | {metrics['final'][key]:.4f} |")
+    return "\n".join(rows)
+
+
+def console_table(metrics: dict) -> str:
+    lines = [f"{'metric':<16}{'untrained':>12}{'trained':>12}"]
+    for key in METRICS:
+        lines.append(f"{LABELS[key]:<16}{metrics['baseline'][key]:>12.4f}{metrics['final'][key]:>12.4f}")
+    lines.append(f"{'relative acc.':<16}{'':>12}{metrics['relative_accuracy']:>+12.4f}")
+    return "\n".join(lines)
+
+
+def run_report(metrics: dict) -> str:
+    training = metrics["training"]
+    lines = [
+        f"# {metrics['algorithm']} on {metrics['dataset']} (seed {metrics['seed']})",
+        "",
+        before_after_table(metrics),
+        "",
+        f"Relative accuracy: {metrics['relative_accuracy']:+.4f} "
+        "((trained − untrained) / untrained accuracy).",
+        "",
+        "## Training",
+        "",
+    ]
+    for key, value in training.items():
+        if isinstance(value, list):
+            value = ", ".join(f"{item:.4g}" for item in value)
+        lines.append(f"- {key.replace('_', ' ')}: {value}")
+    history = metrics.get("history") or []
+    if history:
+        lines += ["", "## Validation during training", ""]
+        lines.append("| step | loss | " + " | ".join(LABELS[key] for key in METRICS) + " |")
+        lines.append("|---:|---:|" + "---:|" * len(METRICS))
+        for row in history:
+            cells = " | ".join(f"{row[key]:.4f}" for key in METRICS)
+            lines.append(f"| {int(row['step'])} | {row['loss']:.4f} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_run(run_dir: Path, metrics: dict) -> list[Path]:
+    return [
+        atomic_write_json(run_dir / "metrics.json", metrics),
+        atomic_write_text(run_dir / "report.md", run_report(metrics)),
+    ]
+
+
+def mean_and_std(values: list[float]) -> dict[str, float | None]:
+    """Mean and sample standard deviation (None for a single value)."""
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else None,
+    }
+
+
+def summarise_seeds(runs: list[dict]) -> dict:
+    """Across seeds: mean and sample std of every before/after metric."""
+    return {
+        "seeds": [run["seed"] for run in runs],
+        "baseline": {key: mean_and_std([run["baseline"][key] for run in runs]) for key in METRICS},
+        "final": {key: mean_and_std([run["final"][key] for run in runs]) for key in METRICS},
+        "relative_accuracy": mean_and_std([run["relative_accuracy"] for run in runs]),
+    }
+
+
+def seeds_tag(seeds: list[int]) -> str:
+    """``seed42`` for one seed, ``seeds42-43-44`` for several."""
+    if len(seeds) == 1:
+        return f"seed{seeds[0]}"
+    return "seeds" + "-".join(str(seed) for seed in seeds)
+
+
+def _format(statistic: dict) -> str:
+    if statistic["std"] is None:
+        return f"{statistic['mean']:.4f}"
+    return f"{statistic['mean']:.4f} ± {statistic['std']:.4f}"
+
+
+def summary_table(summaries: dict[str, dict]) -> str:
+    """Markdown: one row per algorithm with final metrics (mean ± sample std over seeds)."""
+    header = "| algorithm | " + " | ".join(LABELS[key] for key in METRICS) + " | relative accuracy |"
+    lines = [header, "|---|" + "---:|" * (len(METRICS) + 1)]
+    first = next(iter(summaries.values()))
+    untrained = " | ".join(_format(first["baseline"][key]) for key in METRICS)
+    lines.append(f"| untrained | {untrained} | |")
+    for name, summary in summaries.items():
+        cells = " | ".join(_format(summary["final"][key]) for key in METRICS)
+        lines.append(f"| {name} | {cells} | {_format(summary['relative_accuracy'])} |")
+    return "\n".join(lines)
+
+
+def write_seed_summary(path_stem: Path, algorithm: str, dataset: str, runs: list[dict]) -> list[Path]:
+    summary = {"algorithm": algorithm, "dataset": dataset, **summarise_seeds(runs)}
+    title = f"# {algorithm} on {dataset}, seeds {', '.join(str(s) for s in summary['seeds'])}\n\n"
+    return [
+        atomic_write_json(path_stem.with_suffix(".json"), summary),
+        atomic_write_text(path_stem.with_suffix(".md"), title + summary_table({algorithm: summary}) + "\n"),
+    ]
+
+
+def comparison_plot(path: Path, histories: dict[str, list[list[dict]]], title: str) -> Path:
+    """PNG: validation accuracy and KL(reference) against steps, one line per algorithm.
+
+    With several seeds, each line is the mean over seeds at every logged step.
+    """
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, per_seed in histories.items():
+        steps = [row["step"] for row in per_seed[0]]
+        for axis, key in zip(axes, ("accuracy", "kl_from_reference")):
+            curve = [statistics.fmean(run[i][key] for run in per_seed) for i in range(len(steps))]
+            axis.plot(steps, curve, marker="o", markersize=3, label=name)
+    for axis, key in zip(axes, ("accuracy", "kl_from_reference")):
+        axis.set_xlabel("step")
+        axis.set_ylabel(f"validation {LABELS[key]}")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120)
+    plt.close(figure)
+    return atomic_write_bytes(path, buffer.getvalue())

@@ -1,0 +1,105 @@
+"""Entry points behind the command line: post-train one or several seeds, compare algorithms.
+
+Everything that can fail on a user's input (settings, output directory, data
+files) is checked for every run before the first one trains, and outputs are
+written only once all runs have finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from auto_research.files import atomic_write_json, atomic_write_text, ensure_writable_directory
+from auto_research.post_training import report
+from auto_research.post_training.config import CandidateConfig
+
+COMPARISON_TAGS = {"gsm8k-candidate": "gsm8k", "arithmetic-smoke": "arithmetic"}
+"""Short names in comparison files: classic-post-training-<tag>-seed42.json."""
+
+
+def _progress(items, description: str):
+    from tqdm import tqdm
+
+    # Shown on a terminal only; logs and tests stay clean.
+    return tqdm(items, desc=description, leave=False, disable=None)
+
+
+def _run_all(configs: list[CandidateConfig]) -> list[dict]:
+    from auto_research.post_training.candidate.trainer import load_data, train
+
+    for config in configs:
+        config.validate()
+    ensure_writable_directory(configs[0].output_dir)
+    prepared = [(config, load_data(config)) for config in configs]
+    if len(prepared) == 1:
+        return [train(*prepared[0])]
+    return [train(config, data) for config, data in _progress(prepared, "runs")]
+
+
+def post_train(config: CandidateConfig, seeds: list[int] | None = None) -> dict:
+    """Train one run per seed; write each run directory and, for several seeds, a summary.
+
+    Returns ``{"runs": [...metrics...], "paths": [...], "summary": dict | None}``.
+    """
+    configs = [replace(config, seed=seed) for seed in seeds] if seeds else [config]
+    runs = _run_all(configs)
+    paths: list[Path] = []
+    for run_config, metrics in zip(configs, runs):
+        paths += report.write_run(run_config.run_dir, metrics)
+    summary = None
+    if len(configs) > 1:
+        stem = Path(config.output_dir) / f"{config.algorithm}-{config.dataset}-{report.seeds_tag(seeds)}-summary"
+        paths += report.write_seed_summary(stem, config.algorithm, config.dataset, runs)
+        summary = report.summarise_seeds(runs)
+    return {"runs": runs, "paths": paths, "summary": summary}
+
+
+def compare(config: CandidateConfig, algorithms: list[str], seeds: list[int]) -> dict:
+    """Run every algorithm on identical data and settings; write one summary, table and plot."""
+    configs = [replace(config, algorithm=name, seed=seed) for name in algorithms for seed in seeds]
+    runs = _run_all(configs)
+    paths: list[Path] = []
+    for run_config, metrics in zip(configs, runs):
+        paths += report.write_run(run_config.run_dir, metrics)
+
+    by_algorithm = {name: [run for run in runs if run["algorithm"] == name] for name in algorithms}
+    summaries = {name: report.summarise_seeds(group) for name, group in by_algorithm.items()}
+    stem = Path(config.output_dir) / f"classic-post-training-{COMPARISON_TAGS[config.dataset]}-{report.seeds_tag(seeds)}"
+    payload = {
+        "dataset": config.dataset,
+        "seeds": seeds,
+        "settings": {
+            "maximum_examples": config.maximum_examples,
+            "steps": config.steps,
+            "group_size": config.group_size,
+            "learning_rate": config.learning_rate,
+            "beta": config.beta,
+        },
+        "data_source": runs[0]["training"]["data_source"],
+        "algorithms": {
+            name: {
+                **summaries[name],
+                "runs": {
+                    str(run["seed"]): {
+                        "final": run["final"],
+                        "relative_accuracy": run["relative_accuracy"],
+                        "run_dir": str(replace(config, algorithm=name, seed=run["seed"]).run_dir),
+                    }
+                    for run in by_algorithm[name]
+                },
+            }
+            for name in algorithms
+        },
+    }
+    title = f"{config.dataset}: {config.steps} steps, K={config.group_size}, {report.seeds_tag(seeds)}"
+    table = report.summary_table(summaries)
+    paths.append(atomic_write_json(stem.with_suffix(".json"), payload))
+    paths.append(atomic_write_text(stem.with_suffix(".md"), f"# {title}\n\n{table}\n"))
+    # Step 0 is the untrained policy, so every curve starts where training did.
+    histories = {
+        name: [[{"step": 0.0, **run["baseline"]}, *run["history"]] for run in group]
+        for name, group in by_algorithm.items()
+    }
+    paths.append(report.comparison_plot(stem.with_suffix(".png"), histories, title))
+    return {"runs": runs, "paths": paths, "summaries": summaries, "table": table}
