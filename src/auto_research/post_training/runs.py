@@ -30,8 +30,8 @@ def _run_all(configs: list[CandidateConfig]) -> list[dict]:
 
     for config in configs:
         config.validate()
-    ensure_writable_directory(configs[0].output_dir)
     prepared = [(config, load_data(config)) for config in configs]
+    ensure_writable_directory(configs[0].output_dir)
     if len(prepared) == 1:
         return [train(*prepared[0])]
     return [train(config, data) for config, data in _progress(prepared, "runs")]
