@@ -36,3 +36,28 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> sub
         text=True,
         timeout=300,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A randomly initialised 1-layer Qwen2 with the character tokenizer, saved as a normal checkpoint."""
+    from auto_research.post_training.lm.tiny import build_model, build_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def sums_jsonl(tmp_path) -> Path:
+    """A small JSONL dataset of one-digit sums."""
+    import json
+
+    path = tmp_path / "sums.jsonl"
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

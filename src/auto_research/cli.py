@@ -11,10 +11,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from auto_research.errors import UserError
+from auto_research.errors import TrainingInterrupted, UserError
 
 ALGORITHMS = ("rloo", "ppo-rlhf", "grpo", "remax", "reinforce", "vanilla-pg", "raft")
-DATASETS = ("arithmetic-smoke", "gsm8k-candidate")
+CANDIDATE_DATASETS = ("arithmetic-smoke", "gsm8k-candidate")
+GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate")
+DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
+CANDIDATE_DEFAULTS = {"steps": 100, "learning_rate": 0.08, "beta": 0.02}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,16 +40,62 @@ def _seeds(text: str) -> list[int]:
 
 
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", default="arithmetic-smoke", help=f"one of {', '.join(DATASETS)} (default: %(default)s)")
-    parser.add_argument("--maximum-examples", type=int, default=512, help="N train problems; validation uses max(32, N//4) (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=100, help="policy updates (default: %(default)s)")
+    parser.add_argument("--dataset", default="arithmetic-smoke",
+                        help=f"{', '.join(DATASETS)}, or a .jsonl file (default: %(default)s)")
+    parser.add_argument("--maximum-examples", type=int, default=512, help="N train problems (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=None, help="policy updates (default: 100 candidate level, per dataset at the generation level)")
     parser.add_argument("--group-size", type=int, default=4, help="K samples per prompt (default: %(default)s)")
-    parser.add_argument("--learning-rate", type=float, default=0.08, help="step size (default: %(default)s)")
-    parser.add_argument("--beta", type=float, default=0.02, help="β, weight of the KL penalty (default: %(default)s)")
+    parser.add_argument("--learning-rate", type=float, default=None, help="step size (default: 0.08 candidate level, per dataset at the generation level)")
+    parser.add_argument("--beta", type=float, default=None, help="β, weight of the KL penalty (default: 0.02 candidate level, 0.05 generation level)")
     parser.add_argument("--seed", type=int, default=42, help="random seed (default: %(default)s)")
     parser.add_argument("--dataset-dir", type=Path, default=None, help="folder holding gsm8k/{train,test}.jsonl (default: $AUTO_RESEARCH_DATA, else data)")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/post-training"), help="where run directories go (default: %(default)s)")
-    parser.add_argument("--offline", action="store_true", help="never download; missing data is an error")
+    parser.add_argument("--offline", action="store_true", help="never download; missing data or models are an error")
+
+
+GENERATION_FLAGS = {}
+
+
+def _generation_flag(group, flag: str, **options) -> None:
+    action = group.add_argument(flag, **options)
+    GENERATION_FLAGS[action.dest] = flag
+
+
+def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("generation level (arithmetic-generate, gsm8k-generate, .jsonl)")
+    add = lambda flag, **options: _generation_flag(group, flag, **options)  # noqa: E731
+    add("--model", help="local folder or hub id of a causal LM (default: the embedded tiny model, arithmetic-generate only)")
+    add("--prompt-field", help="prompt field of a .jsonl dataset (default: prompt)")
+    add("--answer-field", help="answer field of a .jsonl dataset (default: answer)")
+    add("--evaluation-examples", type=int, help="held-out prompts evaluated (default: per dataset)")
+    add("--reward", action="append", help="built-in (arithmetic, gsm8k, match, format) or module:function; repeatable (default: the dataset's verifier)")
+    add("--reward-weights", help="comma-separated weights, one per reward, reward model last")
+    add("--reward-model", help="sequence-classification reward model (folder or hub id)")
+    add("--kl-estimator", help="k1 (default, the paper), k2 or k3")
+    add("--kl-in", help="reward (default for rloo: the paper's shaped reward) or loss (default for grpo)")
+    add("--loss-aggregation", help="sequence (default: the whole response is one action) or token-mean")
+    add("--updates-per-batch", type=int, help="optimizer steps per rollout batch, > 1 uses clipped ratios (default: 1)")
+    add("--clip-range", type=float, help="ε of the clipped ratio (default: 0.2)")
+    add("--temperature", type=float, help="sampling temperature (default: per dataset, 1.0 for models you bring)")
+    add("--top-p", type=float, help="nucleus sampling (default: 1.0)")
+    add("--top-k", type=int, help="top-k sampling, 0 = off (default: 0)")
+    add("--max-new-tokens", type=int, help="completion length limit (default: per dataset)")
+    add("--prompts-per-step", type=int, help="prompts (groups) per step (default: per dataset)")
+    add("--micro-batch-size", type=int, help="completions per forward/backward: a multiple of K, or a divisor of K (default: the whole batch)")
+    add("--lr-schedule", help="constant (default) or cosine, after linear warmup")
+    add("--warmup-steps", type=int, help="linear warmup updates (default: per dataset)")
+    add("--weight-decay", type=float, help="AdamW weight decay (default: 0)")
+    add("--max-grad-norm", type=float, help="gradient-norm clip (default: 1.0)")
+    add("--gradient-checkpointing", action="store_true", default=None, help="trade compute for memory")
+    add("--eval-every", type=int, help="evaluate every N steps, 0 = only at the end (default: steps // 10)")
+    add("--checkpoint-every", type=int, help="checkpoint every N steps, and always at the end (default: 100)")
+    add("--keep-checkpoints", type=int, help="most recent checkpoints kept (default: 2)")
+    add("--resume", action="store_true", default=None, help="continue the run in --output-dir from its latest checkpoint")
+    add("--device", help="auto (default: CUDA when present), cpu, cuda, cuda:1 ...")
+    add("--dtype", help="auto (default: bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    add("--no-chat-template", dest="chat_template", action="store_false", default=None, help="send prompts as plain text")
+    add("--report-to", help="none (default) or tensorboard")
+    add("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,12 +109,28 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("post-train", help="train a policy with one algorithm and report before/after")
     train.add_argument("--algorithm", default="rloo", help=f"one of {', '.join(ALGORITHMS)} (default: %(default)s)")
     _add_run_flags(train)
-    train.add_argument("--seeds", default=None, help="several runs, e.g. 42,43,44: a run directory each and a mean ± std summary")
+    train.add_argument("--seeds", default=None, help="several runs, e.g. 42,43,44: a run directory each and a mean ± std summary (candidate level)")
+    _add_generation_flags(train)
 
     compare = commands.add_parser("compare", help="run several algorithms on identical data and settings")
     compare.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated (default: all)")
     _add_run_flags(compare)
     compare.add_argument("--seeds", default=None, help="comma-separated seeds (default: --seed)")
+
+    sft = commands.add_parser("sft", help="supervised fine-tuning of a causal LM on a dataset's demonstrations")
+    sft.add_argument("--model", default=None, help="folder or hub id (default: a fresh embedded tiny model)")
+    sft.add_argument("--dataset", default="arithmetic-generate", help="arithmetic-generate, gsm8k-generate or a .jsonl file (default: %(default)s)")
+    sft.add_argument("--prompt-field", default="prompt")
+    sft.add_argument("--answer-field", default="answer")
+    sft.add_argument("--steps", type=int, default=1000, help="(default: %(default)s)")
+    sft.add_argument("--batch-size", type=int, default=64, help="(default: %(default)s)")
+    sft.add_argument("--learning-rate", type=float, default=2e-3, help="(default: %(default)s)")
+    sft.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    sft.add_argument("--dataset-dir", type=Path, default=None, help="(default: $AUTO_RESEARCH_DATA, else data)")
+    sft.add_argument("--output-dir", type=Path, required=True, help="where the fine-tuned model is saved")
+    sft.add_argument("--device", default="auto")
+    sft.add_argument("--no-chat-template", dest="chat_template", action="store_false")
+    sft.add_argument("--offline", action="store_true")
 
     data = commands.add_parser("data", help="download a dataset into --dataset-dir")
     data.add_argument("name", help="gsm8k")
@@ -80,18 +145,26 @@ def _version() -> str:
     return __version__
 
 
+def _is_generation(dataset: str) -> bool:
+    return dataset in GENERATION_DATASETS or dataset.endswith(".jsonl")
+
+
 def _config(args: argparse.Namespace, algorithm: str):
     from auto_research.post_training.config import CandidateConfig
     from auto_research.post_training.datasets import default_dataset_dir
 
+    given = [flag for dest, flag in GENERATION_FLAGS.items() if getattr(args, dest, None) is not None]
+    if given:
+        raise UserError(f"{given[0]} applies to the generation level only (arithmetic-generate, gsm8k-generate, .jsonl); "
+                        f"{args.dataset} is a candidate-level dataset")
     return CandidateConfig(
         algorithm=algorithm,
         dataset=args.dataset,
         maximum_examples=args.maximum_examples,
-        steps=args.steps,
+        steps=_or(args.steps, CANDIDATE_DEFAULTS["steps"]),
         group_size=args.group_size,
-        learning_rate=args.learning_rate,
-        beta=args.beta,
+        learning_rate=_or(args.learning_rate, CANDIDATE_DEFAULTS["learning_rate"]),
+        beta=_or(args.beta, CANDIDATE_DEFAULTS["beta"]),
         seed=args.seed,
         dataset_dir=args.dataset_dir or default_dataset_dir(),
         output_dir=args.output_dir,
@@ -99,12 +172,50 @@ def _config(args: argparse.Namespace, algorithm: str):
     ).validate()
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
+def _floats(flag: str, text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag} takes comma-separated numbers such as 1,0.2; got {text!r}") from None
+
+
+def _generation_config(args: argparse.Namespace):
+    from auto_research.post_training.config import GenerationConfig
+    from auto_research.post_training.datasets import default_dataset_dir
+
+    if args.seeds:
+        raise UserError("--seeds runs several seeds at the candidate level only; at the generation level run one --seed per command")
+    settings = {dest: getattr(args, dest) for dest in GENERATION_FLAGS if getattr(args, dest) is not None}
+    if "reward_weights" in settings:
+        settings["reward_weights"] = _floats("--reward-weights", settings["reward_weights"])
+    for name in ("steps", "learning_rate", "beta"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    return GenerationConfig(
+        algorithm=args.algorithm,
+        dataset=args.dataset,
+        maximum_examples=args.maximum_examples,
+        group_size=args.group_size,
+        seed=args.seed,
+        dataset_dir=args.dataset_dir or default_dataset_dir(),
+        output_dir=args.output_dir,
+        offline=args.offline,
+        **settings,
+    )
+
+
 def _post_train(args: argparse.Namespace) -> int:
     from auto_research.post_training import report, runs
 
-    seeds = _seeds(args.seeds) if args.seeds else None
-    config = _config(args, args.algorithm)
-    result = runs.post_train(config, seeds)
+    if _is_generation(args.dataset):
+        result = runs.post_train_generation(_generation_config(args), log=lambda text: print(text, file=sys.stderr))
+    else:
+        seeds = _seeds(args.seeds) if args.seeds else None
+        result = runs.post_train(_config(args, args.algorithm), seeds)
     for metrics in result["runs"]:
         training = metrics["training"]
         print(
@@ -115,7 +226,7 @@ def _post_train(args: argparse.Namespace) -> int:
         print(report.console_table(metrics))
         print()
     if result["summary"] is not None:
-        print(report.summary_table({config.algorithm: result["summary"]}))
+        print(report.summary_table({args.algorithm: result["summary"]}))
         print()
     for path in result["paths"]:
         print(f"wrote {path}")
@@ -155,7 +266,25 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"post-train": _post_train, "compare": _compare, "data": _data}
+def _sft(args: argparse.Namespace) -> int:
+    from auto_research.post_training import runs
+    from auto_research.post_training.config import check_positive_finite
+    from auto_research.post_training.datasets import default_dataset_dir
+
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size)):
+        if value <= 0:
+            raise UserError(f"{flag} must be a positive integer, got {value}")
+    check_positive_finite("--learning-rate", args.learning_rate)
+    result = runs.supervised(args.model, args.dataset, args.output_dir, args.steps, args.batch_size, args.learning_rate,
+                             args.seed, args.dataset_dir or default_dataset_dir(), args.offline, args.chat_template,
+                             args.device, prompt_field=args.prompt_field, answer_field=args.answer_field)
+    for row in result["history"]:
+        print(f"step {row['step']:>6}  loss {row['loss']:.4f}  held-out accuracy {row['held_out_accuracy']:.3f}")
+    print(f"wrote {result['output_dir']}")
+    return 0
+
+
+COMMANDS = {"post-train": _post_train, "compare": _compare, "sft": _sft, "data": _data}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print("auto-research: interrupted", file=sys.stderr)
+        return 130
+    except TrainingInterrupted as interrupted:
+        print(f"auto-research: {interrupted}", file=sys.stderr)
         return 130
 
 

@@ -37,19 +37,24 @@ def atomic_write_json(path: str | os.PathLike, payload: object) -> Path:
     return atomic_write_text(path, json.dumps(payload, indent=2, allow_nan=False) + "\n")
 
 
-def ensure_writable_directory(path: str | os.PathLike) -> Path:
-    """Create ``path`` if needed and prove a file can be written there.
+def check_writable_directory(path: str | os.PathLike) -> Path:
+    """Fail with one line unless ``path`` is, or could be created as, a writable folder.
 
-    Called before any work so that a run never computes for minutes and then
-    fails to save its results.
+    Creates nothing, so a run rejected for another reason leaves no trace; called
+    before any work so that a run never computes for minutes and then fails to
+    save its results.
     """
     path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        handle, probe = tempfile.mkstemp(dir=path, prefix=".write-probe-")
-        os.close(handle)
-        os.unlink(probe)
-    except OSError as error:
-        reason = error.strerror or str(error)
-        raise UserError(f"cannot write to output directory {str(path)!r}: {reason}") from None
+    ancestor = path
+    while not ancestor.exists():
+        if ancestor.parent == ancestor:
+            break
+        ancestor = ancestor.parent
+    problem = None
+    if not ancestor.is_dir():
+        problem = f"{ancestor} is not a folder"
+    elif not os.access(ancestor, os.W_OK | os.X_OK):
+        problem = f"no permission to write in {ancestor}"
+    if problem:
+        raise UserError(f"cannot write to output directory {str(path)!r}: {problem}")
     return path

@@ -7,14 +7,15 @@ what is allowed; it runs before any data is read or any output is written.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from auto_research.errors import UserError
 from auto_research.post_training.algorithms import check_group_size, get_algorithm
 
 CANDIDATE_DATASETS = ("arithmetic-smoke", "gsm8k-candidate")
-DATASETS = CANDIDATE_DATASETS
+GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate")
+DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
 
 
 @dataclass
@@ -56,8 +57,11 @@ class CandidateConfig:
 
     def validate(self) -> "CandidateConfig":
         algorithm = get_algorithm(self.algorithm)
+        if self.dataset in GENERATION_DATASETS or self.dataset.endswith(".jsonl"):
+            raise UserError(f"{self.dataset} is a generation-level dataset; 'compare' and --seeds run the candidate "
+                            f"level ({', '.join(CANDIDATE_DATASETS)})")
         if self.dataset not in CANDIDATE_DATASETS:
-            raise UserError(f"unknown dataset {self.dataset!r}; choose one of: {', '.join(DATASETS)}")
+            raise UserError(f"unknown dataset {self.dataset!r}; choose one of: {', '.join(DATASETS)}, or a .jsonl file")
         check_group_size(algorithm, self.group_size)
         if not 2 <= self.group_size <= 6:
             raise UserError(
@@ -83,3 +87,171 @@ class CandidateConfig:
 def check_positive_finite(flag: str, value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise UserError(f"{flag} must be a finite number > 0, got {value}")
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_PLACEMENTS = ("reward", "loss")
+LOSS_AGGREGATIONS = ("sequence", "token-mean")
+SCHEDULES = ("constant", "cosine")
+
+# Per-dataset defaults for settings the user leaves unset. arithmetic-generate's
+# were chosen so that its CPU demo learns within minutes (see README, "CPU demo").
+GENERATION_PRESETS = {
+    "arithmetic-generate": dict(steps=600, learning_rate=3e-4, prompts_per_step=32, temperature=1.5,
+                                max_new_tokens=6, evaluation_examples=500, warmup_steps=10),
+    "gsm8k-generate": dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0,
+                           max_new_tokens=256, evaluation_examples=128, warmup_steps=10),
+    "jsonl": dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0,
+                  max_new_tokens=128, evaluation_examples=128, warmup_steps=10),
+}
+
+
+@dataclass
+class GenerationConfig:
+    """One generation-level run: RL on a causal LM (the paper's setting)."""
+
+    algorithm: str = "rloo"
+    dataset: str = "arithmetic-generate"
+    """arithmetic-generate (embedded), gsm8k-generate, or a path to a .jsonl file."""
+    model: str | None = None
+    """Local folder or hub id; None: the embedded tiny model (arithmetic-generate only)."""
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    dataset_dir: Path = field(default_factory=lambda: Path("data"))
+    maximum_examples: int = 512
+    """Training prompts read from GSM8K."""
+    evaluation_examples: int | None = None
+    """Held-out prompts for greedy evaluation."""
+    reward: list[str] = field(default_factory=list)
+    """Built-in rewards (arithmetic, gsm8k, match, format) or module:function; default: the dataset's verifier."""
+    reward_weights: list[float] | None = None
+    reward_model: str | None = None
+    """Sequence-classification reward model (folder or hub id)."""
+    group_size: int = 4
+    """K: completions sampled per prompt."""
+    beta: float = 0.05
+    """β: weight of the KL penalty to the frozen reference."""
+    kl_estimator: str = "k1"
+    """k1 (the paper's summed log-ratio), k2 or k3."""
+    kl_in: str | None = None
+    """reward (the paper: shaped reward) or loss (GRPO/verl style); None: the algorithm's own."""
+    loss_aggregation: str = "sequence"
+    """sequence: the whole response is one action (the paper); token-mean: average over tokens."""
+    updates_per_batch: int = 1
+    """Optimizer steps per rollout batch; > 1 uses importance ratios with clipping."""
+    clip_range: float = 0.2
+    temperature: float | None = None
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int | None = None
+    prompts_per_step: int | None = None
+    """Prompts (groups) per step; the batch holds prompts_per_step · K completions."""
+    micro_batch_size: int | None = None
+    """Completions per forward/backward pass; a multiple of K (whole groups) or a divisor of K."""
+    learning_rate: float | None = None
+    lr_schedule: str = "constant"
+    warmup_steps: int | None = None
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    gradient_checkpointing: bool = False
+    steps: int | None = None
+    eval_every: int | None = None
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    resume: bool = False
+    seed: int = 42
+    device: str = "auto"
+    dtype: str = "auto"
+    chat_template: bool = True
+    output_dir: Path = field(default_factory=lambda: Path("runs/post-training"))
+    offline: bool = False
+    report_to: str = "none"
+    progress: bool = True
+
+    @property
+    def dataset_name(self) -> str:
+        return Path(self.dataset).stem if self.dataset.endswith(".jsonl") else self.dataset
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / f"{self.algorithm}-{self.dataset_name}-seed{self.seed}"
+
+    def filled(self) -> "GenerationConfig":
+        """A copy with the dataset's presets in place of unset (None) settings."""
+        preset = GENERATION_PRESETS["jsonl" if self.dataset.endswith(".jsonl") else self.dataset]
+        values = {key: value for key, value in preset.items() if getattr(self, key) is None}
+        filled = replace(self, **values)
+        if filled.eval_every is None:
+            filled.eval_every = max(1, filled.steps // 10)
+        if filled.kl_in is None:
+            filled.kl_in = "reward" if get_algorithm(self.algorithm).kl == "reward" else "loss"
+        return filled
+
+    def validate(self) -> "GenerationConfig":
+        algorithm = get_algorithm(self.algorithm)
+        if algorithm.needs_critic:
+            raise UserError(f"{self.algorithm} needs a value model, which the generation level does not have yet; "
+                            "it runs at the candidate level (--dataset gsm8k-candidate)")
+        if not (self.dataset in GENERATION_DATASETS or self.dataset.endswith(".jsonl")):
+            raise UserError(f"unknown dataset {self.dataset!r}; choose one of: {', '.join(DATASETS)}, or a .jsonl file")
+        if self.model is None and self.dataset != "arithmetic-generate":
+            raise UserError(f"--model is required for {self.dataset} (only arithmetic-generate has an embedded model)")
+        if self.group_size < 2:
+            raise UserError(f"--group-size {self.group_size}: the generation level samples K >= 2 completions per "
+                            "prompt (leave-one-out is undefined for K = 1)")
+        check_group_size(algorithm, self.group_size)
+        if not (math.isfinite(self.beta) and self.beta >= 0):
+            raise UserError(f"--beta must be a finite number >= 0, got {self.beta}")
+        for flag, value in (("--max-new-tokens", self.max_new_tokens), ("--steps", self.steps),
+                            ("--prompts-per-step", self.prompts_per_step), ("--updates-per-batch", self.updates_per_batch),
+                            ("--maximum-examples", self.maximum_examples), ("--evaluation-examples", self.evaluation_examples)):
+            if value is not None and value <= 0:
+                raise UserError(f"{flag} must be a positive integer, got {value}")
+        for flag, value in (("--warmup-steps", self.warmup_steps), ("--checkpoint-every", self.checkpoint_every),
+                            ("--eval-every", self.eval_every), ("--top-k", self.top_k)):
+            if value is not None and value < 0:
+                raise UserError(f"{flag} must be >= 0, got {value}")
+        if self.keep_checkpoints < 1:
+            raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.learning_rate is not None:
+            check_positive_finite("--learning-rate", self.learning_rate)
+        if self.temperature is not None:
+            check_positive_finite("--temperature", self.temperature)
+        check_positive_finite("--max-grad-norm", self.max_grad_norm)
+        if not (0 < self.top_p <= 1):
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.clip_range < 1):
+            raise UserError(f"--clip-range must be in [0, 1), got {self.clip_range}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise UserError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        for flag, value, allowed in (("--kl-estimator", self.kl_estimator, KL_ESTIMATORS),
+                                     ("--kl-in", self.kl_in, KL_PLACEMENTS),
+                                     ("--loss-aggregation", self.loss_aggregation, LOSS_AGGREGATIONS),
+                                     ("--lr-schedule", self.lr_schedule, SCHEDULES),
+                                     ("--report-to", self.report_to, ("none", "tensorboard"))):
+            if value is not None and value not in allowed:
+                raise UserError(f"{flag} {value!r}: choose one of {', '.join(allowed)}")
+        if self.kl_in == "reward" and algorithm.kl != "reward" and self.beta > 0:
+            raise UserError(f"--kl-in reward: {self.algorithm}'s advantage does not use the shaped reward; "
+                            "use --kl-in loss (or --beta 0)")
+        if self.micro_batch_size is not None:
+            K = self.group_size
+            if self.micro_batch_size <= 0 or (self.micro_batch_size % K and K % self.micro_batch_size):
+                raise UserError(f"--micro-batch-size {self.micro_batch_size} must be a multiple of K = {K} "
+                                "(whole groups) or divide K (one extra scoring pass)")
+        if self.reward_weights is not None:
+            for weight in self.reward_weights:
+                if not math.isfinite(weight):
+                    raise UserError(f"--reward-weights must be finite numbers, got {weight}")
+        if self.report_to == "tensorboard":
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:
+                raise UserError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
+        return self
+
+    def to_json(self) -> dict:
+        payload = asdict(self)
+        payload["dataset_dir"] = str(self.dataset_dir)
+        payload["output_dir"] = str(self.output_dir)
+        return payload

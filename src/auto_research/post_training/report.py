@@ -154,3 +154,40 @@ def comparison_plot(path: Path, histories: dict[str, list[list[dict]]], title: s
     figure.savefig(buffer, format="png", dpi=120)
     plt.close(figure)
     return atomic_write_bytes(path, buffer.getvalue())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    import json
+
+    if not Path(path).is_file():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def training_curves_plot(path: Path, rows: list[dict], metrics: dict) -> Path:
+    """PNG: per-step reward and KL, and held-out accuracy at each evaluation."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    steps = [row["step"] for row in rows]
+    axes[0].plot(steps, [row["reward_mean"] for row in rows], linewidth=0.8)
+    axes[0].set_ylabel("mean reward of samples")
+    axes[1].plot(steps, [row["kl"] for row in rows], linewidth=0.8, color="tab:red")
+    axes[1].set_ylabel("sampled KL(π ‖ π_ref) per completion")
+    evaluations = [{"step": 0.0, **metrics["baseline"]}, *metrics["history"]]
+    axes[2].plot([row["step"] for row in evaluations], [row["accuracy"] for row in evaluations], marker="o", color="tab:green")
+    axes[2].set_ylabel("held-out greedy accuracy")
+    for axis in axes:
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    figure.suptitle(f"{metrics['algorithm']} on {metrics['dataset']} (seed {metrics['seed']})")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    plt.close(figure)
+    return atomic_write_bytes(path, buffer.getvalue())

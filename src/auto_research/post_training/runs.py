@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from auto_research.files import atomic_write_json, atomic_write_text, ensure_writable_directory
+from auto_research.files import atomic_write_json, atomic_write_text, check_writable_directory
 from auto_research.post_training import report
 from auto_research.post_training.config import CandidateConfig
 
@@ -31,7 +31,7 @@ def _run_all(configs: list[CandidateConfig]) -> list[dict]:
     for config in configs:
         config.validate()
     prepared = [(config, load_data(config)) for config in configs]
-    ensure_writable_directory(configs[0].output_dir)
+    check_writable_directory(configs[0].output_dir)
     if len(prepared) == 1:
         return [train(*prepared[0])]
     return [train(config, data) for config, data in _progress(prepared, "runs")]
@@ -103,3 +103,58 @@ def compare(config: CandidateConfig, algorithms: list[str], seeds: list[int]) ->
     }
     paths.append(report.comparison_plot(stem.with_suffix(".png"), histories, title))
     return {"runs": runs, "paths": paths, "summaries": summaries, "table": table}
+
+
+def post_train_generation(config, log=print) -> dict:
+    """One generation-level run: setup (all input checks), train, write metrics, report and plot."""
+    from auto_research.post_training.lm.trainer import Trainer
+
+    config = config.filled().validate()
+    check_writable_directory(config.output_dir)
+    trainer = Trainer(config, log=log)
+    trainer.setup()
+    metrics = trainer.train()
+    rows = report.read_jsonl(config.run_dir / "metrics.jsonl")
+    paths = report.write_run(config.run_dir, metrics)
+    paths.append(report.training_curves_plot(config.run_dir / "curves.png", rows, metrics))
+    return {"runs": [metrics], "paths": paths, "summary": None}
+
+
+def supervised(model: str | None, dataset: str, output_dir: Path, steps: int, batch_size: int, learning_rate: float,
+               seed: int, dataset_dir: Path, offline: bool, chat_template: bool, device: str, log=print, **task_options) -> dict:
+    """``auto-research sft``: supervised fine-tuning of any causal LM on a dataset's demonstrations."""
+    from auto_research.post_training.config import GenerationConfig
+    from auto_research.post_training.lm.evaluation import greedy_accuracy
+    from auto_research.post_training.lm.models import format_prompt, load_policy, resolve_device, resolve_dtype
+    from auto_research.post_training.lm.sft import supervised_fine_tune
+    from auto_research.post_training.lm.tasks import Task
+    from auto_research.post_training.lm.tiny import build_model, build_tokenizer
+    from auto_research.post_training.lm.trainer import load_task
+
+    config = GenerationConfig(model=model, dataset=dataset, dataset_dir=dataset_dir, offline=offline, seed=seed,
+                              chat_template=chat_template, device=device, **task_options).filled().validate()
+    check_writable_directory(output_dir)
+    task = load_task(config)
+    device_name = resolve_device(device)
+    if model is None:
+        tokenizer = build_tokenizer()
+        policy = build_model(tokenizer, seed=seed).to(device_name)
+    else:
+        policy, tokenizer = load_policy(model, device_name, resolve_dtype(config.dtype, device_name), offline)
+    pairs = [(format_prompt(tokenizer, example.prompt, chat_template), example.solution or example.answer)
+             for example in task.demonstrations]
+    formatted = Task(task.name, task.train,
+                     [type(e)(format_prompt(tokenizer, e.prompt, chat_template), e.answer, e.solution, e.fields) for e in task.evaluation],
+                     task.demonstrations, task.verifier, task.source)
+    history = supervised_fine_tune(
+        policy, tokenizer, pairs, steps=steps, batch_size=batch_size, learning_rate=learning_rate, seed=seed,
+        evaluate=lambda: {"held_out_accuracy": greedy_accuracy(policy, tokenizer, formatted, config.max_new_tokens)},
+        eval_every=max(1, steps // 4),
+    )
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    policy.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    atomic_write_json(output_dir / "sft.json", {"model": model or "embedded tiny (random init)", "dataset": task.name,
+                                                "demonstrations": len(pairs), "steps": steps, "history": history})
+    return {"history": history, "output_dir": output_dir}

@@ -1,0 +1,60 @@
+"""Held-out evaluation: greedy completions, exact-match accuracy, reward, entropy and KL.
+
+Entropy and KL(π ‖ π_ref) are exact per-token values over the whole
+vocabulary at each position of the greedy completion, summed over the
+completion and averaged over prompts, so they carry no sampling noise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from auto_research.post_training.lm.logprobs import attention_for
+from auto_research.post_training.lm.rewards import is_correct
+from auto_research.post_training.lm.rollout import sample
+
+
+def _distributions(model, rollout, temperature: float) -> torch.Tensor:
+    attention, positions = attention_for(rollout.sequences, rollout.prompt_mask, rollout.completion_mask)
+    logits = model(input_ids=rollout.sequences, attention_mask=attention, position_ids=positions, use_cache=False).logits
+    logits = logits[:, rollout.prompt_length - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, dim=-1)
+
+
+@torch.no_grad()
+def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier: str, reward, max_new_tokens: int,
+             temperature: float = 1.0, batch_size: int = 64) -> dict[str, float]:
+    """accuracy, mean_reward, entropy and kl_from_reference of greedy completions."""
+    correct, rewards, entropies, kls = [], [], [], []
+    for start in range(0, len(prompts), batch_size):
+        batch_prompts = prompts[start : start + batch_size]
+        batch_examples = examples[start : start + batch_size]
+        rollout = sample(model, tokenizer, batch_prompts, 1, max_new_tokens, greedy=True)
+        correct += [is_correct(verifier, text, example) for text, example in zip(rollout.completions, batch_examples)]
+        rewards += [value for value in reward(batch_prompts, rollout.completions, batch_examples) if value is not None]
+        mask = rollout.completion_mask.float()
+        log_p = _distributions(model, rollout, temperature)
+        entropies += (-(log_p.exp() * log_p).sum(-1) * mask).sum(-1).tolist()
+        if reference is None:
+            kls += [0.0] * len(batch_prompts)
+        else:
+            log_q = _distributions(reference, rollout, temperature)
+            kls += ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum(-1).tolist()
+    count = max(len(prompts), 1)
+    return {
+        "accuracy": sum(correct) / count,
+        "mean_reward": sum(rewards) / max(len(rewards), 1),
+        "entropy": sum(entropies) / count,
+        "kl_from_reference": sum(kls) / count,
+    }
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 8) -> float:
+    """Exact-match accuracy of greedy completions on the task's held-out prompts."""
+    correct = 0
+    for start in range(0, len(task.evaluation), 128):
+        batch = task.evaluation[start : start + 128]
+        rollout = sample(model, tokenizer, [example.prompt for example in batch], 1, max_new_tokens, greedy=True)
+        correct += sum(is_correct(task.verifier, text, example) for text, example in zip(rollout.completions, batch))
+    return correct / max(len(task.evaluation), 1)

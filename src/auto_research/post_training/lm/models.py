@@ -1,0 +1,89 @@
+"""Loading a policy (any AutoModelForCausalLM) and its tokenizer; devices and dtypes."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from auto_research.errors import UserError
+
+log = logging.getLogger("auto_research")
+
+
+def resolve_device(name: str = "auto") -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    return name
+
+
+def resolve_dtype(name: str, device: str):
+    """auto: bfloat16 on a GPU that supports it, else float32."""
+    import torch
+
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name == "auto":
+        if device.startswith("cuda") and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if name not in table:
+        raise UserError(f"--dtype {name!r}: choose one of auto, {', '.join(table)}")
+    return table[name]
+
+
+def check_model_source(name: str, offline: bool, flag: str = "--model") -> None:
+    """Fail fast, in one line, when a model can be neither read locally nor fetched."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{flag} {name}: {path} has no config.json (not a Hugging Face model folder)")
+        return
+    is_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if not is_hub_id:
+        raise UserError(f"{flag} {name}: no such model folder")
+    if offline or os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise UserError(f"{flag} {name}: not a local folder, and hub ids need a connection (offline)")
+
+
+def load_policy(name: str, device: str, dtype, offline: bool, use_chat_template: bool = True):
+    """Model and tokenizer from a local folder or a hub id; the tokenizer padded from the left."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_model_source(name, offline)
+    local = Path(name).expanduser().exists()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline or local)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=offline or local)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"--model {name}: cannot load ({first_line})") from None
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise UserError(f"--model {name}: the tokenizer has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+        log.info("tokenizer has no pad token; using EOS %r for padding", tokenizer.eos_token)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    model.to(device)
+    return model, tokenizer
+
+
+def format_prompt(tokenizer, prompt: str, use_chat_template: bool) -> str:
+    """The prompt as the model sees it: through the chat template when it has one."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    return prompt
+
+
+def context_length(model) -> int | None:
+    config = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,0 +1,201 @@
+"""Rewards: built-in verifiers, a format reward, user callables and reward models.
+
+Every reward is called on a whole batch as ``reward(prompts, completions,
+examples)`` and returns one float, or None, per completion. None means "cannot
+score this one": the sample is left out of its group's baseline. Several
+rewards combine as a weighted sum (``--reward-weights``); a sample that any
+component cannot score is left out.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import re
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from auto_research.errors import UserError
+from auto_research.post_training.lm.tasks import Example
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> float | None:
+    """The number after the last ``####`` if any, else the last number in the text."""
+    tail = text.rsplit("####", 1)[-1] if "####" in text else text
+    found = NUMBER.findall(tail)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def _same_number(completion: str, answer: str) -> bool:
+    value, gold = final_number(completion), final_number(answer)
+    return value is not None and gold is not None and math.isclose(value, gold, rel_tol=0, abs_tol=1e-6)
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.strip().split()).lower()
+
+
+def is_correct(verifier: str, completion: str, example: Example) -> bool:
+    """Exact-match correctness, the accuracy every level reports."""
+    if verifier == "arithmetic":
+        return completion.strip() == example.answer
+    if verifier == "gsm8k":
+        return _same_number(completion, example.answer)
+    if verifier == "match":
+        if final_number(example.answer) is not None and NUMBER.fullmatch(example.answer.strip()):
+            return _same_number(completion, example.answer)
+        return _normalise(completion) == _normalise(example.answer)
+    raise ValueError(f"unknown verifier {verifier!r}")
+
+
+def arithmetic_reward(prompts, completions, examples) -> list[float]:
+    """½ · exact match + ½ · fraction of digit positions that are right (partial credit).
+
+    Exact match alone gives a group no signal whenever all K samples are wrong;
+    per-digit credit lets a sample with the right units digit beat one without.
+    """
+    rewards = []
+    for completion, example in zip(completions, examples):
+        text, gold = completion.strip(), example.answer
+        matching = sum(1 for x, y in zip(text, gold) if x == y)
+        rewards.append(0.5 * float(text == gold) + 0.5 * matching / max(len(text), len(gold), 1))
+    return rewards
+
+
+def _verifier_reward(verifier: str):
+    def reward(prompts, completions, examples) -> list[float]:
+        return [float(is_correct(verifier, completion, example)) for completion, example in zip(completions, examples)]
+
+    reward.__name__ = f"{verifier}_verifier"
+    return reward
+
+
+def format_reward(prompts, completions, examples) -> list[float]:
+    """1 when the completion states a final number (GSM8K style ``#### n`` earns it too), else 0."""
+    return [float(final_number(completion) is not None) for completion in completions]
+
+
+BUILT_IN: dict[str, Callable] = {
+    "arithmetic": arithmetic_reward,
+    "gsm8k": _verifier_reward("gsm8k"),
+    "match": _verifier_reward("match"),
+    "format": format_reward,
+}
+
+
+def _with_row_fields(function: Callable) -> Callable:
+    """User callables receive the dataset rows as dicts (with ``prompt`` and ``answer`` added)."""
+
+    def reward(prompts, completions, examples):
+        rows = [{**example.fields, "prompt": example.prompt, "answer": example.answer} for example in examples]
+        return function(prompts, completions, rows)
+
+    return reward
+
+
+def load_callable(spec: str) -> Callable:
+    """``module:function`` → the function; a one-line UserError when it cannot be found."""
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        raise UserError(f"--reward {spec!r}: expected a built-in ({', '.join(BUILT_IN)}) or module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UserError(f"--reward {spec!r}: cannot import module {module_name!r} ({error})") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise UserError(f"--reward {spec!r}: module {module_name!r} has no function {function_name!r}")
+    return function
+
+
+class RewardModel:
+    """A sequence-classification model scoring ``prompt + completion`` text.
+
+    It keeps its own tokenizer: the text is decoded from the policy's tokens and
+    re-encoded, so policy and reward model need not share a vocabulary. The
+    score is the single logit, or for two or more labels the last label's logit
+    minus the first's.
+    """
+
+    def __init__(self, path: str, device, offline: bool, batch_size: int = 16):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from auto_research.post_training.lm.models import check_model_source
+
+        check_model_source(path, offline, "--reward-model")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device = device
+        self.batch_size = batch_size
+        self._torch = torch
+        self.__name__ = f"reward-model:{path}"
+
+    def __call__(self, prompts, completions, examples) -> list[float]:
+        scores: list[float] = []
+        with self._torch.no_grad():
+            for start in range(0, len(prompts), self.batch_size):
+                texts = [p + c for p, c in zip(prompts[start : start + self.batch_size], completions[start : start + self.batch_size])]
+                batch = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(self.device)
+                logits = self.model(**batch).logits.float()
+                score = logits[:, 0] if logits.shape[-1] == 1 else logits[:, -1] - logits[:, 0]
+                scores.extend(score.tolist())
+        return scores
+
+
+class RewardError(Exception):
+    """A reward returned something that is not a number (NaN, inf, a string)."""
+
+
+@dataclass
+class CombinedReward:
+    """Weighted sum of reward components; None when any component gives None."""
+
+    components: list[tuple[str, Callable, float]]
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], examples: Sequence[Example]) -> list[float | None]:
+        total: list[float | None] = [0.0] * len(completions)
+        for name, function, weight in self.components:
+            values = function(list(prompts), list(completions), list(examples))
+            if values is None or len(values) != len(completions):
+                raise RewardError(
+                    f"reward {name!r} returned {0 if values is None else len(values)} values for {len(completions)} completions"
+                )
+            for index, value in enumerate(values):
+                if value is None or total[index] is None:
+                    total[index] = None
+                    continue
+                if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+                    raise RewardError(
+                        f"reward {name!r} returned {value!r} for prompt {prompts[index]!r} "
+                        f"(completion {completions[index]!r}); rewards must be finite numbers or None"
+                    )
+                total[index] += weight * float(value)
+        return total
+
+
+def build_reward(specs: list[str], weights: list[float] | None, reward_model: str | None, verifier: str, device=None, offline: bool = False) -> CombinedReward:
+    """The run's reward: named built-ins and callables, then the reward model; the verifier by default."""
+    names = list(specs) or ([] if reward_model else [verifier])
+    functions = [(name, BUILT_IN[name] if name in BUILT_IN else _with_row_fields(load_callable(name))) for name in names]
+    if reward_model:
+        functions.append((f"reward-model:{reward_model}", RewardModel(reward_model, device, offline)))
+    if weights is None:
+        weights = [1.0] * len(functions)
+    if len(weights) != len(functions):
+        raise UserError(
+            f"--reward-weights has {len(weights)} values for {len(functions)} rewards ({', '.join(n for n, _ in functions)})"
+        )
+    return CombinedReward([(name, function, weight) for (name, function), weight in zip(functions, weights)])

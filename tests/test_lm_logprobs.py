@@ -1,0 +1,85 @@
+"""The one log-prob function: against a hand loop, padding, post-EOS tokens and generate's own scores."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from auto_research.post_training.lm.logprobs import kl_per_token, token_logprobs
+from auto_research.post_training.lm.rollout import completion_mask, sample
+
+
+def _load(folder):
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def test_completion_mask_keeps_tokens_up_to_and_including_the_first_eos():
+    ids = torch.tensor([[5, 6, 2, 7, 2], [5, 2, 0, 0, 0], [5, 6, 7, 8, 9]])
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])
+    assert torch.equal(completion_mask(ids, [2]), expected)
+
+
+def test_logprobs_equal_a_hand_loop_over_tokens(tiny_model_dir):
+    model, tokenizer = _load(tiny_model_dir)
+    prompt = tokenizer("12+3=", add_special_tokens=False)["input_ids"]
+    completion = tokenizer("51", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    sequence = torch.tensor([prompt + completion])
+    got = token_logprobs(model, sequence, torch.ones(1, len(prompt)), torch.ones(1, len(completion)))
+    with torch.no_grad():
+        for t, token in enumerate(completion):
+            prefix = torch.tensor([prompt + completion[:t]])
+            logits = model(input_ids=prefix).logits[0, -1]
+            expected = torch.log_softmax(logits.double(), dim=-1)[token].item()
+            assert abs(got[0, t].item() - expected) < 1e-5
+
+
+def test_left_padding_and_tokens_after_eos_change_nothing(tiny_model_dir):
+    model, tokenizer = _load(tiny_model_dir)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    prompt = tokenizer("7+8=", add_special_tokens=False)["input_ids"]
+    completion = tokenizer("51", add_special_tokens=False)["input_ids"] + [eos]
+    plain = token_logprobs(model, torch.tensor([prompt + completion]), torch.ones(1, len(prompt)), torch.ones(1, 3))
+    # Three pad tokens on the left, and junk after EOS that the mask excludes.
+    junk = tokenizer("99", add_special_tokens=False)["input_ids"]
+    sequence = torch.tensor([[pad] * 3 + prompt + completion + junk])
+    prompt_mask = torch.tensor([[0] * 3 + [1] * len(prompt)])
+    mask = completion_mask(sequence[:, prompt_mask.shape[1]:], [eos])
+    padded = token_logprobs(model, sequence, prompt_mask, mask)
+    assert torch.allclose(padded[0, :3], plain[0], atol=1e-5)
+    assert torch.all(padded[0, 3:] == 0)
+
+
+def test_logprobs_match_what_generate_sampled_from(tiny_model_dir):
+    model, tokenizer = _load(tiny_model_dir)
+    torch.manual_seed(0)
+    prompts = ["1+2=", "13+45="]
+    batch = tokenizer(prompts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+    out = model.generate(**batch, do_sample=True, top_k=0, max_new_tokens=5, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    prompt_length = batch["input_ids"].shape[1]
+    completion = out.sequences[:, prompt_length:]
+    mask = completion_mask(completion, [tokenizer.eos_token_id])
+    from_generate = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1) * mask
+    ours = token_logprobs(model, out.sequences, batch["attention_mask"], mask).detach()
+    assert torch.allclose(ours, from_generate, atol=1e-5)
+
+
+def test_sample_returns_groups_of_k_with_masks(tiny_model_dir):
+    model, tokenizer = _load(tiny_model_dir)
+    torch.manual_seed(1)
+    rollout = sample(model, tokenizer, ["1+1=", "22+33="], group_size=3, max_new_tokens=4)
+    assert rollout.sequences.shape[0] == 6 and rollout.completion_mask.shape == (6, rollout.completion_ids.shape[1])
+    assert len(rollout.completions) == 6
+    # Rows 0..2 answer the first prompt: their prompt tokens are identical.
+    assert torch.equal(rollout.sequences[0, : rollout.prompt_length], rollout.sequences[2, : rollout.prompt_length])
+
+
+def test_kl_estimators_by_hand():
+    logp = torch.tensor([-1.0, -2.0])
+    ref = torch.tensor([-1.5, -1.0])
+    # log r = ref − logp = [−0.5, 1.0]
+    assert torch.allclose(kl_per_token(logp, ref, "k1"), torch.tensor([0.5, -1.0]))
+    assert torch.allclose(kl_per_token(logp, ref, "k2"), torch.tensor([0.125, 0.5]))
+    expected_k3 = torch.tensor([torch.exp(torch.tensor(-0.5)) - 1 + 0.5, torch.exp(torch.tensor(1.0)) - 1 - 1.0])
+    assert torch.allclose(kl_per_token(logp, ref, "k3"), expected_k3)

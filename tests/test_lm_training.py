@@ -1,0 +1,257 @@
+"""The generation-level step: the paper's gradient by hand, KL, None and NaN rewards, learning, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from auto_research.cli import main
+from auto_research.post_training.algorithms import AdvantageInputs, get_algorithm
+from auto_research.post_training.config import GenerationConfig
+from auto_research.post_training.lm.logprobs import token_logprobs
+from auto_research.post_training.lm.trainer import Trainer, policy_loss
+from conftest import run_cli
+
+
+def test_loss_gradient_is_the_papers_estimator_for_two_prompts(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    K = 3
+    completions = [["7", "8", "17"], ["5", "50", "05"]]
+    prompts = ["3+4=", "2+3="]
+    rows = []
+    for prompt, group in zip(prompts, completions):
+        for text in group:
+            rows.append((tokenizer(prompt, add_special_tokens=False)["input_ids"],
+                         tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]))
+    width = max(len(c) for _, c in rows)
+    pad = tokenizer.pad_token_id
+    sequences = torch.tensor([[pad] * (4 - len(p)) + p + c + [pad] * (width - len(c)) for p, c in rows])
+    prompt_mask = torch.tensor([[0] * (4 - len(p)) + [1] * len(p) for p, _ in rows])
+    mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for _, c in rows])
+    rewards = np.array([[1.0, 0.0, 0.5], [0.2, 0.2, 0.8]])
+    # Leave-one-out by hand: group 1: 1 − .25, 0 − .75, .5 − .5; group 2: .2 − .5, .2 − .5, .8 − .2.
+    by_hand = [0.75, -0.75, 0.0, -0.3, -0.3, 0.6]
+    advantages = get_algorithm("rloo").advantages(AdvantageInputs(rewards, np.zeros_like(rewards), 0.0), {})
+    assert np.allclose(advantages.reshape(-1), by_hand)
+
+    config = GenerationConfig(group_size=K).filled()
+    logprobs = token_logprobs(model, sequences, prompt_mask, mask)
+    loss = policy_loss(config, get_algorithm("rloo"), logprobs, logprobs.detach(), None, mask.float(),
+                       torch.tensor(advantages.reshape(-1), dtype=torch.float32), 6, 2, float(mask.sum()))
+    ours = torch.autograd.grad(loss, list(model.parameters()))
+
+    # The paper: ∇J = 1/(2K) Σ_i A_i ∇ Σ_t log π(y_i,t); the loss is its negative.
+    sums = token_logprobs(model, sequences, prompt_mask, mask).sum(dim=1)
+    paper = -sum(a * s for a, s in zip(by_hand, sums)) / (2 * K)
+    expected = torch.autograd.grad(paper, list(model.parameters()))
+    for got, want in zip(ours, expected):
+        assert torch.allclose(got, want, atol=1e-6)
+    assert any(float(g.abs().max()) > 0 for g in ours)
+
+
+def _config(model_dir, dataset, output, **overrides):
+    settings = dict(model=str(model_dir), dataset=str(dataset), output_dir=output, steps=4, prompts_per_step=4,
+                    group_size=4, max_new_tokens=3, learning_rate=1e-3, evaluation_examples=8, eval_every=2,
+                    checkpoint_every=2, progress=False, offline=True, seed=3, device="cpu")
+    settings.update(overrides)
+    return GenerationConfig(**settings).filled().validate()
+
+
+def test_kl_is_exactly_zero_before_the_first_update(tiny_model_dir, sums_jsonl, tmp_path, reward_module):
+    config = _config(tiny_model_dir, sums_jsonl, tmp_path, beta=0.1, reward=[f"{reward_module}:length"])
+    trainer = Trainer(config, log=lambda text: None)
+    trainer.setup()
+    assert trainer.evaluate()["kl_from_reference"] == 0.0
+    row = trainer.step(1)
+    assert row["kl"] == 0.0  # sampled log-ratio of the first step: policy and reference are identical
+    assert trainer.evaluate()["kl_from_reference"] > 0.0
+
+
+REWARDS = '''
+import math
+import time
+
+def slow_match(prompts, completions, rows):
+    # Slow enough that a signal sent by the test lands mid-run; the numbers are the verifier's.
+    time.sleep(0.3)
+    return [float(c.strip() == row["answer"]) for c, row in zip(completions, rows)]
+
+def sometimes_none(prompts, completions, rows):
+    # The first prompt's group keeps one scorable sample: no signal from it.
+    return [None if (i < 4 and i != 0) or i % 4 == 3 else float(len(c)) for i, c in enumerate(completions)]
+
+def nan_on_third_call(prompts, completions, rows):
+    nan_on_third_call.calls = getattr(nan_on_third_call, "calls", 0) + 1
+    return [math.nan if nan_on_third_call.calls == 3 else 1.0 for _ in completions]
+
+def length(prompts, completions, rows):
+    return [float(len(c)) for c in completions]
+
+def count_sevens(prompts, completions, rows):
+    return [c.count("7") / 3 for c in completions]
+'''
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(REWARDS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_rewards", None)
+    return "my_rewards"
+
+
+def test_none_rewards_leave_samples_out_and_count_silent_groups(tiny_model_dir, sums_jsonl, tmp_path, reward_module):
+    trainer = Trainer(_config(tiny_model_dir, sums_jsonl, tmp_path, reward=[f"{reward_module}:sometimes_none"]),
+                      log=lambda text: None)
+    trainer.setup()
+    row = trainer.step(1)
+    # Group 1: three None; groups 2-4: one None each → 6 unscored of 16.
+    assert row["unscored_samples"] == 6
+    assert row["no_signal_fraction"] >= 0.25
+
+
+def test_nan_reward_saves_last_good_step_and_exits_2(tiny_model_dir, sums_jsonl, tmp_path, reward_module, capsys):
+    code = main(["post-train", "--model", str(tiny_model_dir), "--dataset", str(sums_jsonl), "--steps", "5",
+                 "--prompts-per-step", "2", "--max-new-tokens", "3", "--evaluation-examples", "4",
+                 "--reward", f"{reward_module}:nan_on_third_call", "--checkpoint-every", "100", "--eval-every", "0", "--offline",
+                 "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path / "out")])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    # The baseline evaluation is call 1, step 1 is call 2, step 2 returns NaN.
+    assert "reward 'my_rewards:nan_on_third_call' returned nan for prompt" in error
+    assert "saved the last good step (1)" in error
+    checkpoint = tmp_path / "out" / "rloo-sums-seed42" / "checkpoints" / "step-000001"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == 1
+
+
+def test_reward_rises_on_a_trivially_learnable_target(tiny_model_dir, sums_jsonl, tmp_path, reward_module):
+    config = _config(tiny_model_dir, sums_jsonl, tmp_path, reward=[f"{reward_module}:count_sevens"], steps=40,
+                     prompts_per_step=8, learning_rate=1e-2, temperature=1.0, beta=0.0, eval_every=0,
+                     checkpoint_every=0, warmup_steps=0)
+    trainer = Trainer(config, log=lambda text: None)
+    trainer.setup()
+    started = time.perf_counter()
+    rewards = [trainer.step(step)["reward_mean"] for step in range(1, 41)]
+    assert time.perf_counter() - started < 60
+    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    assert last > first + 0.3, (first, last)
+
+
+def _weights(run_dir):
+    return load_file(str(sorted((run_dir / "checkpoints").iterdir())[-1] / "model.safetensors"))
+
+
+RUN = ["post-train", "--dataset", "DATA", "--model", "MODEL", "--steps", "6", "--prompts-per-step", "4",
+       "--max-new-tokens", "3", "--evaluation-examples", "4", "--eval-every", "3", "--checkpoint-every", "1",
+       "--learning-rate", "1e-3", "--offline", "--device", "cpu", "--no-progress", "--seed", "5"]
+
+
+def _run_args(tiny_model_dir, sums_jsonl, output):
+    args = [str(sums_jsonl) if a == "DATA" else str(tiny_model_dir) if a == "MODEL" else a for a in RUN]
+    return args + ["--output-dir", str(output), "--reward", "my_rewards:slow_match"]
+
+
+def _env(reward_module_dir):
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(reward_module_dir), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_killed_and_resumed_run_ends_with_identical_weights(tiny_model_dir, sums_jsonl, tmp_path, reward_module):
+    env = _env(tmp_path)
+    whole = run_cli(*_run_args(tiny_model_dir, sums_jsonl, tmp_path / "whole"), env=env)
+    assert whole.returncode == 0, whole.stderr
+    # The same run, killed with SIGKILL after its second checkpoint (the slow reward makes that mid-run).
+    args = [sys.executable, "-m", "auto_research", *_run_args(tiny_model_dir, sums_jsonl, tmp_path / "killed")]
+    process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_dir = tmp_path / "killed" / "rloo-sums-seed5"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run_dir / "checkpoints" / "step-000002").is_dir():
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    steps_done = max(int(p.name[5:]) for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert 2 <= steps_done < 6
+    resumed = run_cli(*_run_args(tiny_model_dir, sums_jsonl, tmp_path / "killed"), "--resume", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    expected, got = _weights(tmp_path / "whole" / "rloo-sums-seed5"), _weights(run_dir)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    final = json.loads((run_dir / "metrics.json").read_text())
+    assert final["final"] == json.loads((tmp_path / "whole" / "rloo-sums-seed5" / "metrics.json").read_text())["final"]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tiny_model_dir, sums_jsonl, tmp_path, reward_module):
+    args = [sys.executable, "-m", "auto_research", *_run_args(tiny_model_dir, sums_jsonl, tmp_path),
+            "--checkpoint-every", "100"]
+    process = subprocess.Popen(args, env=_env(tmp_path),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "rloo-sums-seed5"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run_dir / "metrics.jsonl").is_file():
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "checkpoint saved" in stderr and "--resume" in stderr
+    assert "Traceback" not in stderr
+    saved = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-")]
+    assert len(saved) == 1
+
+
+BAD = [
+    (["--model", "/no/such/model"], "--model /no/such/model: no such model folder"),
+    (["--group-size", "1"], "leave-one-out is undefined for K = 1"),
+    (["--beta", "-0.1"], "--beta must be a finite number >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer, got 0"),
+    (["--max-new-tokens", "40"], "exceed the model's context of 32 tokens"),
+    (["--reward", "no_such_module:score"], "cannot import module 'no_such_module'"),
+    (["--reward", "json:no_such_function"], "module 'json' has no function 'no_such_function'"),
+    (["--reward-model", "/no/such/reward-model"], "--reward-model /no/such/reward-model: no such model folder"),
+    (["--resume"], "--resume: no valid checkpoint in"),
+    (["--kl-estimator", "k9"], "--kl-estimator 'k9': choose one of k1, k2, k3"),
+    (["--micro-batch-size", "3"], "--micro-batch-size 3 must be a multiple of K = 4"),
+    (["--algorithm", "ppo-rlhf"], "ppo-rlhf needs a value model"),
+    (["--algorithm", "grpo", "--kl-in", "reward"], "grpo's advantage does not use the shaped reward"),
+    (["--reward-weights", "1,2"], "--reward-weights has 2 values for 1 rewards"),
+    (["--temperature", "0"], "--temperature must be a finite number > 0"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD, ids=[" ".join(flags) for flags, _ in BAD])
+def test_generation_bad_input_one_line_exit_2_before_training(tiny_model_dir, sums_jsonl, tmp_path, capsys, flags, message):
+    base = ["post-train", "--model", str(tiny_model_dir), "--dataset", str(sums_jsonl), "--offline", "--device", "cpu",
+            "--no-progress", "--output-dir", str(tmp_path / "out")]
+    if "--model" in flags:
+        base = [a for i, a in enumerate(base) if a != "--model" and (i == 0 or base[i - 1] != "--model")]
+    code = main(base + flags)
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = captured.err.strip().splitlines()
+    assert lines[-1].startswith("auto-research: error: ") and message in lines[-1], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_dataset_row_missing_a_field_names_file_and_line(tiny_model_dir, tmp_path, capsys):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    code = main(["post-train", "--model", str(tiny_model_dir), "--dataset", str(path), "--offline", "--device", "cpu",
+                 "--output-dir", str(tmp_path / "out")])
+    assert code == 2
+    assert f"{path}:2: row has no field 'answer'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
