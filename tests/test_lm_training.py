@@ -255,3 +255,41 @@ def test_dataset_row_missing_a_field_names_file_and_line(tiny_model_dir, tmp_pat
     assert code == 2
     assert f"{path}:2: row has no field 'answer'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path, reward_module, **overrides):
+    config = _config(tiny_model_dir, sums_jsonl, tmp_path, reward=[f"{reward_module}:length"], beta=0.1, **overrides)
+    trainer = Trainer(config, log=lambda text: None)
+    trainer.setup()
+    row = trainer.step(1)
+    return {name: value.detach().clone() for name, value in trainer.model.named_parameters()}, row
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, 8, 2])
+def test_micro_batches_accumulate_to_the_whole_batch_gradient(tiny_model_dir, sums_jsonl, tmp_path, reward_module, micro_batch_size):
+    # 4 prompts × K = 4: micro-batches of 1 or 2 whole groups, or half-groups (with the extra scoring pass).
+    whole, whole_row = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path / "a", reward_module)
+    split, split_row = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path / "b", reward_module,
+                                         micro_batch_size=micro_batch_size)
+    assert whole_row["advantage_abs_max"] > 0
+    assert split_row["advantage_std"] == pytest.approx(whole_row["advantage_std"], abs=1e-9)
+    for name in whole:
+        assert torch.allclose(whole[name], split[name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(algorithm="grpo"),
+    dict(algorithm="remax"),
+    dict(algorithm="raft"),
+    dict(algorithm="reinforce"),
+    dict(algorithm="vanilla-pg"),
+    dict(kl_estimator="k3", kl_in="loss"),
+    dict(loss_aggregation="token-mean"),
+    dict(updates_per_batch=3),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_every_generation_option_takes_a_finite_step_that_changes_the_policy(tiny_model_dir, sums_jsonl, tmp_path, reward_module, overrides):
+    before = {name: value.detach().clone() for name, value in
+              AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()}
+    after, row = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path, reward_module, **overrides)
+    assert all(math.isfinite(row[key]) for key in ("loss", "kl", "entropy", "grad_norm", "reward_mean"))
+    assert any(not torch.equal(before[name], after[name]) for name in before)

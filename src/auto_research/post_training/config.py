@@ -192,8 +192,7 @@ class GenerationConfig:
         if algorithm.needs_critic:
             raise UserError(f"{self.algorithm} needs a value model, which the generation level does not have yet; "
                             "it runs at the candidate level (--dataset gsm8k-candidate)")
-        if not (self.dataset in GENERATION_DATASETS or self.dataset.endswith(".jsonl")):
-            raise UserError(f"unknown dataset {self.dataset!r}; choose one of: {', '.join(DATASETS)}, or a .jsonl file")
+        self.validate_dataset()
         if self.model is None and self.dataset != "arithmetic-generate":
             raise UserError(f"--model is required for {self.dataset} (only arithmetic-generate has an embedded model)")
         if self.group_size < 2:
@@ -249,6 +248,10 @@ class GenerationConfig:
             if importlib.util.find_spec("tensorboard") is None:
                 raise UserError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
         return self
+
+    def validate_dataset(self) -> None:
+        if not (self.dataset in GENERATION_DATASETS or self.dataset.endswith(".jsonl")):
+            raise UserError(f"unknown dataset {self.dataset!r}; choose one of: {', '.join(DATASETS)}, or a .jsonl file")
 
     def to_json(self) -> dict:
         payload = asdict(self)

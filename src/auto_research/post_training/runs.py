@@ -132,7 +132,9 @@ def supervised(model: str | None, dataset: str, output_dir: Path, steps: int, ba
     from auto_research.post_training.lm.trainer import load_task
 
     config = GenerationConfig(model=model, dataset=dataset, dataset_dir=dataset_dir, offline=offline, seed=seed,
-                              chat_template=chat_template, device=device, **task_options).filled().validate()
+                              chat_template=chat_template, device=device, **task_options)
+    config.validate_dataset()
+    config = config.filled()
     check_writable_directory(output_dir)
     task = load_task(config)
     device_name = resolve_device(device)

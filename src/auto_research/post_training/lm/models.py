@@ -8,7 +8,7 @@ from pathlib import Path
 
 from auto_research.errors import UserError
 
-log = logging.getLogger("auto_research")
+_log = logging.getLogger("auto_research")
 
 
 def resolve_device(name: str = "auto") -> str:
@@ -50,9 +50,19 @@ def check_model_source(name: str, offline: bool, flag: str = "--model") -> None:
         raise UserError(f"{flag} {name}: not a local folder, and hub ids need a connection (offline)")
 
 
-def load_policy(name: str, device: str, dtype, offline: bool, use_chat_template: bool = True):
-    """Model and tokenizer from a local folder or a hub id; the tokenizer padded from the left."""
+def quiet_transformers() -> None:
+    """Our own progress bar and log lines say what happens; keep the library's per-load bars out."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_policy(name: str, device: str, dtype, offline: bool, log=None):
+    """Model and tokenizer from a local folder or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
 
     check_model_source(name, offline)
     local = Path(name).expanduser().exists()
@@ -66,7 +76,7 @@ def load_policy(name: str, device: str, dtype, offline: bool, use_chat_template:
         if tokenizer.eos_token is None:
             raise UserError(f"--model {name}: the tokenizer has neither a pad nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
-        log.info("tokenizer has no pad token; using EOS %r for padding", tokenizer.eos_token)
+        (log or _log.info)(f"tokenizer of {name} has no pad token; padding with its EOS token {tokenizer.eos_token!r}")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     model.to(device)

@@ -55,8 +55,12 @@ def supervised_fine_tune(
     evaluate: Callable[[], dict] | None = None,
     eval_every: int = 0,
     progress: bool = True,
+    max_seconds: float | None = None,
 ) -> list[dict]:
-    """Train for ``steps`` batches drawn epoch by epoch from ``pairs``; return the eval history."""
+    """Train for ``steps`` batches drawn epoch by epoch from ``pairs`` (or until
+    ``max_seconds`` have passed); return the eval history."""
+    import time
+
     from tqdm import tqdm
 
     device = next(model.parameters()).device
@@ -69,7 +73,9 @@ def supervised_fine_tune(
     history = []
     model.train()
     bar = tqdm(range(1, steps + 1), desc="supervised warm start", disable=not progress, leave=False)
+    started = time.perf_counter()
     for step in bar:
+        out_of_time = max_seconds is not None and time.perf_counter() - started >= max_seconds
         if len(order) < batch_size:
             order += rng.permutation(len(encoded)).tolist()
         batch, order = order[:batch_size], order[batch_size:]
@@ -80,10 +86,12 @@ def supervised_fine_tune(
         optimizer.step()
         schedule.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
-        if evaluate is not None and eval_every and (step % eval_every == 0 or step == steps):
+        if evaluate is not None and eval_every and (step % eval_every == 0 or step == steps or out_of_time):
             model.eval()
             row = {"step": step, "loss": loss.item(), **evaluate()}
             model.train()
             history.append(row)
+        if out_of_time:
+            break
     model.eval()
     return history

@@ -47,7 +47,7 @@ class Task:
 
 ARITHMETIC_SPLIT_SEED = 0
 ARITHMETIC_EVALUATION = 500
-ARITHMETIC_DEMONSTRATIONS = 400
+ARITHMETIC_DEMONSTRATIONS = 350
 
 
 def arithmetic_prompt(a: int, b: int) -> str:
@@ -66,8 +66,8 @@ def arithmetic_answer(a: int, b: int) -> str:
 def arithmetic_task() -> Task:
     """All 10,000 sums a + b with 0 ≤ a, b ≤ 99, split once by a fixed seed.
 
-    500 are held out for evaluation, 400 are the only demonstrations a warm
-    start may see, and RL draws its prompts from the other 9,100.
+    500 are held out for evaluation, 350 are the only demonstrations a warm
+    start may see, and RL draws its prompts from the other 9,150.
     """
     pairs = np.array([(a, b) for a in range(100) for b in range(100)])
     np.random.default_rng(ARITHMETIC_SPLIT_SEED).shuffle(pairs)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from auto_research.files import atomic_write_json
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 CHARACTERS = list("0123456789+-*=,.:;| ") + list("abcdefghijklmnopqrstuvwxyz") + ["\n"]
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
@@ -28,9 +28,9 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 TINY_ARCHITECTURE = dict(hidden_size=96, intermediate_size=288, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=4, max_position_embeddings=64)
 
-# Warm start: every demonstration seen about 160 times; held-out accuracy has
+# Warm start: every demonstration seen about 270 times; held-out accuracy has
 # plateaued well before the end (benchmarks/arithmetic_generate.py shows the control).
-WARM_START = dict(steps=1000, batch_size=64, learning_rate=2e-3, warmup_steps=20, seed=0)
+WARM_START = dict(steps=1500, batch_size=64, learning_rate=2e-3, warmup_steps=20, seed=2)
 
 
 def cache_dir() -> Path:

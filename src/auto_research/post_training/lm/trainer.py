@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
-import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from auto_research.errors import TrainingInterrupted, UserError
-from auto_research.files import atomic_write_json, atomic_write_text
+from auto_research.files import atomic_write_text
 from auto_research.post_training import estimators
 from auto_research.post_training.algorithms import AdvantageInputs, get_algorithm
 from auto_research.post_training.config import GenerationConfig
@@ -135,7 +135,7 @@ class Trainer:
 
             model_name = str(ensure_warm_started(self.task, progress=config.progress, log=self.log))
         self.model_name = model_name
-        self.model, self.tokenizer = load_policy(model_name, self.device, dtype, config.offline)
+        self.model, self.tokenizer = load_policy(model_name, self.device, dtype, config.offline, log=self.log)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         # The frozen reference is the initial policy; with β = 0 it is not needed at all.
@@ -358,7 +358,10 @@ class Trainer:
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.resume_from is None:
+            # A fresh run replaces an earlier one in the same folder; its checkpoints
+            # must not outlive it and be taken for this run's by --resume.
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
             try:
                 self.baseline = self.evaluate()
             except RewardError as error:
@@ -410,8 +413,13 @@ class Trainer:
 
     def metrics(self) -> dict:
         config = self.config
-        final = {key: self.history[-1][key] for key in ("accuracy", "mean_reward", "entropy", "kl_from_reference")} \
-            if self.history and self.history[-1]["step"] == config.steps else self.evaluate()
+        if self.history and self.history[-1]["step"] == config.steps:
+            final = {key: self.history[-1][key] for key in ("accuracy", "mean_reward", "entropy", "kl_from_reference")}
+        else:
+            try:
+                final = self.evaluate()
+            except RewardError as error:
+                raise UserError(f"{error} (final evaluation; the last checkpoint holds the trained model)") from None
         return {
             "algorithm": config.algorithm,
             "dataset": self.task.name,
