@@ -54,23 +54,19 @@ class Problem:
     line: int
 
 
-def read_gsm8k(path: str | os.PathLike, limit: int | None = None) -> list[Problem]:
-    """The first ``limit`` problems of a GSM8K JSONL file, in file order.
+def iter_jsonl(path: str | os.PathLike):
+    """(line number, object) for each non-blank line of a JSONL file.
 
-    A row whose answer has no ``####`` number keeps its place with ``gold=None``.
-    A line that is not JSON or lacks ``question``/``answer`` is a UserError that
-    names the file and line. Blank lines are ignored.
+    A missing file, a line that is not JSON, or a line that is not a JSON object
+    is a UserError naming the file (and line).
     """
     path = Path(path)
-    problems: list[Problem] = []
     try:
         stream = path.open(encoding="utf-8")
     except OSError as error:
         raise UserError(f"cannot read {path}: {error.strerror or error}") from None
     with stream:
         for number, line in enumerate(stream, start=1):
-            if limit is not None and len(problems) >= limit:
-                break
             if not line.strip():
                 continue
             try:
@@ -78,11 +74,27 @@ def read_gsm8k(path: str | os.PathLike, limit: int | None = None) -> list[Proble
             except json.JSONDecodeError as error:
                 raise UserError(f"{path}:{number}: not valid JSON ({error.msg})") from None
             if not isinstance(row, dict):
-                raise UserError(f"{path}:{number}: expected a JSON object with 'question' and 'answer'")
-            for key in ("question", "answer"):
-                if not isinstance(row.get(key), str):
-                    raise UserError(f"{path}:{number}: missing text field {key!r}")
-            problems.append(Problem(row["question"], row["answer"], parse_gold(row["answer"]), number))
+                raise UserError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+            yield number, row
+
+
+def read_gsm8k(path: str | os.PathLike, limit: int | None = None) -> list[Problem]:
+    """The first ``limit`` problems of a GSM8K JSONL file, in file order.
+
+    A row whose answer has no ``####`` number keeps its place with ``gold=None``.
+    A line that is not JSON or lacks ``question``/``answer`` is a UserError that
+    names the file and line. Blank lines are ignored.
+    """
+    problems: list[Problem] = []
+    if limit is not None and limit <= 0:
+        return problems
+    for number, row in iter_jsonl(path):
+        for key in ("question", "answer"):
+            if not isinstance(row.get(key), str):
+                raise UserError(f"{path}:{number}: missing text field {key!r}")
+        problems.append(Problem(row["question"], row["answer"], parse_gold(row["answer"]), number))
+        if limit is not None and len(problems) >= limit:
+            break
     return problems
 
 

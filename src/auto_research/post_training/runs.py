@@ -127,7 +127,6 @@ def supervised(model: str | None, dataset: str, output_dir: Path, steps: int, ba
     from auto_research.post_training.lm.evaluation import greedy_accuracy
     from auto_research.post_training.lm.models import format_prompt, load_policy, resolve_device, resolve_dtype
     from auto_research.post_training.lm.sft import supervised_fine_tune
-    from auto_research.post_training.lm.tasks import Task
     from auto_research.post_training.lm.tiny import build_model, build_tokenizer
     from auto_research.post_training.lm.trainer import load_task
 
@@ -145,9 +144,9 @@ def supervised(model: str | None, dataset: str, output_dir: Path, steps: int, ba
         policy, tokenizer = load_policy(model, device_name, resolve_dtype(config.dtype, device_name), offline)
     pairs = [(format_prompt(tokenizer, example.prompt, chat_template), example.solution or example.answer)
              for example in task.demonstrations]
-    formatted = Task(task.name, task.train,
-                     [type(e)(format_prompt(tokenizer, e.prompt, chat_template), e.answer, e.solution, e.fields) for e in task.evaluation],
-                     task.demonstrations, task.verifier, task.source)
+    # Held-out prompts go through the chat template too, as the model will see them.
+    formatted = replace(task, evaluation=[replace(e, prompt=format_prompt(tokenizer, e.prompt, chat_template))
+                                          for e in task.evaluation])
     history = supervised_fine_tune(
         policy, tokenizer, pairs, steps=steps, batch_size=batch_size, learning_rate=learning_rate, seed=seed,
         evaluate=lambda: {"held_out_accuracy": greedy_accuracy(policy, tokenizer, formatted, config.max_new_tokens)},

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,25 +130,18 @@ def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int, evaluation_exa
 
 def jsonl_task(path, prompt_field: str, answer_field: str, evaluation_examples: int, solution_field: str | None = None) -> Task:
     """Rows of a local JSONL file; the last ``evaluation_examples`` rows are held out."""
+    from auto_research.post_training.datasets import iter_jsonl
+
     path = Path(path)
     if not path.is_file():
         raise UserError(f"dataset file not found: {path}")
     rows = []
-    with path.open(encoding="utf-8") as stream:
-        for number, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise UserError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}:{number}: expected a JSON object")
-            for name in (prompt_field, answer_field) + ((solution_field,) if solution_field else ()):
-                if name not in row:
-                    raise UserError(f"{path}:{number}: row has no field {name!r} (fields: {', '.join(row) or 'none'})")
-            solution = str(row[solution_field]) if solution_field else None
-            rows.append(Example(str(row[prompt_field]), str(row[answer_field]), solution, row))
+    for number, row in iter_jsonl(path):
+        for name in (prompt_field, answer_field) + ((solution_field,) if solution_field else ()):
+            if name not in row:
+                raise UserError(f"{path}:{number}: row has no field {name!r} (fields: {', '.join(row) or 'none'})")
+        solution = str(row[solution_field]) if solution_field else None
+        rows.append(Example(str(row[prompt_field]), str(row[answer_field]), solution, row))
     if len(rows) < 2:
         raise UserError(f"{path}: needs at least 2 rows (one to train on, one to evaluate), found {len(rows)}")
     held = min(evaluation_examples, max(1, len(rows) // 5))
