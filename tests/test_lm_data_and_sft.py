@@ -105,3 +105,50 @@ def test_sft_command_trains_and_saves_a_loadable_model(sums_jsonl, tmp_path, cap
     code = main(["post-train", "--model", str(tmp_path / "model"), "--dataset", str(sums_jsonl), "--steps", "2",
                  "--max-new-tokens", "4", "--offline", "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path / "runs")])
     assert code == 0
+
+
+def _reward_model_dir(tmp_path):
+    """A tiny sequence-classification model whose tokenizer numbers characters differently from the policy's."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForSequenceClassification
+
+    characters = list(reversed("0123456789+-*=,.:;| abcdefghijklmnopqrstuvwxyz"))
+    vocabulary = {token: index for index, token in enumerate(["<unk>", "<pad>", "</s>"] + characters)}
+    core = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    config = Qwen2Config(vocab_size=len(vocabulary), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=1)
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(config)
+    folder = tmp_path / "reward-model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, model.eval(), tokenizer
+
+
+def test_reward_model_rescores_decoded_text_with_its_own_tokenizer(tmp_path):
+    import torch
+
+    from auto_research.post_training.lm.rewards import RewardModel
+
+    folder, model, tokenizer = _reward_model_dir(tmp_path)
+    reward_model = RewardModel(str(folder), "cpu", offline=True)
+    scores = reward_model(["1+2=", "30+4="], ["3", "43"], [None, None])
+    with torch.no_grad():
+        expected = [model(**tokenizer([text], return_tensors="pt")).logits[0, 0].item() for text in ("1+2=3", "30+4=43")]
+    assert scores == pytest.approx(expected, abs=1e-5)
+    assert scores[0] != scores[1]
+
+
+def test_post_train_with_a_reward_model_and_weights(tiny_model_dir, sums_jsonl, tmp_path):
+    folder, _, _ = _reward_model_dir(tmp_path)
+    code = main(["post-train", "--model", str(tiny_model_dir), "--dataset", str(sums_jsonl), "--reward", "match",
+                 "--reward-model", str(folder), "--reward-weights", "1,0.5", "--steps", "2", "--prompts-per-step", "2",
+                 "--max-new-tokens", "3", "--offline", "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path / "runs")])
+    assert code == 0
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "rloo-sums-seed42" / "metrics.jsonl").read_text().splitlines()]
+    # The reward model's scores are real numbers, not 0/1: the mean reward is no multiple of 1/8.
+    assert any(abs(row["reward_mean"] * 8 - round(row["reward_mean"] * 8)) > 1e-6 for row in rows)
