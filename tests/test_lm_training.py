@@ -265,16 +265,22 @@ def _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path, reward_module, **ove
     return {name: value.detach().clone() for name, value in trainer.model.named_parameters()}, row
 
 
+@pytest.mark.parametrize("algorithm", ["rloo", "reinforce"])
 @pytest.mark.parametrize("micro_batch_size", [4, 8, 2])
-def test_micro_batches_accumulate_to_the_whole_batch_gradient(tiny_model_dir, sums_jsonl, tmp_path, reward_module, micro_batch_size):
+def test_micro_batches_accumulate_to_the_whole_batch_gradient(tiny_model_dir, sums_jsonl, tmp_path, reward_module,
+                                                              micro_batch_size, algorithm):
     # 4 prompts × K = 4: micro-batches of 1 or 2 whole groups, or half-groups (with the extra scoring pass).
-    whole, whole_row = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path / "a", reward_module)
+    # reinforce's moving-average baseline must not move between micro-batches.
+    whole, whole_row = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path / "a", reward_module, algorithm=algorithm)
     split, split_row = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path / "b", reward_module,
-                                         micro_batch_size=micro_batch_size)
+                                         micro_batch_size=micro_batch_size, algorithm=algorithm)
     assert whole_row["advantage_abs_max"] > 0
     assert split_row["advantage_std"] == pytest.approx(whole_row["advantage_std"], abs=1e-9)
+    assert split_row["advantage_mean"] == pytest.approx(whole_row["advantage_mean"], abs=1e-9)
+    # Summation order differs between accumulated micro-batches and one pass; Adam's first
+    # step divides each gradient element by its own magnitude, so rounding shows at ~1e-6.
     for name in whole:
-        assert torch.allclose(whole[name], split[name], atol=1e-6), name
+        assert torch.allclose(whole[name], split[name], atol=1e-5), name
 
 
 @pytest.mark.parametrize("overrides", [

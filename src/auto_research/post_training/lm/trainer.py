@@ -219,24 +219,25 @@ class Trainer:
         for start in range(0, rollout.sequences.shape[0], size):
             yield rollout.rows(start, start + size)
 
-    def _advantages(self, batch: StepBatch, groups: slice, logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """Advantages of the given groups from detached policy log-probs; also their sampled KL."""
-        config = self.config
-        K = config.group_size
-        if batch.reference_logprobs is not None:
-            rows = slice(groups.start * K, groups.stop * K)
-            kl = (kl_per_token(logprobs, batch.reference_logprobs[rows], config.kl_estimator) * mask).sum(1)
-            kl = kl.double().cpu().numpy().reshape(-1, K)
-        else:
-            kl = np.zeros((groups.stop - groups.start, K))
+    def _sampled_kl(self, batch: StepBatch, groups: slice, logprobs: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
+        """(groups, K) sampled KL of each completion: the chosen estimator summed over its tokens."""
+        K = self.config.group_size
+        if batch.reference_logprobs is None:
+            return np.zeros((groups.stop - groups.start, K))
+        rows = slice(groups.start * K, groups.stop * K)
+        kl = (kl_per_token(logprobs, batch.reference_logprobs[rows], self.config.kl_estimator) * mask).sum(1)
+        return kl.double().cpu().numpy().reshape(-1, K)
+
+    def _advantages(self, batch: StepBatch, groups: slice, kl: np.ndarray, state: dict) -> np.ndarray:
+        """Advantages of the given groups from the registered estimator."""
         inputs = AdvantageInputs(
             rewards=batch.rewards[groups],
             log_ratio=kl,
-            beta=config.beta if config.kl_in == "reward" else 0.0,
+            beta=self.config.beta if self.config.kl_in == "reward" else 0.0,
             mask=batch.scored[groups],
             greedy_rewards=None if batch.greedy_rewards is None else batch.greedy_rewards[groups],
         )
-        return self.algorithm.advantages(inputs, self.algorithm_state), kl
+        return self.algorithm.advantages(inputs, state)
 
     def step(self, step: int) -> dict:
         config = self.config
@@ -252,6 +253,9 @@ class Trainer:
         advantages = np.zeros((groups_total, K))
         kls = np.zeros((groups_total, K))
         old = [None] * math.ceil(sequences_total / size)
+        # Micro-batches read the algorithm's state as it was when the step began (a
+        # moving-average baseline must not move between them); it advances once, below.
+        state_at_start = json.loads(json.dumps(self.algorithm_state))
         if not whole_groups:
             # A group does not fit in one micro-batch: score every group once without
             # gradient so that its baseline sees all K log-probs.
@@ -259,7 +263,8 @@ class Trainer:
                 for g in range(groups_total):
                     group = rollout.rows(g * K, (g + 1) * K)
                     logprobs = token_logprobs(self.model, group.sequences, group.prompt_mask, group.completion_mask, config.temperature)
-                    advantages[g], kls[g] = (part[0] for part in self._advantages(batch, slice(g, g + 1), logprobs, group.completion_mask.float()))
+                    kls[g] = self._sampled_kl(batch, slice(g, g + 1), logprobs, group.completion_mask.float())[0]
+            advantages = self._advantages(batch, slice(0, groups_total), kls, self.algorithm_state)
         entropy_sum, losses, grad_norm = 0.0, [], 0.0
         for epoch in range(config.updates_per_batch):
             self.optimizer.zero_grad(set_to_none=True)
@@ -274,13 +279,17 @@ class Trainer:
                     entropy_sum += float(entropy.sum())
                     if whole_groups:
                         groups = slice(start // K, (start + size) // K)
-                        advantages[groups], kls[groups] = self._advantages(batch, groups, logprobs.detach(), mask)
+                        kls[groups] = self._sampled_kl(batch, groups, logprobs.detach(), mask)
+                        advantages[groups] = self._advantages(batch, groups, kls[groups], dict(state_at_start))
                 flat = torch.as_tensor(advantages.reshape(-1)[start : start + size], dtype=logprobs.dtype, device=logprobs.device)
                 reference = None if batch.reference_logprobs is None else batch.reference_logprobs[start : start + size]
                 loss = policy_loss(config, self.algorithm, logprobs, old[index], reference, mask, flat,
                                    sequences_total, groups_total, tokens_total)
                 loss.backward()
                 loss_value += float(loss.detach())
+            if epoch == 0 and whole_groups:
+                # Recomputed over the whole batch: the same advantages, and the state advances once.
+                advantages = self._advantages(batch, slice(0, groups_total), kls, self.algorithm_state)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm))
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate_at(config, self.updates, config.steps * config.updates_per_batch)
