@@ -299,3 +299,32 @@ def test_every_generation_option_takes_a_finite_step_that_changes_the_policy(tin
     after, row = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path, reward_module, **overrides)
     assert all(math.isfinite(row[key]) for key in ("loss", "kl", "entropy", "grad_norm", "reward_mean"))
     assert any(not torch.equal(before[name], after[name]) for name in before)
+
+
+def test_learning_rate_schedule_by_hand():
+    from auto_research.post_training.lm.trainer import learning_rate_at
+
+    config = GenerationConfig(learning_rate=1.0, warmup_steps=4, steps=14, lr_schedule="cosine").filled()
+    assert [learning_rate_at(config, update, 14) for update in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    # Cosine from 1 at the end of warmup to 0 at the last update: half-way (update 9) it is 0.5.
+    assert learning_rate_at(config, 9, 14) == pytest.approx(0.5)
+    assert learning_rate_at(config, 14, 14) == pytest.approx(0.0)
+    constant = GenerationConfig(learning_rate=0.1, warmup_steps=0, steps=5).filled()
+    assert {learning_rate_at(constant, update, 5) for update in range(5)} == {0.1}
+
+
+def test_gradient_checkpointing_changes_memory_not_the_step(tiny_model_dir, sums_jsonl, tmp_path, reward_module):
+    plain, _ = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path / "a", reward_module)
+    checkpointed, _ = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path / "b", reward_module, gradient_checkpointing=True)
+    for name in plain:
+        assert torch.allclose(plain[name], checkpointed[name], atol=1e-6), name
+
+
+def test_resume_with_other_settings_names_them(tiny_model_dir, sums_jsonl, tmp_path, capsys):
+    base = ["post-train", "--model", str(tiny_model_dir), "--dataset", str(sums_jsonl), "--steps", "2",
+            "--prompts-per-step", "2", "--max-new-tokens", "3", "--offline", "--device", "cpu", "--no-progress",
+            "--output-dir", str(tmp_path)]
+    assert main(base) == 0
+    capsys.readouterr()
+    assert main(base + ["--resume", "--beta", "0.2"]) == 2
+    assert "started with different settings: beta (was 0.05, now 0.2)" in capsys.readouterr().err

@@ -137,7 +137,9 @@ class Trainer:
         self.model_name = model_name
         self.model, self.tokenizer = load_policy(model_name, self.device, dtype, config.offline, log=self.log)
         if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # transformers 5 renamed it; the old name still works on older releases.
+            enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
+            enable()
         # The frozen reference is the initial policy; with β = 0 it is not needed at all.
         self.reference = None
         if config.beta > 0:
