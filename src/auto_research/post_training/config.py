@@ -18,6 +18,11 @@ GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate")
 DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
 
 
+def is_generation_dataset(name: str) -> bool:
+    """The generation level's datasets: the named ones and any local .jsonl file."""
+    return name in GENERATION_DATASETS or name.endswith(".jsonl")
+
+
 @dataclass
 class CandidateConfig:
     """One candidate-level run (docs/candidate-protocol.md)."""
@@ -57,7 +62,7 @@ class CandidateConfig:
 
     def validate(self) -> "CandidateConfig":
         algorithm = get_algorithm(self.algorithm)
-        if self.dataset in GENERATION_DATASETS or self.dataset.endswith(".jsonl"):
+        if is_generation_dataset(self.dataset):
             raise UserError(f"{self.dataset} is a generation-level dataset; 'compare' and --seeds run the candidate "
                             f"level ({', '.join(CANDIDATE_DATASETS)})")
         if self.dataset not in CANDIDATE_DATASETS:
@@ -250,7 +255,7 @@ class GenerationConfig:
         return self
 
     def validate_dataset(self) -> None:
-        if not (self.dataset in GENERATION_DATASETS or self.dataset.endswith(".jsonl")):
+        if not is_generation_dataset(self.dataset):
             raise UserError(f"unknown dataset {self.dataset!r}; choose one of: {', '.join(DATASETS)}, or a .jsonl file")
 
     def to_json(self) -> dict:

@@ -121,7 +121,7 @@ def post_train_generation(config, log=print) -> dict:
 
 
 def supervised(model: str | None, dataset: str, output_dir: Path, steps: int, batch_size: int, learning_rate: float,
-               seed: int, dataset_dir: Path, offline: bool, chat_template: bool, device: str, log=print, **task_options) -> dict:
+               seed: int, dataset_dir: Path, offline: bool, chat_template: bool, device: str, **task_options) -> dict:
     """``auto-research sft``: supervised fine-tuning of any causal LM on a dataset's demonstrations."""
     from auto_research.post_training.config import GenerationConfig
     from auto_research.post_training.lm.evaluation import greedy_accuracy

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from auto_research.post_training.lm.logprobs import attention_for
+from auto_research.post_training.lm.logprobs import completion_logits
 from auto_research.post_training.lm.rewards import is_correct
 from auto_research.post_training.lm.rollout import sample
 
 
 def _distributions(model, rollout, temperature: float) -> torch.Tensor:
-    attention, positions = attention_for(rollout.sequences, rollout.prompt_mask, rollout.completion_mask)
-    logits = model(input_ids=rollout.sequences, attention_mask=attention, position_ids=positions, use_cache=False).logits
-    logits = logits[:, rollout.prompt_length - 1 : -1].float() / temperature
+    logits = completion_logits(model, rollout.sequences, rollout.prompt_mask, rollout.completion_mask, temperature)
     return torch.log_softmax(logits, dim=-1)
 
 

@@ -21,6 +21,17 @@ def attention_for(sequences: torch.Tensor, prompt_mask: torch.Tensor, completion
     return attention, positions
 
 
+def completion_logits(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """(B, C, V) float logits, divided by the temperature, that predict each completion token."""
+    prompt_length = prompt_mask.shape[1]
+    attention, positions = attention_for(sequences, prompt_mask, completion_mask)
+    logits = model(input_ids=sequences, attention_mask=attention, position_ids=positions, use_cache=False).logits
+    # The logit at position t predicts token t + 1: keep the ones that predict completion tokens.
+    logits = logits[:, prompt_length - 1 : -1].float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
 def token_logprobs(
     model,
     sequences: torch.Tensor,
@@ -35,14 +46,8 @@ def token_logprobs(
     one that sampled. With ``with_entropy`` also returns the per-token entropy
     of that distribution (no gradient).
     """
-    prompt_length = prompt_mask.shape[1]
-    attention, positions = attention_for(sequences, prompt_mask, completion_mask)
-    logits = model(input_ids=sequences, attention_mask=attention, position_ids=positions, use_cache=False).logits
-    # The logit at position t predicts token t + 1: keep the ones that predict completion tokens.
-    logits = logits[:, prompt_length - 1 : -1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = sequences[:, prompt_length:]
+    logits = completion_logits(model, sequences, prompt_mask, completion_mask, temperature)
+    targets = sequences[:, prompt_mask.shape[1] :]
     normaliser = torch.logsumexp(logits, dim=-1)
     chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser
     mask = completion_mask.to(chosen.dtype)

@@ -74,6 +74,7 @@ def sample(
     input_ids = input_ids.repeat_interleave(repeats, dim=0)
     attention = attention.repeat_interleave(repeats, dim=0)
     options = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    eos = eos_ids(tokenizer, model)
     was_training = model.training
     model.eval()
     sequences = model.generate(
@@ -81,13 +82,13 @@ def sample(
         attention_mask=attention,
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos_ids(tokenizer, model),
+        eos_token_id=eos,
         use_cache=True,
         **options,
     )
     model.train(was_training)
     completion_ids = sequences[:, input_ids.shape[1] :]
-    mask = completion_mask(completion_ids, eos_ids(tokenizer, model))
+    mask = completion_mask(completion_ids, eos)
     texts = tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)
     return Rollout(sequences, attention, mask, texts, repeats)
 
