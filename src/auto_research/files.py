@@ -1,6 +1,9 @@
 """Atomic file writes: write beside the target, then rename over it.
 
 A run killed half-way never leaves a half-written metrics.json or report behind.
+The temporary files and folders that ``tempfile`` makes are private (0600,
+0700); they are given the modes the user's umask asks for before they are
+renamed into place, like any file the user creates.
 """
 
 from __future__ import annotations
@@ -13,6 +16,24 @@ from pathlib import Path
 from auto_research.errors import UserError
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def make_shareable(path: str | os.PathLike) -> None:
+    """Give a file made by ``tempfile`` (0600) or a folder (0700) the mode a plain ``open``/``mkdir`` would."""
+    mode = 0o777 if Path(path).is_dir() else 0o666
+    os.chmod(path, mode & ~_umask())
+
+
+def make_tree_shareable(folder: str | os.PathLike) -> None:
+    """``make_shareable`` for a folder and everything in it (libraries that write files privately included)."""
+    for path in [Path(folder), *Path(folder).rglob("*")]:
+        make_shareable(path)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -22,6 +43,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())
+        make_shareable(temporary)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

@@ -1,4 +1,4 @@
-"""The embedded tiny model: a small Qwen2 built from a config, a character
+"""The embedded tiny model: a small Qwen2 built from a config, a byte-level
 tokenizer built in code, and a supervised warm start on the task's
 demonstrations. Nothing is downloaded.
 
@@ -17,11 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from auto_research.files import atomic_write_json
+from auto_research.files import atomic_write_json, make_tree_shareable
 
-RECIPE_VERSION = 2
-CHARACTERS = list("0123456789+-*=,.:;| ") + list("abcdefghijklmnopqrstuvwxyz") + ["\n"]
+RECIPE_VERSION = 3
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+BYTE_OFFSET = len(SPECIALS)
+"""Byte b of the UTF-8 text is token id BYTE_OFFSET + b."""
 
 # Architecture: 0.37M parameters; 3 layers are enough to learn column addition
 # from enough examples, and small enough that a CPU trains it in about a minute.
@@ -37,15 +38,28 @@ def cache_dir() -> Path:
     return Path(os.environ.get("AUTO_RESEARCH_CACHE") or Path.home() / ".cache" / "auto-research")
 
 
+def _byte_symbols() -> list[str]:
+    """One printable symbol per byte value, the byte-level convention of GPT-2 and Hugging Face
+    tokenizers: printable Latin-1 bytes stand for themselves, the others are shifted past 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(byte) if byte in printable else chr(next(shifted)) for byte in range(256)]
+
+
 def build_tokenizer():
-    """A character-level tokenizer, savable and loadable with AutoTokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level tokenizer: every UTF-8 byte is one token, so any text encodes and decodes
+    losslessly, and ``save_pretrained`` + ``AutoTokenizer`` give back the same ids.
+
+    It is a BPE model with no merges over the 256 byte symbols (ids 4 … 259), after four special
+    tokens; a plain Hugging Face tokenizer, so nothing of ours is needed to load it.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocabulary = {token: index for index, token in enumerate(SPECIALS + CHARACTERS)}
-    core = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
+    vocabulary = {token: index for index, token in enumerate(SPECIALS + _byte_symbols())}
+    core = Tokenizer(models.BPE(vocab=vocabulary, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
@@ -79,7 +93,10 @@ def ensure_warm_started(task, progress: bool = True, log=print) -> Path:
     import torch
 
     from auto_research.post_training.lm.evaluation import greedy_accuracy
+    from auto_research.post_training.lm.models import quiet_transformers
     from auto_research.post_training.lm.sft import supervised_fine_tune
+
+    quiet_transformers()
 
     log(f"building the embedded tiny model and warm-starting it on {len(task.demonstrations)} demonstrations "
         f"(once; cached in {target})")
@@ -109,6 +126,7 @@ def ensure_warm_started(task, progress: bool = True, log=print) -> Path:
         if target.exists():  # another process finished first: keep theirs
             shutil.rmtree(staging)
         else:
+            make_tree_shareable(staging)
             os.replace(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
