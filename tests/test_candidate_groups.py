@@ -92,7 +92,7 @@ def test_row_without_gold_keeps_its_place_and_draws_nothing(tmp_path):
     "line, message",
     [
         ("{not json", "train.jsonl:2: not valid JSON"),
-        ('{"question": "q"}', "train.jsonl:2: missing text field 'answer'"),
+        ('{"question": "q"}', "train.jsonl:2: row has no field 'answer'"),
         ('["question", "answer"]', "train.jsonl:2: expected a JSON object"),
     ],
 )

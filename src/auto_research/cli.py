@@ -17,7 +17,7 @@ ALGORITHMS = ("rloo", "ppo-rlhf", "grpo", "remax", "reinforce", "vanilla-pg", "r
 CANDIDATE_DATASETS = ("arithmetic-smoke", "gsm8k-candidate")
 GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate")
 DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
-CANDIDATE_DEFAULTS = {"steps": 100, "learning_rate": 0.08, "beta": 0.02}
+CANDIDATE_DEFAULTS = {"steps": 100, "learning_rate": 0.08, "beta": 0.02, "maximum_examples": 512}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,10 +39,10 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
-def _add_run_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", default="arithmetic-smoke",
-                        help=f"{', '.join(DATASETS)}, or a .jsonl file (default: %(default)s)")
-    parser.add_argument("--maximum-examples", type=int, default=512, help="N train problems (default: %(default)s)")
+def _add_run_flags(parser: argparse.ArgumentParser, datasets: str) -> None:
+    parser.add_argument("--dataset", default="arithmetic-smoke", help=f"{datasets} (default: %(default)s)")
+    parser.add_argument("--maximum-examples", type=int, default=None,
+                        help="N train problems or prompts (default: 512 candidate level, all at the generation level)")
     parser.add_argument("--steps", type=int, default=None, help="policy updates (default: 100 candidate level, per dataset at the generation level)")
     parser.add_argument("--group-size", type=int, default=4, help="K samples per prompt (default: %(default)s)")
     parser.add_argument("--learning-rate", type=float, default=None, help="step size (default: 0.08 candidate level, per dataset at the generation level)")
@@ -91,7 +91,9 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     add("--checkpoint-every", type=int, help="checkpoint every N steps, and always at the end (default: 100)")
     add("--keep-checkpoints", type=int, help="most recent checkpoints kept (default: 2)")
     add("--resume", action="store_true", default=None, help="continue the run in --output-dir from its latest checkpoint")
-    add("--device", help="auto (default: CUDA when present), cpu, cuda, cuda:1 ...")
+    add("--overwrite", action="store_true", default=None, help="start afresh where an earlier run is (deletes its checkpoints)")
+    add("--device", help="auto (default: CUDA when present), cpu, cuda, cuda:1 ... or mps")
+    add("--threads", type=int, help="CPU threads torch may use (default: one per core; fewer on a shared machine)")
     add("--dtype", help="auto (default: bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     add("--no-chat-template", dest="chat_template", action="store_false", default=None, help="send prompts as plain text")
     add("--report-to", help="none (default) or tensorboard")
@@ -108,29 +110,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("post-train", help="train a policy with one algorithm and report before/after")
     train.add_argument("--algorithm", default="rloo", help=f"one of {', '.join(ALGORITHMS)} (default: %(default)s)")
-    _add_run_flags(train)
+    _add_run_flags(train, f"{', '.join(DATASETS)}, or a .jsonl file")
     train.add_argument("--seeds", default=None, help="several runs, e.g. 42,43,44: a run directory each and a mean ± std summary (candidate level)")
     _add_generation_flags(train)
 
     compare = commands.add_parser("compare", help="run several algorithms on identical data and settings")
     compare.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated (default: all)")
-    _add_run_flags(compare)
+    _add_run_flags(compare, f"{', '.join(CANDIDATE_DATASETS)} (the candidate level)")
     compare.add_argument("--seeds", default=None, help="comma-separated seeds (default: --seed)")
 
     sft = commands.add_parser("sft", help="supervised fine-tuning of a causal LM on a dataset's demonstrations")
     sft.add_argument("--model", default=None, help="folder or hub id (default: a fresh embedded tiny model)")
-    sft.add_argument("--dataset", default="arithmetic-generate", help="arithmetic-generate, gsm8k-generate or a .jsonl file (default: %(default)s)")
-    sft.add_argument("--prompt-field", default="prompt")
-    sft.add_argument("--answer-field", default="answer")
-    sft.add_argument("--steps", type=int, default=1000, help="(default: %(default)s)")
-    sft.add_argument("--batch-size", type=int, default=64, help="(default: %(default)s)")
-    sft.add_argument("--learning-rate", type=float, default=2e-3, help="(default: %(default)s)")
-    sft.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    sft.add_argument("--dataset-dir", type=Path, default=None, help="(default: $AUTO_RESEARCH_DATA, else data)")
+    sft.add_argument("--dataset", default="arithmetic-generate",
+                     help=f"{', '.join(GENERATION_DATASETS)} or a .jsonl file (default: %(default)s)")
+    sft.add_argument("--prompt-field", default=None, help="prompt field of a .jsonl dataset (default: prompt)")
+    sft.add_argument("--answer-field", default=None, help="field of a .jsonl dataset trained on as the completion (default: answer)")
+    sft.add_argument("--steps", type=int, default=1000, help="optimizer steps (default: %(default)s)")
+    sft.add_argument("--batch-size", type=int, default=64, help="demonstrations per step (default: %(default)s)")
+    sft.add_argument("--learning-rate", type=float, default=2e-3, help="AdamW step size (default: %(default)s)")
+    sft.add_argument("--seed", type=int, default=0, help="random seed: initialisation and batch order (default: %(default)s)")
+    sft.add_argument("--dataset-dir", type=Path, default=None, help="folder holding gsm8k/ (default: $AUTO_RESEARCH_DATA, else data)")
     sft.add_argument("--output-dir", type=Path, required=True, help="where the fine-tuned model is saved")
-    sft.add_argument("--device", default="auto")
-    sft.add_argument("--no-chat-template", dest="chat_template", action="store_false")
-    sft.add_argument("--offline", action="store_true")
+    sft.add_argument("--overwrite", action="store_true", help="replace a model already saved in --output-dir")
+    sft.add_argument("--device", default="auto", help="auto (default: CUDA when present), cpu, cuda, cuda:N or mps")
+    sft.add_argument("--threads", type=int, default=None, help="CPU threads torch may use (default: one per core)")
+    sft.add_argument("--no-chat-template", dest="chat_template", action="store_false", help="send prompts as plain text")
+    sft.add_argument("--offline", action="store_true", help="never download; a hub id is an error")
 
     data = commands.add_parser("data", help="download a dataset into --dataset-dir")
     data.add_argument("name", help="gsm8k")
@@ -150,9 +155,10 @@ def _is_generation(dataset: str) -> bool:
 
 
 def _config(args: argparse.Namespace, algorithm: str):
-    from auto_research.post_training.config import CandidateConfig
+    from auto_research.post_training.config import CandidateConfig, check_candidate_dataset
     from auto_research.post_training.datasets import default_dataset_dir
 
+    check_candidate_dataset(args.dataset)
     given = [flag for dest, flag in GENERATION_FLAGS.items() if getattr(args, dest, None) is not None]
     if given:
         raise UserError(f"{given[0]} applies to the generation level only (arithmetic-generate, gsm8k-generate, .jsonl); "
@@ -160,7 +166,7 @@ def _config(args: argparse.Namespace, algorithm: str):
     return CandidateConfig(
         algorithm=algorithm,
         dataset=args.dataset,
-        maximum_examples=args.maximum_examples,
+        maximum_examples=_or(args.maximum_examples, CANDIDATE_DEFAULTS["maximum_examples"]),
         steps=_or(args.steps, CANDIDATE_DEFAULTS["steps"]),
         group_size=args.group_size,
         learning_rate=_or(args.learning_rate, CANDIDATE_DEFAULTS["learning_rate"]),
@@ -192,13 +198,12 @@ def _generation_config(args: argparse.Namespace):
     settings = {dest: getattr(args, dest) for dest in GENERATION_FLAGS if getattr(args, dest) is not None}
     if "reward_weights" in settings:
         settings["reward_weights"] = _floats("--reward-weights", settings["reward_weights"])
-    for name in ("steps", "learning_rate", "beta"):
+    for name in ("steps", "learning_rate", "beta", "maximum_examples"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     return GenerationConfig(
         algorithm=args.algorithm,
         dataset=args.dataset,
-        maximum_examples=args.maximum_examples,
         group_size=args.group_size,
         seed=args.seed,
         dataset_dir=args.dataset_dir or default_dataset_dir(),
@@ -223,6 +228,8 @@ def _post_train(args: argparse.Namespace) -> int:
             f"K={training['group_size']}, {training['train_examples']} train / "
             f"{training['validation_examples']} validation problems"
         )
+        if metrics.get("model"):
+            print(f"model: {metrics['model']}")
         print(report.console_table(metrics))
         print()
     if result["summary"] is not None:
@@ -277,7 +284,8 @@ def _sft(args: argparse.Namespace) -> int:
     check_positive_finite("--learning-rate", args.learning_rate)
     result = runs.supervised(args.model, args.dataset, args.output_dir, args.steps, args.batch_size, args.learning_rate,
                              args.seed, args.dataset_dir or default_dataset_dir(), args.offline, args.chat_template,
-                             args.device, prompt_field=args.prompt_field, answer_field=args.answer_field)
+                             args.device, overwrite=args.overwrite, threads=args.threads,
+                             prompt_field=args.prompt_field, answer_field=args.answer_field)
     for row in result["history"]:
         print(f"step {row['step']:>6}  loss {row['loss']:.4f}  held-out accuracy {row['held_out_accuracy']:.3f}")
     print(f"wrote {result['output_dir']}")
@@ -303,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except TrainingInterrupted as interrupted:
         print(f"auto-research: {interrupted}", file=sys.stderr)
-        return 130
+        return interrupted.exit_status
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,4 +10,11 @@ class UserError(Exception):
 
 
 class TrainingInterrupted(Exception):
-    """Ctrl-C during training: the step in flight finished and a checkpoint was saved (exit 130)."""
+    """Ctrl-C or SIGTERM during training: the step in flight finished and a checkpoint was saved.
+
+    The exit status is the shell's for that signal: 130 for SIGINT, 143 for SIGTERM.
+    """
+
+    def __init__(self, message: str, exit_status: int = 130):
+        super().__init__(message)
+        self.exit_status = exit_status

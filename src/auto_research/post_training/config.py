@@ -7,6 +7,8 @@ what is allowed; it runs before any data is read or any output is written.
 from __future__ import annotations
 
 import math
+import os
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -21,6 +23,33 @@ DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
 def is_generation_dataset(name: str) -> bool:
     """The generation level's datasets: the named ones and any local .jsonl file."""
     return name in GENERATION_DATASETS or name.endswith(".jsonl")
+
+
+def looks_like_a_file(name: str) -> bool:
+    return "/" in name or os.sep in name or Path(name).suffix != "" or Path(name).exists()
+
+
+def check_candidate_dataset(name: str) -> None:
+    if is_generation_dataset(name):
+        raise UserError(f"{name} is a generation-level dataset; 'compare' and --seeds run the candidate "
+                        f"level ({', '.join(CANDIDATE_DATASETS)})")
+    if name in CANDIDATE_DATASETS:
+        return
+    if looks_like_a_file(name):
+        raise UserError(f"--dataset {name}: a data file must be JSON Lines (one JSON object per line) named *.jsonl")
+    raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}, or a .jsonl file")
+
+
+def check_generation_dataset(name: str) -> None:
+    """One line for a dataset the generation level cannot take, saying what it can."""
+    if is_generation_dataset(name):
+        return
+    if name in CANDIDATE_DATASETS:
+        raise UserError(f"{name} is a candidate-level dataset (no text to generate); the generation level takes "
+                        f"{', '.join(GENERATION_DATASETS)} or a .jsonl file")
+    if looks_like_a_file(name):
+        raise UserError(f"--dataset {name}: a data file must be JSON Lines (one JSON object per line) named *.jsonl")
+    raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(GENERATION_DATASETS)}, or a .jsonl file")
 
 
 @dataclass
@@ -62,11 +91,7 @@ class CandidateConfig:
 
     def validate(self) -> "CandidateConfig":
         algorithm = get_algorithm(self.algorithm)
-        if is_generation_dataset(self.dataset):
-            raise UserError(f"{self.dataset} is a generation-level dataset; 'compare' and --seeds run the candidate "
-                            f"level ({', '.join(CANDIDATE_DATASETS)})")
-        if self.dataset not in CANDIDATE_DATASETS:
-            raise UserError(f"unknown dataset {self.dataset!r}; choose one of: {', '.join(DATASETS)}, or a .jsonl file")
+        check_candidate_dataset(self.dataset)
         check_group_size(algorithm, self.group_size)
         if not 2 <= self.group_size <= 6:
             raise UserError(
@@ -106,9 +131,11 @@ GENERATION_PRESETS = {
                                 max_new_tokens=6, evaluation_examples=500, warmup_steps=10),
     "gsm8k-generate": dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0,
                            max_new_tokens=256, evaluation_examples=128, warmup_steps=10),
+    # A JSONL file holds out its last min(128, rows // 5) rows unless --evaluation-examples is given.
     "jsonl": dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0,
-                  max_new_tokens=128, evaluation_examples=128, warmup_steps=10),
+                  max_new_tokens=128, warmup_steps=10),
 }
+DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 @dataclass
@@ -120,13 +147,15 @@ class GenerationConfig:
     """arithmetic-generate (embedded), gsm8k-generate, or a path to a .jsonl file."""
     model: str | None = None
     """Local folder or hub id; None: the embedded tiny model (arithmetic-generate only)."""
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    prompt_field: str | None = None
+    """Field of a .jsonl row holding the prompt (text); None: "prompt"."""
+    answer_field: str | None = None
+    """Field of a .jsonl row holding the answer (text or a number); None: "answer"."""
     dataset_dir: Path = field(default_factory=lambda: Path("data"))
-    maximum_examples: int = 512
-    """Training prompts read from GSM8K."""
+    maximum_examples: int | None = None
+    """Training prompts used: the dataset's first N; None: all of them."""
     evaluation_examples: int | None = None
-    """Held-out prompts for greedy evaluation."""
+    """Held-out prompts for greedy evaluation; None: the dataset's default."""
     reward: list[str] = field(default_factory=list)
     """Built-in rewards (arithmetic, gsm8k, match, format) or module:function; default: the dataset's verifier."""
     reward_weights: list[float] | None = None
@@ -164,9 +193,13 @@ class GenerationConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     resume: bool = False
+    overwrite: bool = False
+    """Start afresh in a run folder that holds an earlier run (its checkpoints are deleted)."""
     seed: int = 42
     device: str = "auto"
     dtype: str = "auto"
+    threads: int | None = None
+    """CPU threads for torch; None: torch's default (one per core)."""
     chat_template: bool = True
     output_dir: Path = field(default_factory=lambda: Path("runs/post-training"))
     offline: bool = False
@@ -193,13 +226,17 @@ class GenerationConfig:
         return filled
 
     def validate(self) -> "GenerationConfig":
+        """Every check that needs neither torch nor the data: runs before anything heavy is imported."""
         algorithm = get_algorithm(self.algorithm)
         if algorithm.needs_critic:
             raise UserError(f"{self.algorithm} needs a value model, which the generation level does not have yet; "
                             "it runs at the candidate level (--dataset gsm8k-candidate)")
         self.validate_dataset()
         if self.model is None and self.dataset != "arithmetic-generate":
-            raise UserError(f"--model is required for {self.dataset} (only arithmetic-generate has an embedded model)")
+            raise UserError(f"--model is required for {self.dataset} (only arithmetic-generate has an embedded model; "
+                            "give a local folder or hub id, or an 'auto-research sft' output)")
+        if self.resume and self.overwrite:
+            raise UserError("--resume continues the run in the output folder and --overwrite deletes it: choose one")
         if self.group_size < 2:
             raise UserError(f"--group-size {self.group_size}: the generation level samples K >= 2 completions per "
                             "prompt (leave-one-out is undefined for K = 1)")
@@ -215,6 +252,10 @@ class GenerationConfig:
                             ("--eval-every", self.eval_every), ("--top-k", self.top_k)):
             if value is not None and value < 0:
                 raise UserError(f"{flag} must be >= 0, got {value}")
+        if self.threads is not None and self.threads <= 0:
+            raise UserError(f"--threads must be a positive integer, got {self.threads}")
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise UserError(f"--device {self.device!r}: choose auto, cpu, cuda, cuda:N or mps")
         if self.keep_checkpoints < 1:
             raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.learning_rate is not None:
@@ -255,8 +296,11 @@ class GenerationConfig:
         return self
 
     def validate_dataset(self) -> None:
-        if not is_generation_dataset(self.dataset):
-            raise UserError(f"unknown dataset {self.dataset!r}; choose one of: {', '.join(DATASETS)}, or a .jsonl file")
+        check_generation_dataset(self.dataset)
+        if not self.dataset.endswith(".jsonl"):
+            for flag, value in (("--prompt-field", self.prompt_field), ("--answer-field", self.answer_field)):
+                if value is not None:
+                    raise UserError(f"{flag} applies to .jsonl datasets only; {self.dataset} has fixed fields")
 
     def to_json(self) -> dict:
         payload = asdict(self)

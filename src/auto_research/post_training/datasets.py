@@ -57,16 +57,21 @@ class Problem:
 def iter_jsonl(path: str | os.PathLike):
     """(line number, object) for each non-blank line of a JSONL file.
 
-    A missing file, a line that is not JSON, or a line that is not a JSON object
-    is a UserError naming the file (and line).
+    A missing file, a line that is not UTF-8 or not JSON, or a line that is not
+    a JSON object is a UserError naming the file (and line).
     """
     path = Path(path)
     try:
-        stream = path.open(encoding="utf-8")
+        stream = path.open("rb")
     except OSError as error:
         raise UserError(f"cannot read {path}: {error.strerror or error}") from None
     with stream:
-        for number, line in enumerate(stream, start=1):
+        for number, raw in enumerate(stream, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise UserError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[error.start]:02x} at column "
+                                f"{error.start + 1}); JSONL files must be UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -78,23 +83,45 @@ def iter_jsonl(path: str | os.PathLike):
             yield number, row
 
 
+JSON_TYPES = {dict: "an object", list: "a list", str: "text", bool: "true/false", int: "a number", float: "a number",
+              type(None): "null"}
+
+
+def describe_json(value) -> str:
+    """How a JSON value reads to a user: 'a number', 'null', 'a list' …"""
+    return JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def text_field(path, number: int, row: dict, name: str) -> str:
+    """``row[name]`` as text; a missing field or one that is not a JSON string is a UserError naming the line."""
+    if name not in row:
+        raise UserError(f"{path}:{number}: row has no field {name!r} (fields: {', '.join(row) or 'none'})")
+    value = row[name]
+    if not isinstance(value, str):
+        raise UserError(f"{path}:{number}: field {name!r} is {describe_json(value)} ({json.dumps(value)[:40]}), expected text")
+    return value
+
+
 def read_gsm8k(path: str | os.PathLike, limit: int | None = None) -> list[Problem]:
     """The first ``limit`` problems of a GSM8K JSONL file, in file order.
 
-    A row whose answer has no ``####`` number keeps its place with ``gold=None``.
-    A line that is not JSON or lacks ``question``/``answer`` is a UserError that
-    names the file and line. Blank lines are ignored.
+    A row whose answer has no ``####`` number keeps its place with ``gold=None``
+    (the candidate protocol skips it but counts it). A line that is not JSON,
+    or whose ``question``/``answer`` is missing or not text, is a UserError that
+    names the file and line; so is a file with no row that has a gold number.
+    Blank lines are ignored.
     """
     problems: list[Problem] = []
     if limit is not None and limit <= 0:
         return problems
     for number, row in iter_jsonl(path):
-        for key in ("question", "answer"):
-            if not isinstance(row.get(key), str):
-                raise UserError(f"{path}:{number}: missing text field {key!r}")
-        problems.append(Problem(row["question"], row["answer"], parse_gold(row["answer"]), number))
+        question, answer = (text_field(path, number, row, key) for key in ("question", "answer"))
+        problems.append(Problem(question, answer, parse_gold(answer), number))
         if limit is not None and len(problems) >= limit:
             break
+    if not any(problem.gold is not None for problem in problems):
+        what = "has no rows" if not problems else f"has no row with a '#### <number>' final answer among its first {len(problems)}"
+        raise UserError(f"{path} {what}: GSM8K answers end with '#### <number>'")
     return problems
 
 

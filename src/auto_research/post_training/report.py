@@ -8,6 +8,7 @@ One reader serves both levels: every metrics.json has ``algorithm``,
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -22,17 +23,30 @@ LABELS = {
 }
 
 
+def _cell(value) -> str:
+    """A figure to 4 decimals; n/a where none could be computed (a reward that scored nothing)."""
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def column_names(metrics: dict) -> tuple[str, str]:
+    """The candidate level starts from an untrained policy (w = 0); the generation level from a model
+    that may well be trained already (a warm start, an instruct checkpoint): before and after RL."""
+    return ("untrained", "trained") if metrics.get("level") != "generation" else ("before", "after")
+
+
 def before_after_table(metrics: dict) -> str:
-    rows = ["| metric | untrained | trained |", "|---|---:|---:|"]
+    before, after = column_names(metrics)
+    rows = [f"| metric | {before} | {after} |", "|---|---:|---:|"]
     for key in METRICS:
-        rows.append(f"| {LABELS[key]} | {metrics['baseline'][key]:.4f} | {metrics['final'][key]:.4f} |")
+        rows.append(f"| {LABELS[key]} | {_cell(metrics['baseline'][key])} | {_cell(metrics['final'][key])} |")
     return "\n".join(rows)
 
 
 def console_table(metrics: dict) -> str:
-    lines = [f"{'metric':<16}{'untrained':>12}{'trained':>12}"]
+    before, after = column_names(metrics)
+    lines = [f"{'metric':<16}{before:>12}{after:>12}"]
     for key in METRICS:
-        lines.append(f"{LABELS[key]:<16}{metrics['baseline'][key]:>12.4f}{metrics['final'][key]:>12.4f}")
+        lines.append(f"{LABELS[key]:<16}{_cell(metrics['baseline'][key]):>12}{_cell(metrics['final'][key]):>12}")
     lines.append(f"{'relative acc.':<16}{'':>12}{metrics['relative_accuracy']:>+12.4f}")
     return "\n".join(lines)
 
@@ -42,10 +56,11 @@ def run_report(metrics: dict) -> str:
     lines = [
         f"# {metrics['algorithm']} on {metrics['dataset']} (seed {metrics['seed']})",
         "",
+        *([f"Model: {metrics['model']}", ""] if metrics.get("model") else []),
         before_after_table(metrics),
         "",
         f"Relative accuracy: {metrics['relative_accuracy']:+.4f} "
-        "((trained − untrained) / untrained accuracy).",
+        f"(({column_names(metrics)[1]} − {column_names(metrics)[0]}) / {column_names(metrics)[0]} accuracy).",
         "",
         "## Training",
         "",
@@ -60,7 +75,7 @@ def run_report(metrics: dict) -> str:
         lines.append("| step | loss | " + " | ".join(LABELS[key] for key in METRICS) + " |")
         lines.append("|---:|---:|" + "---:|" * len(METRICS))
         for row in history:
-            cells = " | ".join(f"{row[key]:.4f}" for key in METRICS)
+            cells = " | ".join(_cell(row[key]) for key in METRICS)
             lines.append(f"| {int(row['step'])} | {row['loss']:.4f} | {cells} |")
     return "\n".join(lines) + "\n"
 
@@ -175,7 +190,7 @@ def training_curves_plot(path: Path, rows: list[dict], metrics: dict) -> Path:
 
     figure, axes = plt.subplots(1, 3, figsize=(14, 4))
     steps = [row["step"] for row in rows]
-    axes[0].plot(steps, [row["reward_mean"] for row in rows], linewidth=0.8)
+    axes[0].plot(steps, [math.nan if row["reward_mean"] is None else row["reward_mean"] for row in rows], linewidth=0.8)
     axes[0].set_ylabel("mean reward of samples")
     axes[1].plot(steps, [row["kl"] for row in rows], linewidth=0.8, color="tab:red")
     axes[1].set_ylabel("sampled KL(π ‖ π_ref) per completion")

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from auto_research.errors import UserError
 from auto_research.files import atomic_write_json, atomic_write_text, check_writable_directory
 from auto_research.post_training import report
-from auto_research.post_training.config import CandidateConfig
+from auto_research.post_training.config import DEVICE_PATTERN, CandidateConfig
 
 COMPARISON_TAGS = {"gsm8k-candidate": "gsm8k", "arithmetic-smoke": "arithmetic"}
 """Short names in comparison files: classic-post-training-<tag>-seed42.json."""
@@ -105,37 +106,88 @@ def compare(config: CandidateConfig, algorithms: list[str], seeds: list[int]) ->
     return {"runs": runs, "paths": paths, "summaries": summaries, "table": table}
 
 
+def check_generation_run(config, log=print):
+    """Every check of a generation-level run that needs no torch, in the order a user would fix them:
+    settings, output folder, an earlier run there, the model's source, rewards, the data.
+
+    Returns ``(task, checkpoint to resume from or None)``. Nothing is written.
+    """
+    from auto_research.post_training.lm import checkpoint as checkpoints
+    from auto_research.post_training.lm.models import check_model_source
+    from auto_research.post_training.lm.rewards import check_rewards
+    from auto_research.post_training.lm.tasks import load_task
+
+    config.validate()
+    check_writable_directory(config.output_dir)
+    checkpoints.check_run_folder(config)
+    resume_from = checkpoints.resumable_checkpoint(config, log) if config.resume else None
+    if config.model is not None:
+        check_model_source(config.model, config.offline)
+    if config.reward_model is not None:
+        check_model_source(config.reward_model, config.offline, "--reward-model")
+    check_rewards(config.reward, config.reward_weights, config.reward_model)
+    return load_task(config), resume_from
+
+
 def post_train_generation(config, log=print) -> dict:
-    """One generation-level run: setup (all input checks), train, write metrics, report and plot."""
+    """One generation-level run: input checks, train, write metrics, report and plot.
+
+    torch is imported only once every check that can be made without it has
+    passed, so a mistyped flag costs a fraction of a second, not torch's start-up.
+    """
+    config = config.filled()
+    task, resume_from = check_generation_run(config, log)
     from auto_research.post_training.lm.trainer import Trainer
 
-    config = config.filled().validate()
-    check_writable_directory(config.output_dir)
-    trainer = Trainer(config, log=log)
+    trainer = Trainer(config, log=log, task=task, resume_from=resume_from)
     trainer.setup()
     metrics = trainer.train()
     rows = report.read_jsonl(config.run_dir / "metrics.jsonl")
-    paths = report.write_run(config.run_dir, metrics)
-    paths.append(report.training_curves_plot(config.run_dir / "curves.png", rows, metrics))
+    try:
+        paths = report.write_run(config.run_dir, metrics)
+        paths.append(report.training_curves_plot(config.run_dir / "curves.png", rows, metrics))
+    except OSError as error:
+        raise UserError(f"cannot write the results to {config.run_dir}: {error.strerror or error}; the last "
+                        f"checkpoint in {config.run_dir / 'checkpoints'} holds the trained model") from None
     return {"runs": [metrics], "paths": paths, "summary": None}
 
 
 def supervised(model: str | None, dataset: str, output_dir: Path, steps: int, batch_size: int, learning_rate: float,
-               seed: int, dataset_dir: Path, offline: bool, chat_template: bool, device: str, **task_options) -> dict:
+               seed: int, dataset_dir: Path, offline: bool, chat_template: bool, device: str, overwrite: bool = False,
+               threads: int | None = None, **task_options) -> dict:
     """``auto-research sft``: supervised fine-tuning of any causal LM on a dataset's demonstrations."""
     from auto_research.post_training.config import GenerationConfig
-    from auto_research.post_training.lm.evaluation import greedy_accuracy
-    from auto_research.post_training.lm.models import format_prompt, load_policy, resolve_device, resolve_dtype
-    from auto_research.post_training.lm.sft import supervised_fine_tune
-    from auto_research.post_training.lm.tiny import build_model, build_tokenizer
-    from auto_research.post_training.lm.trainer import load_task
+    from auto_research.post_training.lm.models import check_model_source
+    from auto_research.post_training.lm.tasks import load_task
 
     config = GenerationConfig(model=model, dataset=dataset, dataset_dir=dataset_dir, offline=offline, seed=seed,
-                              chat_template=chat_template, device=device, **task_options)
+                              chat_template=chat_template, device=device, threads=threads, **task_options)
     config.validate_dataset()
     config = config.filled()
+    if not DEVICE_PATTERN.fullmatch(device):
+        raise UserError(f"--device {device!r}: choose auto, cpu, cuda, cuda:N or mps")
+    if threads is not None and threads <= 0:
+        raise UserError(f"--threads must be a positive integer, got {threads}")
     check_writable_directory(output_dir)
+    output_dir = Path(output_dir)
+    if not overwrite and output_dir.is_dir() and any(output_dir.iterdir()):
+        raise UserError(f"--output-dir {output_dir} is not empty; choose another folder, or --overwrite to replace "
+                        "what is there")
+    if model is not None:
+        check_model_source(model, offline)
     task = load_task(config)
+
+    import torch
+
+    from auto_research.post_training.lm.evaluation import greedy_accuracy
+    from auto_research.post_training.lm.models import (format_prompt, load_policy, quiet_transformers, resolve_device,
+                                                       resolve_dtype)
+    from auto_research.post_training.lm.sft import supervised_fine_tune
+    from auto_research.post_training.lm.tiny import build_model, build_tokenizer
+
+    quiet_transformers()
+    if threads:
+        torch.set_num_threads(threads)
     device_name = resolve_device(device)
     if model is None:
         tokenizer = build_tokenizer()
@@ -152,10 +204,12 @@ def supervised(model: str | None, dataset: str, output_dir: Path, steps: int, ba
         evaluate=lambda: {"held_out_accuracy": greedy_accuracy(policy, tokenizer, formatted, config.max_new_tokens)},
         eval_every=max(1, steps // 4),
     )
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    policy.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    atomic_write_json(output_dir / "sft.json", {"model": model or "embedded tiny (random init)", "dataset": task.name,
-                                                "demonstrations": len(pairs), "steps": steps, "history": history})
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        policy.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)
+        atomic_write_json(output_dir / "sft.json", {"model": model or "embedded tiny (random init)", "dataset": task.name,
+                                                    "demonstrations": len(pairs), "steps": steps, "history": history})
+    except OSError as error:
+        raise UserError(f"cannot save the model to {output_dir}: {error.strerror or error}") from None
     return {"history": history, "output_dir": output_dir}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from auto_research.errors import UserError
 from auto_research.post_training import estimators
 from auto_research.post_training.algorithms import AdvantageInputs, get_algorithm
 from auto_research.post_training.candidate.groups import CandidateGroups, arithmetic_groups, gsm8k_groups
@@ -57,6 +58,27 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return exponentials / exponentials.sum(axis=-1, keepdims=True)
 
 
+def draw_without_replacement(rng: np.random.Generator, logits: np.ndarray, probabilities: np.ndarray, K: int) -> np.ndarray:
+    """K distinct candidates drawn one after another, each in proportion to π over those left.
+
+    numpy's ``choice(replace=False)`` does exactly this, and every ordinary run
+    takes it (so the protocol's draws are unchanged). It refuses when the
+    softmax has underflowed to fewer than K non-zero entries, as a very large
+    learning rate makes it; the draws then come one by one from the softmax of
+    the remaining logits, which is π restricted to the remaining candidates,
+    computed in log space so that it never underflows.
+    """
+    if np.count_nonzero(probabilities) >= K:
+        return rng.choice(len(probabilities), size=K, replace=False, p=probabilities)
+    remaining = list(range(len(logits)))
+    chosen = []
+    for _ in range(K):
+        pick = remaining[rng.choice(len(remaining), p=softmax(logits[remaining]))]
+        chosen.append(pick)
+        remaining.remove(pick)
+    return np.array(chosen)
+
+
 def evaluate(groups: CandidateGroups, weights: np.ndarray, reference: np.ndarray) -> dict[str, float]:
     """Greedy accuracy and reward, entropy and KL(π ‖ π_ref), averaged over the groups."""
     policy = softmax(groups.features @ weights)
@@ -76,6 +98,13 @@ def history_interval(steps: int) -> int:
 
 def train(config: CandidateConfig, data: CandidateData) -> dict:
     """Run the configured algorithm; return the metrics.json payload."""
+    # A diverging run (a huge learning rate) is reported in one line by the check in the loop,
+    # not by NumPy's overflow warnings on the way there.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _train(config, data)
+
+
+def _train(config: CandidateConfig, data: CandidateData) -> dict:
     algorithm = get_algorithm(config.algorithm)
     rng = np.random.default_rng(config.seed)
     K, lr, beta = config.group_size, config.learning_rate, config.beta
@@ -95,8 +124,9 @@ def train(config: CandidateConfig, data: CandidateData) -> dict:
         phi, group_rewards = features[index], rewards[index]
         policy = softmax(phi @ weights)
         reference_policy = softmax(phi @ reference)
+        sampler_logits = phi @ rollout if algorithm.samples_from == "rollout" else phi @ weights
         sampler = softmax(phi @ rollout) if algorithm.samples_from == "rollout" else policy
-        sampled = rng.choice(len(policy), size=K, replace=False, p=sampler)
+        sampled = draw_without_replacement(rng, sampler_logits, sampler, K)
 
         values = phi[sampled] @ critic if algorithm.needs_critic else None
         inputs = AdvantageInputs(
@@ -132,6 +162,10 @@ def train(config: CandidateConfig, data: CandidateData) -> dict:
             counters["critic_updates"] += 1
 
         weights = weights + lr * np.clip(gradient, -config.gradient_clip, config.gradient_clip)
+        if not (np.isfinite(weights).all() and np.isfinite(critic).all()):
+            part = "critic's weights (it takes the same step size)" if not np.isfinite(critic).all() else "policy weights"
+            raise UserError(f"{config.algorithm} diverged at step {step}: the {part} are no longer finite at "
+                            f"--learning-rate {lr:g}; lower it (default {CandidateConfig.learning_rate})")
         if algorithm.samples_from == "rollout" and step % config.rollout_refresh == 0:
             rollout = weights.copy()
             counters["rollout_refreshes"] += 1

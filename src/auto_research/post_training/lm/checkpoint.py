@@ -3,28 +3,35 @@
 Layout: ``<run>/checkpoints/step-000100/`` holding the model
 (``save_pretrained``, safetensors) and tokenizer, ``optimizer.safetensors`` +
 ``optimizer.json`` (tensors and the rest of the optimizer state), ``rng.safetensors``
-(torch generator states) and ``trainer_state.json`` (step, config, NumPy RNG
-state, algorithm state, evaluation history). A checkpoint is staged in a
-temporary folder and renamed into place, so a kill at any moment leaves either
-the previous checkpoint or the new one, never half of one. Loading reads
-safetensors and JSON only: nothing is unpickled.
+(torch generator states), ``trainer_state.json`` (step, config, NumPy RNG
+state, algorithm state, evaluation history) and, written last,
+``manifest.json`` (size and sha256 of every other file). A checkpoint is
+staged in a temporary folder and renamed into place, so a kill at any moment
+leaves either the previous checkpoint or the new one, never half of one; the
+manifest catches what happens to the files afterwards (a truncated copy, a bad
+disk), and ``--resume`` falls back to the newest checkpoint that verifies.
+Loading reads safetensors and JSON only: nothing is unpickled.
+
+torch is imported inside the functions that need it, so that the run-folder
+checks (an earlier run, a checkpoint to resume) run before it is loaded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
-
 from auto_research.errors import UserError
-from auto_research.files import atomic_write_json
+from auto_research.files import atomic_write_json, make_tree_shareable
 
 PREFIX = "step-"
+MANIFEST = "manifest.json"
+# Settings that may differ between a run and its resumption.
+RESUMABLE_DIFFERENCES = {"resume", "overwrite", "progress", "device", "threads", "output_dir", "report_to"}
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -36,15 +43,105 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda path: int(path.name[len(PREFIX):]))
 
 
-def latest_checkpoint(run_dir: Path) -> Path:
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while block := stream.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    files = sorted(path for path in folder.rglob("*") if path.is_file() and path.name != MANIFEST)
+    atomic_write_json(folder / MANIFEST, {str(path.relative_to(folder)): {"bytes": path.stat().st_size,
+                                                                          "sha256": _sha256(path)} for path in files})
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why the checkpoint in ``folder`` cannot be trusted (naming the bad file), or None when it verifies."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"{folder / MANIFEST} is missing (the checkpoint is incomplete)"
+    except (OSError, ValueError) as error:
+        return f"{folder / MANIFEST} is unreadable ({error})"
+    for name, expected in manifest.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{path} has {path.stat().st_size} bytes, {expected['bytes']} were written (truncated?)"
+        if _sha256(path) != expected["sha256"]:
+            return f"{path} does not match its checksum (corrupted)"
+    return None
+
+
+def verified_checkpoint(run_dir: Path, log) -> Path:
+    """The newest checkpoint whose files verify; a warning for each newer one that does not.
+
+    With none that verifies, a UserError names the newest one's bad file.
+    """
     found = checkpoint_dirs(run_dir)
     if not found:
         raise UserError(f"--resume: no valid checkpoint in {Path(run_dir) / 'checkpoints'}")
-    return found[-1]
+    problems = []
+    for folder in reversed(found):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            if problems:
+                log(f"warning: --resume skips {len(problems)} damaged checkpoint(s): {problems[0]}; "
+                    f"resuming from {folder.name}")
+            return folder
+        problems.append(problem)
+    raise UserError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'} verifies: {problems[0]}")
+
+
+def resumable_checkpoint(config, log) -> Path:
+    """The checkpoint ``--resume`` continues from, after checking that the run's settings are unchanged."""
+    folder = verified_checkpoint(config.run_dir, log)
+    saved = json.loads((folder / "trainer_state.json").read_text())["config"]
+    current = config.to_json()
+    differing = sorted(key for key in current if key not in RESUMABLE_DIFFERENCES and key in saved
+                       and saved[key] != current[key])
+    if differing:
+        raise UserError(f"--resume: the run in {config.run_dir} was started with different settings: "
+                        + ", ".join(f"{key} (was {saved.get(key)!r}, now {current[key]!r})" for key in differing))
+    return folder
+
+
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "metrics.json", "report.md", "curves.png", "tensorboard")
+
+
+def check_run_folder(config) -> None:
+    """Refuse to start a fresh run where an earlier one is, unless --overwrite says so.
+
+    Without this, a command run again without --resume would delete the
+    earlier run's checkpoints without a word.
+    """
+    if config.resume or config.overwrite:
+        return
+    found = [name for name in RUN_OUTPUTS if (config.run_dir / name).exists()]
+    if found:
+        steps = checkpoint_dirs(config.run_dir)
+        held = f"checkpoints up to {steps[-1].name}" if steps else ", ".join(found)
+        raise UserError(f"{config.run_dir} holds an earlier run ({held}): continue it with --resume, "
+                        "or start afresh with --overwrite (which deletes it)")
+
+
+def clear_run_folder(run_dir: Path) -> None:
+    """Delete an earlier run's outputs (--overwrite), so none of them is taken for the new run's."""
+    for name in RUN_OUTPUTS:
+        path = Path(run_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def capture_rng(numpy_rng) -> dict:
     """Every random state a step consumes: torch (CPU and CUDA) and the prompt sampler's."""
+    import torch
+
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
@@ -53,6 +150,8 @@ def capture_rng(numpy_rng) -> dict:
 
 
 def restore_rng(captured: dict, numpy_rng) -> None:
+    import torch
+
     torch.set_rng_state(captured["tensors"]["torch"])
     cuda = [captured["tensors"][key] for key in sorted(captured["tensors"]) if key.startswith("cuda")]
     if cuda and torch.cuda.is_available():
@@ -62,6 +161,8 @@ def restore_rng(captured: dict, numpy_rng) -> None:
 
 def _optimizer_to_files(optimizer) -> tuple[dict, dict]:
     """Split the optimizer state into tensors (safetensors) and plain values (JSON)."""
+    import torch
+
     state_dict = optimizer.state_dict()
     tensors, plain_state = {}, {}
     for parameter, values in state_dict["state"].items():
@@ -85,6 +186,8 @@ def _optimizer_from_files(tensors: dict, plain: dict) -> dict:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, rng: dict, trainer_state: dict, keep: int) -> Path:
+    from safetensors.torch import save_file
+
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{PREFIX}{step:06d}"
@@ -97,6 +200,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, rng: 
         atomic_write_json(staging / "optimizer.json", plain)
         save_file({key: value.contiguous() for key, value in rng["tensors"].items()}, str(staging / "rng.safetensors"))
         atomic_write_json(staging / "trainer_state.json", {**trainer_state, "step": step, "numpy_rng": rng["numpy"]})
+        write_manifest(staging)
+        make_tree_shareable(staging)
         if target.exists():
             trash = root / f".{target.name}.old"
             shutil.rmtree(trash, ignore_errors=True)
@@ -115,6 +220,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, rng: 
 
 def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     """Load weights and optimizer state in place; return (trainer_state, rng)."""
+    from safetensors.torch import load_file
+
     weights = load_file(str(path / "model.safetensors"))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # Tied embeddings are saved once; anything else missing means a different model.

@@ -22,7 +22,8 @@ def _distributions(model, rollout, temperature: float) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier: str, reward, max_new_tokens: int,
              temperature: float = 1.0, batch_size: int = 64) -> dict[str, float]:
-    """accuracy, mean_reward, entropy and kl_from_reference of greedy completions."""
+    """accuracy, mean_reward (over the completions the reward could score), entropy and
+    kl_from_reference of greedy completions."""
     correct, rewards, entropies, kls = [], [], [], []
     for start in range(0, len(prompts), batch_size):
         batch_prompts = prompts[start : start + batch_size]
@@ -41,7 +42,8 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
     count = max(len(prompts), 1)
     return {
         "accuracy": sum(correct) / count,
-        "mean_reward": sum(rewards) / max(len(rewards), 1),
+        # None when the reward could score no held-out completion (written as null, shown as n/a).
+        "mean_reward": sum(rewards) / len(rewards) if rewards else None,
         "entropy": sum(entropies) / count,
         "kl_from_reference": sum(kls) / count,
     }

@@ -16,8 +16,16 @@ def resolve_device(name: str = "auto") -> str:
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device mps: Apple's MPS backend is not available on this machine; use --device cpu")
+    if name not in ("cpu", "mps") and not name.startswith("cuda"):
+        raise UserError(f"--device {name!r}: choose auto, cpu, cuda, cuda:N or mps")
     return name
 
 
@@ -69,9 +77,9 @@ def load_policy(name: str, device: str, dtype, offline: bool, log=None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline or local)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=offline or local)
-    except (OSError, ValueError) as error:
+    except Exception as error:  # a damaged file surfaces as many types: OSError, SafetensorError, ValueError …
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"--model {name}: cannot load ({first_line})") from None
+        raise UserError(f"--model {name}: cannot load ({type(error).__name__}: {first_line})") from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(f"--model {name}: the tokenizer has neither a pad nor an EOS token")

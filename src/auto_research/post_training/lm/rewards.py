@@ -12,8 +12,11 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import os
 import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 from auto_research.errors import UserError
@@ -101,15 +104,36 @@ def _with_row_fields(function: Callable) -> Callable:
     return reward
 
 
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
 def load_callable(spec: str) -> Callable:
-    """``module:function`` → the function; a one-line UserError when it cannot be found."""
+    """``module:function`` → the function; a one-line UserError when it cannot be found.
+
+    The working directory is on the import path, as it is for ``python -c``:
+    ``--reward my_rewards:score`` finds ``./my_rewards.py``. Any error while
+    importing the module (a syntax error, an import inside it that fails, an
+    exception at import time) is reported in one line.
+    """
     module_name, _, function_name = spec.partition(":")
     if not module_name or not function_name:
         raise UserError(f"--reward {spec!r}: expected a built-in ({', '.join(BUILT_IN)}) or module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise UserError(f"--reward {spec!r}: cannot import module {module_name!r} ({error})") from None
+    except SyntaxError as error:
+        where = f"{error.filename}:{error.lineno}" if error.filename else module_name
+        raise UserError(f"--reward {spec!r}: syntax error in {where} ({error.msg})") from None
+    except ModuleNotFoundError as error:
+        if error.name == module_name or module_name.startswith(f"{error.name}."):
+            raise UserError(f"--reward {spec!r}: cannot import module {module_name!r} (no {module_name.replace('.', '/')}.py "
+                            "in the working directory or on PYTHONPATH)") from None
+        raise UserError(f"--reward {spec!r}: importing {module_name!r} failed ({_one_line(error)})") from None
+    except Exception as error:
+        raise UserError(f"--reward {spec!r}: importing {module_name!r} failed ({_one_line(error)})") from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise UserError(f"--reward {spec!r}: module {module_name!r} has no function {function_name!r}")
@@ -132,10 +156,15 @@ class RewardModel:
         from auto_research.post_training.lm.models import check_model_source
 
         check_model_source(path, offline, "--reward-model")
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        local = Path(path).expanduser().exists()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=offline or local)
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=offline or local)
+        except Exception as error:  # a damaged file surfaces as many exception types
+            raise UserError(f"--reward-model {path}: cannot load ({_one_line(error)})") from None
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
+        self.model = self.model.to(device).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device = device
@@ -161,18 +190,29 @@ class RewardError(Exception):
 
 @dataclass
 class CombinedReward:
-    """Weighted sum of reward components; None when any component gives None."""
+    """Weighted sum of reward components; None when any component gives None.
+
+    A component that raises, or returns anything but a list (or tuple, NumPy
+    array, tensor) of one value per completion, is a RewardError naming it.
+    """
 
     components: list[tuple[str, Callable, float]]
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], examples: Sequence[Example]) -> list[float | None]:
         total: list[float | None] = [0.0] * len(completions)
         for name, function, weight in self.components:
-            values = function(list(prompts), list(completions), list(examples))
-            if values is None or len(values) != len(completions):
-                raise RewardError(
-                    f"reward {name!r} returned {0 if values is None else len(values)} values for {len(completions)} completions"
-                )
+            try:
+                values = function(list(prompts), list(completions), list(examples))
+            except Exception as error:
+                raise RewardError(f"reward {name!r} raised {_one_line(error)} on a batch of {len(completions)} "
+                                  f"completions (first prompt {prompts[0]!r})") from None
+            if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+                values = values.tolist()  # NumPy arrays and tensors
+            if not isinstance(values, (list, tuple)):
+                raise RewardError(f"reward {name!r} returned {type(values).__name__}, not a list of one float "
+                                  f"(or None) per completion")
+            if len(values) != len(completions):
+                raise RewardError(f"reward {name!r} returned {len(values)} values for {len(completions)} completions")
             for index, value in enumerate(values):
                 if value is None or total[index] is None:
                     total[index] = None
@@ -184,6 +224,17 @@ class CombinedReward:
                     )
                 total[index] += weight * float(value)
         return total
+
+
+def check_rewards(specs: list[str], weights: list[float] | None, reward_model: str | None) -> None:
+    """Import every user callable and count the weights, before any model is loaded."""
+    for spec in specs:
+        if spec not in BUILT_IN:
+            load_callable(spec)
+    count = len(specs) + bool(reward_model) or 1
+    if weights is not None and len(weights) != count:
+        names = list(specs) + ([f"reward-model:{reward_model}"] if reward_model else []) or ["the dataset's verifier"]
+        raise UserError(f"--reward-weights has {len(weights)} values for {count} rewards ({', '.join(names)})")
 
 
 def build_reward(specs: list[str], weights: list[float] | None, reward_model: str | None, verifier: str, device=None, offline: bool = False) -> CombinedReward:

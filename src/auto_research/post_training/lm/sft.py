@@ -61,7 +61,7 @@ def supervised_fine_tune(
     ``max_seconds`` have passed); return the eval history."""
     import time
 
-    from tqdm import tqdm
+    from auto_research.progress import Progress
 
     device = next(model.parameters()).device
     encoded = encode_pairs(tokenizer, pairs)
@@ -72,9 +72,9 @@ def supervised_fine_tune(
     order: list[int] = []
     history = []
     model.train()
-    bar = tqdm(range(1, steps + 1), desc="supervised warm start", disable=not progress, leave=False)
+    bar = Progress(steps, "supervised fine-tuning", enabled=progress, leave=False)
     started = time.perf_counter()
-    for step in bar:
+    for step in range(1, steps + 1):
         out_of_time = max_seconds is not None and time.perf_counter() - started >= max_seconds
         if len(order) < batch_size:
             order += rng.permutation(len(encoded)).tolist()
@@ -85,7 +85,7 @@ def supervised_fine_tune(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.update({"loss": f"{loss.item():.3f}"})
         if evaluate is not None and eval_every and (step % eval_every == 0 or step == steps or out_of_time):
             model.eval()
             row = {"step": step, "loss": loss.item(), **evaluate()}
@@ -93,5 +93,6 @@ def supervised_fine_tune(
             history.append(row)
         if out_of_time:
             break
+    bar.close()
     model.eval()
     return history

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +97,7 @@ def gsm8k_prompt(question: str) -> str:
     return f"Question: {question.strip()}\nAnswer:"
 
 
-def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int, evaluation_examples: int) -> Task:
+def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int | None, evaluation_examples: int | None) -> Task:
     from auto_research.post_training.datasets import ensure_gsm8k, read_gsm8k
 
     directory = ensure_gsm8k(dataset_dir, offline)
@@ -107,7 +107,8 @@ def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int, evaluation_exa
         for row in rows:
             if row.gold is None:
                 continue
-            gold = f"{row.gold:g}"
+            # Written out in full: "%g" would turn 1450000 into "1.45e+06", which reads back as 6.
+            gold = str(int(row.gold)) if row.gold.is_integer() else repr(row.gold)
             # The official solutions end with "#### <number>"; calculator annotations are dropped.
             solution = " " + CALCULATOR_ANNOTATION.sub("", row.answer).strip()
             out.append(Example(gsm8k_prompt(row.question), gold, solution, {"question": row.question, "answer": row.answer}))
@@ -128,21 +129,72 @@ def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int, evaluation_exa
 # --- a user's JSONL ---------------------------------------------------------------------
 
 
-def jsonl_task(path, prompt_field: str, answer_field: str, evaluation_examples: int, solution_field: str | None = None) -> Task:
-    """Rows of a local JSONL file; the last ``evaluation_examples`` rows are held out."""
-    from auto_research.post_training.datasets import iter_jsonl
+DEFAULT_HELD_OUT = 128
+"""A JSONL dataset holds out its last min(128, rows // 5) rows unless --evaluation-examples says how many."""
+
+
+def _answer_text(path, number: int, row: dict, name: str) -> str:
+    """An answer may be text or a JSON number (written as Python prints it: 12, 0.5); nothing else."""
+    from auto_research.post_training.datasets import describe_json, text_field
+
+    value = row.get(name)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if name in row and not isinstance(value, str):
+        raise UserError(f"{path}:{number}: field {name!r} is {describe_json(value)}, expected text or a number")
+    return text_field(path, number, row, name)
+
+
+def jsonl_task(path, prompt_field: str, answer_field: str, evaluation_examples: int | None = None,
+               solution_field: str | None = None) -> Task:
+    """Rows of a local JSONL file; the last ``evaluation_examples`` rows are held out.
+
+    Prompts (and solutions) must be JSON strings; answers may be strings or numbers.
+    Anything else (null, a list, an object) is refused with its line number rather
+    than turned into text such as "None".
+    """
+    from auto_research.post_training.datasets import iter_jsonl, text_field
 
     path = Path(path)
     if not path.is_file():
         raise UserError(f"dataset file not found: {path}")
     rows = []
     for number, row in iter_jsonl(path):
-        for name in (prompt_field, answer_field) + ((solution_field,) if solution_field else ()):
-            if name not in row:
-                raise UserError(f"{path}:{number}: row has no field {name!r} (fields: {', '.join(row) or 'none'})")
-        solution = str(row[solution_field]) if solution_field else None
-        rows.append(Example(str(row[prompt_field]), str(row[answer_field]), solution, row))
+        prompt = text_field(path, number, row, prompt_field)
+        answer = _answer_text(path, number, row, answer_field)
+        solution = text_field(path, number, row, solution_field) if solution_field else None
+        rows.append(Example(prompt, answer, solution, row))
     if len(rows) < 2:
         raise UserError(f"{path}: needs at least 2 rows (one to train on, one to evaluate), found {len(rows)}")
-    held = min(evaluation_examples, max(1, len(rows) // 5))
+    if evaluation_examples is None:
+        held = min(DEFAULT_HELD_OUT, max(1, len(rows) // 5))
+    elif evaluation_examples >= len(rows):
+        raise UserError(f"--evaluation-examples {evaluation_examples}: {path} has {len(rows)} rows, and at least one "
+                        "must be left to train on")
+    else:
+        held = evaluation_examples
     return Task(path.stem, rows[:-held], rows[-held:], rows[:-held], verifier="match", source=f"{path.resolve()} ({len(rows) - held} train, {held} held out)")
+
+
+def load_task(config) -> Task:
+    """The configured generation-level task, with --maximum-examples and --evaluation-examples applied.
+
+    Asking for more prompts than the dataset has is refused, never silently capped.
+    """
+    if config.dataset == "arithmetic-generate":
+        task = arithmetic_task()
+    elif config.dataset == "gsm8k-generate":
+        task = gsm8k_task(config.dataset_dir, config.offline, config.maximum_examples, config.evaluation_examples)
+    else:
+        task = jsonl_task(config.dataset, config.prompt_field or "prompt", config.answer_field or "answer",
+                          config.evaluation_examples)
+    for flag, wanted, available, what in (
+        ("--maximum-examples", config.maximum_examples, len(task.train), "training prompts"),
+        ("--evaluation-examples", config.evaluation_examples, len(task.evaluation), "held-out prompts"),
+    ):
+        if wanted is not None and wanted > available:
+            raise UserError(f"{flag} {wanted}: {task.name} has {available} {what}")
+    train = task.train[: config.maximum_examples]
+    if not train:
+        raise UserError(f"dataset {config.dataset}: no training prompts")
+    return replace(task, train=train, evaluation=task.evaluation[: config.evaluation_examples])

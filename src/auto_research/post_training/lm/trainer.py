@@ -43,22 +43,7 @@ from auto_research.post_training.lm.logprobs import kl_per_token, token_logprobs
 from auto_research.post_training.lm.models import context_length, format_prompt, load_policy, resolve_device, resolve_dtype
 from auto_research.post_training.lm.rewards import RewardError, build_reward
 from auto_research.post_training.lm.rollout import sample
-from auto_research.post_training.lm.tasks import Task, arithmetic_task, gsm8k_task, jsonl_task
-
-# Settings that may differ between a run and its resumption.
-RESUMABLE_DIFFERENCES = {"resume", "progress", "device", "output_dir", "report_to"}
-
-
-def load_task(config: GenerationConfig) -> Task:
-    if config.dataset == "arithmetic-generate":
-        task = arithmetic_task()
-    elif config.dataset == "gsm8k-generate":
-        task = gsm8k_task(config.dataset_dir, config.offline, config.maximum_examples, config.evaluation_examples)
-    else:
-        task = jsonl_task(config.dataset, config.prompt_field, config.answer_field, config.evaluation_examples)
-    evaluation = task.evaluation[: config.evaluation_examples]
-    return Task(task.name, task.train, evaluation, task.demonstrations, task.verifier, task.source)
-
+from auto_research.post_training.lm.tasks import load_task
 
 def learning_rate_at(config: GenerationConfig, update: int, total_updates: int) -> float:
     """Linear warmup, then constant or cosine decay to zero (update counted from 0)."""
@@ -103,29 +88,32 @@ def policy_loss(config: GenerationConfig, algorithm, logprobs, old_logprobs, ref
     return loss
 
 
+def _figure(value: float | None) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.3f}"
+
+
 class Trainer:
-    def __init__(self, config: GenerationConfig, log=print):
+    def __init__(self, config: GenerationConfig, log=print, task=None, resume_from: Path | None = None):
         self.config = config
         self.log = log
         self.algorithm = get_algorithm(config.algorithm)
         self.run_dir = config.run_dir
-        self.stop_requested = False
+        self.task = task
+        self.resume_from = resume_from
+        self.stop_signal: int | None = None
+        self.run_dir_ready = False
+        self.warned_unscored = False
 
     # --- setup: every check that can fail on user input happens here ---------------
 
     def setup(self) -> None:
         config = self.config
-        if config.resume:
-            self.resume_from = checkpoints.latest_checkpoint(self.run_dir)
-            saved = json.loads((self.resume_from / "trainer_state.json").read_text())["config"]
-            current = config.to_json()
-            differing = sorted(key for key in current if key not in RESUMABLE_DIFFERENCES and saved.get(key) != current[key])
-            if differing:
-                raise UserError(f"--resume: the run in {self.run_dir} was started with different settings: "
-                                + ", ".join(f"{key} (was {saved.get(key)!r}, now {current[key]!r})" for key in differing))
-        else:
-            self.resume_from = None
-        self.task = load_task(config)
+        if config.resume and self.resume_from is None:
+            self.resume_from = checkpoints.resumable_checkpoint(config, self.log)
+        if self.task is None:
+            self.task = load_task(config)
+        if config.threads:
+            torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, self.device)
@@ -149,8 +137,9 @@ class Trainer:
                                    self.device, config.offline)
         self.train_prompts = [format_prompt(self.tokenizer, example.prompt, config.chat_template) for example in self.task.train]
         self.eval_prompts = [format_prompt(self.tokenizer, example.prompt, config.chat_template) for example in self.task.evaluation]
-        if not self.task.train:
-            raise UserError(f"dataset {config.dataset}: no training prompts")
+        if config.prompts_per_step > len(self.train_prompts):
+            raise UserError(f"--prompts-per-step {config.prompts_per_step}: a step draws distinct prompts, and "
+                            f"{self.task.name} has {len(self.train_prompts)} training prompts")
         limit = context_length(self.model)
         if limit is not None:
             longest = max(len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
@@ -174,13 +163,10 @@ class Trainer:
             self.history, self.baseline = state["history"], state["baseline"]
             self.updates, self.totals = state["updates"], state["totals"]
             self.start_step = state["step"] + 1
+            self.run_dir_ready = True
             self._truncate_metrics(state["step"])
             self.log(f"resumed from {self.resume_from} (step {state['step']})")
         self.writer = None
-        if config.report_to == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 
     # --- one step --------------------------------------------------------------------
 
@@ -245,6 +231,14 @@ class Trainer:
         config = self.config
         started = time.perf_counter()
         batch, examples = self.collect()
+        unscored = int((~batch.scored).sum())
+        if unscored == batch.scored.size:
+            raise RewardError(f"no sample of step {step} could be scored: the reward returned None for all {unscored} "
+                              "completions")
+        if unscored and not self.warned_unscored:
+            self.warned_unscored = True
+            self.log(f"warning: the reward returned None for {unscored} of {batch.scored.size} samples at step {step}; "
+                     "they are left out of their groups' baselines (counted in unscored_samples; warned once per run)")
         rollout = batch.rollout
         K = config.group_size
         groups_total = batch.rewards.shape[0]
@@ -337,6 +331,7 @@ class Trainer:
                 "baseline": self.baseline, "updates": self.updates, "totals": self.totals, "model": self.model_name}
 
     def save(self, step: int, rng: dict | None = None) -> Path:
+        self._open_run_dir()
         return checkpoints.save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.optimizer,
                                            rng or checkpoints.capture_rng(self.rng), self.trainer_state(step),
                                            self.config.keep_checkpoints)
@@ -347,57 +342,95 @@ class Trainer:
             kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
 
+    def _open_run_dir(self) -> None:
+        """Create the run folder at the first write, once the inputs have proved themselves on a real step.
+
+        A run that fails on its first batch (a reward that raises, returns
+        nothing usable) leaves no folder behind. ``--overwrite`` deletes the
+        earlier run's outputs here, not before.
+        """
+        if self.run_dir_ready:
+            return
+        # The outermost folder this run creates: removed again if nothing resumable gets written.
+        self.created_root = None
+        for folder in (self.run_dir, *self.run_dir.parents):
+            if folder.exists():
+                break
+            self.created_root = folder
+        if self.config.overwrite:
+            checkpoints.clear_run_folder(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir_ready = True
+
     def _append_metrics(self, row: dict) -> None:
+        self._open_run_dir()
+        if self.config.report_to == "tensorboard" and self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        # JSON has no NaN: a figure that could not be computed is written as null.
+        clean = {key: value if not isinstance(value, float) or math.isfinite(value) else None for key, value in row.items()}
         with (self.run_dir / "metrics.jsonl").open("a") as stream:
-            stream.write(json.dumps(row) + "\n")
+            stream.write(json.dumps(clean, allow_nan=False) + "\n")
         if self.writer is not None:
-            for key, value in row.items():
+            for key, value in clean.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(f"train/{key}", value, row["step"])
 
     def _request_stop(self, signum, frame) -> None:
-        if self.stop_requested:  # a second Ctrl-C stops at once
+        if self.stop_signal is not None:  # a second Ctrl-C (or SIGTERM) stops at once
             raise KeyboardInterrupt
-        self.stop_requested = True
-        self.log("\ninterrupt: finishing this step, saving a checkpoint, then stopping (Ctrl-C again to abort)")
+        self.stop_signal = signum
+        name = "interrupt" if signum == signal.SIGINT else "SIGTERM"
+        self.log(f"\n{name}: finishing this step, saving a checkpoint, then stopping (send it again to abort)")
+
+    def _write_failed(self, error: OSError, last_saved: int | None) -> UserError:
+        """A full disk (or any failed write): one line, and the last good checkpoint left as it was."""
+        reason = error.strerror or str(error)
+        if last_saved is not None:
+            kept = f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{checkpoints.PREFIX}{last_saved:06d}'}"
+        else:
+            kept = "no checkpoint had been saved yet"
+            # Nothing resumable was written: do not leave a lone metrics.jsonl for --resume to trip on.
+            if getattr(self, "created_root", None) is not None:
+                shutil.rmtree(self.created_root, ignore_errors=True)
+            else:
+                (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        return UserError(f"cannot write to {self.run_dir}: {reason} (errno {error.errno}); {kept}")
 
     # --- the loop ---------------------------------------------------------------------
 
     def train(self) -> dict:
-        from tqdm import tqdm
+        from auto_research.progress import Progress
 
         config = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.resume_from is None:
-            # A fresh run replaces an earlier one in the same folder; its checkpoints
-            # must not outlive it and be taken for this run's by --resume.
-            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
             try:
                 self.baseline = self.evaluate()
             except RewardError as error:
                 raise UserError(f"{error} (evaluation before training)") from None
             self.log(f"before training: held-out accuracy {self.baseline['accuracy']:.3f}, "
-                     f"mean reward {self.baseline['mean_reward']:.3f}")
-        previous_handler = signal.signal(signal.SIGINT, self._request_stop)
-        bar = tqdm(range(self.start_step, config.steps + 1), initial=self.start_step - 1, total=config.steps,
-                   desc=f"{config.algorithm} on {self.task.name}", disable=not config.progress)
+                     f"mean reward {_figure(self.baseline['mean_reward'])}")
+        handlers = {signum: signal.signal(signum, self._request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+        bar = Progress(config.steps, f"{config.algorithm} on {self.task.name}", initial=self.start_step - 1,
+                       enabled=config.progress, write=self.log)
         last_step = self.start_step - 1
+        last_saved = last_step if self.resume_from is not None else None
         try:
-            for step in bar:
+            for step in range(self.start_step, config.steps + 1):
                 rng_before = checkpoints.capture_rng(self.rng)
                 try:
                     row = self.step(step)
                 except RewardError as error:
-                    if last_step > 0 or self.resume_from is not None:
+                    if last_step > 0:
                         saved = self.save(last_step, rng_before)
                         where = f"saved the last good step ({last_step}) in {saved}"
                     else:
-                        where = "nothing to save before step 1"
+                        where = "nothing was written"
                     raise UserError(f"{error}; {where}") from None
                 last_step = step
                 self._append_metrics(row)
-                postfix = {"reward": f"{row['reward_mean']:.3f}", "kl": f"{row['kl']:.3f}"}
+                postfix = {"reward": _figure(row["reward_mean"]), "kl": f"{row['kl']:.3f}"}
                 if config.eval_every and (step % config.eval_every == 0 or step == config.steps):
                     try:
                         metrics = self.evaluate()
@@ -406,20 +439,29 @@ class Trainer:
                     self.history.append({"step": float(step), "loss": row["loss"], **metrics})
                     if self.writer is not None:
                         for key, value in metrics.items():
-                            self.writer.add_scalar(f"eval/{key}", value, step)
+                            if value is not None:
+                                self.writer.add_scalar(f"eval/{key}", value, step)
                 if self.history:
                     postfix["acc"] = f"{self.history[-1]['accuracy']:.3f}"
-                bar.set_postfix(postfix)
-                if step == config.steps or (config.checkpoint_every and step % config.checkpoint_every == 0) or self.stop_requested:
+                bar.update(postfix)
+                if (step == config.steps or (config.checkpoint_every and step % config.checkpoint_every == 0)
+                        or self.stop_signal is not None):
                     self.save(step)
-                if self.stop_requested:
-                    raise TrainingInterrupted(f"interrupted after step {step}; checkpoint saved in {self.run_dir / 'checkpoints'}: "
-                                              "continue with the same command and --resume")
+                    last_saved = step
+                if self.stop_signal is not None:
+                    raise TrainingInterrupted(
+                        f"interrupted after step {step}; checkpoint saved in {self.run_dir / 'checkpoints'}: "
+                        "continue with the same command and --resume", 128 + self.stop_signal)
+        except OSError as error:
+            raise self._write_failed(error, last_saved) from None
         finally:
-            signal.signal(signal.SIGINT, previous_handler)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
             bar.close()
             if self.writer is not None:
                 self.writer.close()
+        if self.totals["unscored_samples"]:
+            self.log(f"warning: {self.totals['unscored_samples']} samples of this run could not be scored (reward None)")
         return self.metrics()
 
     def metrics(self) -> dict:
