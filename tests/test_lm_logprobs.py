@@ -83,3 +83,27 @@ def test_kl_estimators_by_hand():
     assert torch.allclose(kl_per_token(logp, ref, "k2"), torch.tensor([0.125, 0.5]))
     expected_k3 = torch.tensor([torch.exp(torch.tensor(-0.5)) - 1 + 0.5, torch.exp(torch.tensor(1.0)) - 1 - 1.0])
     assert torch.allclose(kl_per_token(logp, ref, "k3"), expected_k3)
+
+
+def test_the_checkpoints_generation_config_does_not_change_what_is_sampled(tiny_model_dir, tmp_path):
+    # Instruct checkpoints often ship repetition_penalty=1.1 and the like; sampling must still be
+    # from exactly the distribution that training computes log-probs of.
+    model, tokenizer = _load(tiny_model_dir)
+    prompts = ["1+2=", "13+45=", "7+7="]
+    torch.manual_seed(3)
+    plain = sample(model, tokenizer, prompts, 4, 6, temperature=1.0)
+    model.generation_config.repetition_penalty = 5.0
+    model.generation_config.no_repeat_ngram_size = 1
+    model.generation_config.do_sample, model.generation_config.top_k = True, 3
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    styled, _ = _load(tmp_path)
+    assert styled.generation_config.repetition_penalty == 5.0
+    torch.manual_seed(3)
+    again = sample(styled, tokenizer, prompts, 4, 6, temperature=1.0)
+    assert torch.equal(plain.sequences, again.sequences)
+    assert styled.generation_config.repetition_penalty == 5.0  # the model's own config is left as it was
+    # Greedy too: a suppressed token in the checkpoint's config does not change the argmax.
+    first = sample(model, tokenizer, prompts, 1, 1, greedy=True).completion_ids[:, 0]
+    styled.generation_config.suppress_tokens = first.tolist()
+    assert torch.equal(sample(styled, tokenizer, prompts, 1, 1, greedy=True).completion_ids[:, 0], first)

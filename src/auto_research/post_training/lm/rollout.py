@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 
 @dataclass
@@ -76,17 +77,27 @@ def sample(
     options = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
     eos = eos_ids(tokenizer, model)
     was_training = model.training
+    saved_config = model.generation_config
     model.eval()
-    sequences = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos,
-        use_cache=True,
-        **options,
-    )
-    model.train(was_training)
+    # generate() fills every setting it is not given from the checkpoint's generation_config
+    # (repetition_penalty, suppress_tokens, min_p, no_repeat_ngram_size …), which would sample
+    # from another distribution than the one trained on. A blank config stands in while we
+    # sample, so only the settings passed here shape the distribution.
+    model.generation_config = GenerationConfig()
+    try:
+        sequences = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=eos,
+            use_cache=True,
+            **options,
+        )
+    finally:
+        model.generation_config = saved_config
+        model.train(was_training)
     completion_ids = sequences[:, input_ids.shape[1] :]
     mask = completion_mask(completion_ids, eos)
     texts = tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)

@@ -45,6 +45,7 @@ from auto_research.post_training.lm.rewards import RewardError, build_reward
 from auto_research.post_training.lm.rollout import sample
 from auto_research.post_training.lm.tasks import load_task
 
+
 def learning_rate_at(config: GenerationConfig, update: int, total_updates: int) -> float:
     """Linear warmup, then constant or cosine decay to zero (update counted from 0)."""
     if config.warmup_steps and update < config.warmup_steps:
