@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from auto_research.cli import main
-from auto_research.post_training.algorithms import AdvantageInputs, get_algorithm
 from auto_research.post_training.config import GenerationConfig
 from auto_research.post_training.lm.logprobs import token_logprobs
-from auto_research.post_training.lm.trainer import Trainer, policy_loss
+from auto_research.post_training.lm import core
+from auto_research.post_training.lm.trainer import Trainer
 from conftest import run_cli
 
 
@@ -44,13 +44,15 @@ def test_loss_gradient_is_the_papers_estimator_for_two_prompts(tiny_model_dir):
     rewards = np.array([[1.0, 0.0, 0.5], [0.2, 0.2, 0.8]])
     # Leave-one-out by hand: group 1: 1 − .25, 0 − .75, .5 − .5; group 2: .2 − .5, .2 − .5, .8 − .2.
     by_hand = [0.75, -0.75, 0.0, -0.3, -0.3, 0.6]
-    advantages = get_algorithm("rloo").advantages(AdvantageInputs(rewards, np.zeros_like(rewards), 0.0), {})
-    assert np.allclose(advantages.reshape(-1), by_hand)
+    token_rewards = core.last_token(mask.float()) * torch.tensor(rewards, dtype=torch.float32).reshape(-1, 1)
+    inputs = core.AdvantageInputs(token_rewards, mask.float(), K, torch.ones(6, dtype=torch.bool))
+    advantages, _ = core.ADVANTAGE_ESTIMATORS["rloo"](inputs)
+    # Every token of a completion carries its completion's advantage.
+    assert torch.allclose(advantages, torch.tensor(by_hand).reshape(-1, 1) * mask, atol=1e-6)
 
-    config = GenerationConfig(group_size=K).filled()
     logprobs = token_logprobs(model, sequences, prompt_mask, mask)
-    loss = policy_loss(config, get_algorithm("rloo"), logprobs, logprobs.detach(), None, mask.float(),
-                       torch.tensor(advantages.reshape(-1), dtype=torch.float32), 6, 2, float(mask.sum()))
+    terms = core.POLICY_LOSSES["vanilla"](core.LossInputs(logprobs, logprobs.detach(), advantages, mask.float()))
+    loss = core.aggregate(terms, mask.float(), "sequence", sequences=6, tokens=float(mask.sum()), groups=2)
     ours = torch.autograd.grad(loss, list(model.parameters()))
 
     # The paper: ∇J = 1/(2K) Σ_i A_i ∇ Σ_t log π(y_i,t); the loss is its negative.
@@ -225,8 +227,14 @@ BAD = [
     (["--reward-model", "/no/such/reward-model"], "--reward-model /no/such/reward-model: no such model folder"),
     (["--resume"], "--resume: no valid checkpoint in"),
     (["--kl-estimator", "k9"], "--kl-estimator 'k9': choose one of k1, k2, k3"),
-    (["--micro-batch-size", "3"], "--micro-batch-size 3 must be a multiple of K = 4"),
-    (["--algorithm", "ppo-rlhf"], "ppo-rlhf needs a value model"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be a positive integer, got 0"),
+    (["--algorithm", "ppo-rlhf", "--gae-lambda", "1.5"], "--gae-lambda must be in [0, 1], got 1.5"),
+    (["--algorithm", "ppo-rlhf", "--ppo-epochs", "0"], "--ppo-epochs must be a positive integer, got 0"),
+    (["--algorithm", "ppo-rlhf", "--vf-coef", "-1"], "--vf-coef must be a finite number >= 0, got -1.0"),
+    (["--algorithm", "ppo-rlhf", "--critic-model", "/no/such/critic"], "--critic-model /no/such/critic: no such model folder"),
+    (["--critic-model", "/no/such/critic"], "--critic-model applies to ppo-rlhf only"),
+    (["--algorithm", "grpo", "--kl-estimator", "k1"], "the expected gradient of a k1 loss term is zero"),
+    (["--ppo-mini-batches", "3", "--prompts-per-step", "4"], "--ppo-mini-batches 3 must divide --prompts-per-step 4"),
     (["--algorithm", "grpo", "--kl-in", "reward"], "grpo's advantage does not use the shaped reward"),
     (["--reward-weights", "1,2"], "--reward-weights has 2 values for 1 rewards"),
     (["--temperature", "0"], "--temperature must be a finite number > 0"),

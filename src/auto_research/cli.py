@@ -56,14 +56,14 @@ def _add_run_flags(parser: argparse.ArgumentParser, datasets: str) -> None:
 GENERATION_FLAGS = {}
 
 
-def _generation_flag(group, flag: str, **options) -> None:
-    action = group.add_argument(flag, **options)
-    GENERATION_FLAGS[action.dest] = flag
+def _generation_flag(group, *flags: str, **options) -> None:
+    action = group.add_argument(*flags, **options)
+    GENERATION_FLAGS[action.dest] = flags[0]
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("generation level (arithmetic-generate, gsm8k-generate, .jsonl)")
-    add = lambda flag, **options: _generation_flag(group, flag, **options)  # noqa: E731
+    add = lambda *flags, **options: _generation_flag(group, *flags, **options)  # noqa: E731
     add("--model", help="local folder or hub id of a causal LM (default: the embedded tiny model, arithmetic-generate only)")
     add("--prompt-field", help="prompt field of a .jsonl dataset (default: prompt)")
     add("--answer-field", help="answer field of a .jsonl dataset (default: answer)")
@@ -71,17 +71,27 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     add("--reward", action="append", help="built-in (arithmetic, gsm8k, match, format) or module:function; repeatable (default: the dataset's verifier)")
     add("--reward-weights", help="comma-separated weights, one per reward, reward model last")
     add("--reward-model", help="sequence-classification reward model (folder or hub id)")
-    add("--kl-estimator", help="k1 (default, the paper), k2 or k3")
-    add("--kl-in", help="reward (default for rloo: the paper's shaped reward) or loss (default for grpo)")
-    add("--loss-aggregation", help="sequence (default: the whole response is one action) or token-mean")
-    add("--updates-per-batch", type=int, help="optimizer steps per rollout batch, > 1 uses clipped ratios (default: 1)")
+    add("--kl-estimator", help="k1 (default in the reward, the paper), k2 or k3 (default in the loss)")
+    add("--kl-in", help="reward (rloo, reinforce, vanilla-pg, ppo-rlhf: the shaped reward), loss (grpo) or none "
+                        "(remax, raft) (default: the algorithm's)")
+    add("--loss-aggregation", help="sequence (default: the whole response is one action), token-mean or "
+                                   "sequence-mean-token-mean")
+    add("--updates-per-batch", "--ppo-epochs", type=int, help="epochs over each rollout batch, > 1 uses clipped ratios (default: 1)")
+    add("--ppo-mini-batches", type=int, help="optimizer steps per epoch, each on whole groups (default: 1)")
+    add("--ratio-level", help="importance ratio of the clipped surrogate: token (default) or sequence")
     add("--clip-range", type=float, help="ε of the clipped ratio (default: 0.2)")
+    add("--gae-lambda", type=float, help="λ of GAE, ppo-rlhf (default: 1.0, the RLOO paper's best for PPO)")
+    add("--value-clip", type=float, help="clip range of the value loss, ppo-rlhf (default: 0.2)")
+    add("--vf-coef", type=float, help="weight of the value loss, ppo-rlhf (default: 0.1)")
+    add("--critic-model", help="initial critic weights, ppo-rlhf (default: --reward-model if given, else the policy)")
+    add("--no-whiten-advantages", dest="whiten_advantages", action="store_false", default=None,
+        help="keep PPO's GAE advantages as they are (default: whitened over the batch)")
     add("--temperature", type=float, help="sampling temperature (default: per dataset, 1.0 for models you bring)")
     add("--top-p", type=float, help="nucleus sampling (default: 1.0)")
     add("--top-k", type=int, help="top-k sampling, 0 = off (default: 0)")
     add("--max-new-tokens", type=int, help="completion length limit (default: per dataset)")
     add("--prompts-per-step", type=int, help="prompts (groups) per step (default: per dataset)")
-    add("--micro-batch-size", type=int, help="completions per forward/backward: a multiple of K, or a divisor of K (default: the whole batch)")
+    add("--micro-batch-size", type=int, help="completions per forward/backward (default: the whole batch)")
     add("--lr-schedule", help="constant (default) or cosine, after linear warmup")
     add("--warmup-steps", type=int, help="linear warmup updates (default: per dataset)")
     add("--weight-decay", type=float, help="AdamW weight decay (default: 0)")

@@ -120,8 +120,8 @@ def check_positive_finite(flag: str, value: float) -> None:
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_PLACEMENTS = ("reward", "loss")
-LOSS_AGGREGATIONS = ("sequence", "token-mean")
+KL_PLACEMENTS = ("reward", "loss", "none")
+LOSS_AGGREGATIONS = ("sequence", "token-mean", "sequence-mean-token-mean")
 SCHEDULES = ("constant", "cosine")
 
 # Per-dataset defaults for settings the user leaves unset. arithmetic-generate's
@@ -165,15 +165,31 @@ class GenerationConfig:
     """K: completions sampled per prompt."""
     beta: float = 0.05
     """β: weight of the KL penalty to the frozen reference."""
-    kl_estimator: str = "k1"
-    """k1 (the paper's summed log-ratio), k2 or k3."""
+    kl_estimator: str | None = None
+    """k1 (the paper's log-ratio), k2 or k3; None: k1 in the reward, k3 in the loss."""
     kl_in: str | None = None
-    """reward (the paper: shaped reward) or loss (GRPO/verl style); None: the algorithm's own."""
+    """reward (the paper: shaped reward; per token for PPO), loss (GRPO/verl style) or none;
+    None: the algorithm's own (ReMax and RAFT: none)."""
     loss_aggregation: str = "sequence"
-    """sequence: the whole response is one action (the paper); token-mean: average over tokens."""
+    """sequence: the whole response is one action (the paper); token-mean: average over all tokens;
+    sequence-mean-token-mean: each completion's token mean, averaged."""
     updates_per_batch: int = 1
-    """Optimizer steps per rollout batch; > 1 uses importance ratios with clipping."""
+    """Epochs over each rollout batch (--ppo-epochs); > 1 uses importance ratios with clipping."""
+    ppo_mini_batches: int = 1
+    """Optimizer steps per epoch, each on a slice of whole groups; > 1 uses clipped ratios."""
+    ratio_level: str = "token"
+    """Importance ratio of the clipped surrogate: per token (PPO, GRPO, TRL) or per sequence."""
     clip_range: float = 0.2
+    gae_lambda: float = 1.0
+    """λ of GAE (ppo-rlhf); the RLOO paper found PPO best at λ = 1 (TRL's default is 0.95)."""
+    value_clip: float = 0.2
+    """Clip range of the critic's value loss around the old values (ppo-rlhf)."""
+    vf_coef: float = 0.1
+    """Weight of the value loss (ppo-rlhf); the critic has its own AdamW."""
+    critic_model: str | None = None
+    """Initial weights of the critic (ppo-rlhf): a folder or hub id; None: the reward model when given, else the policy."""
+    whiten_advantages: bool = True
+    """Whiten PPO's GAE advantages over the batch (masked mean 0, std 1)."""
     temperature: float | None = None
     top_p: float = 1.0
     top_k: int = 0
@@ -181,7 +197,7 @@ class GenerationConfig:
     prompts_per_step: int | None = None
     """Prompts (groups) per step; the batch holds prompts_per_step · K completions."""
     micro_batch_size: int | None = None
-    """Completions per forward/backward pass; a multiple of K (whole groups) or a divisor of K."""
+    """Completions per forward/backward pass (any size: advantages are computed before the update)."""
     learning_rate: float | None = None
     lr_schedule: str = "constant"
     warmup_steps: int | None = None
@@ -221,16 +237,19 @@ class GenerationConfig:
         filled = replace(self, **values)
         if filled.eval_every is None:
             filled.eval_every = max(1, filled.steps // 10)
+        algorithm = get_algorithm(self.algorithm)
         if filled.kl_in is None:
-            filled.kl_in = "reward" if get_algorithm(self.algorithm).kl == "reward" else "loss"
+            # PPO at the generation level puts a per-token KL penalty in the reward (TRL, OpenRLHF);
+            # the candidate level's ppo-rlhf keeps its protocol's KL-in-the-loss.
+            filled.kl_in = "reward" if algorithm.needs_critic else algorithm.kl
+        if filled.kl_estimator is None:
+            # k1's expected gradient as a loss term is zero: GRPO's paper uses k3 there.
+            filled.kl_estimator = "k1" if filled.kl_in != "loss" else "k3"
         return filled
 
     def validate(self) -> "GenerationConfig":
         """Every check that needs neither torch nor the data: runs before anything heavy is imported."""
         algorithm = get_algorithm(self.algorithm)
-        if algorithm.needs_critic:
-            raise UserError(f"{self.algorithm} needs a value model, which the generation level does not have yet; "
-                            "it runs at the candidate level (--dataset gsm8k-candidate)")
         self.validate_dataset()
         if self.model is None and self.dataset != "arithmetic-generate":
             raise UserError(f"--model is required for {self.dataset} (only arithmetic-generate has an embedded model; "
@@ -244,7 +263,7 @@ class GenerationConfig:
         if not (math.isfinite(self.beta) and self.beta >= 0):
             raise UserError(f"--beta must be a finite number >= 0, got {self.beta}")
         for flag, value in (("--max-new-tokens", self.max_new_tokens), ("--steps", self.steps),
-                            ("--prompts-per-step", self.prompts_per_step), ("--updates-per-batch", self.updates_per_batch),
+                            ("--prompts-per-step", self.prompts_per_step), ("--ppo-epochs", self.updates_per_batch),
                             ("--maximum-examples", self.maximum_examples), ("--evaluation-examples", self.evaluation_examples)):
             if value is not None and value <= 0:
                 raise UserError(f"{flag} must be a positive integer, got {value}")
@@ -272,18 +291,34 @@ class GenerationConfig:
         for flag, value, allowed in (("--kl-estimator", self.kl_estimator, KL_ESTIMATORS),
                                      ("--kl-in", self.kl_in, KL_PLACEMENTS),
                                      ("--loss-aggregation", self.loss_aggregation, LOSS_AGGREGATIONS),
+                                     ("--ratio-level", self.ratio_level, ("token", "sequence")),
                                      ("--lr-schedule", self.lr_schedule, SCHEDULES),
                                      ("--report-to", self.report_to, ("none", "tensorboard"))):
             if value is not None and value not in allowed:
                 raise UserError(f"{flag} {value!r}: choose one of {', '.join(allowed)}")
-        if self.kl_in == "reward" and algorithm.kl != "reward" and self.beta > 0:
+        if self.kl_in == "reward" and algorithm.kl != "reward" and not algorithm.needs_critic and self.beta > 0:
             raise UserError(f"--kl-in reward: {self.algorithm}'s advantage does not use the shaped reward; "
                             "use --kl-in loss (or --beta 0)")
-        if self.micro_batch_size is not None:
-            K = self.group_size
-            if self.micro_batch_size <= 0 or (self.micro_batch_size % K and K % self.micro_batch_size):
-                raise UserError(f"--micro-batch-size {self.micro_batch_size} must be a multiple of K = {K} "
-                                "(whole groups) or divide K (one extra scoring pass)")
+        if self.kl_in == "loss" and self.kl_estimator == "k1":
+            raise UserError("--kl-estimator k1 with --kl-in loss: the expected gradient of a k1 loss term is zero, "
+                            "so the penalty would do nothing; use k3 (the default there) or k2")
+        if self.micro_batch_size is not None and self.micro_batch_size <= 0:
+            raise UserError(f"--micro-batch-size must be a positive integer, got {self.micro_batch_size}")
+        if self.ppo_mini_batches <= 0:
+            raise UserError(f"--ppo-mini-batches must be a positive integer, got {self.ppo_mini_batches}")
+        if self.prompts_per_step is not None and self.prompts_per_step % self.ppo_mini_batches:
+            raise UserError(f"--ppo-mini-batches {self.ppo_mini_batches} must divide --prompts-per-step "
+                            f"{self.prompts_per_step} (each mini-batch holds whole groups)")
+        if not (math.isfinite(self.gae_lambda) and 0 <= self.gae_lambda <= 1):
+            raise UserError(f"--gae-lambda must be in [0, 1], got {self.gae_lambda}")
+        if not (math.isfinite(self.vf_coef) and self.vf_coef >= 0):
+            raise UserError(f"--vf-coef must be a finite number >= 0, got {self.vf_coef}")
+        check_positive_finite("--value-clip", self.value_clip)
+        if self.critic_model is not None and not algorithm.needs_critic:
+            raise UserError(f"--critic-model applies to ppo-rlhf only; {self.algorithm} has no critic")
+        if self.dtype in ("float16", "fp16"):
+            raise UserError("--dtype float16 would need loss scaling; use bfloat16 (fp32 master weights, bf16 compute) "
+                            "or float32")
         if self.reward_weights is not None:
             for weight in self.reward_weights:
                 if not math.isfinite(weight):

@@ -125,6 +125,8 @@ def check_generation_run(config, log=print):
         check_model_source(config.model, config.offline)
     if config.reward_model is not None:
         check_model_source(config.reward_model, config.offline, "--reward-model")
+    if config.critic_model is not None:
+        check_model_source(config.critic_model, config.offline, "--critic-model")
     check_rewards(config.reward, config.reward_weights, config.reward_model)
     return load_task(config), resume_from
 

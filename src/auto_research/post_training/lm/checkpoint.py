@@ -185,7 +185,8 @@ def _optimizer_from_files(tensors: dict, plain: dict) -> dict:
     return {"state": state, "param_groups": plain["param_groups"]}
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, rng: dict, trainer_state: dict, keep: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, rng: dict, trainer_state: dict, keep: int,
+                    critic=None, critic_optimizer=None) -> Path:
     from safetensors.torch import save_file
 
     root = Path(run_dir) / "checkpoints"
@@ -198,6 +199,11 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, rng: 
         tensors, plain = _optimizer_to_files(optimizer)
         save_file(tensors, str(staging / "optimizer.safetensors"))
         atomic_write_json(staging / "optimizer.json", plain)
+        if critic is not None:
+            critic.save_pretrained(staging / "critic", safe_serialization=True)
+            tensors, plain = _optimizer_to_files(critic_optimizer)
+            save_file(tensors, str(staging / "critic" / "optimizer.safetensors"))
+            atomic_write_json(staging / "critic" / "optimizer.json", plain)
         save_file({key: value.contiguous() for key, value in rng["tensors"].items()}, str(staging / "rng.safetensors"))
         atomic_write_json(staging / "trainer_state.json", {**trainer_state, "step": step, "numpy_rng": rng["numpy"]})
         write_manifest(staging)
@@ -218,18 +224,26 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, rng: 
     return target
 
 
-def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
-    """Load weights and optimizer state in place; return (trainer_state, rng)."""
+def _load_model_and_optimizer(folder: Path, model, optimizer) -> None:
     from safetensors.torch import load_file
 
-    weights = load_file(str(path / "model.safetensors"))
+    weights = load_file(str(folder / "model.safetensors"))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # Tied embeddings are saved once; anything else missing means a different model.
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:
-        raise UserError(f"--resume: checkpoint {path} does not match the model ({len(missing)} missing, {len(unexpected)} unexpected tensors)")
-    optimizer.load_state_dict(_optimizer_from_files(load_file(str(path / "optimizer.safetensors")),
-                                                    json.loads((path / "optimizer.json").read_text())))
+        raise UserError(f"--resume: checkpoint {folder} does not match the model ({len(missing)} missing, {len(unexpected)} unexpected tensors)")
+    optimizer.load_state_dict(_optimizer_from_files(load_file(str(folder / "optimizer.safetensors")),
+                                                    json.loads((folder / "optimizer.json").read_text())))
+
+
+def load_checkpoint(path: Path, model, optimizer, critic=None, critic_optimizer=None) -> tuple[dict, dict]:
+    """Load weights and optimizer states (the critic's too) in place; return (trainer_state, rng)."""
+    from safetensors.torch import load_file
+
+    _load_model_and_optimizer(path, model, optimizer)
+    if critic is not None:
+        _load_model_and_optimizer(path / "critic", critic, critic_optimizer)
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     rng = {"tensors": load_file(str(path / "rng.safetensors")), "numpy": trainer_state["numpy_rng"]}
     return trainer_state, rng

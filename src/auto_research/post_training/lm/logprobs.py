@@ -32,6 +32,19 @@ def completion_logits(model, sequences: torch.Tensor, prompt_mask: torch.Tensor,
     return logits / temperature if temperature != 1.0 else logits
 
 
+def completion_values(critic, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """(B, C) the critic's value V(s_t) of the state before each completion token; 0 where masked.
+
+    The critic is a token-classification model with one label: its output at
+    position t reads the prompt and y_<t+1… so, as for log-probs, the output one
+    position earlier is the value of the state in which y_t is chosen.
+    """
+    prompt_length = prompt_mask.shape[1]
+    attention, positions = attention_for(sequences, prompt_mask, completion_mask)
+    scores = critic(input_ids=sequences, attention_mask=attention, position_ids=positions).logits[..., 0]
+    return scores[:, prompt_length - 1 : -1].float() * completion_mask.to(torch.float32)
+
+
 def token_logprobs(
     model,
     sequences: torch.Tensor,

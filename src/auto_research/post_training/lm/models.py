@@ -105,3 +105,31 @@ def context_length(model) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def load_critic(name: str, device: str, offline: bool, vocabulary: int, flag: str = "--critic-model"):
+    """PPO's value model: the architecture of ``name`` with a scalar head per token, in float32.
+
+    The backbone is loaded from ``name`` (the policy, a reward model, or --critic-model);
+    the head starts at zero, so every value starts at 0 and the first advantages are
+    the returns themselves.
+    """
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    check_model_source(name, offline, flag)
+    local = Path(name).expanduser().exists()
+    try:
+        critic = AutoModelForTokenClassification.from_pretrained(name, num_labels=1, dtype=torch.float32,
+                                                                 local_files_only=offline or local)
+    except Exception as error:  # as in load_policy: many exception types for one mistake
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"{flag} {name}: cannot load as a value model ({type(error).__name__}: {first_line})") from None
+    if critic.config.vocab_size != vocabulary:
+        raise UserError(f"{flag} {name}: its vocabulary has {critic.config.vocab_size} tokens, the policy's "
+                        f"{vocabulary}; the critic reads the policy's tokens")
+    head = getattr(critic, "score", None) or getattr(critic, "classifier")
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.zero_()
+    return critic.to(device)

@@ -1,26 +1,26 @@
-"""The generation-level loop: what runs in one RLOO step, and around it.
+"""The generation-level loop: what runs in one step, and around it.
 
-One step (``Trainer.step``):
+One step (``Trainer.step``) is a row of named phases, each a short method:
 
-1. draw ``prompts_per_step`` prompts; sample K completions each in one
-   ``generate`` call (rollout.py);
-2. score them (rewards.py); a None reward leaves that sample out of its group's
-   baseline, a NaN saves the last good step and stops;
-3. one no-grad forward of the frozen reference (when β > 0);
-4. per micro-batch of whole groups, one forward/backward of the policy: the
-   log-probs give the sampled KL, the shaped reward r̃ = r − β·KL, the
-   advantages from the registered estimator (leave-one-out for RLOO), and the
-   loss −1/(groups·K) Σ_i A_i Σ_t log π(y_i,t) (the paper's: the whole response
-   is one action);
-5. clip the gradient norm, step AdamW, log a metrics row.
+    collect            draw prompts, sample K completions each (one generate call)
+    score              rewards; None leaves a sample out of its group's baseline, NaN stops
+    reference          log π_ref of every completion token (no grad; when a KL is used)
+    old log-probs      log π of the policy that sampled, entropy, and PPO's values (no grad)
+    advantages         per-token rewards (score on the last token, −β·kl per token when the KL
+                       shapes the reward) → the registered estimator (core.py)
+    update actor       epochs × mini-batches of whole groups × micro-batches: the registered
+                       policy loss, aggregated with the batch's global counts, AdamW
+    update critic      PPO only: clipped value loss on the GAE returns, its own AdamW
+    metrics            one row of metrics.jsonl
 
-With ``--updates-per-batch`` > 1 the same rollout is reused with PPO-style
-clipped importance ratios; the old log-probs are those of the first pass, so
-no extra forward is needed.
+RLOO (the default) is the paper's: r̃_i = r_i − β Σ_t kl_t, the leave-one-out baseline,
+loss −1/(groups·K) Σ_i A_i Σ_t log π(y_i,t). Weights and optimizer states are float32
+(master weights); ``--dtype bfloat16`` runs the forward passes under bf16 autocast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -34,16 +34,21 @@ import torch
 
 from auto_research.errors import TrainingInterrupted, UserError
 from auto_research.files import atomic_write_text
-from auto_research.post_training import estimators
-from auto_research.post_training.algorithms import AdvantageInputs, get_algorithm
+from auto_research.post_training.algorithms import get_algorithm
 from auto_research.post_training.config import GenerationConfig
 from auto_research.post_training.lm import checkpoint as checkpoints
+from auto_research.post_training.lm import core
 from auto_research.post_training.lm.evaluation import evaluate
-from auto_research.post_training.lm.logprobs import kl_per_token, token_logprobs
-from auto_research.post_training.lm.models import context_length, format_prompt, load_policy, resolve_device, resolve_dtype
+from auto_research.post_training.lm.logprobs import completion_values, kl_per_token, token_logprobs
+from auto_research.post_training.lm.models import (context_length, format_prompt, load_critic, load_policy,
+                                                   resolve_device, resolve_dtype)
 from auto_research.post_training.lm.rewards import RewardError, build_reward
-from auto_research.post_training.lm.rollout import sample
+from auto_research.post_training.lm.rollout import Rollout, sample
 from auto_research.post_training.lm.tasks import load_task
+
+# The estimator each algorithm uses at the generation level (core.ADVANTAGE_ESTIMATORS).
+ESTIMATOR = {"rloo": "rloo", "grpo": "grpo", "reinforce": "reinforce", "vanilla-pg": "vanilla-pg",
+             "remax": "remax", "raft": "raft", "ppo-rlhf": "gae"}
 
 
 def learning_rate_at(config: GenerationConfig, update: int, total_updates: int) -> float:
@@ -58,35 +63,27 @@ def learning_rate_at(config: GenerationConfig, update: int, total_updates: int) 
 
 
 @dataclass
-class StepBatch:
-    """The rollout of one step and everything computed from it without gradient."""
+class Trajectory:
+    """One step's rollout and everything computed from it without gradient (B completions, T tokens)."""
 
-    rollout: object
-    rewards: np.ndarray  # (G, K), 0 where unscored
-    scored: np.ndarray  # (G, K) bool
-    greedy_rewards: np.ndarray | None
-    reference_logprobs: torch.Tensor | None  # (B, C)
+    rollout: Rollout
+    prompts: list[str]  # the G prompts, as the model saw them
+    examples: list  # their dataset rows
+    rewards: torch.Tensor | None = None  # (B,) task reward, 0 where unscored
+    scored: torch.Tensor | None = None  # (B,) bool
+    greedy_rewards: torch.Tensor | None = None  # (B,) ReMax's baseline
+    reference_logprobs: torch.Tensor | None = None  # (B, T)
+    old_logprobs: torch.Tensor | None = None  # (B, T) the policy that sampled
+    entropy: torch.Tensor | None = None  # (B, T)
+    values: torch.Tensor | None = None  # (B, T) PPO's critic
+    kl: torch.Tensor | None = None  # (B, T) per-token KL estimate against the reference
+    token_rewards: torch.Tensor | None = None  # (B, T) what the estimator sees
+    advantages: torch.Tensor | None = None  # (B, T)
+    returns: torch.Tensor | None = None  # (B, T)
 
-
-def policy_loss(config: GenerationConfig, algorithm, logprobs, old_logprobs, reference_logprobs, mask, advantages,
-                sequences_in_batch: int, groups_in_batch: int, tokens_in_batch: float):
-    """This micro-batch's share of the batch loss (summing the shares gives the batch mean).
-
-    ``advantages`` (n,) are per sequence and carry no gradient. With ratio = 1
-    (on-policy), the gradient is −Σ_i A_i ∇ Σ_t log π(y_i,t) / normaliser: REINFORCE.
-    """
-    ratio = torch.exp(logprobs - old_logprobs)
-    surrogate = estimators.clipped_surrogate(ratio, advantages.unsqueeze(1), config.clip_range) * mask
-    if config.loss_aggregation == "token-mean":
-        loss = -surrogate.sum() / tokens_in_batch
-    else:
-        denominator = groups_in_batch if algorithm.reduction == "sum" else sequences_in_batch
-        loss = -surrogate.sum() / denominator
-    if config.kl_in == "loss" and reference_logprobs is not None and config.beta > 0:
-        kl = kl_per_token(logprobs, reference_logprobs, config.kl_estimator) * mask
-        denominator = tokens_in_batch if config.loss_aggregation == "token-mean" else sequences_in_batch
-        loss = loss + config.beta * kl.sum() / denominator
-    return loss
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.rollout.completion_mask.float()
 
 
 def _figure(value: float | None) -> str:
@@ -117,23 +114,34 @@ class Trainer:
             torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)
         self.device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, self.device)
+        # Master weights and optimizer states stay float32; bf16 is the compute dtype (autocast).
+        self.compute_dtype = resolve_dtype(config.dtype, self.device)
         model_name = config.model
         if model_name is None:
             from auto_research.post_training.lm.tiny import ensure_warm_started
 
             model_name = str(ensure_warm_started(self.task, progress=config.progress, log=self.log))
         self.model_name = model_name
-        self.model, self.tokenizer = load_policy(model_name, self.device, dtype, config.offline, log=self.log)
+        self.model, self.tokenizer = load_policy(model_name, self.device, torch.float32, config.offline, log=self.log)
         if config.gradient_checkpointing:
             # transformers 5 renamed it; the old name still works on older releases.
             enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
             enable()
-        # The frozen reference is the initial policy; with β = 0 it is not needed at all.
+        # The frozen reference is the initial policy (held in the compute dtype: it never trains);
+        # with β = 0 it is not needed at all.
         self.reference = None
         if config.beta > 0:
-            self.reference, _ = load_policy(model_name, self.device, dtype, config.offline)
+            self.reference, _ = load_policy(model_name, self.device, self.compute_dtype, config.offline)
             self.reference.eval().requires_grad_(False)
+        self.critic, self.critic_optimizer, self.critic_updates = None, None, 0
+        if self.algorithm.needs_critic:
+            source, flag = ((config.critic_model, "--critic-model") if config.critic_model else
+                            (config.reward_model, "--reward-model (the critic's default start)") if config.reward_model
+                            else (model_name, "--model"))
+            self.critic = load_critic(source, self.device, config.offline, len(self.tokenizer), flag)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.learning_rate,
+                                                      weight_decay=config.weight_decay)
+        self.updates_per_step = config.updates_per_batch * config.ppo_mini_batches
         self.reward = build_reward(config.reward, config.reward_weights, config.reward_model, self.task.verifier,
                                    self.device, config.offline)
         self.train_prompts = [format_prompt(self.tokenizer, example.prompt, config.chat_template) for example in self.task.train]
@@ -158,11 +166,13 @@ class Trainer:
         self.start_step = 1
         self.totals = {"no_signal_groups": 0, "unscored_samples": 0, "generated_tokens": 0, "seconds": 0.0}
         if self.resume_from is not None:
-            state, rng = checkpoints.load_checkpoint(self.resume_from, self.model, self.optimizer)
+            state, rng = checkpoints.load_checkpoint(self.resume_from, self.model, self.optimizer,
+                                                     self.critic, self.critic_optimizer)
             checkpoints.restore_rng(rng, self.rng)
             self.algorithm_state = state["algorithm_state"]
             self.history, self.baseline = state["history"], state["baseline"]
             self.updates, self.totals = state["updates"], state["totals"]
+            self.critic_updates = state.get("critic_updates", 0)
             self.start_step = state["step"] + 1
             self.run_dir_ready = True
             self._truncate_metrics(state["step"])
@@ -171,151 +181,215 @@ class Trainer:
 
     # --- one step --------------------------------------------------------------------
 
-    def collect(self) -> tuple[StepBatch, list]:
-        """Rollout, rewards and reference log-probs: everything without gradient."""
+    def _autocast(self):
+        """bf16 compute over float32 master weights when --dtype bfloat16; nothing otherwise."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.split(":")[0], dtype=self.compute_dtype)
+
+    def _forward(self, model, trajectory: Trajectory, function, **options):
+        """``function`` over the rollout in micro-batches, without gradient, concatenated."""
+        size = self.config.micro_batch_size or trajectory.rollout.sequences.shape[0]
+        outputs = []
+        with torch.no_grad(), self._autocast():
+            for start in range(0, trajectory.rollout.sequences.shape[0], size):
+                chunk = trajectory.rollout.rows(start, start + size)
+                outputs.append(function(model, chunk.sequences, chunk.prompt_mask, chunk.completion_mask, **options))
+        if isinstance(outputs[0], tuple):
+            return tuple(torch.cat(parts) for parts in zip(*outputs))
+        return torch.cat(outputs)
+
+    # --- one step: the phases --------------------------------------------------------
+
+    def collect(self) -> Trajectory:
+        """Draw distinct prompts and sample K completions for each."""
         config = self.config
-        picks = self.rng.choice(len(self.task.train), size=min(config.prompts_per_step, len(self.task.train)), replace=False)
+        picks = self.rng.choice(len(self.task.train), size=config.prompts_per_step, replace=False)
         prompts = [self.train_prompts[i] for i in picks]
-        examples = [self.task.train[i] for i in picks]
-        K = config.group_size
-        rollout = sample(self.model, self.tokenizer, prompts, K, config.max_new_tokens,
-                         config.temperature, config.top_p, config.top_k)
-        repeated_prompts = [prompt for prompt in prompts for _ in range(K)]
-        repeated_examples = [example for example in examples for _ in range(K)]
-        values = self.reward(repeated_prompts, rollout.completions, repeated_examples)
-        scored = np.array([value is not None for value in values]).reshape(-1, K)
-        rewards = np.array([0.0 if value is None else value for value in values]).reshape(-1, K)
-        greedy_rewards = None
-        if self.algorithm.needs_greedy:
-            greedy = sample(self.model, self.tokenizer, prompts, 1, config.max_new_tokens, greedy=True)
-            greedy_values = self.reward(prompts, greedy.completions, examples)
-            greedy_rewards = np.array([[0.0 if value is None else value] for value in greedy_values])
-        reference_logprobs = None
-        if self.reference is not None:
-            with torch.no_grad():
-                reference_logprobs = torch.cat([
-                    token_logprobs(self.reference, chunk.sequences, chunk.prompt_mask, chunk.completion_mask, config.temperature)
-                    for chunk in self._chunks(rollout)
-                ])
-        return StepBatch(rollout, rewards, scored, greedy_rewards, reference_logprobs), examples
+        with self._autocast():
+            rollout = sample(self.model, self.tokenizer, prompts, config.group_size, config.max_new_tokens,
+                             config.temperature, config.top_p, config.top_k)
+        return Trajectory(rollout, prompts, [self.task.train[i] for i in picks])
 
-    def _chunk_size(self) -> int:
+    def score(self, trajectory: Trajectory, step: int) -> None:
+        """Task rewards of every completion (and of the greedy ones, for ReMax)."""
         K = self.config.group_size
-        return self.config.micro_batch_size or self.config.prompts_per_step * K
-
-    def _chunks(self, rollout):
-        size = self._chunk_size()
-        for start in range(0, rollout.sequences.shape[0], size):
-            yield rollout.rows(start, start + size)
-
-    def _sampled_kl(self, batch: StepBatch, groups: slice, logprobs: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
-        """(groups, K) sampled KL of each completion: the chosen estimator summed over its tokens."""
-        K = self.config.group_size
-        if batch.reference_logprobs is None:
-            return np.zeros((groups.stop - groups.start, K))
-        rows = slice(groups.start * K, groups.stop * K)
-        kl = (kl_per_token(logprobs, batch.reference_logprobs[rows], self.config.kl_estimator) * mask).sum(1)
-        return kl.double().cpu().numpy().reshape(-1, K)
-
-    def _advantages(self, batch: StepBatch, groups: slice, kl: np.ndarray, state: dict) -> np.ndarray:
-        """Advantages of the given groups from the registered estimator."""
-        inputs = AdvantageInputs(
-            rewards=batch.rewards[groups],
-            log_ratio=kl,
-            beta=self.config.beta if self.config.kl_in == "reward" else 0.0,
-            mask=batch.scored[groups],
-            greedy_rewards=None if batch.greedy_rewards is None else batch.greedy_rewards[groups],
-        )
-        return self.algorithm.advantages(inputs, state)
-
-    def step(self, step: int) -> dict:
-        config = self.config
-        started = time.perf_counter()
-        batch, examples = self.collect()
-        unscored = int((~batch.scored).sum())
-        if unscored == batch.scored.size:
+        prompts = [prompt for prompt in trajectory.prompts for _ in range(K)]
+        examples = [example for example in trajectory.examples for _ in range(K)]
+        values = self.reward(prompts, trajectory.rollout.completions, examples)
+        trajectory.scored = torch.tensor([value is not None for value in values])
+        trajectory.rewards = torch.tensor([0.0 if value is None else value for value in values])
+        unscored = int((~trajectory.scored).sum())
+        if unscored == len(values):
             raise RewardError(f"no sample of step {step} could be scored: the reward returned None for all {unscored} "
                               "completions")
         if unscored and not self.warned_unscored:
             self.warned_unscored = True
-            self.log(f"warning: the reward returned None for {unscored} of {batch.scored.size} samples at step {step}; "
+            self.log(f"warning: the reward returned None for {unscored} of {len(values)} samples at step {step}; "
                      "they are left out of their groups' baselines (counted in unscored_samples; warned once per run)")
-        rollout = batch.rollout
-        K = config.group_size
-        groups_total = batch.rewards.shape[0]
-        sequences_total = groups_total * K
-        tokens_total = float(rollout.completion_mask.sum().clamp(min=1))
-        size = self._chunk_size()
-        whole_groups = size % K == 0
-        advantages = np.zeros((groups_total, K))
-        kls = np.zeros((groups_total, K))
-        old = [None] * math.ceil(sequences_total / size)
-        # Micro-batches read the algorithm's state as it was when the step began (a
-        # moving-average baseline must not move between them); it advances once, below.
-        state_at_start = json.loads(json.dumps(self.algorithm_state))
-        if not whole_groups:
-            # A group does not fit in one micro-batch: score every group once without
-            # gradient so that its baseline sees all K log-probs.
-            with torch.no_grad():
-                for g in range(groups_total):
-                    group = rollout.rows(g * K, (g + 1) * K)
-                    logprobs = token_logprobs(self.model, group.sequences, group.prompt_mask, group.completion_mask, config.temperature)
-                    kls[g] = self._sampled_kl(batch, slice(g, g + 1), logprobs, group.completion_mask.float())[0]
-            advantages = self._advantages(batch, slice(0, groups_total), kls, self.algorithm_state)
-        entropy_sum, losses, grad_norm = 0.0, [], 0.0
+        if self.algorithm.needs_greedy:
+            with self._autocast():
+                greedy = sample(self.model, self.tokenizer, trajectory.prompts, 1, self.config.max_new_tokens, greedy=True)
+            greedy_values = self.reward(trajectory.prompts, greedy.completions, trajectory.examples)
+            trajectory.greedy_rewards = torch.tensor([0.0 if v is None else v for v in greedy_values]).repeat_interleave(K)
+
+    def reference_logprobs(self, trajectory: Trajectory) -> None:
+        if self.reference is not None:
+            trajectory.reference_logprobs = self._forward(self.reference, trajectory, token_logprobs,
+                                                          temperature=self.config.temperature)
+
+    def old_logprobs(self, trajectory: Trajectory) -> None:
+        """log π of the policy that sampled (the ratios' denominator and the KL), its entropy, PPO's values."""
+        trajectory.old_logprobs, trajectory.entropy = self._forward(
+            self.model, trajectory, token_logprobs, temperature=self.config.temperature, with_entropy=True)
+        if trajectory.reference_logprobs is not None:
+            trajectory.kl = kl_per_token(trajectory.old_logprobs, trajectory.reference_logprobs,
+                                         self.config.kl_estimator) * trajectory.mask
+        else:
+            trajectory.kl = torch.zeros_like(trajectory.old_logprobs)
+        if self.critic is not None:
+            trajectory.values = self._forward(self.critic, trajectory, completion_values) * trajectory.mask
+
+    def estimate_advantages(self, trajectory: Trajectory) -> None:
+        """Per-token rewards → the registered estimator → advantages and returns."""
+        config, mask = self.config, trajectory.mask
+        token_rewards = core.last_token(mask) * trajectory.rewards.unsqueeze(1)
+        if config.kl_in == "reward":
+            token_rewards = token_rewards - config.beta * trajectory.kl
+        inputs = core.AdvantageInputs(token_rewards, mask, config.group_size, trajectory.scored,
+                                      trajectory.greedy_rewards, trajectory.values, 1.0, config.gae_lambda,
+                                      self.algorithm_state)
+        advantages, returns = core.ADVANTAGE_ESTIMATORS[ESTIMATOR[config.algorithm]](inputs)
+        if self.critic is not None and config.whiten_advantages:
+            advantages = core.whiten(advantages, mask * trajectory.scored.float().unsqueeze(1))
+        trajectory.advantages, trajectory.returns, trajectory.token_rewards = advantages, returns, token_rewards
+
+    def _mini_batches(self, trajectory: Trajectory):
+        """Slices of whole groups, one optimizer step each."""
+        rows = trajectory.rollout.sequences.shape[0]
+        size = rows // self.config.ppo_mini_batches
+        return [slice(start, start + size) for start in range(0, rows, size)]
+
+    def _micro_batches(self, rows: slice):
+        size = self.config.micro_batch_size or (rows.stop - rows.start)
+        return [slice(start, min(start + size, rows.stop)) for start in range(rows.start, rows.stop, size)]
+
+    def _optimizer_step(self, model, optimizer) -> float:
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), self.config.max_grad_norm))
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate_at(self.config, self.updates, self.config.steps * self.updates_per_step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def update_actor(self, trajectory: Trajectory) -> dict:
+        """Epochs × mini-batches × micro-batches of the registered policy loss (plus the KL term in the loss)."""
+        config, mask = self.config, trajectory.mask
+        clipped = (self.algorithm.objective == "clipped" or config.updates_per_batch > 1 or config.ppo_mini_batches > 1)
+        loss_function = core.POLICY_LOSSES[f"clipped-{config.ratio_level}" if clipped else "vanilla"]
+        totals = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0, "grad_norm": 0.0, "clip_fraction": 0.0}
         for epoch in range(config.updates_per_batch):
-            self.optimizer.zero_grad(set_to_none=True)
-            loss_value = 0.0
-            for index, start in enumerate(range(0, sequences_total, size)):
-                chunk = rollout.rows(start, start + size)
-                mask = chunk.completion_mask.float()
-                logprobs, entropy = token_logprobs(self.model, chunk.sequences, chunk.prompt_mask, chunk.completion_mask,
-                                                   config.temperature, with_entropy=True)
-                if epoch == 0:
-                    old[index] = logprobs.detach()
-                    entropy_sum += float(entropy.sum())
-                    if whole_groups:
-                        groups = slice(start // K, (start + size) // K)
-                        kls[groups] = self._sampled_kl(batch, groups, logprobs.detach(), mask)
-                        advantages[groups] = self._advantages(batch, groups, kls[groups], dict(state_at_start))
-                flat = torch.as_tensor(advantages.reshape(-1)[start : start + size], dtype=logprobs.dtype, device=logprobs.device)
-                reference = None if batch.reference_logprobs is None else batch.reference_logprobs[start : start + size]
-                loss = policy_loss(config, self.algorithm, logprobs, old[index], reference, mask, flat,
-                                   sequences_total, groups_total, tokens_total)
-                loss.backward()
-                loss_value += float(loss.detach())
-            if epoch == 0 and whole_groups:
-                # Recomputed over the whole batch: the same advantages, and the state advances once.
-                advantages = self._advantages(batch, slice(0, groups_total), kls, self.algorithm_state)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm))
-            for group in self.optimizer.param_groups:
-                group["lr"] = learning_rate_at(config, self.updates, config.steps * config.updates_per_batch)
-            self.optimizer.step()
-            self.updates += 1
-            losses.append(loss_value)
-        elapsed = time.perf_counter() - started
-        generated = int(rollout.completion_mask.sum())
-        scored = batch.scored
-        valid_rewards = batch.rewards[scored]
-        no_signal = estimators.groups_without_signal(advantages)
+            for rows in self._mini_batches(trajectory):
+                # Global counts of this optimizer step: micro-batch shares sum to its exact loss.
+                counts = dict(sequences=float(rows.stop - rows.start), tokens=float(mask[rows].sum().clamp(min=1)),
+                              groups=float((rows.stop - rows.start) // config.group_size))
+                for part in self._micro_batches(rows):
+                    chunk = trajectory.rollout.rows(part.start, part.stop)
+                    with self._autocast():
+                        logprobs = token_logprobs(self.model, chunk.sequences, chunk.prompt_mask, chunk.completion_mask,
+                                                  config.temperature)
+                    inputs = core.LossInputs(logprobs, trajectory.old_logprobs[part], trajectory.advantages[part],
+                                             mask[part], config.clip_range)
+                    pg = core.aggregate(loss_function(inputs), mask[part], config.loss_aggregation, **counts,
+                                        per_group_sum=self.algorithm.reduction == "sum")
+                    loss = pg
+                    if config.kl_in == "loss" and trajectory.reference_logprobs is not None and config.beta > 0:
+                        kl = kl_per_token(logprobs, trajectory.reference_logprobs[part], config.kl_estimator)
+                        kl_loss = config.beta * core.aggregate(kl, mask[part], config.loss_aggregation, **counts)
+                        loss = loss + kl_loss
+                        totals["kl_loss"] += float(kl_loss.detach())
+                    loss.backward()
+                    totals["loss"] += float(loss.detach())
+                    totals["pg_loss"] += float(pg.detach())
+                    if clipped:
+                        ratio = torch.exp(logprobs.detach() - trajectory.old_logprobs[part])
+                        outside = ((ratio - 1).abs() > config.clip_range).float() * mask[part]
+                        totals["clip_fraction"] += float(outside.sum()) / float(mask.sum().clamp(min=1))
+                totals["grad_norm"] = self._optimizer_step(self.model, self.optimizer)
+                self.updates += 1
+        steps = config.updates_per_batch * config.ppo_mini_batches
+        # Losses are reported per optimizer step (averaged); the gradient norm is the last step's.
+        return {key: value / steps if key in ("loss", "pg_loss", "kl_loss", "clip_fraction") else value
+                for key, value in totals.items()}
+
+    def update_critic(self, trajectory: Trajectory) -> dict:
+        """PPO's critic: ½·max((V − R)², (V_clip − R)²) on the GAE returns, token-mean, times --vf-coef."""
+        if self.critic is None:
+            return {}
+        config, mask = self.config, trajectory.mask * trajectory.scored.float().unsqueeze(1)
+        value_loss, explained = 0.0, 0.0
+        for epoch in range(config.updates_per_batch):
+            for rows in self._mini_batches(trajectory):
+                tokens = float(mask[rows].sum().clamp(min=1))
+                for part in self._micro_batches(rows):
+                    chunk = trajectory.rollout.rows(part.start, part.stop)
+                    with self._autocast():
+                        values = completion_values(self.critic, chunk.sequences, chunk.prompt_mask, chunk.completion_mask)
+                    old, target = trajectory.values[part], trajectory.returns[part]
+                    clipped = old + (values - old).clamp(-config.value_clip, config.value_clip)
+                    terms = 0.5 * torch.maximum((values - target).square(), (clipped - target).square())
+                    loss = config.vf_coef * (terms * mask[part]).sum() / tokens
+                    loss.backward()
+                    value_loss += float(loss.detach()) / max(config.vf_coef, 1e-12)
+                self._optimizer_step(self.critic, self.critic_optimizer)
+        residual = ((trajectory.returns - trajectory.values) * mask)
+        variance = float(((trajectory.returns - (trajectory.returns * mask).sum() / mask.sum().clamp(min=1)) * mask).square().sum())
+        explained = 1.0 - float(residual.square().sum()) / max(variance, 1e-12)
+        self.critic_updates += config.updates_per_batch * config.ppo_mini_batches
+        return {"value_loss": value_loss / (config.updates_per_batch * config.ppo_mini_batches),
+                "explained_variance": explained}
+
+    def step(self, step: int) -> dict:
+        started = time.perf_counter()
+        trajectory = self.collect()
+        self.score(trajectory, step)
+        self.reference_logprobs(trajectory)
+        self.old_logprobs(trajectory)
+        self.estimate_advantages(trajectory)
+        actor = self.update_actor(trajectory)
+        critic = self.update_critic(trajectory)
+        return self.step_metrics(step, trajectory, actor, critic, time.perf_counter() - started)
+
+    def step_metrics(self, step: int, trajectory: Trajectory, actor: dict, critic: dict, elapsed: float) -> dict:
+        config, mask, K = self.config, trajectory.mask, self.config.group_size
+        scored = trajectory.scored
+        rewards = trajectory.rewards[scored].double()
+        kl_sequence = trajectory.kl.sum(1).double()
+        # The RL objective of the paper: E[r − β·KL], over the scored samples.
+        objective = (trajectory.rewards.double() - config.beta * kl_sequence)[scored]
+        sequence_advantages = (trajectory.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+        no_signal = int((sequence_advantages.view(-1, K) == 0).all(-1).sum())
+        generated = int(mask.sum())
+        sequences = mask.shape[0]
         self.totals["no_signal_groups"] += no_signal
         self.totals["unscored_samples"] += int((~scored).sum())
         self.totals["generated_tokens"] += generated
         self.totals["seconds"] += elapsed
         return {
             "step": step,
-            "loss": losses[0],
-            "reward_mean": float(valid_rewards.mean()) if valid_rewards.size else float("nan"),
-            "reward_std": float(valid_rewards.std()) if valid_rewards.size else float("nan"),
-            "kl": float(kls.mean()),
-            "entropy": entropy_sum / tokens_total,
-            "completion_length": generated / sequences_total,
-            "advantage_mean": float(advantages.mean()),
-            "advantage_std": float(advantages.std()),
-            "advantage_abs_max": float(np.abs(advantages).max()),
-            "no_signal_fraction": no_signal / groups_total,
+            **actor,
+            "objective": float(objective.mean()),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)) if rewards.numel() else float("nan"),
+            "kl": float(kl_sequence.mean()),
+            "entropy": float(trajectory.entropy.sum()) / max(generated, 1),
+            "completion_length": generated / sequences,
+            "advantage_mean": float(sequence_advantages.mean()),
+            "advantage_std": float(sequence_advantages.double().std(unbiased=False)),
+            "advantage_abs_max": float(sequence_advantages.abs().max()),
+            "no_signal_fraction": no_signal / (sequences // K),
             "unscored_samples": int((~scored).sum()),
-            "grad_norm": grad_norm,
+            **critic,
             "learning_rate": self.optimizer.param_groups[0]["lr"],
             "tokens_per_second": generated / elapsed,
             "step_seconds": elapsed,
@@ -324,18 +398,30 @@ class Trainer:
     # --- evaluation, checkpoints, metrics ----------------------------------------------
 
     def evaluate(self) -> dict:
-        return evaluate(self.model, self.reference, self.tokenizer, self.eval_prompts, self.task.evaluation,
-                        self.task.verifier, self.reward, self.config.max_new_tokens, self.config.temperature)
+        with self._autocast():
+            return evaluate(self.model, self.reference, self.tokenizer, self.eval_prompts, self.task.evaluation,
+                            self.task.verifier, self.reward, self.config.max_new_tokens, self.config.temperature)
+
+    def parameter_counts(self) -> dict:
+        """Trainable and total parameters of every model held: policy, critic, reference, reward model."""
+        def count(model):
+            return sum(parameter.numel() for parameter in model.parameters()) if model is not None else 0
+
+        reward_model = next((f for _, f, _ in self.reward.components if hasattr(f, "model")), None)
+        held = {"policy": count(self.model), "critic": count(self.critic), "reference": count(self.reference),
+                "reward_model": count(getattr(reward_model, "model", None))}
+        return {**held, "trainable": held["policy"] + held["critic"], "total": sum(held.values())}
 
     def trainer_state(self, step: int) -> dict:
         return {"config": self.config.to_json(), "algorithm_state": self.algorithm_state, "history": self.history,
-                "baseline": self.baseline, "updates": self.updates, "totals": self.totals, "model": self.model_name}
+                "baseline": self.baseline, "updates": self.updates, "totals": self.totals, "model": self.model_name,
+                "critic_updates": self.critic_updates}
 
     def save(self, step: int, rng: dict | None = None) -> Path:
         self._open_run_dir()
         return checkpoints.save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.optimizer,
                                            rng or checkpoints.capture_rng(self.rng), self.trainer_state(step),
-                                           self.config.keep_checkpoints)
+                                           self.config.keep_checkpoints, self.critic, self.critic_optimizer)
 
     def _truncate_metrics(self, step: int) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -496,6 +582,9 @@ class Trainer:
                 "kl_in": config.kl_in,
                 "loss_aggregation": config.loss_aggregation,
                 "updates_per_batch": config.updates_per_batch,
+                "ppo_mini_batches": config.ppo_mini_batches,
+                "ratio_level": config.ratio_level,
+                "dtype": str(self.compute_dtype).replace("torch.", ""),
                 "temperature": config.temperature,
                 "max_new_tokens": config.max_new_tokens,
                 "optimizer_updates": self.updates,
@@ -503,7 +592,10 @@ class Trainer:
                 "unscored_samples": self.totals["unscored_samples"],
                 "training_seconds": self.totals["seconds"],
                 "tokens_per_second": self.totals["generated_tokens"] / max(self.totals["seconds"], 1e-9),
-                "critic_updates": 0,
+                "critic_updates": self.critic_updates,
+                **({"gae_lambda": config.gae_lambda, "vf_coef": config.vf_coef, "value_clip": config.value_clip,
+                    "whiten_advantages": config.whiten_advantages} if self.critic is not None else {}),
+                "parameters": self.parameter_counts(),
             },
             "history": self.history,
         }
