@@ -76,10 +76,14 @@ def test_whitening_uses_the_masked_entries_only():
 
 
 def test_clipped_value_loss_by_hand():
-    # Old value 0, target 1, clip 0.2: a new value of 0.5 is clipped to 0.2 → max(0.25, 0.64)/2.
-    old, target, new = torch.tensor(0.0), torch.tensor(1.0), torch.tensor(0.5)
-    clipped = old + (new - old).clamp(-0.2, 0.2)
-    assert float(0.5 * torch.maximum((new - target) ** 2, (clipped - target) ** 2)) == pytest.approx(0.32)
+    # Old value 0, target 1, clip 0.2: new 0.5 is clipped to 0.2 → ½·max(0.25, 0.64) = 0.32;
+    # new 1.1 (target 1): clipped to 0.2 → ½·max(0.01, 0.64) = 0.32; new 0.1 (inside the clip): ½·0.81.
+    new = torch.tensor([0.5, 1.1, 0.1], requires_grad=True)
+    loss = core.clipped_value_loss(new, torch.zeros(3), torch.ones(3), 0.2)
+    assert loss.tolist() == pytest.approx([0.32, 0.32, 0.405])
+    loss.sum().backward()
+    # Where the clipped term wins, the loss is flat in V: no gradient.
+    assert new.grad.tolist() == pytest.approx([0.0, 0.0, -0.9])
 
 
 def test_aggregations_by_hand():
@@ -272,3 +276,25 @@ def test_ppo_resume_is_exact_critic_included(tiny_model_dir, sums_jsonl, tmp_pat
     metrics = json.loads((whole / "metrics.json").read_text())
     assert metrics["training"]["critic_updates"] == 4 * 2 * 2
     assert metrics["training"]["parameters"]["critic"] > 0
+
+
+def test_compare_at_the_generation_level_writes_time_memory_and_plots(tiny_model_dir, sums_jsonl, tmp_path, capsys):
+    from auto_research.cli import main
+
+    code = main(["compare", "--dataset", str(sums_jsonl), "--model", str(tiny_model_dir), "--algorithms",
+                 "rloo,ppo-rlhf", "--seeds", "1,2", "--group-size", "2,4", "--steps", "2", "--prompts-per-step", "2",
+                 "--max-new-tokens", "3", "--evaluation-examples", "4", "--reward", "match", "--offline",
+                 "--device", "cpu", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    summary = json.loads((tmp_path / "classic-post-training-sums-seeds1-2.json").read_text())
+    assert set(summary["algorithms"]) == {"rloo-k2", "ppo-rlhf-k2", "rloo-k4", "ppo-rlhf-k4"}
+    rloo, ppo = summary["algorithms"]["rloo-k4"], summary["algorithms"]["ppo-rlhf-k4"]
+    assert rloo["seeds"] == [1, 2] and rloo["samples"] == 2 * 2 * 4
+    assert rloo["step_seconds"]["mean"] > 0 and rloo["peak_memory_mb"]["mean"] > 0
+    assert "CPU: peak resident memory" in rloo["peak_memory_kind"]
+    # PPO trains a critic as large as the policy, plus its scalar head (hidden size 32, and a bias).
+    assert ppo["parameters"]["trainable"] == 2 * rloo["parameters"]["trainable"] + 33
+    assert (tmp_path / "k4" / "ppo-rlhf-sums-seed2" / "checkpoints").is_dir()
+    assert "| ppo-rlhf | 4 |" in (tmp_path / "classic-post-training-sums-seeds1-2.md").read_text()
+    assert (tmp_path / "classic-post-training-sums-seeds1-2.png").read_bytes().startswith(b"\x89PNG")

@@ -152,3 +152,13 @@ def test_post_train_with_a_reward_model_and_weights(tiny_model_dir, sums_jsonl, 
     rows = [json.loads(line) for line in (tmp_path / "runs" / "rloo-sums-seed42" / "metrics.jsonl").read_text().splitlines()]
     # The reward model's scores are real numbers, not 0/1: the mean reward is no multiple of 1/8.
     assert any(abs(row["reward_mean"] * 8 - round(row["reward_mean"] * 8)) > 1e-6 for row in rows)
+
+
+def test_a_critic_of_another_vocabulary_is_refused(tiny_model_dir, sums_jsonl, tmp_path, capsys):
+    folder, _, _ = _reward_model_dir(tmp_path)  # 49 tokens; the policy has 260
+    code = main(["post-train", "--algorithm", "ppo-rlhf", "--model", str(tiny_model_dir), "--dataset", str(sums_jsonl),
+                 "--critic-model", str(folder), "--offline", "--device", "cpu", "--output-dir", str(tmp_path / "out")])
+    assert code == 2
+    error = capsys.readouterr().err
+    assert f"--critic-model {folder}: its vocabulary has 49 tokens, the policy's 260" in error
+    assert not (tmp_path / "out").exists()

@@ -39,12 +39,16 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
-def _add_run_flags(parser: argparse.ArgumentParser, datasets: str) -> None:
+def _add_run_flags(parser: argparse.ArgumentParser, datasets: str, several_group_sizes: bool = False) -> None:
     parser.add_argument("--dataset", default="arithmetic-smoke", help=f"{datasets} (default: %(default)s)")
     parser.add_argument("--maximum-examples", type=int, default=None,
                         help="N train problems or prompts (default: 512 candidate level, all at the generation level)")
     parser.add_argument("--steps", type=int, default=None, help="policy updates (default: 100 candidate level, per dataset at the generation level)")
-    parser.add_argument("--group-size", type=int, default=4, help="K samples per prompt (default: %(default)s)")
+    if several_group_sizes:
+        parser.add_argument("--group-size", default="4", help="K samples per prompt; several, e.g. 2,4, at the "
+                                                              "generation level (default: %(default)s)")
+    else:
+        parser.add_argument("--group-size", type=int, default=4, help="K samples per prompt (default: %(default)s)")
     parser.add_argument("--learning-rate", type=float, default=None, help="step size (default: 0.08 candidate level, per dataset at the generation level)")
     parser.add_argument("--beta", type=float, default=None, help="β, weight of the KL penalty (default: 0.02 candidate level, 0.05 generation level)")
     parser.add_argument("--seed", type=int, default=42, help="random seed (default: %(default)s)")
@@ -54,11 +58,30 @@ def _add_run_flags(parser: argparse.ArgumentParser, datasets: str) -> None:
 
 
 GENERATION_FLAGS = {}
+GENERATION_ACTIONS = {}
 
 
 def _generation_flag(group, *flags: str, **options) -> None:
     action = group.add_argument(*flags, **options)
     GENERATION_FLAGS[action.dest] = flags[0]
+    GENERATION_ACTIONS[action.dest] = action
+
+
+def generation_argv(args: argparse.Namespace) -> list[str]:
+    """The generation-level flags the user gave, written back as command-line words (compare passes them on)."""
+    words = []
+    for dest, action in GENERATION_ACTIONS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            words.append(action.option_strings[0])
+        elif isinstance(value, list):
+            for item in value:
+                words += [action.option_strings[0], str(item)]
+        else:
+            words += [action.option_strings[0], str(value)]
+    return words
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -126,8 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare = commands.add_parser("compare", help="run several algorithms on identical data and settings")
     compare.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated (default: all)")
-    _add_run_flags(compare, f"{', '.join(CANDIDATE_DATASETS)} (the candidate level)")
+    _add_run_flags(compare, f"{', '.join(DATASETS)}, or a .jsonl file (generation level: each run in its own "
+                            "process, with its time and memory)", several_group_sizes=True)
     compare.add_argument("--seeds", default=None, help="comma-separated seeds (default: --seed)")
+    _add_generation_flags(compare)
 
     sft = commands.add_parser("sft", help="supervised fine-tuning of a causal LM on a dataset's demonstrations")
     sft.add_argument("--model", default=None, help="folder or hub id (default: a fresh embedded tiny model)")
@@ -259,6 +284,27 @@ def _compare(args: argparse.Namespace) -> int:
     if len(set(algorithms)) != len(algorithms):
         raise UserError(f"--algorithms lists an algorithm twice: {args.algorithms}")
     seeds = _seeds(args.seeds) if args.seeds else [args.seed]
+    group_sizes = _group_sizes(args.group_size)
+    if _is_generation(args.dataset):
+        def make_config(algorithm, group_size, seed, output_dir):
+            run = argparse.Namespace(**{**vars(args), "algorithm": algorithm, "group_size": group_size, "seed": seed,
+                                        "output_dir": output_dir, "seeds": None})
+            return _generation_config(run)
+
+        # The run-wide flags go to every run as given; algorithm, K and seed are set per run.
+        passthrough = generation_argv(args) + [word for name in ("steps", "learning_rate", "beta", "maximum_examples")
+                                               if getattr(args, name) is not None
+                                               for word in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+        result = runs.compare_generation(make_config, args.output_dir, algorithms, seeds, group_sizes, passthrough,
+                                         log=lambda text: print(text, file=sys.stderr, flush=True))
+        print(result["table"])
+        print()
+        for path in result["paths"]:
+            print(f"wrote {path}")
+        return 0
+    if len(group_sizes) > 1:
+        raise UserError("several --group-size values are for the generation level; the candidate level takes one")
+    args.group_size = group_sizes[0]
     for name in algorithms:
         _config(args, name)
     result = runs.compare(_config(args, algorithms[0]), algorithms, seeds)
@@ -268,6 +314,16 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     print(f"and {len(result['paths']) - 3} files in per-run directories under {args.output_dir}")
     return 0
+
+
+def _group_sizes(text) -> list[int]:
+    try:
+        sizes = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise UserError(f"--group-size takes an integer, or several such as 2,4; got {text!r}") from None
+    if len(set(sizes)) != len(sizes):
+        raise UserError(f"--group-size lists a value twice: {text}")
+    return sizes
 
 
 def _data(args: argparse.Namespace) -> int:

@@ -206,3 +206,86 @@ def training_curves_plot(path: Path, rows: list[dict], metrics: dict) -> Path:
     figure.savefig(buffer, format="png", dpi=110)
     plt.close(figure)
     return atomic_write_bytes(path, buffer.getvalue())
+
+
+def _mean_std(values: list[float]) -> str:
+    values = [value for value in values if value is not None]
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.4g}"
+    return f"{statistics.fmean(values):.4g} ± {statistics.stdev(values):.2g}"
+
+
+def write_generation_comparison(output: Path, dataset: str, seeds: list[int], results: dict) -> dict:
+    """JSON, Markdown and PNG of a generation-level comparison; ``results[(K, algorithm)]`` is a run per seed."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = {}
+    lines = ["| algorithm | K | held-out accuracy before → after | reward before → after | KL(reference) | samples | "
+             "median step (s) | peak memory (MB) | trainable / total parameters |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    for (K, algorithm), runs in results.items():
+        take = lambda part, key: [run[part][key] for run in runs]  # noqa: E731
+        parameters = runs[0]["training"].get("parameters", {})
+        entry = {
+            "group_size": K,
+            "seeds": [run["seed"] for run in runs],
+            "baseline": {key: mean_and_std([v for v in take("baseline", key) if v is not None] or [math.nan]) for key in METRICS},
+            "final": {key: mean_and_std([v for v in take("final", key) if v is not None] or [math.nan]) for key in METRICS},
+            "samples": runs[0]["samples"],
+            "step_seconds": mean_and_std([run["step_seconds_median"] for run in runs]),
+            "peak_memory_mb": mean_and_std([run["training"]["peak_memory_mb"] for run in runs]),
+            "peak_memory_kind": runs[0]["training"]["peak_memory_kind"],
+            "parameters": parameters,
+            "settings": {key: runs[0]["training"].get(key) for key in ("steps", "learning_rate", "beta", "prompts_per_step",
+                                                                       "kl_estimator", "kl_in", "loss_aggregation",
+                                                                       "updates_per_batch", "ppo_mini_batches",
+                                                                       "temperature", "max_new_tokens", "gae_lambda",
+                                                                       "vf_coef", "value_clip")},
+            "run_dirs": [run.get("run_dir") for run in runs],
+        }
+        summary[f"{algorithm}-k{K}"] = entry
+        lines.append(
+            f"| {algorithm} | {K} | {_mean_std(take('baseline', 'accuracy'))} → {_mean_std(take('final', 'accuracy'))} | "
+            f"{_mean_std(take('baseline', 'mean_reward'))} → {_mean_std(take('final', 'mean_reward'))} | "
+            f"{_mean_std(take('final', 'kl_from_reference'))} | {entry['samples']} | "
+            f"{_mean_std([run['step_seconds_median'] for run in runs])} | "
+            f"{_mean_std([run['training']['peak_memory_mb'] for run in runs])} | "
+            f"{parameters.get('trainable', 0):,} / {parameters.get('total', 0):,} |")
+    table = "\n".join(lines)
+    stem = Path(output) / f"classic-post-training-{dataset}-{seeds_tag(seeds)}"
+    paths = [atomic_write_json(stem.with_suffix(".json"), {"dataset": dataset, "seeds": seeds, "algorithms": summary})]
+    kind = next(iter(summary.values()))["peak_memory_kind"]
+    paths.append(atomic_write_text(stem.with_suffix(".md"), f"# {dataset}, {seeds_tag(seeds)}\n\n{table}\n\n"
+                                                            f"Peak memory: {kind}.\n"))
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for (K, algorithm), runs in results.items():
+        label = f"{algorithm} (K={K})" if len({k for k, _ in results}) > 1 else algorithm
+        per_step = runs[0]["samples_per_step"]
+        points = [[{"step": 0.0, **run["baseline"]}, *run["history"]] for run in runs]
+        steps = [row["step"] for row in points[0]]
+        accuracy = [statistics.fmean(run[i]["accuracy"] for run in points) for i in range(len(steps))]
+        axes[0].plot([step * per_step for step in steps], accuracy, marker="o", markersize=3, label=label)
+        kl = [statistics.fmean(run[i]["kl_from_reference"] for run in points) for i in range(len(steps))]
+        reward = [statistics.fmean(run[i]["mean_reward"] or 0.0 for run in points) for i in range(len(steps))]
+        axes[1].plot(kl, reward, marker="o", markersize=3, label=label)
+    axes[0].set_xlabel("samples generated")
+    axes[0].set_ylabel("held-out greedy accuracy")
+    axes[1].set_xlabel("KL(π ‖ π_ref) of held-out greedy completions")
+    axes[1].set_ylabel("held-out mean reward")
+    for axis in axes:
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.suptitle(f"{dataset}: {seeds_tag(seeds)}")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120)
+    plt.close(figure)
+    paths.append(atomic_write_bytes(stem.with_suffix(".png"), buffer.getvalue()))
+    return {"summaries": summary, "table": table, "paths": paths}

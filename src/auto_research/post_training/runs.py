@@ -141,9 +141,11 @@ def post_train_generation(config, log=print) -> dict:
     task, resume_from = check_generation_run(config, log)
     from auto_research.post_training.lm.trainer import Trainer
 
+    memory = MemoryMeter(config.device)
     trainer = Trainer(config, log=log, task=task, resume_from=resume_from)
     trainer.setup()
     metrics = trainer.train()
+    metrics["training"].update(memory.read())
     rows = report.read_jsonl(config.run_dir / "metrics.jsonl")
     try:
         paths = report.write_run(config.run_dir, metrics)
@@ -215,3 +217,99 @@ def supervised(model: str | None, dataset: str, output_dir: Path, steps: int, ba
     except OSError as error:
         raise UserError(f"cannot save the model to {output_dir}: {error.strerror or error}") from None
     return {"history": history, "output_dir": output_dir}
+
+
+class MemoryMeter:
+    """Peak memory of the training that follows its creation.
+
+    On CUDA: ``torch.cuda.max_memory_allocated`` (reset here). On the CPU: the
+    process's peak resident memory (``ru_maxrss``) minus its resident memory
+    now, right before the models are loaded; so it counts models, optimizer
+    states and activations, and is a fair comparison only between runs that
+    each have a process of their own (``compare`` gives them one).
+    """
+
+    def __init__(self, device: str):
+        import torch
+
+        self.cuda = torch.cuda.is_available() and device != "cpu" and not device.startswith("mps")
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self.before = _resident_bytes()
+
+    def read(self) -> dict:
+        import resource
+
+        import torch
+
+        if self.cuda:
+            return {"peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20,
+                    "peak_memory_kind": "CUDA max_memory_allocated"}
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+        return {"peak_memory_mb": (peak - self.before) / 2**20,
+                "peak_memory_kind": "CPU: peak resident memory of the process minus its resident memory before the "
+                                    "models were loaded"}
+
+
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as stream:
+        return int(stream.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def compare_generation(make_config, output_dir: Path, algorithms: list[str], seeds: list[int], group_sizes: list[int],
+                       passthrough: list[str], log=print) -> dict:
+    """The paper's comparison at the generation level: every (K, algorithm, seed) in a process of its own.
+
+    ``make_config(algorithm, K, seed, output_dir)`` gives each run's settings; ``passthrough`` holds the
+    command-line words that reproduce them. Writes ``classic-post-training-<dataset>-<seeds>.json``,
+    ``.md`` and ``.png`` (held-out accuracy against samples generated; reward against KL) in ``output_dir``.
+    """
+    import json
+    import statistics
+    import subprocess
+    import sys
+    import time
+
+    output = Path(output_dir)
+    # Every run's settings are checked before the first one starts.
+    planned = []
+    for K in group_sizes:
+        for algorithm in algorithms:
+            for seed in seeds:
+                config = make_config(algorithm, K, seed, output / f"k{K}" if len(group_sizes) > 1 else output).filled()
+                check_generation_run(config, log)
+                planned.append(config)
+    if planned[0].model is None:
+        # Warm-start the embedded model once, here, so that no run's time or memory includes it.
+        from auto_research.post_training.lm.tasks import load_task
+        from auto_research.post_training.lm.tiny import ensure_warm_started
+
+        ensure_warm_started(load_task(planned[0]), log=log)
+    results: dict[tuple[int, str], list[dict]] = {}
+    for index, config in enumerate(planned, start=1):
+        command = [sys.executable, "-m", "auto_research", "post-train", "--algorithm", config.algorithm,
+                   "--dataset", config.dataset, "--group-size", str(config.group_size), "--seed", str(config.seed),
+                   "--output-dir", str(config.output_dir), "--dataset-dir", str(config.dataset_dir),
+                   *(["--offline"] if config.offline else []), *passthrough]
+        if "--no-progress" not in passthrough:
+            command.append("--no-progress")
+        started = time.perf_counter()
+        log(f"run {index}/{len(planned)}: {config.algorithm}, K = {config.group_size}, seed {config.seed}")
+        finished = subprocess.run(command, capture_output=True, text=True)
+        if finished.returncode != 0:
+            last = (finished.stderr.strip().splitlines() or ["no output"])[-1]
+            raise UserError(f"compare: {config.algorithm} (K = {config.group_size}, seed {config.seed}) failed: {last}")
+        metrics = json.loads((config.run_dir / "metrics.json").read_text())
+        rows = report.read_jsonl(config.run_dir / "metrics.jsonl")
+        metrics["step_seconds_median"] = statistics.median(row["step_seconds"] for row in rows)
+        metrics["samples_per_step"] = config.prompts_per_step * config.group_size
+        metrics["samples"] = metrics["samples_per_step"] * config.steps
+        metrics["wall_seconds"] = time.perf_counter() - started
+        metrics["run_dir"] = str(config.run_dir)
+        results.setdefault((config.group_size, config.algorithm), []).append(metrics)
+        log(f"  held-out accuracy {metrics['baseline']['accuracy']:.3f} -> {metrics['final']['accuracy']:.3f}, "
+            f"median step {metrics['step_seconds_median']:.3f} s, peak memory "
+            f"{metrics['training']['peak_memory_mb']:.1f} MB ({metrics['wall_seconds']:.0f} s)")
+    return report.write_generation_comparison(output, planned[0].dataset_name, seeds, results)

@@ -220,6 +220,12 @@ def last_token(mask: torch.Tensor) -> torch.Tensor:
     return onehot
 
 
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> torch.Tensor:
+    """½·max((V − R)², (V_clip − R)²), V_clip = V_old + clip(V − V_old, −c, c): PPO's value loss per token."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
+
+
 # --- aggregation -----------------------------------------------------------------------------------
 
 

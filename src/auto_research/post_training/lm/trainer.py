@@ -335,9 +335,8 @@ class Trainer:
                     chunk = trajectory.rollout.rows(part.start, part.stop)
                     with self._autocast():
                         values = completion_values(self.critic, chunk.sequences, chunk.prompt_mask, chunk.completion_mask)
-                    old, target = trajectory.values[part], trajectory.returns[part]
-                    clipped = old + (values - old).clamp(-config.value_clip, config.value_clip)
-                    terms = 0.5 * torch.maximum((values - target).square(), (clipped - target).square())
+                    terms = core.clipped_value_loss(values, trajectory.values[part], trajectory.returns[part],
+                                                    config.value_clip)
                     loss = config.vf_coef * (terms * mask[part]).sum() / tokens
                     loss.backward()
                     value_loss += float(loss.detach()) / max(config.vf_coef, 1e-12)
