@@ -298,3 +298,28 @@ def test_compare_at_the_generation_level_writes_time_memory_and_plots(tiny_model
     assert (tmp_path / "k4" / "ppo-rlhf-sums-seed2" / "checkpoints").is_dir()
     assert "| ppo-rlhf | 4 |" in (tmp_path / "classic-post-training-sums-seeds1-2.md").read_text()
     assert (tmp_path / "classic-post-training-sums-seeds1-2.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_python_api_trains_on_rows_in_memory_with_a_reward_function(tiny_model_dir, tmp_path):
+    from auto_research import GenerationConfig, post_train
+    from auto_research.errors import UserError
+
+    rows = [{"question": f"{a}+{b}=", "sum": a + b} for a in range(5) for b in range(5)]
+    calls = []
+
+    def sevens(prompts, completions, rows):
+        calls.append(len(completions))
+        assert {"question", "sum", "prompt", "answer"} <= set(rows[0])
+        return [c.count("7") / 3 for c in completions]
+
+    config = GenerationConfig(model=str(tiny_model_dir), prompt_field="question", answer_field="sum", offline=True,
+                              device="cpu", progress=False, output_dir=tmp_path)
+    metrics = post_train(rows, reward=sevens, config=config, name="sums", steps=2, prompts_per_step=2,
+                         max_new_tokens=3, log=lambda text: None)
+    assert metrics["dataset"] == "sums" and metrics["training"]["train_examples"] == 20
+    assert calls[:2] == [5, 8]  # the held-out evaluation (5 rows), then step 1: 2 prompts × K = 4
+    assert (tmp_path / "rloo-sums-seed42" / "metrics.json").is_file()
+    with pytest.raises(UserError, match=r"rows:3: field 'question' is null"):
+        post_train(rows[:2] + [{"question": None, "sum": 1}], config=config, name="bad", reward=sevens)
+    with pytest.raises(UserError, match="give a function, or a list of functions"):
+        post_train(rows, config=config, name="bad", reward=[sevens, 3])

@@ -5,3 +5,16 @@ RLOO is REINFORCE with a leave-one-out baseline and a KL-shaped reward
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``from auto_research import post_train, GenerationConfig`` without importing NumPy for ``--help``."""
+    if name == "post_train":
+        from auto_research.api import post_train
+
+        return post_train
+    if name == "GenerationConfig":
+        from auto_research.post_training.config import GenerationConfig
+
+        return GenerationConfig
+    raise AttributeError(f"module 'auto_research' has no attribute {name!r}")

@@ -20,9 +20,13 @@ GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate")
 DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
 
 
+IN_MEMORY = "memory:"
+"""Prefix of an in-memory dataset's name (the Python API: rows passed as a list of dicts)."""
+
+
 def is_generation_dataset(name: str) -> bool:
-    """The generation level's datasets: the named ones and any local .jsonl file."""
-    return name in GENERATION_DATASETS or name.endswith(".jsonl")
+    """The generation level's datasets: the named ones, any local .jsonl file, rows in memory."""
+    return name in GENERATION_DATASETS or name.endswith(".jsonl") or name.startswith(IN_MEMORY)
 
 
 def looks_like_a_file(name: str) -> bool:
@@ -224,6 +228,8 @@ class GenerationConfig:
 
     @property
     def dataset_name(self) -> str:
+        if self.dataset.startswith(IN_MEMORY):
+            return self.dataset[len(IN_MEMORY):] or "rows"
         return Path(self.dataset).stem if self.dataset.endswith(".jsonl") else self.dataset
 
     @property
@@ -232,7 +238,7 @@ class GenerationConfig:
 
     def filled(self) -> "GenerationConfig":
         """A copy with the dataset's presets in place of unset (None) settings."""
-        preset = GENERATION_PRESETS["jsonl" if self.dataset.endswith(".jsonl") else self.dataset]
+        preset = GENERATION_PRESETS[self.dataset if self.dataset in GENERATION_PRESETS else "jsonl"]
         values = {key: value for key, value in preset.items() if getattr(self, key) is None}
         filled = replace(self, **values)
         if filled.eval_every is None:
@@ -332,7 +338,7 @@ class GenerationConfig:
 
     def validate_dataset(self) -> None:
         check_generation_dataset(self.dataset)
-        if not self.dataset.endswith(".jsonl"):
+        if not self.dataset.endswith(".jsonl") and not self.dataset.startswith(IN_MEMORY):
             for flag, value in (("--prompt-field", self.prompt_field), ("--answer-field", self.answer_field)):
                 if value is not None:
                     raise UserError(f"{flag} applies to .jsonl datasets only; {self.dataset} has fixed fields")

@@ -106,7 +106,7 @@ def compare(config: CandidateConfig, algorithms: list[str], seeds: list[int]) ->
     return {"runs": runs, "paths": paths, "summaries": summaries, "table": table}
 
 
-def check_generation_run(config, log=print):
+def check_generation_run(config, log=print, rows: list[dict] | None = None, reward_functions=()):
     """Every check of a generation-level run that needs no torch, in the order a user would fix them:
     settings, output folder, an earlier run there, the model's source, rewards, the data.
 
@@ -127,22 +127,22 @@ def check_generation_run(config, log=print):
         check_model_source(config.reward_model, config.offline, "--reward-model")
     if config.critic_model is not None:
         check_model_source(config.critic_model, config.offline, "--critic-model")
-    check_rewards(config.reward, config.reward_weights, config.reward_model)
-    return load_task(config), resume_from
+    check_rewards(config.reward, config.reward_weights, config.reward_model, reward_functions)
+    return load_task(config, rows), resume_from
 
 
-def post_train_generation(config, log=print) -> dict:
+def post_train_generation(config, log=print, rows: list[dict] | None = None, reward_functions=()) -> dict:
     """One generation-level run: input checks, train, write metrics, report and plot.
 
     torch is imported only once every check that can be made without it has
     passed, so a mistyped flag costs a fraction of a second, not torch's start-up.
     """
     config = config.filled()
-    task, resume_from = check_generation_run(config, log)
+    task, resume_from = check_generation_run(config, log, rows, reward_functions)
     from auto_research.post_training.lm.trainer import Trainer
 
     memory = MemoryMeter(config.device)
-    trainer = Trainer(config, log=log, task=task, resume_from=resume_from)
+    trainer = Trainer(config, log=log, task=task, resume_from=resume_from, reward_functions=reward_functions)
     trainer.setup()
     metrics = trainer.train()
     metrics["training"].update(memory.read())

@@ -226,21 +226,29 @@ class CombinedReward:
         return total
 
 
-def check_rewards(specs: list[str], weights: list[float] | None, reward_model: str | None) -> None:
+def check_rewards(specs: list[str], weights: list[float] | None, reward_model: str | None,
+                  functions: list[tuple[str, Callable]] = ()) -> None:
     """Import every user callable and count the weights, before any model is loaded."""
     for spec in specs:
         if spec not in BUILT_IN:
             load_callable(spec)
-    count = len(specs) + bool(reward_model) or 1
+    for name, function in functions:
+        if not callable(function):
+            raise UserError(f"reward {name!r} is {type(function).__name__}, not a function")
+    names = list(specs) + [name for name, _ in functions] + ([f"reward-model:{reward_model}"] if reward_model else [])
+    count = len(names) or 1
     if weights is not None and len(weights) != count:
-        names = list(specs) + ([f"reward-model:{reward_model}"] if reward_model else []) or ["the dataset's verifier"]
+        names = names or ["the dataset's verifier"]
         raise UserError(f"--reward-weights has {len(weights)} values for {count} rewards ({', '.join(names)})")
 
 
-def build_reward(specs: list[str], weights: list[float] | None, reward_model: str | None, verifier: str, device=None, offline: bool = False) -> CombinedReward:
-    """The run's reward: named built-ins and callables, then the reward model; the verifier by default."""
-    names = list(specs) or ([] if reward_model else [verifier])
+def build_reward(specs: list[str], weights: list[float] | None, reward_model: str | None, verifier: str, device=None,
+                 offline: bool = False, extra: list[tuple[str, Callable]] = ()) -> CombinedReward:
+    """The run's reward: named built-ins and callables, functions passed in (the Python API), then the
+    reward model; the verifier when there is none of these."""
+    names = list(specs) or ([] if reward_model or extra else [verifier])
     functions = [(name, BUILT_IN[name] if name in BUILT_IN else _with_row_fields(load_callable(name))) for name in names]
+    functions += [(name, _with_row_fields(function)) for name, function in extra]
     if reward_model:
         functions.append((f"reward-model:{reward_model}", RewardModel(reward_model, device, offline)))
     if weights is None:

@@ -147,44 +147,65 @@ def _answer_text(path, number: int, row: dict, name: str) -> str:
 
 def jsonl_task(path, prompt_field: str, answer_field: str, evaluation_examples: int | None = None,
                solution_field: str | None = None) -> Task:
-    """Rows of a local JSONL file; the last ``evaluation_examples`` rows are held out.
-
-    Prompts (and solutions) must be JSON strings; answers may be strings or numbers.
-    Anything else (null, a list, an object) is refused with its line number rather
-    than turned into text such as "None".
-    """
-    from auto_research.post_training.datasets import iter_jsonl, text_field
+    """Rows of a local JSONL file; the last ``evaluation_examples`` rows are held out (see ``rows_task``)."""
+    from auto_research.post_training.datasets import iter_jsonl
 
     path = Path(path)
     if not path.is_file():
         raise UserError(f"dataset file not found: {path}")
+    return rows_task(iter_jsonl(path), path, path.stem, str(path.resolve()), prompt_field, answer_field,
+                     evaluation_examples, solution_field)
+
+
+def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str, answer_field: str,
+              evaluation_examples: int | None = None, solution_field: str | None = None) -> Task:
+    """(number, dict) rows → a task; the last ``evaluation_examples`` rows are held out.
+
+    Prompts (and solutions) must be JSON strings; answers may be strings or numbers.
+    Anything else (null, a list, an object) is refused with its row number rather
+    than turned into text such as "None". ``where`` names the rows in messages.
+    """
+    from auto_research.post_training.datasets import text_field
+
     rows = []
-    for number, row in iter_jsonl(path):
-        prompt = text_field(path, number, row, prompt_field)
-        answer = _answer_text(path, number, row, answer_field)
-        solution = text_field(path, number, row, solution_field) if solution_field else None
+    for number, row in numbered_rows:
+        if not isinstance(row, dict):
+            raise UserError(f"{where}:{number}: expected a dict (a JSON object), got {type(row).__name__}")
+        prompt = text_field(where, number, row, prompt_field)
+        answer = _answer_text(where, number, row, answer_field)
+        solution = text_field(where, number, row, solution_field) if solution_field else None
         rows.append(Example(prompt, answer, solution, row))
     if len(rows) < 2:
-        raise UserError(f"{path}: needs at least 2 rows (one to train on, one to evaluate), found {len(rows)}")
+        raise UserError(f"{where}: needs at least 2 rows (one to train on, one to evaluate), found {len(rows)}")
     if evaluation_examples is None:
         held = min(DEFAULT_HELD_OUT, max(1, len(rows) // 5))
     elif evaluation_examples >= len(rows):
-        raise UserError(f"--evaluation-examples {evaluation_examples}: {path} has {len(rows)} rows, and at least one "
+        raise UserError(f"--evaluation-examples {evaluation_examples}: {where} has {len(rows)} rows, and at least one "
                         "must be left to train on")
     else:
         held = evaluation_examples
-    return Task(path.stem, rows[:-held], rows[-held:], rows[:-held], verifier="match", source=f"{path.resolve()} ({len(rows) - held} train, {held} held out)")
+    return Task(name, rows[:-held], rows[-held:], rows[:-held], verifier="match",
+                source=f"{source} ({len(rows) - held} train, {held} held out)")
 
 
-def load_task(config) -> Task:
+def load_task(config, rows: list[dict] | None = None) -> Task:
     """The configured generation-level task, with --maximum-examples and --evaluation-examples applied.
 
-    Asking for more prompts than the dataset has is refused, never silently capped.
+    ``rows`` are the dicts of an in-memory dataset (the Python API: ``config.dataset`` is
+    ``memory:<name>``). Asking for more prompts than the dataset has is refused, never silently capped.
     """
+    from auto_research.post_training.config import IN_MEMORY
+
     if config.dataset == "arithmetic-generate":
         task = arithmetic_task()
     elif config.dataset == "gsm8k-generate":
         task = gsm8k_task(config.dataset_dir, config.offline, config.maximum_examples, config.evaluation_examples)
+    elif config.dataset.startswith(IN_MEMORY):
+        if rows is None:
+            raise UserError(f"dataset {config.dataset}: an in-memory dataset needs its rows (pass dataset=[...] to the "
+                            "Python API's post_train)")
+        task = rows_task(enumerate(rows, start=1), "rows", config.dataset_name, f"{len(rows)} rows in memory",
+                         config.prompt_field or "prompt", config.answer_field or "answer", config.evaluation_examples)
     else:
         task = jsonl_task(config.dataset, config.prompt_field or "prompt", config.answer_field or "answer",
                           config.evaluation_examples)

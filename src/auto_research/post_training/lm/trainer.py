@@ -91,8 +91,10 @@ def _figure(value: float | None) -> str:
 
 
 class Trainer:
-    def __init__(self, config: GenerationConfig, log=print, task=None, resume_from: Path | None = None):
+    def __init__(self, config: GenerationConfig, log=print, task=None, resume_from: Path | None = None,
+                 reward_functions: list[tuple[str, object]] = ()):
         self.config = config
+        self.reward_functions = list(reward_functions)
         self.log = log
         self.algorithm = get_algorithm(config.algorithm)
         self.run_dir = config.run_dir
@@ -143,7 +145,7 @@ class Trainer:
                                                       weight_decay=config.weight_decay)
         self.updates_per_step = config.updates_per_batch * config.ppo_mini_batches
         self.reward = build_reward(config.reward, config.reward_weights, config.reward_model, self.task.verifier,
-                                   self.device, config.offline)
+                                   self.device, config.offline, self.reward_functions)
         self.train_prompts = [format_prompt(self.tokenizer, example.prompt, config.chat_template) for example in self.task.train]
         self.eval_prompts = [format_prompt(self.tokenizer, example.prompt, config.chat_template) for example in self.task.evaluation]
         if config.prompts_per_step > len(self.train_prompts):

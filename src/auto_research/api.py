@@ -1,0 +1,55 @@
+"""The Python API: the command line's generation-level training as one function.
+
+    from auto_research import GenerationConfig, post_train
+
+    def shorter_is_better(prompts, completions, rows):
+        return [1.0 / (1 + len(c)) for c in completions]
+
+    metrics = post_train(
+        [{"prompt": "2+3=", "answer": "5"}, ...],          # a list of dicts, a .jsonl path or a dataset name
+        reward=shorter_is_better,                           # callables, as --reward module:function gets them
+        config=GenerationConfig(model="path/or/hub-id", steps=100, output_dir="runs"),
+    )
+
+It checks everything the command line checks, in the same order and with the
+same one-line ``UserError`` messages, writes the same run folder
+(metrics.json, metrics.jsonl, report.md, curves.png, checkpoints/) and returns
+the metrics.json payload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Sequence
+
+from auto_research.errors import UserError
+from auto_research.post_training.config import IN_MEMORY, GenerationConfig
+
+
+def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable | Sequence[Callable] | None = None,
+               config: GenerationConfig | None = None, name: str = "rows", log: Callable[[str], None] = print,
+               **settings) -> dict:
+    """Train with RL on a causal LM and return the run's metrics.
+
+    ``dataset``: ``arithmetic-generate``, ``gsm8k-generate``, a ``.jsonl`` path, or a list
+    of dicts with ``prompt`` and ``answer`` (or the config's ``prompt_field`` and
+    ``answer_field``); the last rows are held out as with a JSONL file, and the run
+    folder is named after ``name``. ``reward``: one function or several, each called as
+    ``reward(prompts, completions, rows)`` and returning a float or None per completion;
+    they add to ``config.reward`` and ``config.reward_model``. ``settings`` override
+    fields of ``config`` (``GenerationConfig``'s fields, the flags' names with underscores).
+    """
+    from auto_research.post_training.runs import post_train_generation
+
+    config = replace(config or GenerationConfig(), **settings)
+    rows = None
+    if isinstance(dataset, str):
+        config = replace(config, dataset=dataset)
+    elif dataset is not None:
+        rows = list(dataset)
+        config = replace(config, dataset=f"{IN_MEMORY}{name}")
+    functions = [] if reward is None else [reward] if callable(reward) else list(reward)
+    named = [(getattr(function, "__name__", f"reward{index}"), function) for index, function in enumerate(functions)]
+    if not all(callable(function) for _, function in named):
+        raise UserError("reward: give a function, or a list of functions, called as reward(prompts, completions, rows)")
+    return post_train_generation(config, log=log, rows=rows, reward_functions=named)["runs"][0]
