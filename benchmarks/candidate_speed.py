@@ -42,6 +42,8 @@ def main() -> None:
     args = parser.parse_args()
     env = dict(os.environ)
     env.setdefault("AUTO_RESEARCH_DATA", str(ROOT.parent / "shared" / "data"))
+    # The runs happen in a scratch folder: a relative path given by the user is made absolute first.
+    env["AUTO_RESEARCH_DATA"] = str(Path(env["AUTO_RESEARCH_DATA"]).resolve())
     base = _command()
     seed_times, help_times = [], []
     with tempfile.TemporaryDirectory() as workdir:

@@ -194,3 +194,25 @@ def test_process_exit_status_is_2_without_traceback(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr == "auto-research: error: --steps must be a positive integer, got 0\n"
+
+
+def test_generation_flags_are_generated_from_the_config_fields():
+    from dataclasses import fields
+
+    from auto_research.cli import GENERATION_FLAGS, _generation_config, build_parser
+    from auto_research.post_training.config import SECTIONS, GenerationConfig
+
+    parser = build_parser()
+    sectioned = {item.name: item for item in fields(GenerationConfig) if item.metadata.get("section")}
+    assert set(GENERATION_FLAGS) == set(sectioned)
+    assert {item.metadata["section"] for item in sectioned.values()} == set(SECTIONS)
+    # Names, defaults and help are written once, in the dataclass.
+    text = parser._subparsers._group_actions[0].choices["post-train"].format_help()
+    assert "weight of the value loss (the critic has its own AdamW) (default: 0.1)" in " ".join(text.split())
+    args = parser.parse_args(["post-train", "--dataset", "rows.jsonl", "--ppo-epochs", "3", "--no-whiten-advantages",
+                              "--reward-weights", "1,0.5", "--reward", "match", "--reward", "format", "--top-k", "5"])
+    config = _generation_config(args)
+    assert (config.updates_per_batch, config.whiten_advantages, config.reward_weights, config.reward, config.top_k) == (
+        3, False, [1.0, 0.5], ["match", "format"], 5)
+    # Unset flags keep the dataclass's defaults (or presets, filled later).
+    assert config.gae_lambda == GenerationConfig.gae_lambda and config.temperature is None

@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 from auto_research.errors import TrainingInterrupted, UserError
+from auto_research.post_training.config import (ALGORITHMS, CANDIDATE_DATASETS, DATASETS, GENERATION_DATASETS,
+                                                SECTIONS, CandidateConfig, GenerationConfig, is_generation_dataset)
 
-ALGORITHMS = ("rloo", "ppo-rlhf", "grpo", "remax", "reinforce", "vanilla-pg", "raft")
-CANDIDATE_DATASETS = ("arithmetic-smoke", "gsm8k-candidate")
-GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate")
-DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
-CANDIDATE_DEFAULTS = {"steps": 100, "learning_rate": 0.08, "beta": 0.02, "maximum_examples": 512}
+# Candidate-level defaults of the flags both levels share, read from the dataclass (written once there).
+CANDIDATE_DEFAULTS = {name: CandidateConfig.__dataclass_fields__[name].default
+                      for name in ("steps", "learning_rate", "beta", "maximum_examples")}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,12 +61,6 @@ GENERATION_FLAGS = {}
 GENERATION_ACTIONS = {}
 
 
-def _generation_flag(group, *flags: str, **options) -> None:
-    action = group.add_argument(*flags, **options)
-    GENERATION_FLAGS[action.dest] = flags[0]
-    GENERATION_ACTIONS[action.dest] = action
-
-
 def generation_argv(args: argparse.Namespace) -> list[str]:
     """The generation-level flags the user gave, written back as command-line words (compare passes them on)."""
     words = []
@@ -80,57 +74,35 @@ def generation_argv(args: argparse.Namespace) -> list[str]:
             for item in value:
                 words += [action.option_strings[0], str(item)]
         else:
-            words += [action.option_strings[0], str(value)]
+            text = ",".join(str(item) for item in value) if isinstance(value, (list, tuple)) else str(value)
+            words += [action.option_strings[0], text]
     return words
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("generation level (arithmetic-generate, gsm8k-generate, .jsonl)")
-    add = lambda *flags, **options: _generation_flag(group, *flags, **options)  # noqa: E731
-    add("--model", help="local folder or hub id of a causal LM (default: the embedded tiny model, arithmetic-generate only)")
-    add("--prompt-field", help="prompt field of a .jsonl dataset (default: prompt)")
-    add("--answer-field", help="answer field of a .jsonl dataset (default: answer)")
-    add("--evaluation-examples", type=int, help="held-out prompts evaluated (default: per dataset)")
-    add("--reward", action="append", help="built-in (arithmetic, gsm8k, match, format) or module:function; repeatable (default: the dataset's verifier)")
-    add("--reward-weights", help="comma-separated weights, one per reward, reward model last")
-    add("--reward-model", help="sequence-classification reward model (folder or hub id)")
-    add("--kl-estimator", help="k1 (default in the reward, the paper), k2 or k3 (default in the loss)")
-    add("--kl-in", help="reward (rloo, reinforce, vanilla-pg, ppo-rlhf: the shaped reward), loss (grpo) or none "
-                        "(remax, raft) (default: the algorithm's)")
-    add("--loss-aggregation", help="sequence (default: the whole response is one action), token-mean or "
-                                   "sequence-mean-token-mean")
-    add("--updates-per-batch", "--ppo-epochs", type=int, help="epochs over each rollout batch, > 1 uses clipped ratios (default: 1)")
-    add("--ppo-mini-batches", type=int, help="optimizer steps per epoch, each on whole groups (default: 1)")
-    add("--ratio-level", help="importance ratio of the clipped surrogate: token (default) or sequence")
-    add("--clip-range", type=float, help="ε of the clipped ratio (default: 0.2)")
-    add("--gae-lambda", type=float, help="λ of GAE, ppo-rlhf (default: 1.0, the RLOO paper's best for PPO)")
-    add("--value-clip", type=float, help="clip range of the value loss, ppo-rlhf (default: 0.2)")
-    add("--vf-coef", type=float, help="weight of the value loss, ppo-rlhf (default: 0.1)")
-    add("--critic-model", help="initial critic weights, ppo-rlhf (default: --reward-model if given, else the policy)")
-    add("--no-whiten-advantages", dest="whiten_advantages", action="store_false", default=None,
-        help="keep PPO's GAE advantages as they are (default: whitened over the batch)")
-    add("--temperature", type=float, help="sampling temperature (default: per dataset, 1.0 for models you bring)")
-    add("--top-p", type=float, help="nucleus sampling (default: 1.0)")
-    add("--top-k", type=int, help="top-k sampling, 0 = off (default: 0)")
-    add("--max-new-tokens", type=int, help="completion length limit (default: per dataset)")
-    add("--prompts-per-step", type=int, help="prompts (groups) per step (default: per dataset)")
-    add("--micro-batch-size", type=int, help="completions per forward/backward (default: the whole batch)")
-    add("--lr-schedule", help="constant (default) or cosine, after linear warmup")
-    add("--warmup-steps", type=int, help="linear warmup updates (default: per dataset)")
-    add("--weight-decay", type=float, help="AdamW weight decay (default: 0)")
-    add("--max-grad-norm", type=float, help="gradient-norm clip (default: 1.0)")
-    add("--gradient-checkpointing", action="store_true", default=None, help="trade compute for memory")
-    add("--eval-every", type=int, help="evaluate every N steps, 0 = only at the end (default: steps // 10)")
-    add("--checkpoint-every", type=int, help="checkpoint every N steps, and always at the end (default: 100)")
-    add("--keep-checkpoints", type=int, help="most recent checkpoints kept (default: 2)")
-    add("--resume", action="store_true", default=None, help="continue the run in --output-dir from its latest checkpoint")
-    add("--overwrite", action="store_true", default=None, help="start afresh where an earlier run is (deletes its checkpoints)")
-    add("--device", help="auto (default: CUDA when present), cpu, cuda, cuda:1 ... or mps")
-    add("--threads", type=int, help="CPU threads torch may use (default: one per core; fewer on a shared machine)")
-    add("--dtype", help="auto (default: bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
-    add("--no-chat-template", dest="chat_template", action="store_false", default=None, help="send prompts as plain text")
-    add("--report-to", help="none (default) or tensorboard")
-    add("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    """One flag per sectioned field of GenerationConfig: its name, help and default come from the dataclass.
+
+    Every flag defaults to None (given or not is what matters: an unset one takes the
+    dataset's preset, and a candidate-level run refuses any that was given).
+    """
+    from dataclasses import MISSING, fields
+
+    groups = {key: parser.add_argument_group(f"generation level: {title}") for key, title in SECTIONS.items()}
+    for item in fields(GenerationConfig):
+        meta = item.metadata
+        if not meta.get("section"):
+            continue
+        options = dict(meta["options"])
+        names = [meta["flag"] or "--" + item.name.replace("_", "-"), *options.pop("aliases", ())]
+        default = item.default if item.default is not MISSING else None
+        help_text = meta["help"]
+        if "(default:" not in help_text and default is not None and options.get("action") not in ("store_true", "store_false"):
+            help_text += f" (default: {default})"
+        if options.get("action") not in ("store_true", "store_false"):
+            options.setdefault("metavar", names[0].lstrip("-").upper().replace("-", "_"))
+        action = groups[meta["section"]].add_argument(*names, dest=item.name, default=None, help=help_text, **options)
+        GENERATION_FLAGS[item.name] = names[0]
+        GENERATION_ACTIONS[item.name] = action
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,12 +157,8 @@ def _version() -> str:
     return __version__
 
 
-def _is_generation(dataset: str) -> bool:
-    return dataset in GENERATION_DATASETS or dataset.endswith(".jsonl")
-
-
 def _config(args: argparse.Namespace, algorithm: str):
-    from auto_research.post_training.config import CandidateConfig, check_candidate_dataset
+    from auto_research.post_training.config import check_candidate_dataset
     from auto_research.post_training.datasets import default_dataset_dir
 
     check_candidate_dataset(args.dataset)
@@ -217,22 +185,12 @@ def _or(value, default):
     return default if value is None else value
 
 
-def _floats(flag: str, text: str) -> list[float]:
-    try:
-        return [float(part) for part in text.split(",")]
-    except ValueError:
-        raise UserError(f"{flag} takes comma-separated numbers such as 1,0.2; got {text!r}") from None
-
-
 def _generation_config(args: argparse.Namespace):
-    from auto_research.post_training.config import GenerationConfig
     from auto_research.post_training.datasets import default_dataset_dir
 
     if args.seeds:
         raise UserError("--seeds runs several seeds at the candidate level only; at the generation level run one --seed per command")
     settings = {dest: getattr(args, dest) for dest in GENERATION_FLAGS if getattr(args, dest) is not None}
-    if "reward_weights" in settings:
-        settings["reward_weights"] = _floats("--reward-weights", settings["reward_weights"])
     for name in ("steps", "learning_rate", "beta", "maximum_examples"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
@@ -251,7 +209,7 @@ def _generation_config(args: argparse.Namespace):
 def _post_train(args: argparse.Namespace) -> int:
     from auto_research.post_training import report, runs
 
-    if _is_generation(args.dataset):
+    if is_generation_dataset(args.dataset):
         result = runs.post_train_generation(_generation_config(args), log=lambda text: print(text, file=sys.stderr))
     else:
         seeds = _seeds(args.seeds) if args.seeds else None
@@ -285,7 +243,7 @@ def _compare(args: argparse.Namespace) -> int:
         raise UserError(f"--algorithms lists an algorithm twice: {args.algorithms}")
     seeds = _seeds(args.seeds) if args.seeds else [args.seed]
     group_sizes = _group_sizes(args.group_size)
-    if _is_generation(args.dataset):
+    if is_generation_dataset(args.dataset):
         def make_config(algorithm, group_size, seed, output_dir):
             run = argparse.Namespace(**{**vars(args), "algorithm": algorithm, "group_size": group_size, "seed": seed,
                                         "output_dir": output_dir, "seeds": None})

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from auto_research.errors import UserError
-from auto_research.post_training.algorithms import check_group_size, get_algorithm
 
+ALGORITHMS = ("rloo", "ppo-rlhf", "grpo", "remax", "reinforce", "vanilla-pg", "raft")
+"""The registry's names (algorithms.py), here without NumPy so that --help can list them; a test keeps them equal."""
 CANDIDATE_DATASETS = ("arithmetic-smoke", "gsm8k-candidate")
 GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate")
 DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
@@ -94,6 +95,8 @@ class CandidateConfig:
         return Path(self.output_dir) / self.run_name
 
     def validate(self) -> "CandidateConfig":
+        from auto_research.post_training.algorithms import check_group_size, get_algorithm
+
         algorithm = get_algorithm(self.algorithm)
         check_candidate_dataset(self.dataset)
         check_group_size(algorithm, self.group_size)
@@ -142,89 +145,135 @@ GENERATION_PRESETS = {
 DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
+def comma_floats(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"--reward-weights takes comma-separated numbers such as 1,0.2; got {text!r}") from None
+
+
+def setting(default, help: str, section: str | None = None, flag: str | None = None, **argparse_options):
+    """A config field that is also a command-line flag: its name, default and help are written once, here.
+
+    ``section`` groups the flag in --help (None: not a generation-level flag of its own); ``flag``
+    overrides the flag derived from the field's name; ``argparse_options`` (type, action, aliases)
+    go to argparse. Mutable defaults are given as a zero-argument function.
+    """
+    metadata = {"help": help, "section": section, "flag": flag, "options": argparse_options}
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+SECTIONS = {
+    "data": "data and model",
+    "rewards": "rewards",
+    "loss": "loss, KL and updates",
+    "critic": "critic (ppo-rlhf)",
+    "sampling": "sampling",
+    "optimisation": "optimisation",
+    "run": "evaluation, checkpoints and the run",
+}
+
+
 @dataclass
 class GenerationConfig:
-    """One generation-level run: RL on a causal LM (the paper's setting)."""
+    """One generation-level run: RL on a causal LM (the paper's setting).
 
-    algorithm: str = "rloo"
-    dataset: str = "arithmetic-generate"
-    """arithmetic-generate (embedded), gsm8k-generate, or a path to a .jsonl file."""
-    model: str | None = None
-    """Local folder or hub id; None: the embedded tiny model (arithmetic-generate only)."""
-    prompt_field: str | None = None
-    """Field of a .jsonl row holding the prompt (text); None: "prompt"."""
-    answer_field: str | None = None
-    """Field of a .jsonl row holding the answer (text or a number); None: "answer"."""
-    dataset_dir: Path = field(default_factory=lambda: Path("data"))
-    maximum_examples: int | None = None
-    """Training prompts used: the dataset's first N; None: all of them."""
-    evaluation_examples: int | None = None
-    """Held-out prompts for greedy evaluation; None: the dataset's default."""
-    reward: list[str] = field(default_factory=list)
-    """Built-in rewards (arithmetic, gsm8k, match, format) or module:function; default: the dataset's verifier."""
-    reward_weights: list[float] | None = None
-    reward_model: str | None = None
-    """Sequence-classification reward model (folder or hub id)."""
-    group_size: int = 4
-    """K: completions sampled per prompt."""
-    beta: float = 0.05
-    """β: weight of the KL penalty to the frozen reference."""
-    kl_estimator: str | None = None
-    """k1 (the paper's log-ratio), k2 or k3; None: k1 in the reward, k3 in the loss."""
-    kl_in: str | None = None
-    """reward (the paper: shaped reward; per token for PPO), loss (GRPO/verl style) or none;
-    None: the algorithm's own (ReMax and RAFT: none)."""
-    loss_aggregation: str = "sequence"
-    """sequence: the whole response is one action (the paper); token-mean: average over all tokens;
-    sequence-mean-token-mean: each completion's token mean, averaged."""
-    updates_per_batch: int = 1
-    """Epochs over each rollout batch (--ppo-epochs); > 1 uses importance ratios with clipping."""
-    ppo_mini_batches: int = 1
-    """Optimizer steps per epoch, each on a slice of whole groups; > 1 uses clipped ratios."""
-    ratio_level: str = "token"
-    """Importance ratio of the clipped surrogate: per token (PPO, GRPO, TRL) or per sequence."""
-    clip_range: float = 0.2
-    gae_lambda: float = 1.0
-    """λ of GAE (ppo-rlhf); the RLOO paper found PPO best at λ = 1 (TRL's default is 0.95)."""
-    value_clip: float = 0.2
-    """Clip range of the critic's value loss around the old values (ppo-rlhf)."""
-    vf_coef: float = 0.1
-    """Weight of the value loss (ppo-rlhf); the critic has its own AdamW."""
-    critic_model: str | None = None
-    """Initial weights of the critic (ppo-rlhf): a folder or hub id; None: the reward model when given, else the policy."""
-    whiten_advantages: bool = True
-    """Whiten PPO's GAE advantages over the batch (masked mean 0, std 1)."""
-    temperature: float | None = None
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int | None = None
-    prompts_per_step: int | None = None
-    """Prompts (groups) per step; the batch holds prompts_per_step · K completions."""
-    micro_batch_size: int | None = None
-    """Completions per forward/backward pass (any size: advantages are computed before the update)."""
-    learning_rate: float | None = None
-    lr_schedule: str = "constant"
-    warmup_steps: int | None = None
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    gradient_checkpointing: bool = False
-    steps: int | None = None
-    eval_every: int | None = None
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    resume: bool = False
-    overwrite: bool = False
-    """Start afresh in a run folder that holds an earlier run (its checkpoints are deleted)."""
-    seed: int = 42
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: int | None = None
-    """CPU threads for torch; None: torch's default (one per core)."""
-    chat_template: bool = True
-    output_dir: Path = field(default_factory=lambda: Path("runs/post-training"))
-    offline: bool = False
-    report_to: str = "none"
-    progress: bool = True
+    The fields are grouped in sections (``SECTIONS``); each one's metadata holds the
+    help text the command line shows, so the flags of ``post-train`` and ``compare``
+    are generated from this class (``cli.py``). None means "the dataset's preset"
+    (``GENERATION_PRESETS``) or "the algorithm's own".
+    """
+
+    # --- set by the shared run flags (both levels) ---
+    algorithm: str = setting("rloo", "name in the algorithm registry")
+    dataset: str = setting("arithmetic-generate", "arithmetic-generate (embedded), gsm8k-generate, or a .jsonl file")
+    dataset_dir: Path = setting(lambda: Path("data"), "folder holding gsm8k/")
+    maximum_examples: int | None = setting(None, "training prompts used: the dataset's first N (default: all)")
+    group_size: int = setting(4, "K: completions sampled per prompt")
+    beta: float = setting(0.05, "β: weight of the KL penalty to the frozen reference")
+    learning_rate: float | None = setting(None, "AdamW step size (default: per dataset)")
+    steps: int | None = setting(None, "policy updates (default: per dataset)")
+    seed: int = setting(42, "random seed")
+    output_dir: Path = setting(lambda: Path("runs/post-training"), "where run folders go")
+    offline: bool = setting(False, "never download")
+
+    # --- data and model ---
+    model: str | None = setting(None, "local folder or hub id of a causal LM (default: the embedded tiny model, "
+                                      "arithmetic-generate only)", "data")
+    prompt_field: str | None = setting(None, "prompt field of a .jsonl dataset, text (default: prompt)", "data")
+    answer_field: str | None = setting(None, "answer field of a .jsonl dataset, text or a number (default: answer)",
+                                       "data")
+    evaluation_examples: int | None = setting(None, "held-out prompts evaluated (default: per dataset)", "data",
+                                              type=int)
+    chat_template: bool = setting(True, "send prompts as plain text, not through the chat template", "data",
+                                  flag="--no-chat-template", action="store_false")
+
+    # --- rewards ---
+    reward: list[str] = setting(list, "built-in (arithmetic, gsm8k, match, format) or module:function; repeatable "
+                                      "(default: the dataset's verifier)", "rewards", action="append")
+    reward_weights: list[float] | None = setting(None, "comma-separated weights, one per reward, reward model last",
+                                                 "rewards", type=comma_floats)
+    reward_model: str | None = setting(None, "sequence-classification reward model (folder or hub id)", "rewards")
+
+    # --- loss, KL and updates ---
+    kl_estimator: str | None = setting(None, "k1 (default in the reward, the paper), k2 or k3 (default in the loss)",
+                                       "loss")
+    kl_in: str | None = setting(None, "reward (rloo, reinforce, vanilla-pg, ppo-rlhf: the shaped reward), loss (grpo) "
+                                      "or none (remax, raft) (default: the algorithm's)", "loss")
+    loss_aggregation: str = setting("sequence", "sequence (the whole response is one action), token-mean or "
+                                                "sequence-mean-token-mean", "loss")
+    updates_per_batch: int = setting(1, "epochs over each rollout batch; > 1 uses clipped ratios", "loss",
+                                     flag="--ppo-epochs", aliases=("--updates-per-batch",), type=int)
+    ppo_mini_batches: int = setting(1, "optimizer steps per epoch, each on whole groups; > 1 uses clipped ratios",
+                                    "loss", type=int)
+    ratio_level: str = setting("token", "importance ratio of the clipped surrogate: token (PPO, GRPO, TRL) or "
+                                        "sequence", "loss")
+    clip_range: float = setting(0.2, "ε of the clipped ratio", "loss", type=float)
+
+    # --- critic (ppo-rlhf) ---
+    gae_lambda: float = setting(1.0, "λ of GAE (the RLOO paper's best for PPO; TRL uses 0.95)", "critic", type=float)
+    value_clip: float = setting(0.2, "clip range of the value loss around the old values", "critic", type=float)
+    vf_coef: float = setting(0.1, "weight of the value loss (the critic has its own AdamW)", "critic", type=float)
+    critic_model: str | None = setting(None, "initial critic weights (default: --reward-model if given, else the "
+                                             "policy)", "critic")
+    whiten_advantages: bool = setting(True, "keep PPO's GAE advantages as they are (default: whitened over the batch)",
+                                      "critic", flag="--no-whiten-advantages", action="store_false")
+
+    # --- sampling ---
+    temperature: float | None = setting(None, "sampling temperature (default: per dataset)", "sampling", type=float)
+    top_p: float = setting(1.0, "nucleus sampling", "sampling", type=float)
+    top_k: int = setting(0, "top-k sampling, 0 = off", "sampling", type=int)
+    max_new_tokens: int | None = setting(None, "completion length limit (default: per dataset)", "sampling", type=int)
+    prompts_per_step: int | None = setting(None, "prompts (groups) per step; the batch holds prompts × K completions "
+                                                 "(default: per dataset)", "sampling", type=int)
+
+    # --- optimisation ---
+    micro_batch_size: int | None = setting(None, "completions per forward/backward, any size (default: the whole "
+                                                 "batch)", "optimisation", type=int)
+    lr_schedule: str = setting("constant", "constant or cosine, after linear warmup", "optimisation")
+    warmup_steps: int | None = setting(None, "linear warmup updates (default: per dataset)", "optimisation", type=int)
+    weight_decay: float = setting(0.0, "AdamW weight decay", "optimisation", type=float)
+    max_grad_norm: float = setting(1.0, "gradient-norm clip", "optimisation", type=float)
+    gradient_checkpointing: bool = setting(False, "trade compute for memory", "optimisation", action="store_true")
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N or mps", "optimisation")
+    dtype: str = setting("auto", "auto (bf16 compute on a GPU, fp32 on CPU), float32 or bfloat16; weights stay fp32",
+                         "optimisation")
+    threads: int | None = setting(None, "CPU threads torch may use (default: one per core)", "optimisation", type=int)
+
+    # --- evaluation, checkpoints and the run ---
+    eval_every: int | None = setting(None, "evaluate every N steps, 0 = only at the end (default: steps // 10)", "run",
+                                     type=int)
+    checkpoint_every: int = setting(100, "checkpoint every N steps, and always at the end", "run", type=int)
+    keep_checkpoints: int = setting(2, "most recent checkpoints kept", "run", type=int)
+    resume: bool = setting(False, "continue the run in --output-dir from its latest good checkpoint", "run",
+                           action="store_true")
+    overwrite: bool = setting(False, "start afresh where an earlier run is (deletes its checkpoints)", "run",
+                              action="store_true")
+    report_to: str = setting("none", "none or tensorboard", "run")
+    progress: bool = setting(True, "no progress bar or progress lines", "run", flag="--no-progress",
+                             action="store_false")
 
     @property
     def dataset_name(self) -> str:
@@ -238,6 +287,8 @@ class GenerationConfig:
 
     def filled(self) -> "GenerationConfig":
         """A copy with the dataset's presets in place of unset (None) settings."""
+        from auto_research.post_training.algorithms import get_algorithm
+
         preset = GENERATION_PRESETS[self.dataset if self.dataset in GENERATION_PRESETS else "jsonl"]
         values = {key: value for key, value in preset.items() if getattr(self, key) is None}
         filled = replace(self, **values)
@@ -255,6 +306,8 @@ class GenerationConfig:
 
     def validate(self) -> "GenerationConfig":
         """Every check that needs neither torch nor the data: runs before anything heavy is imported."""
+        from auto_research.post_training.algorithms import check_group_size, get_algorithm
+
         algorithm = get_algorithm(self.algorithm)
         self.validate_dataset()
         if self.model is None and self.dataset != "arithmetic-generate":
