@@ -214,5 +214,10 @@ def test_generation_flags_are_generated_from_the_config_fields():
     config = _generation_config(args)
     assert (config.updates_per_batch, config.whiten_advantages, config.reward_weights, config.reward, config.top_k) == (
         3, False, [1.0, 0.5], ["match", "format"], 5)
+    # compare passes the given flags on to each run as the same words.
+    from auto_research.cli import generation_argv
+
+    assert parser.parse_args(["post-train", *generation_argv(args)]).reward_weights == [1.0, 0.5]
+    assert generation_argv(args).count("--reward") == 2
     # Unset flags keep the dataclass's defaults (or presets, filled later).
     assert config.gae_lambda == GenerationConfig.gae_lambda and config.temperature is None

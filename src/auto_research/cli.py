@@ -70,7 +70,7 @@ def generation_argv(args: argparse.Namespace) -> list[str]:
             continue
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             words.append(action.option_strings[0])
-        elif isinstance(value, list):
+        elif isinstance(action, argparse._AppendAction):
             for item in value:
                 words += [action.option_strings[0], str(item)]
         else:
