@@ -18,3 +18,9 @@ class TrainingInterrupted(Exception):
     def __init__(self, message: str, exit_status: int = 130):
         super().__init__(message)
         self.exit_status = exit_status
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line for a user-facing message: its type and the first line of its text."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from auto_research.errors import UserError
+from auto_research.errors import UserError, one_line
 
 _log = logging.getLogger("auto_research")
 
@@ -78,8 +78,7 @@ def load_policy(name: str, device: str, dtype, offline: bool, log=None):
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline or local)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=offline or local)
     except Exception as error:  # a damaged file surfaces as many types: OSError, SafetensorError, ValueError …
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"--model {name}: cannot load ({type(error).__name__}: {first_line})") from None
+        raise UserError(f"--model {name}: cannot load ({one_line(error)})") from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(f"--model {name}: the tokenizer has neither a pad nor an EOS token")
@@ -123,8 +122,7 @@ def load_critic(name: str, device: str, offline: bool, vocabulary: int, flag: st
         critic = AutoModelForTokenClassification.from_pretrained(name, num_labels=1, dtype=torch.float32,
                                                                  local_files_only=offline or local)
     except Exception as error:  # as in load_policy: many exception types for one mistake
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"{flag} {name}: cannot load as a value model ({type(error).__name__}: {first_line})") from None
+        raise UserError(f"{flag} {name}: cannot load as a value model ({one_line(error)})") from None
     if critic.config.vocab_size != vocabulary:
         raise UserError(f"{flag} {name}: its vocabulary has {critic.config.vocab_size} tokens, the policy's "
                         f"{vocabulary}; the critic reads the policy's tokens")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from auto_research.errors import UserError
+from auto_research.errors import UserError, one_line
 from auto_research.post_training.lm.tasks import Example
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -104,11 +104,6 @@ def _with_row_fields(function: Callable) -> Callable:
     return reward
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
-
-
 def load_callable(spec: str) -> Callable:
     """``module:function`` → the function; a one-line UserError when it cannot be found.
 
@@ -131,9 +126,9 @@ def load_callable(spec: str) -> Callable:
         if error.name == module_name or module_name.startswith(f"{error.name}."):
             raise UserError(f"--reward {spec!r}: cannot import module {module_name!r} (no {module_name.replace('.', '/')}.py "
                             "in the working directory or on PYTHONPATH)") from None
-        raise UserError(f"--reward {spec!r}: importing {module_name!r} failed ({_one_line(error)})") from None
+        raise UserError(f"--reward {spec!r}: importing {module_name!r} failed ({one_line(error)})") from None
     except Exception as error:
-        raise UserError(f"--reward {spec!r}: importing {module_name!r} failed ({_one_line(error)})") from None
+        raise UserError(f"--reward {spec!r}: importing {module_name!r} failed ({one_line(error)})") from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise UserError(f"--reward {spec!r}: module {module_name!r} has no function {function_name!r}")
@@ -161,7 +156,7 @@ class RewardModel:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=offline or local)
             self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=offline or local)
         except Exception as error:  # a damaged file surfaces as many exception types
-            raise UserError(f"--reward-model {path}: cannot load ({_one_line(error)})") from None
+            raise UserError(f"--reward-model {path}: cannot load ({one_line(error)})") from None
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = self.model.to(device).eval()
@@ -204,7 +199,7 @@ class CombinedReward:
             try:
                 values = function(list(prompts), list(completions), list(examples))
             except Exception as error:
-                raise RewardError(f"reward {name!r} raised {_one_line(error)} on a batch of {len(completions)} "
+                raise RewardError(f"reward {name!r} raised {one_line(error)} on a batch of {len(completions)} "
                                   f"completions (first prompt {prompts[0]!r})") from None
             if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
                 values = values.tolist()  # NumPy arrays and tensors

@@ -34,6 +34,7 @@ import torch
 
 from auto_research.errors import TrainingInterrupted, UserError
 from auto_research.files import atomic_write_text
+from auto_research.post_training import estimators
 from auto_research.post_training.algorithms import get_algorithm
 from auto_research.post_training.config import GenerationConfig
 from auto_research.post_training.lm import checkpoint as checkpoints
@@ -319,8 +320,8 @@ class Trainer:
                         totals["clip_fraction"] += float(outside.sum()) / float(mask.sum().clamp(min=1))
                 totals["grad_norm"] = self._optimizer_step(self.model, self.optimizer)
                 self.updates += 1
-        steps = config.updates_per_batch * config.ppo_mini_batches
         # Losses are reported per optimizer step (averaged); the gradient norm is the last step's.
+        steps = self.updates_per_step
         return {key: value / steps if key in ("loss", "pg_loss", "kl_loss", "clip_fraction") else value
                 for key, value in totals.items()}
 
@@ -329,7 +330,7 @@ class Trainer:
         if self.critic is None:
             return {}
         config, mask = self.config, trajectory.mask * trajectory.scored.float().unsqueeze(1)
-        value_loss, explained = 0.0, 0.0
+        value_loss = 0.0
         for epoch in range(config.updates_per_batch):
             for rows in self._mini_batches(trajectory):
                 tokens = float(mask[rows].sum().clamp(min=1))
@@ -346,8 +347,8 @@ class Trainer:
         residual = ((trajectory.returns - trajectory.values) * mask)
         variance = float(((trajectory.returns - (trajectory.returns * mask).sum() / mask.sum().clamp(min=1)) * mask).square().sum())
         explained = 1.0 - float(residual.square().sum()) / max(variance, 1e-12)
-        self.critic_updates += config.updates_per_batch * config.ppo_mini_batches
-        return {"value_loss": value_loss / (config.updates_per_batch * config.ppo_mini_batches),
+        self.critic_updates += self.updates_per_step
+        return {"value_loss": value_loss / self.updates_per_step,
                 "explained_variance": explained}
 
     def step(self, step: int) -> dict:
@@ -369,7 +370,7 @@ class Trainer:
         # The RL objective of the paper: E[r − β·KL], over the scored samples.
         objective = (trajectory.rewards.double() - config.beta * kl_sequence)[scored]
         sequence_advantages = (trajectory.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
-        no_signal = int((sequence_advantages.view(-1, K) == 0).all(-1).sum())
+        no_signal = estimators.groups_without_signal(sequence_advantages.view(-1, K).double().numpy())
         generated = int(mask.sum())
         sequences = mask.shape[0]
         self.totals["no_signal_groups"] += no_signal
