@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from auto_research.post_training import estimators
 from auto_research.post_training.config import GenerationConfig
 from auto_research.post_training.lm import core
+from auto_research.post_training.lm.distributed import World
 from auto_research.post_training.lm.trainer import Trainer
 
 GOLDEN = Path(__file__).parent / "fixtures" / "rloo-gradient-golden.safetensors"
@@ -114,6 +115,7 @@ class _Fixed:
 
         trainer = Trainer(config, log=lambda text: None)
         trainer.model, trainer.reference, trainer.tokenizer, trainer.critic = policy, reference, tokenizer, critic
+        trainer.world, trainer.train_model, trainer.train_critic = World(), policy, critic
         trainer.compute_dtype, trainer.device = torch.float32, "cpu"
         trainer.algorithm_state, trainer.updates, trainer.critic_updates, trainer.warned_unscored = {}, 0, 0, False
         trainer.updates_per_step = config.updates_per_batch * config.ppo_mini_batches
@@ -123,7 +125,7 @@ class _Fixed:
         G = rewards.numel() // config.group_size
         from auto_research.post_training.lm.trainer import Trajectory
 
-        trainer.collect = lambda: Trajectory(rollout, ["p"] * G, [None] * G)
+        trainer.collect = lambda step: Trajectory(rollout, ["p"] * G, [None] * G)
 
         def score(trajectory, step):
             trajectory.rewards, trajectory.scored = rewards.float().reshape(-1), torch.ones(rewards.numel(), dtype=torch.bool)

@@ -73,7 +73,7 @@ def _config(model_dir, dataset, output, **overrides):
 
 
 def test_kl_is_exactly_zero_before_the_first_update(tiny_model_dir, sums_jsonl, tmp_path, reward_module):
-    config = _config(tiny_model_dir, sums_jsonl, tmp_path, beta=0.1, reward=[f"{reward_module}:length"])
+    config = _config(tiny_model_dir, sums_jsonl, tmp_path, beta=0.1, reward=[f"{reward_module}:checksum"])
     trainer = Trainer(config, log=lambda text: None)
     trainer.setup()
     assert trainer.evaluate()["kl_from_reference"] == 0.0
@@ -101,6 +101,10 @@ def nan_on_third_call(prompts, completions, rows):
 
 def length(prompts, completions, rows):
     return [float(len(c)) for c in completions]
+
+def checksum(prompts, completions, rows):
+    # Differs between almost any two completions, so every group has a learning signal.
+    return [float(sum(map(ord, c)) % 5) for c in completions]
 
 def count_sevens(prompts, completions, rows):
     return [c.count("7") / 3 for c in completions]
@@ -266,7 +270,7 @@ def test_dataset_row_missing_a_field_names_file_and_line(tiny_model_dir, tmp_pat
 
 
 def _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path, reward_module, **overrides):
-    config = _config(tiny_model_dir, sums_jsonl, tmp_path, reward=[f"{reward_module}:length"], beta=0.1, **overrides)
+    config = _config(tiny_model_dir, sums_jsonl, tmp_path, reward=[f"{reward_module}:checksum"], beta=0.1, **overrides)
     trainer = Trainer(config, log=lambda text: None)
     trainer.setup()
     row = trainer.step(1)

@@ -328,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return COMMANDS[args.command](args)
     except UserError as error:
-        print(f"auto-research: error: {error}", file=sys.stderr)
+        # Under torchrun, the rank that failed says why; the others stop with the same status, silently.
+        if not getattr(error, "quiet", False):
+            print(f"auto-research: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("auto-research: interrupted", file=sys.stderr)

@@ -172,6 +172,7 @@ SECTIONS = {
     "critic": "critic (ppo-rlhf)",
     "sampling": "sampling",
     "optimisation": "optimisation",
+    "scaling": "several processes (torchrun) and LoRA",
     "run": "evaluation, checkpoints and the run",
 }
 
@@ -261,6 +262,19 @@ class GenerationConfig:
     dtype: str = setting("auto", "auto (bf16 compute on a GPU, fp32 on CPU), float32 or bfloat16; weights stay fp32",
                          "optimisation")
     threads: int | None = setting(None, "CPU threads torch may use (default: one per core)", "optimisation", type=int)
+
+    # --- several processes and LoRA ---
+    fsdp: bool = setting(False, "under torchrun, shard policy, reference and critic with FSDP2 (default: DDP, "
+                         "whole models on each rank)", "scaling", action="store_true")
+    lora_r: int | None = setting(None, "train LoRA adapters of this rank instead of every weight (PEFT); the "
+                                 "reference is the model with its adapters disabled", "scaling", type=int)
+    lora_alpha: float | None = setting(None, "LoRA scaling numerator (default: 2 × --lora-r)", "scaling", type=float)
+    lora_dropout: float = setting(0.0, "dropout on the LoRA input (0 keeps sampling and training the same "
+                                  "distribution)", "scaling", type=float)
+    lora_target_modules: str | None = setting(None, "comma-separated module names to adapt (default: every linear "
+                                              "layer of attention and MLP)", "scaling")
+    merge_lora: bool = setting(False, "also save the merged model (base + adapters) in <run>/merged at the end",
+                               "scaling", action="store_true")
 
     # --- evaluation, checkpoints and the run ---
     eval_every: int | None = setting(None, "evaluate every N steps, 0 = only at the end (default: steps // 10)", "run",
@@ -378,6 +392,20 @@ class GenerationConfig:
         if self.dtype in ("float16", "fp16"):
             raise UserError("--dtype float16 would need loss scaling; use bfloat16 (fp32 master weights, bf16 compute) "
                             "or float32")
+        if self.lora_r is not None and self.lora_r <= 0:
+            raise UserError(f"--lora-r must be a positive integer, got {self.lora_r}")
+        if self.lora_r is None:
+            for flag, value in (("--lora-alpha", self.lora_alpha), ("--lora-target-modules", self.lora_target_modules)):
+                if value is not None:
+                    raise UserError(f"{flag} needs --lora-r (LoRA is off without it)")
+            if self.merge_lora:
+                raise UserError("--merge-lora needs --lora-r (LoRA is off without it)")
+        if self.lora_alpha is not None:
+            check_positive_finite("--lora-alpha", self.lora_alpha)
+        if not (0 <= self.lora_dropout < 1):
+            raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_target_modules is not None and not [name for name in self.lora_target_modules.split(",") if name.strip()]:
+            raise UserError("--lora-target-modules is empty; give module names such as q_proj,v_proj")
         if self.reward_weights is not None:
             for weight in self.reward_weights:
                 if not math.isfinite(weight):

@@ -117,10 +117,13 @@ def check_generation_run(config, log=print, rows: list[dict] | None = None, rewa
     from auto_research.post_training.lm.rewards import check_rewards
     from auto_research.post_training.lm.tasks import load_task
 
+    from auto_research.post_training.lm.distributed import check_world, environment_world_size
+
     config.validate()
+    check_world(config)
     check_writable_directory(config.output_dir)
     checkpoints.check_run_folder(config)
-    resume_from = checkpoints.resumable_checkpoint(config, log) if config.resume else None
+    resume_from = checkpoints.resumable_checkpoint(config, log, environment_world_size()) if config.resume else None
     if config.model is not None:
         check_model_source(config.model, config.offline)
     if config.reward_model is not None:

@@ -96,10 +96,16 @@ def verified_checkpoint(run_dir: Path, log) -> Path:
     raise UserError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'} verifies: {problems[0]}")
 
 
-def resumable_checkpoint(config, log) -> Path:
-    """The checkpoint ``--resume`` continues from, after checking that the run's settings are unchanged."""
+def resumable_checkpoint(config, log, world_size: int = 1) -> Path:
+    """The checkpoint ``--resume`` continues from, after checking that the run's settings are unchanged
+    and that it runs on as many processes as before (the only way the resumed run stays exact)."""
     folder = verified_checkpoint(config.run_dir, log)
-    saved = json.loads((folder / "trainer_state.json").read_text())["config"]
+    state = json.loads((folder / "trainer_state.json").read_text())
+    saved = state["config"]
+    if state.get("world_size", 1) != world_size:
+        raise UserError(f"--resume: the run in {config.run_dir} ran on {state.get('world_size', 1)} process(es), this "
+                        f"command on {world_size}: gradients summed in another order would not continue it exactly; "
+                        f"resume with the same number, or start a new run from the weights with --model {folder}")
     current = config.to_json()
     differing = sorted(key for key in current if key not in RESUMABLE_DIFFERENCES and key in saved
                        and saved[key] != current[key])
@@ -159,34 +165,54 @@ def restore_rng(captured: dict, numpy_rng) -> None:
     numpy_rng.bit_generator.state = captured["numpy"]
 
 
-def _optimizer_to_files(optimizer) -> tuple[dict, dict]:
-    """Split the optimizer state into tensors (safetensors) and plain values (JSON)."""
+def _optimizer_to_files(state_dict: dict) -> tuple[dict, dict]:
+    """Split an optimizer state keyed by parameter name into tensors (safetensors) and plain values (JSON)."""
     import torch
 
-    state_dict = optimizer.state_dict()
     tensors, plain_state = {}, {}
     for parameter, values in state_dict["state"].items():
         plain_state[str(parameter)] = {}
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{parameter}.{key}"] = value.detach().cpu().contiguous()
+                tensors[f"{parameter}/{key}"] = value.detach().cpu().contiguous()
             else:
                 plain_state[str(parameter)][key] = value
-    return tensors, {"state": plain_state, "param_groups": state_dict["param_groups"]}
+    return tensors, {"keys": "names", "state": plain_state, "param_groups": state_dict["param_groups"]}
 
 
 def _optimizer_from_files(tensors: dict, plain: dict) -> dict:
+    """The optimizer state as saved: keyed by parameter name (or, from checkpoints before names, by index)."""
+    by_name = plain.get("keys") == "names"
+    separator = "/" if by_name else "."
+    key_of = str if by_name else int
     state = {}
     for parameter, values in plain["state"].items():
-        state[int(parameter)] = dict(values)
+        state[key_of(parameter)] = dict(values)
     for name, tensor in tensors.items():
-        parameter, key = name.split(".", 1)
-        state.setdefault(int(parameter), {})[key] = tensor
+        parameter, key = name.rsplit(separator, 1) if by_name else name.split(separator, 1)
+        state.setdefault(key_of(parameter), {})[key] = tensor
     return {"state": state, "param_groups": plain["param_groups"]}
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, rng: dict, trainer_state: dict, keep: int,
-                    critic=None, critic_optimizer=None) -> Path:
+def _save_model(model, folder: Path, state: dict | None, optimizer_state: dict) -> None:
+    from safetensors.torch import save_file
+
+    if hasattr(model, "peft_config"):  # LoRA: the trained adapter only (not the frozen reference copy)
+        model.save_pretrained(folder, safe_serialization=True, selected_adapters=["default"])
+    elif state is None:
+        model.save_pretrained(folder, safe_serialization=True)
+    else:
+        model.save_pretrained(folder, safe_serialization=True, state_dict=state)
+    tensors, plain = _optimizer_to_files(optimizer_state)
+    save_file(tensors, str(folder / "optimizer.safetensors"))
+    atomic_write_json(folder / "optimizer.json", plain)
+
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, rng: dict, trainer_state: dict,
+                    keep: int, critic=None, critic_optimizer_state: dict | None = None, model_state: dict | None = None,
+                    critic_state: dict | None = None) -> Path:
+    """Write one checkpoint (rank 0 only). ``model_state``: the whole weights when the model holds
+    shards (FSDP); ``optimizer_state``: the whole optimizer state keyed by parameter name."""
     from safetensors.torch import save_file
 
     root = Path(run_dir) / "checkpoints"
@@ -194,16 +220,11 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, rng: 
     target = root / f"{PREFIX}{step:06d}"
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}."))
     try:
-        model.save_pretrained(staging, safe_serialization=True)
+        _save_model(model, staging, model_state, optimizer_state)
         tokenizer.save_pretrained(staging)
-        tensors, plain = _optimizer_to_files(optimizer)
-        save_file(tensors, str(staging / "optimizer.safetensors"))
-        atomic_write_json(staging / "optimizer.json", plain)
         if critic is not None:
-            critic.save_pretrained(staging / "critic", safe_serialization=True)
-            tensors, plain = _optimizer_to_files(critic_optimizer)
-            save_file(tensors, str(staging / "critic" / "optimizer.safetensors"))
-            atomic_write_json(staging / "critic" / "optimizer.json", plain)
+            (staging / "critic").mkdir()
+            _save_model(critic, staging / "critic", critic_state, critic_optimizer_state)
         save_file({key: value.contiguous() for key, value in rng["tensors"].items()}, str(staging / "rng.safetensors"))
         atomic_write_json(staging / "trainer_state.json", {**trainer_state, "step": step, "numpy_rng": rng["numpy"]})
         write_manifest(staging)
@@ -224,7 +245,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, rng: 
     return target
 
 
-def _load_model_and_optimizer(folder: Path, model, optimizer) -> None:
+def load_weights(folder: Path, model) -> None:
+    """The checkpoint's weights into a whole (not yet wrapped or sharded) model."""
     from safetensors.torch import load_file
 
     weights = load_file(str(folder / "model.safetensors"))
@@ -233,17 +255,19 @@ def _load_model_and_optimizer(folder: Path, model, optimizer) -> None:
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:
         raise UserError(f"--resume: checkpoint {folder} does not match the model ({len(missing)} missing, {len(unexpected)} unexpected tensors)")
-    optimizer.load_state_dict(_optimizer_from_files(load_file(str(folder / "optimizer.safetensors")),
-                                                    json.loads((folder / "optimizer.json").read_text())))
 
 
-def load_checkpoint(path: Path, model, optimizer, critic=None, critic_optimizer=None) -> tuple[dict, dict]:
-    """Load weights and optimizer states (the critic's too) in place; return (trainer_state, rng)."""
+def read_optimizer_state(folder: Path) -> dict:
     from safetensors.torch import load_file
 
-    _load_model_and_optimizer(path, model, optimizer)
-    if critic is not None:
-        _load_model_and_optimizer(path / "critic", critic, critic_optimizer)
+    return _optimizer_from_files(load_file(str(folder / "optimizer.safetensors")),
+                                 json.loads((folder / "optimizer.json").read_text()))
+
+
+def read_trainer_state(path: Path) -> tuple[dict, dict]:
+    """(trainer_state, rng) of a checkpoint."""
+    from safetensors.torch import load_file
+
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     rng = {"tensors": load_file(str(path / "rng.safetensors")), "numpy": trainer_state["numpy_rng"]}
     return trainer_state, rng

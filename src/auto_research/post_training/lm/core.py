@@ -57,6 +57,8 @@ class AdvantageInputs:
     lam: float = 1.0
     state: dict = field(default_factory=dict)
     """The estimator's own JSON-serialisable state (REINFORCE's moving average)."""
+    total: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor
+    """Sum over every process's batch (the identity in one process), for batch-wide statistics."""
 
 
 # --- group statistics over (G, K), the torch twins of estimators.py ------------------------
@@ -122,8 +124,10 @@ def reinforce(inputs: AdvantageInputs):
         return torch.where(valid, scores - baseline, 0.0)
 
     result = _sequence(inputs, advantage)
-    if captured["scores"].numel():
-        inputs.state["moving_average"] = float(0.9 * baseline + 0.1 * captured["scores"].double().mean())
+    scores = captured["scores"].double()
+    total, count = inputs.total(torch.stack([scores.sum(), torch.tensor(float(scores.numel()), dtype=torch.float64)]))
+    if count:
+        inputs.state["moving_average"] = float(0.9 * baseline + 0.1 * total / count)
     return result
 
 
@@ -159,11 +163,14 @@ def gae(inputs: AdvantageInputs):
     return advantages * keep, (advantages + values) * keep
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor, epsilon: float = 1e-8) -> torch.Tensor:
-    """(v − mean) / std over the masked entries (population std), 0 elsewhere: PPO's advantage whitening."""
-    count = mask.sum().clamp(min=1)
-    mean = (values * mask).sum() / count
-    variance = ((values - mean).square() * mask).sum() / count
+def whiten(values: torch.Tensor, mask: torch.Tensor, epsilon: float = 1e-8, total=lambda tensor: tensor) -> torch.Tensor:
+    """(v − mean) / std over the masked entries (population std), 0 elsewhere: PPO's advantage whitening.
+
+    ``total`` sums over processes, so the statistics are the whole batch's.
+    """
+    count = total(mask.sum()).clamp(min=1)
+    mean = total((values * mask).sum()) / count
+    variance = total(((values - mean).square() * mask).sum()) / count
     return (values - mean) * torch.rsqrt(variance + epsilon) * mask
 
 

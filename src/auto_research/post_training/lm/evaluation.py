@@ -21,11 +21,18 @@ def _distributions(model, rollout, temperature: float) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier: str, reward, max_new_tokens: int,
-             temperature: float = 1.0, batch_size: int = 64) -> dict[str, float]:
+             temperature: float = 1.0, batch_size: int = 64, shard: tuple[int, int] = (0, 1),
+             total=lambda tensor: tensor) -> dict[str, float]:
     """accuracy, mean_reward (over the completions the reward could score), entropy and
-    kl_from_reference of greedy completions."""
+    kl_from_reference of greedy completions.
+
+    Under several processes, ``shard`` = (rank, size) deals out the fixed batches of
+    ``batch_size`` prompts (batch b to rank b mod size) and ``total`` adds the sums up, so
+    every batch is the one a single process would evaluate.
+    """
     correct, rewards, entropies, kls = [], [], [], []
-    for start in range(0, len(prompts), batch_size):
+    rank, size = shard
+    for start in range(rank * batch_size, len(prompts), batch_size * size):
         batch_prompts = prompts[start : start + batch_size]
         batch_examples = examples[start : start + batch_size]
         rollout = sample(model, tokenizer, batch_prompts, 1, max_new_tokens, greedy=True)
@@ -40,12 +47,14 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
             log_q = _distributions(reference, rollout, temperature)
             kls += ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum(-1).tolist()
     count = max(len(prompts), 1)
+    sums = total(torch.tensor([sum(correct), sum(rewards), len(rewards), sum(entropies), sum(kls)], dtype=torch.float64))
+    correct_count, reward_sum, scored, entropy_sum, kl_sum = sums.tolist()
     return {
-        "accuracy": sum(correct) / count,
+        "accuracy": correct_count / count,
         # None when the reward could score no held-out completion (written as null, shown as n/a).
-        "mean_reward": sum(rewards) / len(rewards) if rewards else None,
-        "entropy": sum(entropies) / count,
-        "kl_from_reference": sum(kls) / count,
+        "mean_reward": reward_sum / scored if scored else None,
+        "entropy": entropy_sum / count,
+        "kl_from_reference": kl_sum / count,
     }
 
 

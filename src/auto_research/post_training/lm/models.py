@@ -66,19 +66,34 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load_policy(name: str, device: str, dtype, offline: bool, log=None):
-    """Model and tokenizer from a local folder or a hub id."""
+def load_policy(name: str, device: str, dtype, offline: bool, log=None, keep_adapter: bool = False):
+    """Model and tokenizer from a local folder or a hub id.
+
+    A folder holding a LoRA adapter (``adapter_config.json``) loads its base model with the
+    adapter: kept as a PEFT model to train on (``keep_adapter``), or merged into the weights.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from auto_research.post_training.lm import lora
 
     quiet_transformers()
 
     check_model_source(name, offline)
-    local = Path(name).expanduser().exists()
+    adapter = lora.is_adapter(name)
+    weights = lora.base_of(name) if adapter else name
+    if adapter:
+        check_model_source(weights, offline, f"--model {name}'s base model")
+    local = Path(weights).expanduser().exists()
+    tokenizer_source = name if not adapter or (Path(name).expanduser() / "tokenizer_config.json").is_file() else weights
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline or local)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=offline or local)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, local_files_only=offline or local)
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, local_files_only=offline or local)
     except Exception as error:  # a damaged file surfaces as many types: OSError, SafetensorError, ValueError …
         raise UserError(f"--model {name}: cannot load ({one_line(error)})") from None
+    if adapter:
+        model = lora.attach_saved_adapter(model, name, trainable=keep_adapter)
+        if not keep_adapter:
+            model = model.merge_and_unload()
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(f"--model {name}: the tokenizer has neither a pad nor an EOS token")

@@ -1,11 +1,11 @@
-"""Sampling K completions per prompt in one batched ``generate`` call."""
+"""Sampling K completions per prompt: a lean decoding loop over the KV cache, seeded per prompt."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
 
 
 @dataclass
@@ -26,15 +26,25 @@ class Rollout:
     def completion_ids(self) -> torch.Tensor:
         return self.sequences[:, self.prompt_length :]
 
-    def rows(self, start: int, stop: int) -> "Rollout":
-        """Rows start … stop − 1 (a micro-batch of whole groups)."""
-        return Rollout(
-            self.sequences[start:stop],
-            self.prompt_mask[start:stop],
-            self.completion_mask[start:stop],
-            self.completions[start:stop],
-            self.group_size,
-        )
+    def rows(self, start: int, stop: int, trim: bool = False) -> "Rollout":
+        """Rows start … stop − 1 (a micro-batch of whole groups).
+
+        With ``trim``, without the prompt columns that are left padding in every one of these rows
+        and the completion columns after the longest of their completions: the forward then costs
+        what the micro-batch holds, not what the longest row of the whole batch needs. Log-probs
+        and values of the kept positions are unchanged (positions come from the attention mask).
+        """
+        sequences, prompt_mask, completion_mask = (self.sequences[start:stop], self.prompt_mask[start:stop],
+                                                   self.completion_mask[start:stop])
+        if trim and sequences.shape[0]:
+            used_prompt = prompt_mask.any(0).nonzero()
+            first = int(used_prompt[0]) if used_prompt.numel() else prompt_mask.shape[1] - 1
+            used_completion = completion_mask.any(0).nonzero()
+            width = int(used_completion[-1]) + 1 if used_completion.numel() else 1
+            prompt_length = prompt_mask.shape[1]
+            sequences = sequences[:, first: prompt_length + width]
+            prompt_mask, completion_mask = prompt_mask[:, first:], completion_mask[:, :width]
+        return Rollout(sequences, prompt_mask, completion_mask, self.completions[start:stop], self.group_size)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
@@ -56,6 +66,46 @@ def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor,
     return batch["input_ids"].to(device), batch["attention_mask"].to(device)
 
 
+def prompt_seed(seed: int, step: int, index: int) -> int:
+    """The sampling seed of one prompt at one step: from the run's seed, the step and the prompt's
+    dataset index, never from a process's random stream, so 1 or N processes draw the same samples."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, step, index]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k, then nucleus filtering (−inf outside), as Hugging Face's warpers order them.
+
+    Nucleus keeps the smallest set of most probable tokens whose probability reaches ``top_p``
+    (at least one token).
+    """
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        probabilities = ordered.softmax(-1)
+        # Mass strictly before each token: a token stays while the ones above it hold < top_p.
+        before = probabilities.cumsum(-1) - probabilities
+        remove = before >= top_p
+        remove[..., 0] = False
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return logits
+
+
+def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row b takes the first token whose cumulative probability exceeds u_b.
+
+    Exact for the softmax of ``logits``, and a row's draw depends on its own uniform only, so
+    batch composition cannot change which token a prompt gets.
+    """
+    cumulative = logits.softmax(-1).cumsum(-1)
+    target = uniforms.unsqueeze(-1) * cumulative[..., -1:]
+    index = torch.searchsorted(cumulative, target, right=True).squeeze(-1)
+    return index.clamp(max=logits.shape[-1] - 1)
+
+
 @torch.no_grad()
 def sample(
     model,
@@ -67,41 +117,89 @@ def sample(
     top_p: float = 1.0,
     top_k: int = 0,
     greedy: bool = False,
+    seeds: list[int] | None = None,
 ) -> Rollout:
-    """K samples for each prompt (or one greedy completion each when ``greedy``)."""
+    """K samples for each prompt (or one greedy completion each when ``greedy``).
+
+    A lean decoding loop over the model's KV cache. Every setting that shapes the
+    distribution is an argument here; the checkpoint's ``generation_config``
+    (repetition penalty, suppressed tokens, min_p …) is never read. Token t of a
+    sample is logits/temperature → top-k → top-p → inverse CDF at a uniform drawn
+    from the prompt's own generator (``seeds``, one per prompt), so the samples of a
+    prompt do not depend on which other prompts share its batch or process.
+    Without ``seeds`` the uniforms come from torch's global generator.
+    """
     device = next(model.parameters()).device
     input_ids, attention = encode_prompts(tokenizer, prompts, device)
     repeats = 1 if greedy else group_size
     input_ids = input_ids.repeat_interleave(repeats, dim=0)
     attention = attention.repeat_interleave(repeats, dim=0)
-    options = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
-    eos = eos_ids(tokenizer, model)
+    rows = input_ids.shape[0]
+    uniforms = None
+    if not greedy:
+        if seeds is not None:
+            if len(seeds) != len(prompts):
+                raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+            uniforms = torch.cat([torch.rand(repeats, max_new_tokens, generator=torch.Generator().manual_seed(seed),
+                                             dtype=torch.float64) for seed in seeds]).to(device)
+        else:
+            uniforms = torch.rand(rows, max_new_tokens, dtype=torch.float64).to(device)
+    eos = torch.tensor(eos_ids(tokenizer, model), device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(eos[0])
     was_training = model.training
-    saved_config = model.generation_config
     model.eval()
-    # generate() fills every setting it is not given from the checkpoint's generation_config
-    # (repetition_penalty, suppress_tokens, min_p, no_repeat_ngram_size …), which would sample
-    # from another distribution than the one trained on. A blank config stands in while we
-    # sample, so only the settings passed here shape the distribution.
-    model.generation_config = GenerationConfig()
+    # transformers 5.2x renamed past_key_values to cache; older models keep the old name.
+    cache_argument = _cache_argument(model)
     try:
-        sequences = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=eos,
-            use_cache=True,
-            **options,
-        )
+        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        output = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                       logits_to_keep=1)
+        position = positions[:, -1:] + 1
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        tokens = []
+        for t in range(max_new_tokens):
+            logits = output.logits[:, -1].float()
+            if greedy:
+                token = logits.argmax(-1)
+            else:
+                logits = logits / temperature if temperature != 1.0 else logits
+                token = draw(filter_logits(logits, top_k, top_p).double(), uniforms[:, t])
+            token = torch.where(finished, torch.full_like(token, pad), token)
+            tokens.append(token)
+            finished |= torch.isin(token, eos)
+            if bool(finished.all()) or t == max_new_tokens - 1:
+                break
+            attention = torch.cat([attention, attention.new_ones(rows, 1)], dim=1)
+            output = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=position,
+                           use_cache=True, **{cache_argument: _cache_of(output)})
+            position = position + 1
     finally:
-        model.generation_config = saved_config
         model.train(was_training)
-    completion_ids = sequences[:, input_ids.shape[1] :]
-    mask = completion_mask(completion_ids, eos)
-    texts = tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)
-    return Rollout(sequences, attention, mask, texts, repeats)
+    completion_ids = torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(rows, 0)
+    sequences = torch.cat([input_ids, completion_ids], dim=1)
+    mask = completion_mask(completion_ids, eos.tolist())
+    texts = tokenizer.batch_decode(completion_ids * mask + pad * (1 - mask), skip_special_tokens=True)
+    return Rollout(sequences, attention[:, : input_ids.shape[1]], mask, texts, repeats)
+
+
+def _cache_argument(model) -> str:
+    """The name under which this model's forward takes its KV cache (wrappers such as PEFT's forward **kwargs)."""
+    inner = model
+    for _ in range(4):
+        parameters = inspect.signature(inner.forward).parameters
+        if "cache" in parameters:
+            return "cache"
+        if "past_key_values" in parameters:
+            return "past_key_values"
+        inner = getattr(inner, "get_base_model", lambda: getattr(inner, "module", None))()
+        if inner is None:
+            break
+    return "past_key_values"
+
+
+def _cache_of(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def eos_ids(tokenizer, model) -> list[int]:

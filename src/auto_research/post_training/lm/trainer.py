@@ -40,11 +40,12 @@ from auto_research.post_training.config import GenerationConfig
 from auto_research.post_training.lm import checkpoint as checkpoints
 from auto_research.post_training.lm import core
 from auto_research.post_training.lm.evaluation import evaluate
+from auto_research.post_training.lm.distributed import World
 from auto_research.post_training.lm.logprobs import completion_values, kl_per_token, token_logprobs
 from auto_research.post_training.lm.models import (context_length, format_prompt, load_critic, load_policy,
                                                    resolve_device, resolve_dtype)
 from auto_research.post_training.lm.rewards import RewardError, build_reward
-from auto_research.post_training.lm.rollout import Rollout, sample
+from auto_research.post_training.lm.rollout import Rollout, prompt_seed, sample
 from auto_research.post_training.lm.tasks import load_task
 
 # The estimator each algorithm uses at the generation level (core.ADVANTAGE_ESTIMATORS).
@@ -87,6 +88,18 @@ class Trajectory:
         return self.rollout.completion_mask.float()
 
 
+def _user_error(message: str, cause: BaseException) -> UserError:
+    """A UserError that stays quiet when its cause was another rank's failure (that rank reports it)."""
+    error = UserError(message)
+    error.quiet = getattr(cause, "quiet", False)
+    return error
+
+
+def _widen(values: torch.Tensor, width: int) -> torch.Tensor:
+    """(b, c) → (b, width), zeros on the right: a trimmed micro-batch's output at the batch's width."""
+    return torch.nn.functional.pad(values, (0, width - values.shape[1])) if values.shape[1] < width else values
+
+
 def _figure(value: float | None) -> str:
     return "n/a" if value is None or not math.isfinite(value) else f"{value:.3f}"
 
@@ -109,31 +122,45 @@ class Trainer:
 
     def setup(self) -> None:
         config = self.config
+        self.world = World.from_environment(config.fsdp)
         if config.resume and self.resume_from is None:
-            self.resume_from = checkpoints.resumable_checkpoint(config, self.log)
+            self.resume_from = checkpoints.resumable_checkpoint(config, self.log, self.world.size)
         if self.task is None:
             self.task = load_task(config)
         if config.threads:
             torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)
-        self.device = resolve_device(config.device)
+        self.device = self.world.device(resolve_device(config.device))
+        self.world.start(self.device)
         # Master weights and optimizer states stay float32; bf16 is the compute dtype (autocast).
         self.compute_dtype = resolve_dtype(config.dtype, self.device)
         model_name = config.model
         if model_name is None:
             from auto_research.post_training.lm.tiny import ensure_warm_started
 
-            model_name = str(ensure_warm_started(self.task, progress=config.progress, log=self.log))
+            # Rank 0 trains the embedded model once; the others wait, then read its cache.
+            if self.world.main:
+                model_name = str(ensure_warm_started(self.task, progress=config.progress, log=self.log))
+            self.world.barrier()
+            if not self.world.main:
+                model_name = str(ensure_warm_started(self.task, progress=False, log=self.log))
         self.model_name = model_name
-        self.model, self.tokenizer = load_policy(model_name, self.device, torch.float32, config.offline, log=self.log)
+        self.model, self.tokenizer = load_policy(model_name, self.device, torch.float32, config.offline, log=self.log,
+                                                 keep_adapter=bool(config.lora_r))
         if config.gradient_checkpointing:
             # transformers 5 renamed it; the old name still works on older releases.
             enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
             enable()
         # The frozen reference is the initial policy (held in the compute dtype: it never trains);
-        # with β = 0 it is not needed at all.
+        # with β = 0 it is not needed at all. With LoRA it is the same model with its adapters off.
         self.reference = None
-        if config.beta > 0:
+        if config.lora_r:
+            from auto_research.post_training.lm.lora import add_adapters
+
+            self.model, self.reference = add_adapters(self.model, config, model_name)
+            if config.beta == 0:
+                self.reference = None
+        elif config.beta > 0:
             self.reference, _ = load_policy(model_name, self.device, self.compute_dtype, config.offline)
             self.reference.eval().requires_grad_(False)
         self.critic, self.critic_optimizer, self.critic_updates = None, None, 0
@@ -142,8 +169,6 @@ class Trainer:
                             (config.reward_model, "--reward-model (the critic's default start)") if config.reward_model
                             else (model_name, "--model"))
             self.critic = load_critic(source, self.device, config.offline, len(self.tokenizer), flag)
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.learning_rate,
-                                                      weight_decay=config.weight_decay)
         self.updates_per_step = config.updates_per_batch * config.ppo_mini_batches
         self.reward = build_reward(config.reward, config.reward_weights, config.reward_model, self.task.verifier,
                                    self.device, config.offline, self.reward_functions)
@@ -159,8 +184,25 @@ class Trainer:
             if longest + config.max_new_tokens > limit:
                 raise UserError(f"prompts of up to {longest} tokens plus --max-new-tokens {config.max_new_tokens} "
                                 f"exceed the model's context of {limit} tokens")
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.learning_rate,
-                                           weight_decay=config.weight_decay)
+        state = rng = None
+        if self.resume_from is not None:
+            state, rng = checkpoints.read_trainer_state(self.resume_from)
+            if config.lora_r:
+                from auto_research.post_training.lm.lora import load_adapter_weights
+
+                load_adapter_weights(self.resume_from, self.model)
+            else:
+                checkpoints.load_weights(self.resume_from, self.model)
+            if self.critic is not None:
+                checkpoints.load_weights(self.resume_from / "critic", self.critic)
+        # Several processes: DDP around the models that train, or FSDP2 shards of every model.
+        self.train_model = self.world.wrap(self.model)
+        if self.reference is not None and not config.lora_r:
+            self.world.wrap(self.reference, trains=False)
+        self.optimizer = self._adamw(self.model)
+        if self.critic is not None:
+            self.train_critic = self.world.wrap(self.critic)
+            self.critic_optimizer = self._adamw(self.critic)
         self.rng = np.random.default_rng(config.seed)
         self.algorithm_state: dict = {}
         self.history: list[dict] = []
@@ -169,8 +211,9 @@ class Trainer:
         self.start_step = 1
         self.totals = {"no_signal_groups": 0, "unscored_samples": 0, "generated_tokens": 0, "seconds": 0.0}
         if self.resume_from is not None:
-            state, rng = checkpoints.load_checkpoint(self.resume_from, self.model, self.optimizer,
-                                                     self.critic, self.critic_optimizer)
+            self._load_optimizer(self.train_model, self.optimizer, self.resume_from)
+            if self.critic is not None:
+                self._load_optimizer(self.train_critic, self.critic_optimizer, self.resume_from / "critic")
             checkpoints.restore_rng(rng, self.rng)
             self.algorithm_state = state["algorithm_state"]
             self.history, self.baseline = state["history"], state["baseline"]
@@ -178,9 +221,23 @@ class Trainer:
             self.critic_updates = state.get("critic_updates", 0)
             self.start_step = state["step"] + 1
             self.run_dir_ready = True
-            self._truncate_metrics(state["step"])
+            self.world.on_main(lambda: self._truncate_metrics(state["step"]))
             self.log(f"resumed from {self.resume_from} (step {state['step']})")
         self.writer = None
+
+    def _adamw(self, model):
+        """AdamW over the weights that train, in its multi-tensor (foreach) form: one kernel per
+        operation for all parameters instead of a Python loop over them, the same arithmetic."""
+        trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        return torch.optim.AdamW(trainable, lr=self.config.learning_rate, weight_decay=self.config.weight_decay,
+                                 foreach=True)
+
+    def _load_optimizer(self, model, optimizer, folder: Path) -> None:
+        saved = checkpoints.read_optimizer_state(folder)
+        if all(isinstance(key, int) for key in saved["state"]):  # a checkpoint from before names
+            optimizer.load_state_dict(saved)
+        else:
+            self.world.load_optimizer_state(model, optimizer, saved)
 
     # --- one step --------------------------------------------------------------------
 
@@ -191,27 +248,38 @@ class Trainer:
         return torch.autocast(device_type=self.device.split(":")[0], dtype=self.compute_dtype)
 
     def _forward(self, model, trajectory: Trajectory, function, **options):
-        """``function`` over the rollout in micro-batches, without gradient, concatenated."""
+        """``function`` over the rollout in micro-batches, without gradient, concatenated.
+
+        Each micro-batch is trimmed to its own longest prompt and completion (``Rollout.rows``), so
+        no compute goes to columns that are padding in every row, and a micro-batch has the same
+        shape whichever process holds it; outputs are padded back to the batch's width with zeros.
+        """
         size = self.config.micro_batch_size or trajectory.rollout.sequences.shape[0]
+        width = trajectory.rollout.completion_mask.shape[1]
         outputs = []
         with torch.no_grad(), self._autocast():
             for start in range(0, trajectory.rollout.sequences.shape[0], size):
-                chunk = trajectory.rollout.rows(start, start + size)
-                outputs.append(function(model, chunk.sequences, chunk.prompt_mask, chunk.completion_mask, **options))
+                chunk = trajectory.rollout.rows(start, start + size, trim=True)
+                result = function(model, chunk.sequences, chunk.prompt_mask, chunk.completion_mask, **options)
+                outputs.append(tuple(_widen(part, width) for part in result) if isinstance(result, tuple)
+                               else _widen(result, width))
         if isinstance(outputs[0], tuple):
             return tuple(torch.cat(parts) for parts in zip(*outputs))
         return torch.cat(outputs)
 
     # --- one step: the phases --------------------------------------------------------
 
-    def collect(self) -> Trajectory:
-        """Draw distinct prompts and sample K completions for each."""
+    def collect(self, step: int) -> Trajectory:
+        """Draw distinct prompts (the same on every rank), keep this rank's share, and sample K
+        completions for each from the prompt's own seed (the run's seed, the step, its index)."""
         config = self.config
         picks = self.rng.choice(len(self.task.train), size=config.prompts_per_step, replace=False)
+        picks = [int(index) for index in self.world.share(list(picks), config.ppo_mini_batches)]
         prompts = [self.train_prompts[i] for i in picks]
-        with self._autocast():
+        with self._autocast(), self.world.gathered(self.model):
             rollout = sample(self.model, self.tokenizer, prompts, config.group_size, config.max_new_tokens,
-                             config.temperature, config.top_p, config.top_k)
+                             config.temperature, config.top_p, config.top_k,
+                             seeds=[prompt_seed(config.seed, step, index) for index in picks])
         return Trajectory(rollout, prompts, [self.task.train[i] for i in picks])
 
     def score(self, trajectory: Trajectory, step: int) -> None:
@@ -219,21 +287,29 @@ class Trainer:
         K = self.config.group_size
         prompts = [prompt for prompt in trajectory.prompts for _ in range(K)]
         examples = [example for example in trajectory.examples for _ in range(K)]
-        values = self.reward(prompts, trajectory.rollout.completions, examples)
+        greedy = None
+        if self.algorithm.needs_greedy:
+            with self._autocast(), self.world.gathered(self.model):
+                greedy = sample(self.model, self.tokenizer, trajectory.prompts, 1, self.config.max_new_tokens, greedy=True)
+        failure = None
+        try:
+            values = self.reward(prompts, trajectory.rollout.completions, examples)
+            greedy_values = self.reward(trajectory.prompts, greedy.completions, trajectory.examples) if greedy else None
+        except RewardError as error:
+            failure = error
+        # A reward that fails on one rank stops every rank (each would otherwise wait for the others).
+        self.world.agree(failure, RewardError)
         trajectory.scored = torch.tensor([value is not None for value in values])
         trajectory.rewards = torch.tensor([0.0 if value is None else value for value in values])
-        unscored = int((~trajectory.scored).sum())
-        if unscored == len(values):
+        unscored, total = (int(x) for x in self.world.total(torch.tensor([int((~trajectory.scored).sum()), len(values)])))
+        if unscored == total:
             raise RewardError(f"no sample of step {step} could be scored: the reward returned None for all {unscored} "
                               "completions")
         if unscored and not self.warned_unscored:
             self.warned_unscored = True
-            self.log(f"warning: the reward returned None for {unscored} of {len(values)} samples at step {step}; "
+            self.log(f"warning: the reward returned None for {unscored} of {total} samples at step {step}; "
                      "they are left out of their groups' baselines (counted in unscored_samples; warned once per run)")
-        if self.algorithm.needs_greedy:
-            with self._autocast():
-                greedy = sample(self.model, self.tokenizer, trajectory.prompts, 1, self.config.max_new_tokens, greedy=True)
-            greedy_values = self.reward(trajectory.prompts, greedy.completions, trajectory.examples)
+        if greedy_values is not None:
             trajectory.greedy_rewards = torch.tensor([0.0 if v is None else v for v in greedy_values]).repeat_interleave(K)
 
     def reference_logprobs(self, trajectory: Trajectory) -> None:
@@ -261,10 +337,10 @@ class Trainer:
             token_rewards = token_rewards - config.beta * trajectory.kl
         inputs = core.AdvantageInputs(token_rewards, mask, config.group_size, trajectory.scored,
                                       trajectory.greedy_rewards, trajectory.values, 1.0, config.gae_lambda,
-                                      self.algorithm_state)
+                                      self.algorithm_state, total=self.world.total)
         advantages, returns = core.ADVANTAGE_ESTIMATORS[ESTIMATOR[config.algorithm]](inputs)
         if self.critic is not None and config.whiten_advantages:
-            advantages = core.whiten(advantages, mask * trajectory.scored.float().unsqueeze(1))
+            advantages = core.whiten(advantages, mask * trajectory.scored.float().unsqueeze(1), total=self.world.total)
         trajectory.advantages, trajectory.returns, trajectory.token_rewards = advantages, returns, token_rewards
 
     def _mini_batches(self, trajectory: Trajectory):
@@ -278,7 +354,8 @@ class Trainer:
         return [slice(start, min(start + size, rows.stop)) for start in range(rows.start, rows.stop, size)]
 
     def _optimizer_step(self, model, optimizer) -> float:
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), self.config.max_grad_norm))
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], self.config.max_grad_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(self.config, self.updates, self.config.steps * self.updates_per_step)
         optimizer.step()
@@ -291,69 +368,85 @@ class Trainer:
         clipped = (self.algorithm.objective == "clipped" or config.updates_per_batch > 1 or config.ppo_mini_batches > 1)
         loss_function = core.POLICY_LOSSES[f"clipped-{config.ratio_level}" if clipped else "vanilla"]
         totals = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0, "grad_norm": 0.0, "clip_fraction": 0.0}
+        world, width = self.world, mask.shape[1]
+        all_tokens = float(world.total(mask.sum()).clamp(min=1))
         for epoch in range(config.updates_per_batch):
             for rows in self._mini_batches(trajectory):
-                # Global counts of this optimizer step: micro-batch shares sum to its exact loss.
-                counts = dict(sequences=float(rows.stop - rows.start), tokens=float(mask[rows].sum().clamp(min=1)),
-                              groups=float((rows.stop - rows.start) // config.group_size))
-                for part in self._micro_batches(rows):
-                    chunk = trajectory.rollout.rows(part.start, part.stop)
-                    with self._autocast():
-                        logprobs = token_logprobs(self.model, chunk.sequences, chunk.prompt_mask, chunk.completion_mask,
-                                                  config.temperature)
-                    inputs = core.LossInputs(logprobs, trajectory.old_logprobs[part], trajectory.advantages[part],
-                                             mask[part], config.clip_range)
-                    pg = core.aggregate(loss_function(inputs), mask[part], config.loss_aggregation, **counts,
-                                        per_group_sum=self.algorithm.reduction == "sum")
-                    loss = pg
-                    if config.kl_in == "loss" and trajectory.reference_logprobs is not None and config.beta > 0:
-                        kl = kl_per_token(logprobs, trajectory.reference_logprobs[part], config.kl_estimator)
-                        kl_loss = config.beta * core.aggregate(kl, mask[part], config.loss_aggregation, **counts)
-                        loss = loss + kl_loss
-                        totals["kl_loss"] += float(kl_loss.detach())
-                    loss.backward()
+                # Global counts of this optimizer step (over every rank): micro-batch shares sum to its
+                # exact loss. DDP and FSDP average gradients over ranks, hence the loss × N.
+                sequences = (rows.stop - rows.start) * world.size
+                counts = dict(sequences=float(sequences), tokens=float(world.total(mask[rows].sum()).clamp(min=1)),
+                              groups=float(sequences // config.group_size))
+                parts = self._micro_batches(rows)
+                for index, part in enumerate(parts):
+                    chunk = trajectory.rollout.rows(part.start, part.stop, trim=True)
+                    with world.no_sync(self.train_model, last=index == len(parts) - 1):
+                        with self._autocast():
+                            logprobs = _widen(token_logprobs(self.train_model, chunk.sequences, chunk.prompt_mask,
+                                                             chunk.completion_mask, config.temperature), width)
+                        inputs = core.LossInputs(logprobs, trajectory.old_logprobs[part], trajectory.advantages[part],
+                                                 mask[part], config.clip_range)
+                        pg = core.aggregate(loss_function(inputs), mask[part], config.loss_aggregation, **counts,
+                                            per_group_sum=self.algorithm.reduction == "sum")
+                        loss = pg
+                        if config.kl_in == "loss" and trajectory.reference_logprobs is not None and config.beta > 0:
+                            kl = kl_per_token(logprobs, trajectory.reference_logprobs[part], config.kl_estimator)
+                            kl_loss = config.beta * core.aggregate(kl, mask[part], config.loss_aggregation, **counts)
+                            loss = loss + kl_loss
+                            totals["kl_loss"] += float(kl_loss.detach())
+                        (loss * world.size if world.distributed else loss).backward()
                     totals["loss"] += float(loss.detach())
                     totals["pg_loss"] += float(pg.detach())
                     if clipped:
                         ratio = torch.exp(logprobs.detach() - trajectory.old_logprobs[part])
                         outside = ((ratio - 1).abs() > config.clip_range).float() * mask[part]
-                        totals["clip_fraction"] += float(outside.sum()) / float(mask.sum().clamp(min=1))
+                        totals["clip_fraction"] += float(outside.sum()) / all_tokens
                 totals["grad_norm"] = self._optimizer_step(self.model, self.optimizer)
                 self.updates += 1
-        # Losses are reported per optimizer step (averaged); the gradient norm is the last step's.
-        steps = self.updates_per_step
-        return {key: value / steps if key in ("loss", "pg_loss", "kl_loss", "clip_fraction") else value
-                for key, value in totals.items()}
+        # Losses are reported per optimizer step (averaged, summed over ranks); the gradient norm is the last step's.
+        summed = world.total(torch.tensor([totals[key] for key in ("loss", "pg_loss", "kl_loss", "clip_fraction")],
+                                          dtype=torch.float64))
+        for key, value in zip(("loss", "pg_loss", "kl_loss", "clip_fraction"), summed.tolist()):
+            totals[key] = value / self.updates_per_step
+        return totals
 
     def update_critic(self, trajectory: Trajectory) -> dict:
         """PPO's critic: ½·max((V − R)², (V_clip − R)²) on the GAE returns, token-mean, times --vf-coef."""
         if self.critic is None:
             return {}
         config, mask = self.config, trajectory.mask * trajectory.scored.float().unsqueeze(1)
+        world, width = self.world, mask.shape[1]
         value_loss = 0.0
         for epoch in range(config.updates_per_batch):
             for rows in self._mini_batches(trajectory):
-                tokens = float(mask[rows].sum().clamp(min=1))
-                for part in self._micro_batches(rows):
-                    chunk = trajectory.rollout.rows(part.start, part.stop)
-                    with self._autocast():
-                        values = completion_values(self.critic, chunk.sequences, chunk.prompt_mask, chunk.completion_mask)
-                    terms = core.clipped_value_loss(values, trajectory.values[part], trajectory.returns[part],
-                                                    config.value_clip)
-                    loss = config.vf_coef * (terms * mask[part]).sum() / tokens
-                    loss.backward()
+                tokens = float(world.total(mask[rows].sum()).clamp(min=1))
+                parts = self._micro_batches(rows)
+                for index, part in enumerate(parts):
+                    chunk = trajectory.rollout.rows(part.start, part.stop, trim=True)
+                    with world.no_sync(self.train_critic, last=index == len(parts) - 1):
+                        with self._autocast():
+                            values = _widen(completion_values(self.train_critic, chunk.sequences, chunk.prompt_mask,
+                                                              chunk.completion_mask), width)
+                        terms = core.clipped_value_loss(values, trajectory.values[part], trajectory.returns[part],
+                                                        config.value_clip)
+                        loss = config.vf_coef * (terms * mask[part]).sum() / tokens
+                        (loss * world.size if world.distributed else loss).backward()
                     value_loss += float(loss.detach()) / max(config.vf_coef, 1e-12)
                 self._optimizer_step(self.critic, self.critic_optimizer)
-        residual = ((trajectory.returns - trajectory.values) * mask)
-        variance = float(((trajectory.returns - (trajectory.returns * mask).sum() / mask.sum().clamp(min=1)) * mask).square().sum())
-        explained = 1.0 - float(residual.square().sum()) / max(variance, 1e-12)
+        count = world.total(mask.sum()).clamp(min=1)
+        mean = world.total((trajectory.returns * mask).sum()) / count
+        sums = world.total(torch.stack([((trajectory.returns - trajectory.values) * mask).square().sum(),
+                                        ((trajectory.returns - mean) * mask).square().sum(),
+                                        torch.tensor(value_loss, dtype=torch.float32)]).double())
+        residual, variance, value_loss = sums.tolist()
+        explained = 1.0 - residual / max(variance, 1e-12)
         self.critic_updates += self.updates_per_step
         return {"value_loss": value_loss / self.updates_per_step,
                 "explained_variance": explained}
 
     def step(self, step: int) -> dict:
         started = time.perf_counter()
-        trajectory = self.collect()
+        trajectory = self.collect(step)
         self.score(trajectory, step)
         self.reference_logprobs(trajectory)
         self.old_logprobs(trajectory)
@@ -364,15 +457,20 @@ class Trainer:
 
     def step_metrics(self, step: int, trajectory: Trajectory, actor: dict, critic: dict, elapsed: float) -> dict:
         config, mask, K = self.config, trajectory.mask, self.config.group_size
-        scored = trajectory.scored
-        rewards = trajectory.rewards[scored].double()
-        kl_sequence = trajectory.kl.sum(1).double()
+        # Per-sequence figures of every rank, in rank order (each rank holds whole groups).
+        gather = self.world.gather
+        scored = gather(trajectory.scored)
+        all_rewards = gather(trajectory.rewards.double())
+        rewards = all_rewards[scored]
+        kl_sequence = gather(trajectory.kl.sum(1).double())
         # The RL objective of the paper: E[r − β·KL], over the scored samples.
-        objective = (trajectory.rewards.double() - config.beta * kl_sequence)[scored]
-        sequence_advantages = (trajectory.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
-        no_signal = estimators.groups_without_signal(sequence_advantages.view(-1, K).double().numpy())
-        generated = int(mask.sum())
-        sequences = mask.shape[0]
+        objective = (all_rewards - config.beta * kl_sequence)[scored]
+        sequence_advantages = gather(((trajectory.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)).double())
+        no_signal = estimators.groups_without_signal(sequence_advantages.view(-1, K).numpy())
+        lengths = gather(mask.sum(1).double())
+        entropy = float(gather(trajectory.entropy.sum(1).double()).sum())
+        generated = int(lengths.sum())
+        sequences = lengths.shape[0]
         self.totals["no_signal_groups"] += no_signal
         self.totals["unscored_samples"] += int((~scored).sum())
         self.totals["generated_tokens"] += generated
@@ -384,7 +482,7 @@ class Trainer:
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(unbiased=False)) if rewards.numel() else float("nan"),
             "kl": float(kl_sequence.mean()),
-            "entropy": float(trajectory.entropy.sum()) / max(generated, 1),
+            "entropy": entropy / max(generated, 1),
             "completion_length": generated / sequences,
             "advantage_mean": float(sequence_advantages.mean()),
             "advantage_std": float(sequence_advantages.double().std(unbiased=False)),
@@ -400,30 +498,57 @@ class Trainer:
     # --- evaluation, checkpoints, metrics ----------------------------------------------
 
     def evaluate(self) -> dict:
-        with self._autocast():
-            return evaluate(self.model, self.reference, self.tokenizer, self.eval_prompts, self.task.evaluation,
-                            self.task.verifier, self.reward, self.config.max_new_tokens, self.config.temperature)
+        """Held-out evaluation, its batches dealt out to the ranks and the sums added up."""
+        failure, result = None, None
+        with self._autocast(), self.world.gathered(self.model, getattr(self.reference, "module", self.reference)):
+            try:
+                result = evaluate(self.model, self.reference, self.tokenizer, self.eval_prompts, self.task.evaluation,
+                                  self.task.verifier, self.reward, self.config.max_new_tokens, self.config.temperature,
+                                  shard=(self.world.rank, self.world.size), total=self.world.total)
+            except RewardError as error:
+                failure = error
+        self.world.agree(failure, RewardError)
+        return result
 
     def parameter_counts(self) -> dict:
         """Trainable and total parameters of every model held: policy, critic, reference, reward model."""
         def count(model):
             return sum(parameter.numel() for parameter in model.parameters()) if model is not None else 0
 
+        def trainable(model):
+            return sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else 0
+
         reward_model = next((f for _, f, _ in self.reward.components if hasattr(f, "model")), None)
-        held = {"policy": count(self.model), "critic": count(self.critic), "reference": count(self.reference),
+        # With LoRA the reference is the policy with its adapters off: no weights of its own.
+        reference = None if self.config.lora_r else self.reference
+        held = {"policy": count(self.model), "critic": count(self.critic), "reference": count(reference),
                 "reward_model": count(getattr(reward_model, "model", None))}
-        return {**held, "trainable": held["policy"] + held["critic"], "total": sum(held.values())}
+        return {**held, "trainable": trainable(self.model) + trainable(self.critic), "total": sum(held.values())}
 
     def trainer_state(self, step: int) -> dict:
         return {"config": self.config.to_json(), "algorithm_state": self.algorithm_state, "history": self.history,
                 "baseline": self.baseline, "updates": self.updates, "totals": self.totals, "model": self.model_name,
-                "critic_updates": self.critic_updates}
+                "critic_updates": self.critic_updates, "world_size": self.world.size}
 
     def save(self, step: int, rng: dict | None = None) -> Path:
-        self._open_run_dir()
-        return checkpoints.save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.optimizer,
-                                           rng or checkpoints.capture_rng(self.rng), self.trainer_state(step),
-                                           self.config.keep_checkpoints, self.critic, self.critic_optimizer)
+        """One checkpoint: every rank helps gather sharded state (FSDP), rank 0 writes it."""
+        world = self.world
+        model_state = world.full_state(self.model)
+        optimizer_state = world.optimizer_state(self.train_model, self.optimizer)
+        critic_state = critic_optimizer_state = None
+        if self.critic is not None:
+            critic_state = world.full_state(self.critic)
+            critic_optimizer_state = world.optimizer_state(self.train_critic, self.critic_optimizer)
+        rng = rng or checkpoints.capture_rng(self.rng)
+
+        def write():
+            self._open_run_dir()
+            return checkpoints.save_checkpoint(self.run_dir, step, self.model, self.tokenizer, optimizer_state, rng,
+                                               self.trainer_state(step), self.config.keep_checkpoints, self.critic,
+                                               critic_optimizer_state, model_state, critic_state)
+
+        world.on_main(write)
+        return self.run_dir / "checkpoints" / f"{checkpoints.PREFIX}{step:06d}"
 
     def _truncate_metrics(self, step: int) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -476,7 +601,9 @@ class Trainer:
     def _write_failed(self, error: OSError, last_saved: int | None) -> UserError:
         """A full disk (or any failed write): one line, and the last good checkpoint left as it was."""
         reason = error.strerror or str(error)
-        if last_saved is not None:
+        if not self.world.main:
+            kept = "rank 0 reports it"
+        elif last_saved is not None:
             kept = f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{checkpoints.PREFIX}{last_saved:06d}'}"
         else:
             kept = "no checkpoint had been saved yet"
@@ -485,7 +612,7 @@ class Trainer:
                 shutil.rmtree(self.created_root, ignore_errors=True)
             else:
                 (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        return UserError(f"cannot write to {self.run_dir}: {reason} (errno {error.errno}); {kept}")
+        return _user_error(f"cannot write to {self.run_dir}: {reason} (errno {error.errno}); {kept}", error)
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -497,12 +624,12 @@ class Trainer:
             try:
                 self.baseline = self.evaluate()
             except RewardError as error:
-                raise UserError(f"{error} (evaluation before training)") from None
+                raise _user_error(f"{error} (evaluation before training)", error) from None
             self.log(f"before training: held-out accuracy {self.baseline['accuracy']:.3f}, "
                      f"mean reward {_figure(self.baseline['mean_reward'])}")
         handlers = {signum: signal.signal(signum, self._request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
         bar = Progress(config.steps, f"{config.algorithm} on {self.task.name}", initial=self.start_step - 1,
-                       enabled=config.progress, write=self.log)
+                       enabled=config.progress and self.world.main, write=self.log)
         last_step = self.start_step - 1
         last_saved = last_step if self.resume_from is not None else None
         try:
@@ -516,15 +643,16 @@ class Trainer:
                         where = f"saved the last good step ({last_step}) in {saved}"
                     else:
                         where = "nothing was written"
-                    raise UserError(f"{error}; {where}") from None
+                    raise _user_error(f"{error}; {where}", error) from None
                 last_step = step
-                self._append_metrics(row)
+                self.world.on_main(lambda: self._append_metrics(row))
                 postfix = {"reward": _figure(row["reward_mean"]), "kl": f"{row['kl']:.3f}"}
                 if config.eval_every and (step % config.eval_every == 0 or step == config.steps):
                     try:
                         metrics = self.evaluate()
                     except RewardError as error:
-                        raise UserError(f"{error} (held-out evaluation); saved step {step} in {self.save(step)}") from None
+                        raise _user_error(f"{error} (held-out evaluation); saved step {step} in {self.save(step)}",
+                                          error) from None
                     self.history.append({"step": float(step), "loss": row["loss"], **metrics})
                     if self.writer is not None:
                         for key, value in metrics.items():
@@ -533,6 +661,9 @@ class Trainer:
                 if self.history:
                     postfix["acc"] = f"{self.history[-1]['accuracy']:.3f}"
                 bar.update(postfix)
+                # A signal that reached one rank stops them all after this step.
+                if self.world.any(self.stop_signal is not None) and self.stop_signal is None:
+                    self.stop_signal = signal.SIGTERM
                 if (step == config.steps or (config.checkpoint_every and step % config.checkpoint_every == 0)
                         or self.stop_signal is not None):
                     self.save(step)
@@ -561,7 +692,8 @@ class Trainer:
             try:
                 final = self.evaluate()
             except RewardError as error:
-                raise UserError(f"{error} (final evaluation; the last checkpoint holds the trained model)") from None
+                raise _user_error(f"{error} (final evaluation; the last checkpoint holds the trained model)",
+                                  error) from None
         return {
             "algorithm": config.algorithm,
             "dataset": self.task.name,

@@ -1,0 +1,288 @@
+"""Several processes under ``torchrun``: data parallel (DDP) or sharded (FSDP2), on PyTorch's own engine.
+
+One process is the default and needs nothing from here but a ``World`` of size 1,
+whose collectives are the identity. Under ``torchrun --nproc-per-node N`` every
+rank runs the same command; this module is the whole of what differs:
+
+* Each rank samples and scores whole groups (the leave-one-out baseline needs the
+  K samples of a prompt together; no reward crosses processes). Every rank draws
+  the same global prompts from the same generator and keeps its share
+  (``share``): within each PPO mini-batch, consecutive slices per rank, so that N
+  ranks' m-th mini-batches together are the m-th mini-batch of one process.
+* Samples are seeded per prompt (rollout.prompt_seed), so which rank draws a
+  prompt changes nothing.
+* Loss normalisers are global counts (``total``), and the loss a rank
+  back-propagates is multiplied by N, because DDP and FSDP average gradients
+  over ranks: the sum is then exactly the one-process gradient.
+* Only rank 0 writes (``on_main``); an error on any rank is agreed on by all
+  (``agree``), reported once by the rank that had it, and every rank exits 2.
+
+nanoGPT's rank handling is the model: environment variables set by torchrun,
+one device per local rank, and ``main`` gating every write and log line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+from auto_research.errors import UserError
+
+
+def environment_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def environment_rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def check_world(config) -> None:
+    """The settings that depend on the number of processes; no torch needed."""
+    size = environment_world_size()
+    if config.fsdp and size < 2:
+        raise UserError("--fsdp shards the models over several processes: launch with "
+                        "torchrun --nproc-per-node N -m auto_research post-train … (N >= 2)")
+    parts = size * config.ppo_mini_batches
+    if config.prompts_per_step % parts:
+        raise UserError(f"--prompts-per-step {config.prompts_per_step} must be a multiple of the number of processes "
+                        f"({size}) times --ppo-mini-batches ({config.ppo_mini_batches}): each rank takes whole groups "
+                        "of every mini-batch")
+
+
+class PeerFailed(UserError):
+    """Another rank failed and said why; this rank exits 2 without repeating the message."""
+
+    quiet = True
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    fsdp: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @classmethod
+    def from_environment(cls, fsdp: bool = False) -> "World":
+        size = environment_world_size()
+        if size <= 1:
+            return cls()
+        return cls(environment_rank(), size, int(os.environ.get("LOCAL_RANK", "0")), fsdp)
+
+    def device(self, device: str) -> str:
+        """One accelerator per local rank (cuda:LOCAL_RANK); the CPU is shared."""
+        if self.distributed and device.startswith("cuda"):
+            return f"cuda:{self.local_rank}"
+        return device
+
+    def start(self, device: str) -> None:
+        if not self.distributed:
+            return
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if device.startswith("cuda"):
+            torch.cuda.set_device(self.local_rank)
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+
+    def stop(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    # --- collectives (the identity in one process) ---------------------------------
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def total(self, tensor):
+        """Sum over ranks (a new tensor; the input is left as it was)."""
+        if not self.distributed:
+            return tensor
+        import torch.distributed as dist
+
+        summed = tensor.detach().clone()
+        dist.all_reduce(summed)
+        return summed
+
+    def gather(self, tensor):
+        """Concatenation of every rank's tensor along dimension 0, in rank order (equal shapes)."""
+        if not self.distributed:
+            return tensor
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    def gather_objects(self, value) -> list:
+        if not self.distributed:
+            return [value]
+        import torch.distributed as dist
+
+        values = [None] * self.size
+        dist.all_gather_object(values, value)
+        return values
+
+    def any(self, flag: bool) -> bool:
+        if not self.distributed:
+            return flag
+        import torch
+
+        return bool(self.total(torch.tensor([int(flag)])).item())
+
+    def agree(self, error: BaseException | None, kind=UserError) -> None:
+        """Every rank raises when any rank had an error: the rank that had it raises its own, the others
+        a quiet ``kind`` with the same message (so a reward that fails on rank 1 stops rank 0 too)."""
+        messages = self.gather_objects(None if error is None else str(error))
+        if error is not None:
+            raise error
+        failed = next(((rank, message) for rank, message in enumerate(messages) if message is not None), None)
+        if failed is not None:
+            peer = kind(f"rank {failed[0]} failed: {failed[1]}")
+            peer.quiet = True
+            raise peer
+
+    def on_main(self, function):
+        """``function()`` on rank 0 only; an OSError there (a full disk) is raised on every rank."""
+        result, error = None, None
+        if self.main:
+            try:
+                result = function()
+            except OSError as failure:
+                error = failure
+        if self.distributed:
+            errors = self.gather_objects(None if error is None else (error.errno, error.strerror or str(error)))
+            if error is None and errors[0] is not None:
+                peer = OSError(*errors[0])
+                peer.quiet = True
+                raise peer
+        if error is not None:
+            raise error
+        return result
+
+    def share(self, items: list, mini_batches: int = 1) -> list:
+        """This rank's items: within each of the mini-batches, its consecutive slice."""
+        if not self.distributed:
+            return list(items)
+        per_batch = len(items) // mini_batches
+        per_rank = per_batch // self.size
+        return [item for batch in range(mini_batches)
+                for item in items[batch * per_batch + self.rank * per_rank: batch * per_batch + (self.rank + 1) * per_rank]]
+
+    # --- models ------------------------------------------------------------------------
+
+    def wrap(self, model, trains: bool = True):
+        """DDP for a model that trains, FSDP2 (``fully_shard``: each decoder layer, then the root) with
+        ``--fsdp``; frozen models are only sharded (FSDP) or kept whole (DDP). Returns the module to call
+        for gradient forwards; with FSDP that is the model itself, its parameters now shards."""
+        if not self.distributed:
+            return model
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in decoder_layers(model):
+                fully_shard(layer)
+            fully_shard(model)
+            return model
+        if not trains:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(model.parameters()).device
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    @contextlib.contextmanager
+    def gathered(self, *models):
+        """Whole parameters for the duration (FSDP): a rank may then run any number of forwards (sampling
+        stops when its own samples end) with no collective in between. Nothing to do otherwise."""
+        modules = [module for model in models if model is not None for module in _fsdp_modules(model)]
+        for module in modules:
+            module.unshard()
+            module.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.reshard()
+                module.set_reshard_after_forward(True, recurse=False)
+
+    def no_sync(self, wrapped, last: bool):
+        """Skip DDP's gradient all-reduce on all but the last micro-batch of an optimizer step."""
+        if last or not hasattr(wrapped, "no_sync"):
+            return contextlib.nullcontext()
+        return wrapped.no_sync()
+
+    def full_state(self, model) -> dict | None:
+        """The whole state dict on rank 0 (None elsewhere), on the CPU: FSDP shards are gathered."""
+        if self.fsdp and self.distributed:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return state if self.main else None
+        return None  # the model's own state_dict serves
+
+    def optimizer_state(self, model, optimizer) -> dict | None:
+        """The whole optimizer state, keyed by parameter name, on rank 0 (None elsewhere)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self.fsdp and self.distributed)
+        state = get_optimizer_state_dict(unwrap(model) if not self.fsdp else model, optimizer, options=options)
+        return state if self.main else None
+
+    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(unwrap(model) if not self.fsdp else model, optimizer, optim_state_dict=state,
+                                 options=StateDictOptions(full_state_dict=True))
+
+
+def unwrap(model):
+    """The model inside a DDP wrapper (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+def decoder_layers(model) -> list:
+    """The repeated blocks to shard one by one: the longest ModuleList in the model (its decoder layers)."""
+    import torch
+
+    best = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
+            best = list(module)
+    return best
+
+
+def _fsdp_modules(model) -> list:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return []
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]

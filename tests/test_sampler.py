@@ -1,0 +1,89 @@
+"""The lean sampler: the distribution it draws from, its filters, and per-prompt seeding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from auto_research.post_training.lm.logprobs import completion_logits
+from auto_research.post_training.lm.rollout import draw, filter_logits, prompt_seed, sample
+from auto_research.post_training.lm.tiny import build_model, build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return model.eval(), tokenizer
+
+
+def test_samples_of_a_prompt_do_not_depend_on_its_batch(tiny):
+    """Left padding, batch size and order change nothing: each prompt draws from its own seed."""
+    model, tokenizer = tiny
+    prompts = ["1+2=", "Q: what is 33+4?", "x"]
+    seeds = [prompt_seed(42, 3, index) for index in (7, 11, 5)]
+    together = sample(model, tokenizer, prompts, 4, 10, temperature=1.3, seeds=seeds)
+    for i, prompt in enumerate(prompts):
+        alone = sample(model, tokenizer, [prompt], 4, 10, temperature=1.3, seeds=[seeds[i]])
+        assert alone.completions == together.completions[4 * i: 4 * i + 4]
+        width = int(alone.completion_mask.shape[1])
+        assert torch.equal(alone.completion_ids, together.completion_ids[4 * i: 4 * i + 4, :width])
+    other_step = sample(model, tokenizer, prompts, 4, 10, temperature=1.3,
+                        seeds=[prompt_seed(42, 4, index) for index in (7, 11, 5)])
+    assert other_step.completions != together.completions
+    assert prompt_seed(42, 3, 7) != prompt_seed(42, 7, 3) != prompt_seed(43, 3, 7)
+
+
+def test_first_token_frequencies_match_the_trained_distribution(tiny):
+    """40000 draws of the first token against softmax(logits / T) from the training forward."""
+    model, tokenizer = tiny
+    temperature = 0.7
+    rollout = sample(model, tokenizer, ["7+8="], 40000, 1, temperature=temperature, seeds=[123])
+    exact = completion_logits(model, rollout.sequences[:1], rollout.prompt_mask[:1], torch.ones(1, 1, dtype=torch.long),
+                              temperature)[0, 0].softmax(-1).double()
+    counts = torch.bincount(rollout.completion_ids[:, 0], minlength=exact.numel()).double()
+    total_variation = 0.5 * (counts / counts.sum() - exact).abs().sum()
+    assert total_variation < 0.04, total_variation
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.8), (20, 0.5), (0, 0.01)])
+def test_filters_keep_the_same_tokens_as_hugging_face(top_k, top_p):
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 3
+    expected = logits.clone()
+    if top_k:
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    if top_p < 1:
+        expected = TopPLogitsWarper(top_p)(None, expected)
+    ours = filter_logits(logits, top_k, top_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(expected))
+    assert (~torch.isinf(ours)).sum(-1).min() >= 1
+
+
+def test_draw_is_the_inverse_cdf():
+    """Hand example: probabilities (0.5, 0.25, 0.25) split [0, 1) at 0.5 and 0.75; −inf never drawn."""
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25, 0.0]] * 5, dtype=torch.float64))
+    uniforms = torch.tensor([0.0, 0.49, 0.5, 0.74, 0.99], dtype=torch.float64)
+    assert draw(logits, uniforms).tolist() == [0, 0, 1, 1, 2]
+
+
+def test_greedy_equals_hugging_face_generate(tiny):
+    model, tokenizer = tiny
+    prompts = ["1+2=", "Q: what is 33+4?", "x"]
+    ours = sample(model, tokenizer, prompts, 1, 12, greedy=True)
+    batch = tokenizer(prompts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+    theirs = model.generate(**batch, do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=tokenizer.eos_token_id)
+    width = ours.completion_ids.shape[1]
+    assert torch.equal(ours.completion_ids, theirs[:, batch["input_ids"].shape[1]:][:, :width])
+
+
+def test_top_k_sampling_stays_inside_the_top_k(tiny):
+    model, tokenizer = tiny
+    rollout = sample(model, tokenizer, ["7+8="], 2000, 1, temperature=1.0, top_k=3, seeds=[5])
+    logits = completion_logits(model, rollout.sequences[:1], rollout.prompt_mask[:1], torch.ones(1, 1, dtype=torch.long))
+    allowed = set(torch.topk(logits[0, 0], 3).indices.tolist())
+    drawn = set(rollout.completion_ids[:, 0].tolist())
+    assert drawn == allowed
