@@ -210,7 +210,11 @@ def _post_train(args: argparse.Namespace) -> int:
     from auto_research.post_training import report, runs
 
     if is_generation_dataset(args.dataset):
+        from auto_research.post_training.lm.distributed import environment_rank
+
         result = runs.post_train_generation(_generation_config(args), log=lambda text: print(text, file=sys.stderr))
+        if environment_rank() != 0:  # under torchrun, rank 0 reports
+            return 0
     else:
         seeds = _seeds(args.seeds) if args.seeds else None
         result = runs.post_train(_config(args, args.algorithm), seeds)

@@ -134,21 +134,39 @@ def check_generation_run(config, log=print, rows: list[dict] | None = None, rewa
     return load_task(config, rows), resume_from
 
 
+def _silent(text: str) -> None:
+    pass
+
+
 def post_train_generation(config, log=print, rows: list[dict] | None = None, reward_functions=()) -> dict:
     """One generation-level run: input checks, train, write metrics, report and plot.
 
     torch is imported only once every check that can be made without it has
     passed, so a mistyped flag costs a fraction of a second, not torch's start-up.
     """
+    from auto_research.post_training.lm.distributed import environment_rank
+
     config = config.filled()
+    main = environment_rank() == 0
+    if not main:  # under torchrun every rank runs this; rank 0 alone speaks and writes
+        log = _silent
     task, resume_from = check_generation_run(config, log, rows, reward_functions)
     from auto_research.post_training.lm.trainer import Trainer
 
     memory = MemoryMeter(config.device)
     trainer = Trainer(config, log=log, task=task, resume_from=resume_from, reward_functions=reward_functions)
-    trainer.setup()
-    metrics = trainer.train()
+    try:
+        trainer.setup()
+        metrics = trainer.train()
+        if config.merge_lora:
+            trainer.save_merged()
+    finally:
+        if getattr(trainer, "world", None) is not None:
+            trainer.world.stop()
     metrics["training"].update(memory.read())
+    metrics["training"]["processes"] = trainer.world.size
+    if not main:
+        return {"runs": [metrics], "paths": [], "summary": None}
     rows = report.read_jsonl(config.run_dir / "metrics.jsonl")
     try:
         paths = report.write_run(config.run_dir, metrics)

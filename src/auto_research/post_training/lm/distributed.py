@@ -246,7 +246,11 @@ class World:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            return state if self.main else None
+            if not self.main:
+                return None
+            # A tied weight (lm_head = embeddings) comes back twice; the model's own names hold it once.
+            kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+            return {name: value for name, value in state.items() if name in kept}
         return None  # the model's own state_dict serves
 
     def optimizer_state(self, model, optimizer) -> dict | None:

@@ -47,6 +47,26 @@ class Rollout:
         return Rollout(sequences, prompt_mask, completion_mask, self.completions[start:stop], self.group_size)
 
 
+def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+    """One rollout from several sampled separately: prompts left-padded, completions right-padded
+    to the widest (padding is masked out, and positions come from the masks, so nothing changes)."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    prompt_width = max(r.prompt_length for r in rollouts)
+    completion_width = max(r.completion_mask.shape[1] for r in rollouts)
+    sequences, prompt_masks, completion_masks = [], [], []
+    for r in rollouts:
+        left = prompt_width - r.prompt_length
+        right = completion_width - r.completion_mask.shape[1]
+        prompt = torch.nn.functional.pad(r.sequences[:, : r.prompt_length], (left, 0), value=pad_token_id)
+        completion = torch.nn.functional.pad(r.completion_ids, (0, right), value=pad_token_id)
+        sequences.append(torch.cat([prompt, completion], dim=1))
+        prompt_masks.append(torch.nn.functional.pad(r.prompt_mask, (left, 0)))
+        completion_masks.append(torch.nn.functional.pad(r.completion_mask, (0, right)))
+    return Rollout(torch.cat(sequences), torch.cat(prompt_masks), torch.cat(completion_masks),
+                   [text for r in rollouts for text in r.completions], rollouts[0].group_size)
+
+
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
     """1 on every completion token up to and including the first EOS, 0 after it.
 

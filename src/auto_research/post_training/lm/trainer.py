@@ -45,7 +45,7 @@ from auto_research.post_training.lm.logprobs import completion_values, kl_per_to
 from auto_research.post_training.lm.models import (context_length, format_prompt, load_critic, load_policy,
                                                    resolve_device, resolve_dtype)
 from auto_research.post_training.lm.rewards import RewardError, build_reward
-from auto_research.post_training.lm.rollout import Rollout, prompt_seed, sample
+from auto_research.post_training.lm.rollout import Rollout, concatenate, prompt_seed, sample
 from auto_research.post_training.lm.tasks import load_task
 
 # The estimator each algorithm uses at the generation level (core.ADVANTAGE_ESTIMATORS).
@@ -276,10 +276,17 @@ class Trainer:
         picks = self.rng.choice(len(self.task.train), size=config.prompts_per_step, replace=False)
         picks = [int(index) for index in self.world.share(list(picks), config.ppo_mini_batches)]
         prompts = [self.train_prompts[i] for i in picks]
+        seeds = [prompt_seed(config.seed, step, index) for index in picks]
+        # With --micro-batch-size, sampling runs in chunks of that many completions too: the same
+        # chunks on 1 or N processes, hence the same floating-point numbers.
+        chunk = max(1, config.micro_batch_size // config.group_size) if config.micro_batch_size else len(prompts)
+        parts = []
         with self._autocast(), self.world.gathered(self.model):
-            rollout = sample(self.model, self.tokenizer, prompts, config.group_size, config.max_new_tokens,
-                             config.temperature, config.top_p, config.top_k,
-                             seeds=[prompt_seed(config.seed, step, index) for index in picks])
+            for start in range(0, len(prompts), chunk):
+                parts.append(sample(self.model, self.tokenizer, prompts[start: start + chunk], config.group_size,
+                                    config.max_new_tokens, config.temperature, config.top_p, config.top_k,
+                                    seeds=seeds[start: start + chunk]))
+        rollout = concatenate(parts, self.tokenizer.pad_token_id)
         return Trajectory(rollout, prompts, [self.task.train[i] for i in picks])
 
     def score(self, trajectory: Trajectory, step: int) -> None:
@@ -494,6 +501,17 @@ class Trainer:
             "tokens_per_second": generated / elapsed,
             "step_seconds": elapsed,
         }
+
+    def save_merged(self) -> Path | None:
+        """--merge-lora: base weights with the trained adapter folded in, in <run>/merged (rank 0)."""
+        from auto_research.post_training.lm.lora import save_merged
+
+        folder = self.run_dir / "merged"
+        if self.world.main:
+            save_merged(self.model, self.tokenizer, folder)
+            self.log(f"wrote the merged model to {folder}")
+        self.world.barrier()
+        return folder
 
     # --- evaluation, checkpoints, metrics ----------------------------------------------
 

@@ -1,0 +1,155 @@
+"""torchrun on the CPU (gloo): 2 processes end where 1 process ends, with DDP and with FSDP2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_cli
+
+REWARDS = '''
+import os
+
+def checksum(prompts, completions, rows):
+    # Differs between almost any two completions: every group carries a learning signal.
+    return [float(sum(map(ord, c)) % 5) for c in completions]
+
+def slow_checksum(prompts, completions, rows):
+    import time
+    time.sleep(0.4)
+    return checksum(prompts, completions, rows)
+
+def fails_on_rank_one(prompts, completions, rows):
+    if os.environ.get("RANK") == "1":
+        raise ValueError("rank one's reward is broken")
+    return checksum(prompts, completions, rows)
+'''
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    (tmp_path / "dist_rewards.py").write_text(textwrap.dedent(REWARDS))
+    return tmp_path
+
+
+def _args(model, data, output, *extra, reward="checksum"):
+    return ["post-train", "--model", str(model), "--dataset", str(data), "--reward", f"dist_rewards:{reward}",
+            "--steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4",
+            "--learning-rate", "1e-2", "--evaluation-examples", "8", "--offline", "--device", "cpu", "--no-progress",
+            "--threads", "1", "--micro-batch-size", "4", "--output-dir", str(output), *extra]
+
+
+def _torchrun(args, cwd, processes=2, **options):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+               "-m", "auto_research", *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, **options)
+
+
+def _final(output: Path, name: str = "model.safetensors") -> dict:
+    run = next(output.iterdir())
+    return load_file(str(sorted((run / "checkpoints").iterdir())[-1] / name))
+
+
+def _rows(output: Path) -> list[dict]:
+    run = next(output.iterdir())
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# PPO takes 4 Adam updates a step: Adam divides each gradient element by its own running magnitude,
+# which lifts rounding in near-zero elements to the step size, so it runs at a smaller learning rate.
+@pytest.mark.parametrize("algorithm, extra", [
+    ("rloo", ()),
+    ("ppo-rlhf", ("--ppo-mini-batches", "2", "--ppo-epochs", "2", "--learning-rate", "1e-3")),
+])
+def test_two_processes_end_with_the_weights_of_one(tiny_model_dir, sums_jsonl, workdir, algorithm, extra):
+    extra = ("--algorithm", algorithm, *extra)
+    one = run_cli(*_args(tiny_model_dir, sums_jsonl, workdir / "one", *extra), cwd=workdir)
+    assert one.returncode == 0, one.stderr
+    start = load_file(str(tiny_model_dir / "model.safetensors"))
+    expected = _final(workdir / "one")
+    moved = max(float((expected[name] - start[name]).abs().max()) for name in start)
+    assert moved > 5e-3  # the comparison below is between runs that learned, not two copies of the start
+    for mode in ("ddp", "fsdp"):
+        output = workdir / mode
+        two = _torchrun(_args(tiny_model_dir, sums_jsonl, output, *extra, *(("--fsdp",) if mode == "fsdp" else ())),
+                        cwd=workdir)
+        assert two.returncode == 0, two.stderr[-3000:]
+        got = _final(output)
+        assert got.keys() == expected.keys()
+        difference = max(float((got[name] - expected[name]).abs().max()) for name in expected)
+        assert difference <= 1e-5, (mode, difference)
+        if algorithm == "ppo-rlhf":
+            critic, critic_expected = _final(output, "critic/model.safetensors"), _final(workdir / "one", "critic/model.safetensors")
+            assert max(float((critic[n] - critic_expected[n]).abs().max()) for n in critic_expected) <= 1e-5
+        # The same samples were drawn: identical rewards, and the logged figures agree.
+        for a, b in zip(_rows(workdir / "one"), _rows(output)):
+            assert a["reward_mean"] == b["reward_mean"] and a["completion_length"] == b["completion_length"]
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        # Only rank 0 wrote, and the checkpoint loads as an ordinary model.
+        assert "before training" in two.stderr and two.stderr.count("before training") == 1
+
+
+def test_resume_after_sigkill_under_two_processes_is_exact(tiny_model_dir, sums_jsonl, workdir):
+    extra = ("--steps", "6", "--checkpoint-every", "1", "--eval-every", "3")
+    whole = _torchrun(_args(tiny_model_dir, sums_jsonl, workdir / "whole", *extra, reward="slow_checksum"), cwd=workdir)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    # The whole process group is killed after the second checkpoint, as a lost machine would be.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "auto_research", *_args(tiny_model_dir, sums_jsonl, workdir / "killed", *extra, reward="slow_checksum")]
+    process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    checkpoints = workdir / "killed" / "rloo-sums-seed42" / "checkpoints"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (checkpoints / "step-000002").is_dir():
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    done = max(int(path.name[5:]) for path in checkpoints.iterdir() if path.name.startswith("step-"))
+    assert 2 <= done < 6
+    resumed = _torchrun(_args(tiny_model_dir, sums_jsonl, workdir / "killed", *extra, "--resume",
+                              reward="slow_checksum"), cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, got = _final(workdir / "whole"), _final(workdir / "killed")
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    assert [row["step"] for row in _rows(workdir / "killed")] == [1, 2, 3, 4, 5, 6]
+    # Another number of processes cannot continue it exactly: refused in one line, before any work.
+    other = run_cli(*_args(tiny_model_dir, sums_jsonl, workdir / "killed", *extra, "--resume", reward="slow_checksum"),
+                    cwd=workdir)
+    assert other.returncode == 2
+    assert "ran on 2 process(es), this command on 1" in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1
+
+
+def test_a_reward_failing_on_one_rank_stops_every_rank_with_one_line(tiny_model_dir, sums_jsonl, workdir):
+    started = time.perf_counter()
+    result = _torchrun(_args(tiny_model_dir, sums_jsonl, workdir / "out", reward="fails_on_rank_one"), cwd=workdir)
+    assert time.perf_counter() - started < 120
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("auto-research:")]
+    assert len(ours) == 1 and "rank one's reward is broken" in ours[0], result.stderr[-3000:]
+    assert "exitcode  : 2" in result.stderr  # every rank exits 2 (torchrun's own summary)
+    assert "exitcode  : 1" not in result.stderr
+    assert not (workdir / "out").exists()
+
+
+def test_settings_that_depend_on_the_number_of_processes(tiny_model_dir, sums_jsonl, workdir):
+    alone = run_cli(*_args(tiny_model_dir, sums_jsonl, workdir / "out", "--fsdp"), cwd=workdir)
+    assert alone.returncode == 2
+    assert "--fsdp shards the models over several processes: launch with torchrun" in alone.stderr
+    uneven = _torchrun(_args(tiny_model_dir, sums_jsonl, workdir / "out", "--prompts-per-step", "3"), cwd=workdir)
+    lines = [line for line in uneven.stderr.splitlines() if line.startswith("auto-research:")]
+    assert lines and all("--prompts-per-step 3 must be a multiple of the number of processes (2)" in line
+                         for line in lines)
+    assert not (workdir / "out").exists()
