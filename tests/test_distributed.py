@@ -71,21 +71,27 @@ def _rows(output: Path) -> list[dict]:
 @pytest.mark.parametrize("algorithm, extra", [
     ("rloo", ()),
     ("ppo-rlhf", ("--ppo-mini-batches", "2", "--ppo-epochs", "2", "--learning-rate", "1e-3")),
+    ("rloo", ("--lora-r", "4")),
 ])
 def test_two_processes_end_with_the_weights_of_one(tiny_model_dir, sums_jsonl, workdir, algorithm, extra):
+    lora = "--lora-r" in extra
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
     extra = ("--algorithm", algorithm, *extra)
     one = run_cli(*_args(tiny_model_dir, sums_jsonl, workdir / "one", *extra), cwd=workdir)
     assert one.returncode == 0, one.stderr
     start = load_file(str(tiny_model_dir / "model.safetensors"))
-    expected = _final(workdir / "one")
-    moved = max(float((expected[name] - start[name]).abs().max()) for name in start)
+    expected = _final(workdir / "one", weights)
+    if lora:  # LoRA's B starts at zero
+        moved = max(float(value.abs().max()) for name, value in expected.items() if "lora_B" in name)
+    else:
+        moved = max(float((expected[name] - start[name]).abs().max()) for name in start)
     assert moved > 5e-3  # the comparison below is between runs that learned, not two copies of the start
     for mode in ("ddp", "fsdp"):
         output = workdir / mode
         two = _torchrun(_args(tiny_model_dir, sums_jsonl, output, *extra, *(("--fsdp",) if mode == "fsdp" else ())),
                         cwd=workdir)
         assert two.returncode == 0, two.stderr[-3000:]
-        got = _final(output)
+        got = _final(output, weights)
         assert got.keys() == expected.keys()
         difference = max(float((got[name] - expected[name]).abs().max()) for name in expected)
         assert difference <= 1e-5, (mode, difference)

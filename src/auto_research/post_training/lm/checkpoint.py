@@ -198,7 +198,8 @@ def _save_model(model, folder: Path, state: dict | None, optimizer_state: dict) 
     from safetensors.torch import save_file
 
     if hasattr(model, "peft_config"):  # LoRA: the trained adapter only (not the frozen reference copy)
-        model.save_pretrained(folder, safe_serialization=True, selected_adapters=["default"])
+        extra = {} if state is None else {"state_dict": state}  # FSDP: the gathered whole weights
+        model.save_pretrained(folder, safe_serialization=True, selected_adapters=["default"], **extra)
     elif state is None:
         model.save_pretrained(folder, safe_serialization=True)
     else:

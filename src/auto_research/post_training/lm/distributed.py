@@ -223,7 +223,8 @@ class World:
     def gathered(self, *models):
         """Whole parameters for the duration (FSDP): a rank may then run any number of forwards (sampling
         stops when its own samples end) with no collective in between. Nothing to do otherwise."""
-        modules = [module for model in models if model is not None for module in _fsdp_modules(model)]
+        # (A LoRA reference is a callable over the policy, gathered with it.)
+        modules = [module for model in models if hasattr(model, "modules") for module in _fsdp_modules(model)]
         for module in modules:
             module.unshard()
             module.set_reshard_after_forward(False, recurse=False)

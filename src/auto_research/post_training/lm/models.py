@@ -48,6 +48,17 @@ def check_model_source(name: str, offline: bool, flag: str = "--model") -> None:
     """Fail fast, in one line, when a model can be neither read locally nor fetched."""
     path = Path(name).expanduser()
     if path.exists():
+        if (path / "adapter_config.json").is_file():  # a LoRA adapter: its base model must be reachable too
+            import json
+
+            try:
+                base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            except ValueError as error:
+                raise UserError(f"{flag} {name}: adapter_config.json is not valid JSON ({error})") from None
+            if not base:
+                raise UserError(f"{flag} {name}: adapter_config.json names no base_model_name_or_path")
+            check_model_source(base, offline, f"{flag} {name}'s base model")
+            return
         if not (path / "config.json").is_file():
             raise UserError(f"{flag} {name}: {path} has no config.json (not a Hugging Face model folder)")
         return

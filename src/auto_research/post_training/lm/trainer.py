@@ -518,7 +518,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out evaluation, its batches dealt out to the ranks and the sums added up."""
         failure, result = None, None
-        with self._autocast(), self.world.gathered(self.model, getattr(self.reference, "module", self.reference)):
+        with self._autocast(), self.world.gathered(self.model, self.reference):
             try:
                 result = evaluate(self.model, self.reference, self.tokenizer, self.eval_prompts, self.task.evaluation,
                                   self.task.verifier, self.reward, self.config.max_new_tokens, self.config.temperature,
