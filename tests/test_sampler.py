@@ -87,3 +87,43 @@ def test_top_k_sampling_stays_inside_the_top_k(tiny):
     allowed = set(torch.topk(logits[0, 0], 3).indices.tolist())
     drawn = set(rollout.completion_ids[:, 0].tolist())
     assert drawn == allowed
+
+
+def test_trimmed_micro_batches_give_the_log_probs_and_gradient_of_the_padded_batch(tiny):
+    """Micro-batches cut to their own longest prompt and completion, with logits only at completion
+    positions, against the whole padded batch through the full output layer."""
+    from auto_research.post_training.lm.logprobs import attention_for, token_logprobs
+    from auto_research.post_training.lm.rollout import Rollout
+    from auto_research.post_training.lm.trainer import _widen
+
+    model, tokenizer = tiny
+    rollout = sample(model, tokenizer, ["1+2=", "Q: what is 33+4?"], 2, 8, temperature=1.0, seeds=[1, 2])
+    # Completions of 8, 2, 5 and 1 tokens; the first group has the short prompt (left padding).
+    lengths = torch.tensor([8, 2, 5, 1])
+    mask = (torch.arange(8).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    rollout = Rollout(rollout.sequences, rollout.prompt_mask, mask, rollout.completions, 2)
+    weights = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+    def padded_loss():
+        attention, positions = attention_for(rollout.sequences, rollout.prompt_mask, mask)
+        logits = model(input_ids=rollout.sequences, attention_mask=attention, position_ids=positions).logits
+        logits = logits[:, rollout.prompt_length - 1: -1].log_softmax(-1)
+        chosen = logits.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1) * mask
+        return chosen, (chosen * weights).sum()
+
+    model.zero_grad()
+    expected, loss = padded_loss()
+    loss.backward()
+    expected_grad = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    pieces = []
+    for start in (0, 2):
+        chunk = rollout.rows(start, start + 2, trim=True)
+        assert chunk.sequences.shape[1] < rollout.sequences.shape[1]  # something was cut
+        logprobs = _widen(token_logprobs(model, chunk.sequences, chunk.prompt_mask, chunk.completion_mask), 8)
+        (logprobs * weights[start: start + 2]).sum().backward()
+        pieces.append(logprobs.detach())
+    assert torch.allclose(torch.cat(pieces), expected.detach(), atol=1e-5)
+    for name, parameter in model.named_parameters():
+        assert torch.allclose(parameter.grad, expected_grad[name], atol=1e-5), name
+    model.zero_grad()

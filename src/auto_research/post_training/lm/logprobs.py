@@ -24,12 +24,33 @@ def attention_for(sequences: torch.Tensor, prompt_mask: torch.Tensor, completion
 def completion_logits(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
                       temperature: float = 1.0) -> torch.Tensor:
     """(B, C, V) float logits, divided by the temperature, that predict each completion token."""
-    prompt_length = prompt_mask.shape[1]
+    completion_length = completion_mask.shape[1]
     attention, positions = attention_for(sequences, prompt_mask, completion_mask)
-    logits = model(input_ids=sequences, attention_mask=attention, position_ids=positions, use_cache=False).logits
-    # The logit at position t predicts token t + 1: keep the ones that predict completion tokens.
-    logits = logits[:, prompt_length - 1 : -1].float()
+    # The logit at position t predicts token t + 1: only the last C + 1 positions are needed (the
+    # very last predicts past the end), so the output layer skips every prompt position.
+    keep = {"logits_to_keep": completion_length + 1} if accepts(model, "logits_to_keep") else {}
+    logits = model(input_ids=sequences, attention_mask=attention, position_ids=positions, use_cache=False, **keep).logits
+    logits = logits[:, -(completion_length + 1) : -1].float()
     return logits / temperature if temperature != 1.0 else logits
+
+
+def accepts(model, argument: str) -> bool:
+    """Whether the model under any wrappers (DDP, PEFT, a LoRA reference) takes ``argument`` in forward."""
+    import inspect
+
+    inner = model
+    for _ in range(6):
+        forward = getattr(inner, "forward", None)
+        if forward is not None:
+            parameters = inspect.signature(forward).parameters
+            if argument in parameters:
+                return True
+            if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+                return False
+        inner = next((getattr(inner, name) for name in ("module", "model", "base_model") if hasattr(inner, name)), None)
+        if inner is None:
+            return False
+    return False
 
 
 def completion_values(critic, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:

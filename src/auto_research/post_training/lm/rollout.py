@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -203,18 +202,10 @@ def sample(
 
 
 def _cache_argument(model) -> str:
-    """The name under which this model's forward takes its KV cache (wrappers such as PEFT's forward **kwargs)."""
-    inner = model
-    for _ in range(4):
-        parameters = inspect.signature(inner.forward).parameters
-        if "cache" in parameters:
-            return "cache"
-        if "past_key_values" in parameters:
-            return "past_key_values"
-        inner = getattr(inner, "get_base_model", lambda: getattr(inner, "module", None))()
-        if inner is None:
-            break
-    return "past_key_values"
+    """The name under which this model's forward takes its KV cache (transformers 5.2x renamed it)."""
+    from auto_research.post_training.lm.logprobs import accepts
+
+    return "cache" if accepts(model, "cache") else "past_key_values"
 
 
 def _cache_of(output):

@@ -1,0 +1,238 @@
+"""auto-research's RLOO against TRL's RLOOTrainer: seconds per step and peak memory, side by side.
+
+    pip install trl            # a benchmark dependency only, never a runtime one
+    python benchmarks/vs_trl.py [--sizes small,medium] [--rounds 3] [--steps 8] [--threads 1]
+
+Both train the same randomly initialised Qwen2 (a 32,000-token vocabulary, untied output layer)
+on the same prompts with the same reward: K = 4 completions for each of 8 prompts a step, at most
+32 new tokens with completions of varied lengths (the EOS row of the output layer is tilted so
+that roughly one completion in two stops early), β = 0.05, learning rate 1e-5, float32, one
+optimizer update per step, no evaluation, logging to disk or checkpoints inside the timed steps.
+Each measurement is its own process; the implementations alternate A B A B …, and the script
+prints the median seconds per step (steps after the first two), the peak resident memory of the
+process and of its training alone (peak minus the resident size once the models are loaded), and
+the ratios ours / TRL's. Goals (issue 8): step time <= 0.5x and peak memory <= 0.7x TRL's at the
+32k vocabulary with varied lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = {
+    # 32k vocabulary; parameters are dominated by the embeddings and the output layer.
+    "small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2),
+    "medium": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2),
+}
+VOCABULARY = 32000
+K, PROMPTS, NEW_TOKENS, BETA, LEARNING_RATE = 4, 8, 32, 0.05, 1e-5
+
+
+def word_tokenizer():
+    """A byte-level BPE of 32,000 tokens: two specials, the 256 bytes, and the words " a" … " zz" … of
+    up to four letters (every prefix of a word is a word, so each merges into one token).
+
+    It is built as Qwen2's own tokenizer family (byte-level BPE behind Qwen2's split pattern), because
+    transformers 5 rebuilds any tokenizer saved beside a Qwen2 config as a Qwen2 tokenizer.
+    """
+    import itertools
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    space = "\u0120"  # the byte-level symbol of " "
+    byte_symbols = pre_tokenizers.ByteLevel.alphabet()
+    vocabulary = {"<pad>": 0, "<eos>": 1}
+    for symbol in sorted(byte_symbols):
+        vocabulary[symbol] = len(vocabulary)
+    merges = []
+    for length in range(1, 5):
+        for letters in itertools.product(string.ascii_lowercase, repeat=length):
+            if len(vocabulary) == VOCABULARY:
+                break
+            word = space + "".join(letters)
+            vocabulary[word] = len(vocabulary)
+            merges.append((word[:-1], word[-1]))
+    core = Tokenizer(models.BPE(vocab=vocabulary, merges=merges))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+
+
+def build(folder: Path, size: str) -> None:
+    """The model, a word-level tokenizer of 32,000 words and 64 prompts, saved in ``folder``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = word_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCABULARY, max_position_embeddings=128, tie_word_embeddings=False,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=1, **SIZES[size])
+    model = Qwen2ForCausalLM(config)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [tokenizer.decode(torch.randint(258, VOCABULARY, (int(n),), generator=generator)).strip()
+               for n in torch.randint(4, 12, (64,), generator=generator)]
+    # Tilt EOS towards the hidden states' mean direction, so that completions end at varied lengths.
+    with torch.no_grad():
+        batch = tokenizer(prompts[:16], return_tensors="pt", padding=True)
+        hidden = model.model(**batch).last_hidden_state[batch["attention_mask"].bool()]
+        direction = hidden.mean(0)
+        logits = model.lm_head(hidden)
+        target = logits.logsumexp(-1).mean() - 3.5  # P(EOS) of a few percent per token
+        model.lm_head.weight[1] = direction * (target / direction.square().sum())
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "prompts.json").write_text(json.dumps(prompts))
+
+
+def reward(completions) -> list[float]:
+    """The same reward for both: how many words of the completion have an even number of letters."""
+    return [float(sum(len(word) % 2 == 0 for word in text.split())) for text in completions]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as stream:
+        return int(stream.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_ours(folder: Path, steps: int) -> dict:
+    from auto_research.post_training.config import GenerationConfig
+    from auto_research.post_training.lm.trainer import Trainer
+
+    prompts = json.loads((folder / "prompts.json").read_text())
+    rows = [{"prompt": prompt, "answer": "0"} for prompt in prompts]
+    config = GenerationConfig(model=str(folder), dataset="memory:bench", output_dir=folder / "ours", steps=steps,
+                              prompts_per_step=PROMPTS, group_size=K, max_new_tokens=NEW_TOKENS, beta=BETA,
+                              learning_rate=LEARNING_RATE, temperature=1.0, top_p=1.0, top_k=0, progress=False,
+                              offline=True, device="cpu", dtype="float32", chat_template=False, eval_every=0,
+                              checkpoint_every=0, evaluation_examples=1).filled().validate()
+    from auto_research.post_training.lm.tasks import load_task
+
+    trainer = Trainer(config, log=lambda text: None, task=load_task(config, rows),
+                      reward_functions=[("bench", lambda p, c, r: reward(c))])
+    trainer.setup()
+    loaded = _rss_mb()
+    times, lengths = [], []
+    for step in range(1, steps + 1):
+        started = time.perf_counter()
+        row = trainer.step(step)
+        times.append(time.perf_counter() - started)
+        lengths.append(row["completion_length"])
+    return {"times": times, "lengths": lengths, "peak_mb": _peak_mb(), "loaded_mb": loaded}
+
+
+def run_trl(folder: Path, steps: int) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+
+    prompts = json.loads((folder / "prompts.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
+    times, lengths, started = [], [], {}
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            started["t"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - started["t"])
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    args = RLOOConfig(output_dir=str(folder / "trl"), per_device_train_batch_size=PROMPTS * K, num_generations=K,
+                      steps_per_generation=1, num_iterations=1, gradient_accumulation_steps=1,
+                      max_completion_length=NEW_TOKENS, beta=BETA, learning_rate=LEARNING_RATE,
+                      lr_scheduler_type="constant", temperature=1.0, top_p=1.0, top_k=0, max_steps=steps,
+                      logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+                      disable_dropout=True, seed=0, dataloader_num_workers=0)
+    trainer = RLOOTrainer(model=model, reward_funcs=lambda prompts, completions, **kw: reward(completions), args=args,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+                          callbacks=[Clock()])
+    loaded = _rss_mb()
+    trainer.train()
+    return {"times": times, "lengths": lengths, "peak_mb": _peak_mb(), "loaded_mb": loaded}
+
+
+def child(options) -> None:
+    import torch
+
+    torch.set_num_threads(options.threads)
+    folder = Path(options.folder)
+    result = (run_ours if options.child == "ours" else run_trl)(folder, options.steps)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def measure(name: str, folder: Path, options) -> dict:
+    command = [sys.executable, __file__, "--child", name, "--folder", str(folder), "--steps", str(options.steps),
+               "--threads", str(options.threads)]
+    environment = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false",
+                   "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    output = subprocess.run(command, capture_output=True, text=True, env=environment)
+    line = next((line for line in output.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if output.returncode or line is None:
+        raise SystemExit(f"{name} failed:\n{output.stderr[-4000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="small,medium")
+    parser.add_argument("--rounds", type=int, default=3, help="A B pairs per size")
+    parser.add_argument("--steps", type=int, default=8, help="steps per measured process (the first 2 are warm-up)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.child:
+        return child(options)
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise SystemExit("this benchmark needs TRL: pip install trl") from None
+    for size in options.sizes.split(","):
+        with tempfile.TemporaryDirectory() as scratch:
+            folder = Path(scratch)
+            build(folder, size)
+            results = {"ours": [], "trl": []}
+            for round_ in range(options.rounds):
+                for name in ("ours", "trl"):
+                    results[name].append(measure(name, folder, options))
+            parameters = sum(v.numel() for v in __import__("safetensors.torch", fromlist=["load_file"])
+                             .load_file(str(folder / "model.safetensors")).values())
+        print(f"\n{size}: {parameters / 1e6:.1f}M parameters, vocabulary {VOCABULARY}, K={K}, {PROMPTS} prompts/step, "
+              f"<= {NEW_TOKENS} new tokens, {options.threads} thread(s), {options.rounds} alternating rounds")
+        summary = {}
+        for name, runs in results.items():
+            step = statistics.median(t for run in runs for t in run["times"][2:])
+            peak = statistics.median(run["peak_mb"] for run in runs)
+            training = statistics.median(run["peak_mb"] - run["loaded_mb"] for run in runs)
+            length = statistics.mean(x for run in runs for x in run["lengths"])
+            summary[name] = (step, peak, training)
+            print(f"  {name:5s} median step {step:.3f} s, peak RSS {peak:.0f} MB, training above loaded models "
+                  f"{training:.0f} MB, mean completion length {length:.1f}")
+        (ours_step, ours_peak, ours_training), (trl_step, trl_peak, trl_training) = summary["ours"], summary["trl"]
+        print(f"  ratio ours/TRL: step time {ours_step / trl_step:.2f} (goal <= 0.5), peak RSS {ours_peak / trl_peak:.2f} "
+              f"(goal <= 0.7), training memory {ours_training / max(trl_training, 1e-9):.2f}")
+
+
+if __name__ == "__main__":
+    main()
