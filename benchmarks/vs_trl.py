@@ -39,8 +39,8 @@ VOCABULARY = 32000
 K, PROMPTS, NEW_TOKENS, BETA, LEARNING_RATE = 4, 8, 32, 0.05, 1e-5
 
 
-def word_tokenizer():
-    """A byte-level BPE of 32,000 tokens: two specials, the 256 bytes, and the words " a" … " zz" … of
+def word_tokenizer(size: int = VOCABULARY):
+    """A byte-level BPE of ``size`` (32,000) tokens: two specials, the 256 bytes, and the words " a" … " zz" … of
     up to four letters (every prefix of a word is a word, so each merges into one token).
 
     It is built as Qwen2's own tokenizer family (byte-level BPE behind Qwen2's split pattern), because
@@ -60,7 +60,7 @@ def word_tokenizer():
     merges = []
     for length in range(1, 5):
         for letters in itertools.product(string.ascii_lowercase, repeat=length):
-            if len(vocabulary) == VOCABULARY:
+            if len(vocabulary) == size:
                 break
             word = space + "".join(letters)
             vocabulary[word] = len(vocabulary)

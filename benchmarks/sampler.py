@@ -1,0 +1,81 @@
+"""The project's sampler against Hugging Face ``generate``, side by side on the same model and prompts.
+
+    python benchmarks/sampler.py [--size small] [--rounds 5] [--threads 1]
+
+The 32,000-token Qwen2 of ``vs_trl.py`` (EOS tilted so completions end at varied lengths); 8 prompts
+× K = 4, at most 32 new tokens, temperature 1, KV cache in both. Alternates A B A B … in one process
+after a warm-up call of each, and prints the median seconds per call, completion tokens per second
+and the ratio ours / generate. Both sample the same distribution (``tests/test_sampler.py``); the
+draws differ (ours: inverse CDF at a per-prompt uniform; generate: torch.multinomial).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    options = parser.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    from auto_research.post_training.lm.rollout import encode_prompts, prompt_seed, sample
+    from vs_trl import K, NEW_TOKENS, PROMPTS, build
+
+    torch.set_num_threads(options.threads)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        build(folder, options.size)
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        prompts = json.loads((folder / "prompts.json").read_text())[:PROMPTS]
+
+    def ours(round_):
+        rollout = sample(model, tokenizer, prompts, K, NEW_TOKENS, 1.0,
+                         seeds=[prompt_seed(0, round_, index) for index in range(len(prompts))])
+        return int(rollout.completion_mask.sum())
+
+    def theirs(round_):
+        input_ids, attention = encode_prompts(tokenizer, prompts, "cpu")
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids.repeat_interleave(K, 0), attention_mask=attention.repeat_interleave(K, 0),
+                                 generation_config=HFGenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                                                      max_new_tokens=NEW_TOKENS, pad_token_id=0,
+                                                                      eos_token_id=1))
+        completion = out[:, input_ids.shape[1]:]
+        finished = (completion == 1).long().cumsum(1)
+        return int(((finished - (completion == 1).long()) == 0).sum())
+
+    results = {"ours": [], "generate": []}
+    ours(0), theirs(0)  # warm-up
+    for round_ in range(1, options.rounds + 1):
+        for name, function in (("ours", ours), ("generate", theirs)):
+            started = time.perf_counter()
+            tokens = function(round_)
+            results[name].append((time.perf_counter() - started, tokens))
+    print(f"{options.size} model, {PROMPTS} prompts x K={K}, <= {NEW_TOKENS} new tokens, {options.threads} thread(s), "
+          f"{options.rounds} alternating rounds")
+    medians = {}
+    for name, runs in results.items():
+        seconds = statistics.median(t for t, _ in runs)
+        rate = sum(n for _, n in runs) / sum(t for t, _ in runs)
+        medians[name] = seconds
+        print(f"  {name:9s} median {seconds:.3f} s per call, {rate:.0f} completion tokens/s")
+    print(f"  ratio ours / generate: {medians['ours'] / medians['generate']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
