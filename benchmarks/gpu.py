@@ -37,6 +37,9 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=True),
+    # Weights large enough next to the CPU's working memory for LoRA's saving to show (the tests' size).
+    "wide": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=True),
 }
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 

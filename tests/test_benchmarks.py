@@ -11,7 +11,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_benchmark_runs_on_the_cpu_and_lora_needs_less_memory():
-    result = subprocess.run([sys.executable, str(REPOSITORY / "benchmarks" / "gpu.py"), "--size", "tiny", "--steps", "2",
+    result = subprocess.run([sys.executable, str(REPOSITORY / "benchmarks" / "gpu.py"), "--size", "wide", "--steps", "2",
                              "--variants", "full,lora"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = {name: line for line in result.stdout.splitlines() for name in ("full", "lora")

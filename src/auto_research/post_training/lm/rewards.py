@@ -104,7 +104,7 @@ def _with_row_fields(function: Callable) -> Callable:
     return reward
 
 
-def load_callable(spec: str) -> Callable:
+def load_callable(spec: str, flag: str = "--reward") -> Callable:
     """``module:function`` → the function; a one-line UserError when it cannot be found.
 
     The working directory is on the import path, as it is for ``python -c``:
@@ -114,24 +114,25 @@ def load_callable(spec: str) -> Callable:
     """
     module_name, _, function_name = spec.partition(":")
     if not module_name or not function_name:
-        raise UserError(f"--reward {spec!r}: expected a built-in ({', '.join(BUILT_IN)}) or module:function")
+        expected = f"a built-in ({', '.join(BUILT_IN)}) or module:function" if flag == "--reward" else "module:function"
+        raise UserError(f"{flag} {spec!r}: expected {expected}")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except SyntaxError as error:
         where = f"{error.filename}:{error.lineno}" if error.filename else module_name
-        raise UserError(f"--reward {spec!r}: syntax error in {where} ({error.msg})") from None
+        raise UserError(f"{flag} {spec!r}: syntax error in {where} ({error.msg})") from None
     except ModuleNotFoundError as error:
         if error.name == module_name or module_name.startswith(f"{error.name}."):
-            raise UserError(f"--reward {spec!r}: cannot import module {module_name!r} (no {module_name.replace('.', '/')}.py "
+            raise UserError(f"{flag} {spec!r}: cannot import module {module_name!r} (no {module_name.replace('.', '/')}.py "
                             "in the working directory or on PYTHONPATH)") from None
-        raise UserError(f"--reward {spec!r}: importing {module_name!r} failed ({one_line(error)})") from None
+        raise UserError(f"{flag} {spec!r}: importing {module_name!r} failed ({one_line(error)})") from None
     except Exception as error:
-        raise UserError(f"--reward {spec!r}: importing {module_name!r} failed ({one_line(error)})") from None
+        raise UserError(f"{flag} {spec!r}: importing {module_name!r} failed ({one_line(error)})") from None
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise UserError(f"--reward {spec!r}: module {module_name!r} has no function {function_name!r}")
+        raise UserError(f"{flag} {spec!r}: module {module_name!r} has no function {function_name!r}")
     return function
 
 
