@@ -144,6 +144,48 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--no-chat-template", dest="chat_template", action="store_false", help="send prompts as plain text")
     sft.add_argument("--offline", action="store_true", help="never download; a hub id is an error")
 
+    reward = commands.add_parser("reward-model", help="train a reward model (one scalar head) on preference pairs, "
+                                 "Bradley–Terry")
+    reward.add_argument("--model", default=None, help="causal LM folder or hub id to put the head on (default: a fresh "
+                        "embedded tiny model)")
+    reward.add_argument("--dataset", required=True, help="preference pairs: .jsonl, .json, .parquet, .csv, a "
+                        "save_to_disk folder, or a hub name (online)")
+    reward.add_argument("--prompt-field", default="prompt", help="(default: %(default)s; 'none': the prompt is inside "
+                        "chosen and rejected)")
+    reward.add_argument("--chosen-field", default="chosen", help="(default: %(default)s)")
+    reward.add_argument("--rejected-field", default="rejected", help="(default: %(default)s)")
+    reward.add_argument("--margin-field", default=None, help="a per-pair margin m in −log σ(r_w − r_l − m) (default: none)")
+    reward.add_argument("--center-rewards-coefficient", type=float, default=0.0,
+                        help="weight of (r_w + r_l)², keeping rewards near 0 (default: %(default)s)")
+    reward.add_argument("--steps", type=int, default=400, help="optimizer steps (default: %(default)s)")
+    reward.add_argument("--batch-size", type=int, default=32, help="pairs per step (default: %(default)s)")
+    reward.add_argument("--learning-rate", type=float, default=1e-3, help="AdamW step size (default: %(default)s)")
+    reward.add_argument("--max-length", type=int, default=None, help="truncate prompt + response to N tokens")
+    reward.add_argument("--evaluation-examples", type=int, default=None,
+                        help="held-out pairs (default: min(500, pairs // 10), at least 1)")
+    reward.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    reward.add_argument("--output-dir", type=Path, required=True, help="where the reward model is saved")
+    reward.add_argument("--overwrite", action="store_true", help="replace a model already saved in --output-dir")
+    reward.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
+    reward.add_argument("--offline", action="store_true", help="never download")
+    reward.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+    rlhf = commands.add_parser("rlhf", help="the whole RLHF pipeline on preference-generate: sample and label pairs, "
+                               "train the reward model, RL against it, judge by win rate")
+    rlhf.add_argument("--model", default=None, help="starting policy and reward-model backbone (default: the embedded "
+                      "tiny model, warm-started on arithmetic)")
+    rlhf.add_argument("--algorithms", default="rloo", help="comma-separated (default: %(default)s)")
+    rlhf.add_argument("--betas", default="0.05", help="comma-separated β values: a sweep (default: %(default)s)")
+    rlhf.add_argument("--seeds", default="42", help="comma-separated (default: %(default)s)")
+    rlhf.add_argument("--group-size", type=int, default=4, help="K (default: %(default)s)")
+    rlhf.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the dataset's, 300)")
+    rlhf.add_argument("--pairs", type=int, default=3000, help="preference pairs to label (default: %(default)s)")
+    rlhf.add_argument("--reward-model-steps", type=int, default=400, help="(default: %(default)s)")
+    rlhf.add_argument("--eval-every", type=int, default=None, help="evaluations for the KL curves (default: 50)")
+    rlhf.add_argument("--output-dir", type=Path, default=Path("runs/rlhf"), help="(default: %(default)s)")
+    rlhf.add_argument("--overwrite", action="store_true", help="start afresh over an earlier pipeline in --output-dir")
+    rlhf.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
     data = commands.add_parser("data", help="download a dataset into --dataset-dir")
     data.add_argument("name", help="gsm8k")
     data.add_argument("--dataset-dir", type=Path, default=None, help="(default: $AUTO_RESEARCH_DATA, else data)")
@@ -320,7 +362,28 @@ def _sft(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"post-train": _post_train, "compare": _compare, "sft": _sft, "data": _data}
+def _reward_model(args: argparse.Namespace) -> int:
+    from auto_research.post_training import runs
+
+    metrics = runs.reward_model(args)
+    print(f"reward model on {metrics['train_pairs']} pairs ({metrics['evaluation_pairs']} held out): held-out pairwise "
+          f"accuracy {metrics['pairwise_accuracy']:.3f}, mean reward gap {metrics['reward_gap']:.3f}")
+    print(f"wrote {args.output_dir} (use it as --reward-model {args.output_dir}), metrics.json and calibration.png")
+    return 0
+
+
+def _rlhf(args: argparse.Namespace) -> int:
+    from auto_research.post_training import runs
+
+    result = runs.rlhf(args, log=lambda text: print(text, file=sys.stderr, flush=True))
+    print(result["table"])
+    for path in result["paths"]:
+        print(f"wrote {path}")
+    return 0
+
+
+COMMANDS = {"post-train": _post_train, "compare": _compare, "sft": _sft, "reward-model": _reward_model, "rlhf": _rlhf,
+            "data": _data}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,8 @@ from auto_research.errors import UserError
 ALGORITHMS = ("rloo", "ppo-rlhf", "grpo", "remax", "reinforce", "vanilla-pg", "raft")
 """The registry's names (algorithms.py), here without NumPy so that --help can list them; a test keeps them equal."""
 CANDIDATE_DATASETS = ("arithmetic-smoke", "gsm8k-candidate")
-GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate")
+GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate", "preference-generate")
+EMBEDDED_MODEL_DATASETS = ("arithmetic-generate", "preference-generate")
 DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
 
 
@@ -136,6 +137,9 @@ SCHEDULES = ("constant", "cosine")
 GENERATION_PRESETS = {
     "arithmetic-generate": dict(steps=600, learning_rate=3e-4, prompts_per_step=32, temperature=1.5,
                                 max_new_tokens=6, evaluation_examples=500, warmup_steps=10),
+    # Against a learned reward model (auto-research rlhf): shorter, with evaluations for the KL curves.
+    "preference-generate": dict(steps=300, learning_rate=3e-4, prompts_per_step=32, temperature=1.5,
+                                max_new_tokens=6, evaluation_examples=500, warmup_steps=10, eval_every=50),
     "gsm8k-generate": dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0,
                            max_new_tokens=256, evaluation_examples=128, warmup_steps=10),
     # A JSONL file holds out its last min(128, rows // 5) rows unless --evaluation-examples is given.
@@ -189,7 +193,8 @@ class GenerationConfig:
 
     # --- set by the shared run flags (both levels) ---
     algorithm: str = setting("rloo", "name in the algorithm registry")
-    dataset: str = setting("arithmetic-generate", "arithmetic-generate (embedded), gsm8k-generate, or a .jsonl file")
+    dataset: str = setting("arithmetic-generate", "arithmetic-generate (embedded), preference-generate (embedded, "
+                           "against a learned reward model), gsm8k-generate, or a .jsonl file")
     dataset_dir: Path = setting(lambda: Path("data"), "folder holding gsm8k/")
     maximum_examples: int | None = setting(None, "training prompts used: the dataset's first N (default: all)")
     group_size: int = setting(4, "K: completions sampled per prompt")
@@ -217,6 +222,8 @@ class GenerationConfig:
     reward_weights: list[float] | None = setting(None, "comma-separated weights, one per reward, reward model last",
                                                  "rewards", type=comma_floats)
     reward_model: str | None = setting(None, "sequence-classification reward model (folder or hub id)", "rewards")
+    judge: str | None = setting(None, "gold (preference-generate's hidden judge) or module:function(prompt, a, b) -> "
+                                "P(a better): held-out win rate against the starting policy, both orders", "rewards")
 
     # --- loss, KL and updates ---
     kl_estimator: str | None = setting(None, "k1 (default in the reward, the paper), k2 or k3 (default in the loss)",
@@ -324,8 +331,9 @@ class GenerationConfig:
 
         algorithm = get_algorithm(self.algorithm)
         self.validate_dataset()
-        if self.model is None and self.dataset != "arithmetic-generate":
-            raise UserError(f"--model is required for {self.dataset} (only arithmetic-generate has an embedded model; "
+        if self.model is None and self.dataset not in EMBEDDED_MODEL_DATASETS:
+            raise UserError(f"--model is required for {self.dataset} (only {' and '.join(EMBEDDED_MODEL_DATASETS)} have "
+                            "an embedded model; "
                             "give a local folder or hub id, or an 'auto-research sft' output)")
         if self.resume and self.overwrite:
             raise UserError("--resume continues the run in the output folder and --overwrite deletes it: choose one")
@@ -406,6 +414,11 @@ class GenerationConfig:
             raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.lora_target_modules is not None and not [name for name in self.lora_target_modules.split(",") if name.strip()]:
             raise UserError("--lora-target-modules is empty; give module names such as q_proj,v_proj")
+        if self.dataset == "preference-generate" and not self.reward_model and not self.reward:
+            raise UserError("preference-generate is optimised against a learned reward model: give --reward-model "
+                            "(auto-research rlhf samples the preference pairs and trains one), or --reward")
+        if self.judge is not None and self.judge != "gold" and ":" not in self.judge:
+            raise UserError(f"--judge {self.judge!r}: give gold or module:function")
         if self.reward_weights is not None:
             for weight in self.reward_weights:
                 if not math.isfinite(weight):

@@ -20,7 +20,15 @@ LABELS = {
     "mean_reward": "mean reward",
     "entropy": "entropy",
     "kl_from_reference": "KL(reference)",
+    "gold_reward": "gold reward",
+    "win_rate": "win rate",
 }
+# Shown when a run has them: the hidden gold scorer's reward and the judge's win rate (preference-generate).
+OPTIONAL_METRICS = ("gold_reward", "win_rate")
+
+
+def _metrics_of(metrics: dict) -> list[str]:
+    return [*METRICS, *(key for key in OPTIONAL_METRICS if key in metrics.get("final", {}))]
 
 
 def _cell(value) -> str:
@@ -37,16 +45,16 @@ def column_names(metrics: dict) -> tuple[str, str]:
 def before_after_table(metrics: dict) -> str:
     before, after = column_names(metrics)
     rows = [f"| metric | {before} | {after} |", "|---|---:|---:|"]
-    for key in METRICS:
-        rows.append(f"| {LABELS[key]} | {_cell(metrics['baseline'][key])} | {_cell(metrics['final'][key])} |")
+    for key in _metrics_of(metrics):
+        rows.append(f"| {LABELS[key]} | {_cell(metrics['baseline'].get(key))} | {_cell(metrics['final'][key])} |")
     return "\n".join(rows)
 
 
 def console_table(metrics: dict) -> str:
     before, after = column_names(metrics)
     lines = [f"{'metric':<16}{before:>12}{after:>12}"]
-    for key in METRICS:
-        lines.append(f"{LABELS[key]:<16}{_cell(metrics['baseline'][key]):>12}{_cell(metrics['final'][key]):>12}")
+    for key in _metrics_of(metrics):
+        lines.append(f"{LABELS[key]:<16}{_cell(metrics['baseline'].get(key)):>12}{_cell(metrics['final'][key]):>12}")
     lines.append(f"{'relative acc.':<16}{'':>12}{metrics['relative_accuracy']:>+12.4f}")
     return "\n".join(lines)
 
@@ -289,3 +297,59 @@ def write_generation_comparison(output: Path, dataset: str, seeds: list[int], re
     plt.close(figure)
     paths.append(atomic_write_bytes(stem.with_suffix(".png"), buffer.getvalue()))
     return {"summaries": summary, "table": table, "paths": paths}
+
+
+def rlhf_table(summary: dict) -> str:
+    """The RLHF pipeline's summary: the labels, the proxy reward model, then one row per RL run."""
+    labels, proxy = summary["labels"], summary["reward_model"]
+    lines = [
+        f"# RLHF on preference-generate ({summary['seconds']:.0f} s in all)",
+        "",
+        "Seconds: " + ", ".join(f"{name.replace('_', ' ')} {value:.0f}" for name, value in summary["stage_seconds"].items()
+                                if not isinstance(value, list))
+        + ", RL runs " + ", ".join(f"{value:.0f}" for value in summary["stage_seconds"]["runs"]) + ".",
+        "",
+        f"Labels: {labels['pairs']} pairs, gold scorer with Bradley–Terry noise (τ = {labels['label_temperature']}); "
+        f"on the pairs the gold scorer orders, the labels agree with it on {labels['label_agreement']:.3f} "
+        f"(the noise model's expectation: {labels['label_ceiling']:.3f}).",
+        f"Proxy reward model: held-out pairwise accuracy {proxy['pairwise_accuracy']:.3f} against the labels, "
+        f"{proxy['gold_order_accuracy']:.3f} against the gold order ({proxy['evaluation_pairs']} held-out pairs).",
+        "",
+        "| algorithm | β | seed | gold win rate | gold reward (before → after) | proxy reward (before → after) "
+        "| accuracy (before → after) | KL |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in summary["runs"]:
+        lines.append(f"| {run['algorithm']} | {run['beta']:g} | {run['seed']} | {_cell(run['win_rate'])} | "
+                     f"{_cell(run['gold_reward'][0])} → {_cell(run['gold_reward'][1])} | "
+                     f"{_cell(run['proxy_reward'][0])} → {_cell(run['proxy_reward'][1])} | "
+                     f"{_cell(run['accuracy'][0])} → {_cell(run['accuracy'][1])} | {_cell(run['kl'])} |")
+    return "\n".join(lines)
+
+
+def over_optimisation_plot(path: Path, summary: dict) -> Path:
+    """PNG: the proxy reward and the gold reward against KL(reference), a curve per run, a point per
+    evaluation: the proxy rising while the gold flattens or falls is over-optimisation."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for run in summary["runs"]:
+        kl = [row["kl_from_reference"] for row in run["history"]]
+        label = f"{run['algorithm']} β={run['beta']:g} seed {run['seed']}"
+        for axis, key in zip(axes, ("mean_reward", "gold_reward")):
+            axis.plot(kl, [row.get(key) for row in run["history"]], marker="o", markersize=3, label=label)
+    for axis, title in zip(axes, ("proxy reward (the learned reward model)", "gold reward (hidden scorer)")):
+        axis.set_xlabel("KL(π ‖ π_ref), held-out greedy completions")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120)
+    plt.close(figure)
+    return atomic_write_bytes(path, buffer.getvalue())

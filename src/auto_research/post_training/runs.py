@@ -131,7 +131,12 @@ def check_generation_run(config, log=print, rows: list[dict] | None = None, rewa
     if config.critic_model is not None:
         check_model_source(config.critic_model, config.offline, "--critic-model")
     check_rewards(config.reward, config.reward_weights, config.reward_model, reward_functions)
-    return load_task(config, rows), resume_from
+    task = load_task(config, rows)
+    if config.judge:
+        from auto_research.post_training.lm.preference import load_judge
+
+        load_judge(config.judge, task)
+    return task, resume_from
 
 
 def _silent(text: str) -> None:
@@ -334,3 +339,190 @@ def compare_generation(make_config, output_dir: Path, algorithms: list[str], see
             f"median step {metrics['step_seconds_median']:.3f} s, peak memory "
             f"{metrics['training']['peak_memory_mb']:.1f} MB ({metrics['wall_seconds']:.0f} s)")
     return report.write_generation_comparison(output, planned[0].dataset_name, seeds, results)
+
+
+# --- the RLHF pipeline: reward-model training, then RL against it ----------------------------------------
+
+
+def reward_model(args) -> dict:
+    """``auto-research reward-model``: preference pairs → a one-scalar reward model in --output-dir.
+
+    Every input is checked before training; the model is written to a staging folder and renamed
+    into place, so a failure leaves nothing half-written.
+    """
+    import math
+    import os
+    import shutil
+
+    from auto_research.post_training.config import check_positive_finite
+
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
+                        ("--evaluation-examples", args.evaluation_examples), ("--max-length", args.max_length)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be a positive integer, got {value}")
+    check_positive_finite("--learning-rate", args.learning_rate)
+    if not (math.isfinite(args.center_rewards_coefficient) and args.center_rewards_coefficient >= 0):
+        raise UserError(f"--center-rewards-coefficient must be a finite number >= 0, got {args.center_rewards_coefficient}")
+    if not DEVICE_PATTERN.fullmatch(args.device):
+        raise UserError(f"--device {args.device!r}: choose auto, cpu, cuda, cuda:N or mps")
+    output = Path(args.output_dir)
+    if output.exists() and any(output.iterdir()) and not args.overwrite:
+        raise UserError(f"{output} is not empty: choose another --output-dir, or --overwrite to replace it")
+    check_writable_directory(output.parent if output.parent != Path("") else Path("."))
+    from auto_research.post_training.lm.models import check_model_source, resolve_device
+    from auto_research.post_training.lm.reward_model import load_rows, preference_pairs, train_reward_model
+
+    if args.model is not None:
+        check_model_source(args.model, args.offline)
+    rows = load_rows(args.dataset, args.offline)
+    tokenizer = _tokenizer_for(args.model, args.offline)
+    prompt_field = None if args.prompt_field in (None, "", "none") else args.prompt_field
+    pairs = preference_pairs(rows, args.dataset, prompt_field, args.chosen_field, args.rejected_field, args.margin_field,
+                             tokenizer, log=lambda text: print(text, file=__import__("sys").stderr))
+    held = args.evaluation_examples or max(1, min(500, len(pairs) // 10))
+    if held >= len(pairs):
+        raise UserError(f"--evaluation-examples {held}: the dataset has {len(pairs)} usable pairs, and some must be "
+                        "left to train on")
+    staging = output.parent / f".{output.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        metrics = train_reward_model(args.model, pairs, staging, args.steps, args.batch_size, args.learning_rate, held,
+                                     args.seed, resolve_device(args.device), args.offline,
+                                     args.center_rewards_coefficient, args.max_length, progress=args.progress,
+                                     log=lambda text: print(text, file=__import__("sys").stderr))
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return metrics
+
+
+def _tokenizer_for(model: str | None, offline: bool):
+    if model is None:
+        from auto_research.post_training.lm.tiny import build_tokenizer
+
+        return build_tokenizer()
+    from pathlib import Path as _Path
+
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model, local_files_only=offline or _Path(model).expanduser().exists())
+
+
+RLHF_OUTPUTS = ("preferences.jsonl", "reward-model", "runs", "rlhf-summary.json", "rlhf-summary.md", "rlhf.png")
+
+
+def rlhf(args, log=print) -> dict:
+    """``auto-research rlhf``: warm start → sample and label pairs → reward model → RL (every
+    algorithm × β × seed, each in its own process) against it → gold win rate, and the proxy and
+    gold rewards against the KL."""
+    import json
+    import math
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from auto_research.post_training.config import ALGORITHMS
+
+    algorithms = [name.strip() for name in args.algorithms.split(",") if name.strip()]
+    unknown = [name for name in algorithms if name not in ALGORITHMS]
+    if not algorithms or unknown:
+        raise UserError(f"--algorithms {args.algorithms!r}: choose from {', '.join(ALGORITHMS)}")
+    try:
+        betas = [float(value) for value in args.betas.split(",")]
+        seeds = [int(value) for value in args.seeds.split(",")]
+    except ValueError:
+        raise UserError("--betas takes numbers such as 0.01,0.05 and --seeds integers such as 42,43") from None
+    if any(not (math.isfinite(b) and b >= 0) for b in betas):
+        raise UserError(f"--betas must be finite numbers >= 0, got {args.betas}")
+    for flag, value in (("--pairs", args.pairs), ("--reward-model-steps", args.reward_model_steps),
+                        ("--steps", args.steps), ("--eval-every", args.eval_every)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be a positive integer, got {value}")
+    if args.group_size < 2:
+        raise UserError(f"--group-size {args.group_size}: K >= 2")
+    output = Path(args.output_dir)
+    found = [name for name in RLHF_OUTPUTS if (output / name).exists()]
+    if found and not args.overwrite:
+        raise UserError(f"{output} holds an earlier pipeline ({', '.join(found)}): --overwrite replaces it")
+    check_writable_directory(output)
+    for name in found:
+        target = output / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    started = time.perf_counter()
+    from auto_research.post_training.lm import preference
+    from auto_research.post_training.lm.reward_model import preference_pairs, train_reward_model
+    from auto_research.post_training.lm.tasks import preference_task
+    from auto_research.post_training.lm.tiny import build_tokenizer, ensure_warm_started
+
+    task = preference_task()
+    if args.model is not None:
+        from auto_research.post_training.lm.models import check_model_source
+
+        check_model_source(args.model, True)
+        warm = Path(args.model)
+    else:
+        warm = ensure_warm_started(task, progress=args.progress, log=log)
+    stages = {"warm_start": time.perf_counter() - started}
+    log(f"[1/3] sampling and labelling {args.pairs} preference pairs from the warm-started policy")
+    label_stats = preference.make_preferences(warm, task, output / "preferences.jsonl", args.pairs, seed=0,
+                                              temperature=1.5, max_new_tokens=6, log=log)
+    rows = [json.loads(line) for line in (output / "preferences.jsonl").read_text().splitlines()]
+    pairs = preference_pairs(rows, "preferences.jsonl", "prompt", "chosen", "rejected", None, build_tokenizer(), log)
+    held = max(1, min(500, len(pairs) // 10))
+    stages["pairs"] = time.perf_counter() - started - sum(stages.values())
+    log(f"[2/3] training the proxy reward model on {len(pairs) - held} pairs ({held} held out)")
+    reward_metrics = train_reward_model(str(warm), pairs, output / "reward-model", args.reward_model_steps, 64, 1e-3,
+                                        held, 0, "cpu", True, progress=args.progress, log=log)
+    held_rows = [rows[i] for i in reward_metrics.pop("evaluation_indices")]
+    reward_metrics["gold_order_accuracy"] = preference.gold_accuracy_of_reward_model(output / "reward-model", held_rows)
+    reward_metrics["label_agreement"] = label_stats["label_agreement"]
+    reward_metrics["label_ceiling"] = label_stats["label_ceiling"]
+    atomic_write_json(output / "reward-model" / "metrics.json", reward_metrics)
+    log(f"      held-out pairwise accuracy {reward_metrics['pairwise_accuracy']:.3f} against the noisy labels "
+        f"(their own agreement with the gold order: {label_stats['label_agreement']:.3f}, expected "
+        f"{label_stats['label_ceiling']:.3f}); {reward_metrics['gold_order_accuracy']:.3f} against the gold order")
+    runs_dir = output / "runs"
+    stages["reward_model"] = time.perf_counter() - started - sum(stages.values())
+    stages["runs"] = []
+    results = []
+    combinations = [(a, b, s) for a in algorithms for b in betas for s in seeds]
+    for index, (algorithm, beta, seed) in enumerate(combinations, 1):
+        log(f"[3/3] RL against the proxy ({index}/{len(combinations)}): {algorithm}, β = {beta}, seed {seed}")
+        folder = runs_dir / f"beta-{beta:g}"
+        command = [sys.executable, "-m", "auto_research", "post-train", "--dataset", "preference-generate",
+                   "--reward-model", str(output / "reward-model"), "--judge", "gold", "--algorithm", algorithm,
+                   "--beta", str(beta), "--seed", str(seed), "--group-size", str(args.group_size), "--offline",
+                   "--output-dir", str(folder), "--device", "cpu",
+                   *(["--model", str(args.model)] if args.model else []),
+                   *(["--steps", str(args.steps)] if args.steps else []),
+                   *(["--eval-every", str(args.eval_every)] if args.eval_every else []),
+                   *([] if args.progress else ["--no-progress"])]
+        run_started = time.perf_counter()
+        finished = subprocess.run(command, stdout=subprocess.DEVNULL)
+        stages["runs"].append(time.perf_counter() - run_started)
+        if finished.returncode:
+            raise UserError(f"the {algorithm} run (β = {beta}, seed {seed}) failed with status {finished.returncode}; "
+                            f"its command: {' '.join(command[1:])}")
+        metrics = json.loads((folder / f"{algorithm}-preference-generate-seed{seed}" / "metrics.json").read_text())
+        results.append({"algorithm": algorithm, "beta": beta, "seed": seed, "metrics": metrics})
+    seconds = time.perf_counter() - started
+    summary = {"seconds": seconds, "stage_seconds": stages, "labels": label_stats,
+               "reward_model": {key: value for key, value in reward_metrics.items() if key != "history"},
+               "runs": [{"algorithm": r["algorithm"], "beta": r["beta"], "seed": r["seed"],
+                         "win_rate": r["metrics"]["final"].get("win_rate"),
+                         "gold_reward": [r["metrics"]["baseline"].get("gold_reward"), r["metrics"]["final"].get("gold_reward")],
+                         "proxy_reward": [r["metrics"]["baseline"].get("mean_reward"), r["metrics"]["final"].get("mean_reward")],
+                         "accuracy": [r["metrics"]["baseline"]["accuracy"], r["metrics"]["final"]["accuracy"]],
+                         "kl": r["metrics"]["final"]["kl_from_reference"],
+                         "history": [{"step": 0.0, **r["metrics"]["baseline"]}, *r["metrics"]["history"]]}
+                        for r in results]}
+    atomic_write_json(output / "rlhf-summary.json", summary)
+    table = report.rlhf_table(summary)
+    atomic_write_text(output / "rlhf-summary.md", table + "\n")
+    plot = report.over_optimisation_plot(output / "rlhf.png", summary)
+    return {"summary": summary, "table": table,
+            "paths": [output / "rlhf-summary.json", output / "rlhf-summary.md", plot, output / "reward-model"]}

@@ -22,15 +22,17 @@ def _distributions(model, rollout, temperature: float) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier: str, reward, max_new_tokens: int,
              temperature: float = 1.0, batch_size: int = 64, shard: tuple[int, int] = (0, 1),
-             total=lambda tensor: tensor) -> dict[str, float]:
+             total=lambda tensor: tensor, gold=None, completions: dict | None = None) -> dict[str, float]:
     """accuracy, mean_reward (over the completions the reward could score), entropy and
     kl_from_reference of greedy completions.
 
     Under several processes, ``shard`` = (rank, size) deals out the fixed batches of
     ``batch_size`` prompts (batch b to rank b mod size) and ``total`` adds the sums up, so
-    every batch is the one a single process would evaluate.
+    every batch is the one a single process would evaluate. ``gold``: a hidden scorer whose
+    mean over the greedy completions is reported as ``gold_reward`` (never trained on).
+    ``completions``: a dict that receives {prompt index: greedy completion} of this rank.
     """
-    correct, rewards, entropies, kls = [], [], [], []
+    correct, rewards, entropies, kls, golds = [], [], [], [], []
     rank, size = shard
     for start in range(rank * batch_size, len(prompts), batch_size * size):
         batch_prompts = prompts[start : start + batch_size]
@@ -38,6 +40,10 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
         rollout = sample(model, tokenizer, batch_prompts, 1, max_new_tokens, greedy=True)
         correct += [is_correct(verifier, text, example) for text, example in zip(rollout.completions, batch_examples)]
         rewards += [value for value in reward(batch_prompts, rollout.completions, batch_examples) if value is not None]
+        if gold is not None:
+            golds += gold(batch_prompts, rollout.completions, batch_examples)
+        if completions is not None:
+            completions.update({start + i: text for i, text in enumerate(rollout.completions)})
         mask = rollout.completion_mask.float()
         log_p = _distributions(model, rollout, temperature)
         entropies += (-(log_p.exp() * log_p).sum(-1) * mask).sum(-1).tolist()
@@ -47,9 +53,12 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
             log_q = _distributions(reference, rollout, temperature)
             kls += ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum(-1).tolist()
     count = max(len(prompts), 1)
-    sums = total(torch.tensor([sum(correct), sum(rewards), len(rewards), sum(entropies), sum(kls)], dtype=torch.float64))
-    correct_count, reward_sum, scored, entropy_sum, kl_sum = sums.tolist()
+    sums = total(torch.tensor([sum(correct), sum(rewards), len(rewards), sum(entropies), sum(kls), sum(golds)],
+                              dtype=torch.float64))
+    correct_count, reward_sum, scored, entropy_sum, kl_sum, gold_sum = sums.tolist()
+    extra = {"gold_reward": gold_sum / count} if gold is not None else {}
     return {
+        **extra,
         "accuracy": correct_count / count,
         # None when the reward could score no held-out completion (written as null, shown as n/a).
         "mean_reward": reward_sum / scored if scored else None,

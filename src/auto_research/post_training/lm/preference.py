@@ -1,9 +1,15 @@
 """``preference-generate``: the paper's RLHF pipeline on a laptop CPU, with no download.
 
 The prompts are the embedded arithmetic task's (``47+38=``); the policy is the
-embedded tiny model after its warm start. A hidden **gold scorer** defines what
-is better: the arithmetic partial credit (½ · exact match + ½ · fraction of
-digit positions right). The learner never sees it. Instead:
+embedded tiny model after its warm start, whose answers are mostly 2–3
+characters long. A hidden **gold scorer** defines what is better: an
+annotator who likes answers of ``GOLD_LENGTH`` (4) characters, 1 − |length − 4| / 4
+(at least 0). It is a property a tiny reward model can learn, and one it
+learns the wrong way outside the data: the warm start's pairs are nearly all
+shorter than 4, so "longer is better" fits them, and a policy pushed far
+enough overshoots into answers the gold scorer likes less (the length bias of
+learned reward models, Singhal et al., 2023). The learner never sees the
+scorer. Instead:
 
 1. pairs of completions are sampled from the warm-started policy, two per
    prompt, at the RL sampling temperature;
@@ -33,14 +39,13 @@ from pathlib import Path
 from auto_research.errors import UserError
 
 LABEL_TEMPERATURE = 0.15
+GOLD_LENGTH = 4
 PREFERENCE_PROMPTS = 3000  # the first training prompts; pairs are sampled on these
 
 
 def gold_scores(prompts, completions, examples) -> list[float]:
-    """The hidden gold scorer: arithmetic partial credit (see rewards.arithmetic_reward)."""
-    from auto_research.post_training.lm.rewards import arithmetic_reward
-
-    return arithmetic_reward(prompts, completions, examples)
+    """The hidden gold scorer: 1 − |characters − GOLD_LENGTH| / GOLD_LENGTH, at least 0."""
+    return [max(0.0, 1.0 - abs(len(text.strip()) - GOLD_LENGTH) / GOLD_LENGTH) for text in completions]
 
 
 def gold_judge(prompt: str, response_a: str, response_b: str, example) -> float:
@@ -83,7 +88,8 @@ def label_pairs(prompts, examples, first, second, seed: int) -> tuple[list[dict]
 
 def make_preferences(model_dir: Path, task, output: Path, pairs: int, seed: int, temperature: float,
                      max_new_tokens: int, log=print) -> dict:
-    """Sample two completions per prompt from the warm-started policy, label them, write JSONL."""
+    """Sample completions from the warm-started policy (two distinct ones per prompt where its four
+    draws allow), label them, write JSONL."""
     import torch
 
     from auto_research.post_training.lm.models import load_policy
@@ -93,12 +99,16 @@ def make_preferences(model_dir: Path, task, output: Path, pairs: int, seed: int,
     examples = task.train[:min(pairs, PREFERENCE_PROMPTS, len(task.train))]
     prompts = [example.prompt for example in examples]
     first, second = [], []
+    draws = 4  # per prompt; the pair is the first two that differ (a confident policy often repeats itself)
     for start in range(0, len(prompts), 256):
         chunk = prompts[start: start + 256]
-        rollout = sample(model, tokenizer, chunk, 2, max_new_tokens, temperature,
+        rollout = sample(model, tokenizer, chunk, draws, max_new_tokens, temperature,
                          seeds=[prompt_seed(seed, 0, start + i) for i in range(len(chunk))])
-        first += rollout.completions[0::2]
-        second += rollout.completions[1::2]
+        for group in range(len(chunk)):
+            texts = rollout.completions[group * draws: (group + 1) * draws]
+            other = next((text for text in texts[1:] if text != texts[0]), texts[0])
+            first.append(texts[0])
+            second.append(other)
     rows, statistics = label_pairs(prompts, examples, first, second, seed)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text("".join(json.dumps(row) + "\n" for row in rows))

@@ -43,7 +43,7 @@ def score_texts(model, tokenizer, texts: list[str], device, batch_size: int = 16
     context = torch.enable_grad() if grad else torch.no_grad()
     with context:
         for start in range(0, len(texts), batch_size):
-            batch = tokenizer(texts[start: start + batch_size], padding=True, truncation=max_length is not None,
+            batch = tokenizer(texts[start: start + batch_size], padding=True, truncation=True,
                               max_length=max_length, return_tensors="pt").to(device)
             scores.append(model(**batch).logits[:, 0].float())
     return torch.cat(scores) if scores else torch.zeros(0)
@@ -86,6 +86,8 @@ def load_rows(dataset: str, offline: bool) -> list[dict]:
         elif path.suffix in kinds:
             if not path.is_file():
                 raise UserError(f"--dataset {dataset}: no such file")
+            if not path.read_bytes().strip():
+                return []
             loaded = datasets.load_dataset(kinds[path.suffix], data_files=str(path), split="train")
         elif path.exists():
             raise UserError(f"--dataset {dataset}: give a .jsonl, .json, .parquet or .csv file, or a save_to_disk folder")
@@ -211,8 +213,8 @@ def train_reward_model(model_name: str | None, pairs: list[Pair], output_dir: Pa
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        history.append({"step": step, "loss": float(loss)})
-        bar.update({"loss": f"{float(loss):.3f}"})
+        history.append({"step": step, "loss": float(loss.detach())})
+        bar.update({"loss": f"{history[-1]['loss']:.3f}"})
     bar.close()
     model.eval()
     chosen = score_texts(model, tokenizer, [p.prompt + p.chosen for p in evaluation], device, max_length=max_length)
@@ -221,18 +223,18 @@ def train_reward_model(model_name: str | None, pairs: list[Pair], output_dir: Pa
                "batch_size": batch_size, "learning_rate": learning_rate, "center_coefficient": center_coefficient,
                "seed": seed, **pairwise_metrics(chosen, rejected),
                "reward_mean": float(torch.cat([chosen, rejected]).mean()), "history": history}
-    output_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output_dir, safe_serialization=True)
-    tokenizer.save_pretrained(output_dir)
-    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False
-                                                        if all(math.isfinite(v) for v in (metrics["pairwise_accuracy"],
-                                                                                           metrics["reward_gap"])) else True))
-    _calibration_plot(output_dir / "calibration.png", metrics)
     if model_name.endswith(".backbone"):
         import shutil
 
         shutil.rmtree(model_name, ignore_errors=True)
-    return metrics
+        metrics["model"] = "embedded tiny model (fresh)"
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    clean = {key: (None if isinstance(value, float) and not math.isfinite(value) else value) for key, value in metrics.items()}
+    (output_dir / "metrics.json").write_text(json.dumps(clean, indent=2))
+    _calibration_plot(output_dir / "calibration.png", metrics)
+    return {**metrics, "evaluation_indices": order[:held]}
 
 
 def _calibration_plot(path: Path, metrics: dict) -> None:

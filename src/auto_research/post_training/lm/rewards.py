@@ -141,8 +141,8 @@ class RewardModel:
 
     It keeps its own tokenizer: the text is decoded from the policy's tokens and
     re-encoded, so policy and reward model need not share a vocabulary. The
-    score is the single logit, or for two or more labels the last label's logit
-    minus the first's.
+    score is the head's single logit (a head of another width is refused), by the
+    same function reward-model training used (``reward_model.score_texts``).
     """
 
     def __init__(self, path: str, device, offline: bool, batch_size: int = 16):
@@ -158,6 +158,10 @@ class RewardModel:
             self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=offline or local)
         except Exception as error:  # a damaged file surfaces as many exception types
             raise UserError(f"--reward-model {path}: cannot load ({one_line(error)})") from None
+        labels = self.model.config.num_labels
+        if labels != 1:
+            raise UserError(f"--reward-model {path}: its head gives {labels} scores per text, a reward model gives one "
+                            "(train one with auto-research reward-model)")
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = self.model.to(device).eval()
@@ -169,15 +173,10 @@ class RewardModel:
         self.__name__ = f"reward-model:{path}"
 
     def __call__(self, prompts, completions, examples) -> list[float]:
-        scores: list[float] = []
-        with self._torch.no_grad():
-            for start in range(0, len(prompts), self.batch_size):
-                texts = [p + c for p, c in zip(prompts[start : start + self.batch_size], completions[start : start + self.batch_size])]
-                batch = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(self.device)
-                logits = self.model(**batch).logits.float()
-                score = logits[:, 0] if logits.shape[-1] == 1 else logits[:, -1] - logits[:, 0]
-                scores.extend(score.tolist())
-        return scores
+        from auto_research.post_training.lm.reward_model import score_texts
+
+        texts = [p + c for p, c in zip(prompts, completions)]
+        return score_texts(self.model, self.tokenizer, texts, self.device, self.batch_size).tolist()
 
 
 class RewardError(Exception):

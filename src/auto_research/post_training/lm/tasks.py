@@ -40,6 +40,12 @@ class Task:
     verifier: str
     """Name of the built-in reward that checks answers (see rewards.py)."""
     source: str
+    gold: object = None
+    """A hidden gold scorer (prompts, completions, examples) → floats, evaluated but never trained on."""
+    gold_judge: object = None
+    """Pairwise gold judge (prompt, response A, response B, example) → P(A is better)."""
+    base: str | None = None
+    """The embedded task whose warm-started model this task starts from (default: its own name)."""
 
 
 # --- arithmetic-generate ---------------------------------------------------------
@@ -86,6 +92,16 @@ def arithmetic_task() -> Task:
         source=f"embedded arithmetic (split seed {ARITHMETIC_SPLIT_SEED}): {len(train)} RL prompts, "
         f"{len(demonstrations)} demonstrations, {len(held_out)} held out",
     )
+
+
+def preference_task() -> Task:
+    """preference-generate: arithmetic prompts, a learned reward, and a hidden gold judge (preference.py)."""
+    from auto_research.post_training.lm.preference import gold_judge, gold_scores
+
+    task = arithmetic_task()
+    return replace(task, name="preference-generate", gold=gold_scores, gold_judge=gold_judge,
+                   base="arithmetic-generate",
+                   source=task.source + "; gold: a preference for 4-character answers, hidden from the learner")
 
 
 # --- GSM8K -------------------------------------------------------------------------
@@ -198,6 +214,8 @@ def load_task(config, rows: list[dict] | None = None) -> Task:
 
     if config.dataset == "arithmetic-generate":
         task = arithmetic_task()
+    elif config.dataset == "preference-generate":
+        task = preference_task()
     elif config.dataset == "gsm8k-generate":
         task = gsm8k_task(config.dataset_dir, config.offline, config.maximum_examples, config.evaluation_examples)
     elif config.dataset.startswith(IN_MEMORY):

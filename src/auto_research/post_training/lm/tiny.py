@@ -87,7 +87,7 @@ def warm_started_path(task_name: str) -> Path:
 
 def ensure_warm_started(task, progress: bool = True, log=print) -> Path:
     """Path of the warm-started tiny model for ``task``, training it first if the cache lacks it."""
-    target = warm_started_path(task.name)
+    target = warm_started_path(task.base or task.name)
     if (target / "warm-start.json").is_file():
         return target
     import torch

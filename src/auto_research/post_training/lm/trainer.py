@@ -172,6 +172,11 @@ class Trainer:
         self.updates_per_step = config.updates_per_batch * config.ppo_mini_batches
         self.reward = build_reward(config.reward, config.reward_weights, config.reward_model, self.task.verifier,
                                    self.device, config.offline, self.reward_functions)
+        self.judge, self.baseline_completions = None, None
+        if config.judge:
+            from auto_research.post_training.lm.preference import load_judge
+
+            self.judge = load_judge(config.judge, self.task)
         self.train_prompts = [format_prompt(self.tokenizer, example.prompt, config.chat_template) for example in self.task.train]
         self.eval_prompts = [format_prompt(self.tokenizer, example.prompt, config.chat_template) for example in self.task.evaluation]
         if config.prompts_per_step > len(self.train_prompts):
@@ -219,6 +224,7 @@ class Trainer:
             self.history, self.baseline = state["history"], state["baseline"]
             self.updates, self.totals = state["updates"], state["totals"]
             self.critic_updates = state.get("critic_updates", 0)
+            self.baseline_completions = state.get("baseline_completions")
             self.start_step = state["step"] + 1
             self.run_dir_ready = True
             self.world.on_main(lambda: self._truncate_metrics(state["step"]))
@@ -515,18 +521,36 @@ class Trainer:
 
     # --- evaluation, checkpoints, metrics ----------------------------------------------
 
-    def evaluate(self) -> dict:
-        """Held-out evaluation, its batches dealt out to the ranks and the sums added up."""
-        failure, result = None, None
+    def evaluate(self, completions: dict | None = None) -> dict:
+        """Held-out evaluation, its batches dealt out to the ranks and the sums added up. With
+        ``completions`` (a dict), it receives every held-out prompt's greedy completion by index."""
+        failure, result, mine = None, None, {}
         with self._autocast(), self.world.gathered(self.model, self.reference):
             try:
                 result = evaluate(self.model, self.reference, self.tokenizer, self.eval_prompts, self.task.evaluation,
                                   self.task.verifier, self.reward, self.config.max_new_tokens, self.config.temperature,
-                                  shard=(self.world.rank, self.world.size), total=self.world.total)
+                                  shard=(self.world.rank, self.world.size), total=self.world.total,
+                                  gold=self.task.gold, completions=mine if completions is not None else None)
             except RewardError as error:
                 failure = error
         self.world.agree(failure, RewardError)
+        if completions is not None:
+            for part in self.world.gather_objects(mine):
+                completions.update(part)
         return result
+
+    def win_rate(self, new: list[str]) -> float:
+        """Held-out win rate of ``new`` greedy completions against the starting policy's, judged both ways round."""
+        from auto_research.post_training.lm.preference import win_rate
+
+        total, count = win_rate(self.judge, self.config.judge, self.eval_prompts, self.task.evaluation, new,
+                                self.baseline_completions)
+        return total / max(count, 1.0)
+
+    def _completions(self) -> list[str]:
+        found: dict = {}
+        self.evaluate(found)
+        return [found[index] for index in range(len(self.eval_prompts))]
 
     def parameter_counts(self) -> dict:
         """Trainable and total parameters of every model held: policy, critic, reference, reward model."""
@@ -546,7 +570,8 @@ class Trainer:
     def trainer_state(self, step: int) -> dict:
         return {"config": self.config.to_json(), "algorithm_state": self.algorithm_state, "history": self.history,
                 "baseline": self.baseline, "updates": self.updates, "totals": self.totals, "model": self.model_name,
-                "critic_updates": self.critic_updates, "world_size": self.world.size}
+                "critic_updates": self.critic_updates, "world_size": self.world.size,
+                "baseline_completions": self.baseline_completions}
 
     def save(self, step: int, rng: dict | None = None) -> Path:
         """One checkpoint: every rank helps gather sharded state (FSDP), rank 0 writes it."""
@@ -640,7 +665,14 @@ class Trainer:
         config = self.config
         if self.resume_from is None:
             try:
-                self.baseline = self.evaluate()
+                if self.judge is not None:
+                    found: dict = {}
+                    self.baseline = self.evaluate(found)
+                    self.baseline_completions = [found[index] for index in range(len(self.eval_prompts))]
+                    # The judge on the starting policy against itself: a judge that fails fails now, not at the end.
+                    self.baseline["win_rate"] = self.win_rate(self.baseline_completions)
+                else:
+                    self.baseline = self.evaluate()
             except RewardError as error:
                 raise _user_error(f"{error} (evaluation before training)", error) from None
             self.log(f"before training: held-out accuracy {self.baseline['accuracy']:.3f}, "
@@ -705,13 +737,19 @@ class Trainer:
     def metrics(self) -> dict:
         config = self.config
         if self.history and self.history[-1]["step"] == config.steps:
-            final = {key: self.history[-1][key] for key in ("accuracy", "mean_reward", "entropy", "kl_from_reference")}
+            final = {key: self.history[-1][key] for key in ("accuracy", "mean_reward", "entropy", "kl_from_reference",
+                                                            "gold_reward") if key in self.history[-1]}
         else:
             try:
                 final = self.evaluate()
             except RewardError as error:
                 raise _user_error(f"{error} (final evaluation; the last checkpoint holds the trained model)",
                                   error) from None
+        if self.judge is not None:
+            try:
+                final["win_rate"] = self.win_rate(self._completions())
+            except RewardError as error:
+                raise _user_error(f"{error} (win rate; the last checkpoint holds the trained model)", error) from None
         return {
             "algorithm": config.algorithm,
             "dataset": self.task.name,
