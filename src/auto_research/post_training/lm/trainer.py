@@ -152,15 +152,17 @@ class Trainer:
             enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
             enable()
         # The frozen reference is the initial policy (held in the compute dtype: it never trains);
-        # with β = 0 it is not needed at all. With LoRA it is the same model with its adapters off.
+        # with β = 0 it is not needed, unless the task measures over-optimisation against the KL (a
+        # gold scorer). With LoRA it is the same model with its adapters off.
         self.reference = None
+        measured = config.beta > 0 or self.task.gold is not None
         if config.lora_r:
             from auto_research.post_training.lm.lora import add_adapters
 
             self.model, self.reference = add_adapters(self.model, config, model_name)
-            if config.beta == 0:
+            if not measured:
                 self.reference = None
-        elif config.beta > 0:
+        elif measured:
             self.reference, _ = load_policy(model_name, self.device, self.compute_dtype, config.offline)
             self.reference.eval().requires_grad_(False)
         self.critic, self.critic_optimizer, self.critic_updates = None, None, 0
@@ -366,6 +368,14 @@ class Trainer:
         size = self.config.micro_batch_size or (rows.stop - rows.start)
         return [slice(start, min(start + size, rows.stop)) for start in range(rows.start, rows.stop, size)]
 
+    def _accumulating(self, trajectory: Trajectory, rows: slice, wrapped):
+        """The trimmed micro-batches of one optimizer step, each body run inside DDP's ``no_sync``
+        except the last, whose backward then all-reduces the accumulated gradient once."""
+        parts = self._micro_batches(rows)
+        for index, part in enumerate(parts):
+            with self.world.no_sync(wrapped, last=index == len(parts) - 1):
+                yield part, trajectory.rollout.rows(part.start, part.stop, trim=True)
+
     def _optimizer_step(self, model, optimizer) -> float:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], self.config.max_grad_norm)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
@@ -390,24 +400,21 @@ class Trainer:
                 sequences = (rows.stop - rows.start) * world.size
                 counts = dict(sequences=float(sequences), tokens=float(world.total(mask[rows].sum()).clamp(min=1)),
                               groups=float(sequences // config.group_size))
-                parts = self._micro_batches(rows)
-                for index, part in enumerate(parts):
-                    chunk = trajectory.rollout.rows(part.start, part.stop, trim=True)
-                    with world.no_sync(self.train_model, last=index == len(parts) - 1):
-                        with self._autocast():
-                            logprobs = _widen(token_logprobs(self.train_model, chunk.sequences, chunk.prompt_mask,
-                                                             chunk.completion_mask, config.temperature), width)
-                        inputs = core.LossInputs(logprobs, trajectory.old_logprobs[part], trajectory.advantages[part],
-                                                 mask[part], config.clip_range)
-                        pg = core.aggregate(loss_function(inputs), mask[part], config.loss_aggregation, **counts,
-                                            per_group_sum=self.algorithm.reduction == "sum")
-                        loss = pg
-                        if config.kl_in == "loss" and trajectory.reference_logprobs is not None and config.beta > 0:
-                            kl = kl_per_token(logprobs, trajectory.reference_logprobs[part], config.kl_estimator)
-                            kl_loss = config.beta * core.aggregate(kl, mask[part], config.loss_aggregation, **counts)
-                            loss = loss + kl_loss
-                            totals["kl_loss"] += float(kl_loss.detach())
-                        (loss * world.size if world.distributed else loss).backward()
+                for part, chunk in self._accumulating(trajectory, rows, self.train_model):
+                    with self._autocast():
+                        logprobs = _widen(token_logprobs(self.train_model, chunk.sequences, chunk.prompt_mask,
+                                                         chunk.completion_mask, config.temperature), width)
+                    inputs = core.LossInputs(logprobs, trajectory.old_logprobs[part], trajectory.advantages[part],
+                                             mask[part], config.clip_range)
+                    pg = core.aggregate(loss_function(inputs), mask[part], config.loss_aggregation, **counts,
+                                        per_group_sum=self.algorithm.reduction == "sum")
+                    loss = pg
+                    if config.kl_in == "loss" and trajectory.reference_logprobs is not None and config.beta > 0:
+                        kl = kl_per_token(logprobs, trajectory.reference_logprobs[part], config.kl_estimator)
+                        kl_loss = config.beta * core.aggregate(kl, mask[part], config.loss_aggregation, **counts)
+                        loss = loss + kl_loss
+                        totals["kl_loss"] += float(kl_loss.detach())
+                    (loss * world.size if world.distributed else loss).backward()
                     totals["loss"] += float(loss.detach())
                     totals["pg_loss"] += float(pg.detach())
                     if clipped:
@@ -433,17 +440,14 @@ class Trainer:
         for epoch in range(config.updates_per_batch):
             for rows in self._mini_batches(trajectory):
                 tokens = float(world.total(mask[rows].sum()).clamp(min=1))
-                parts = self._micro_batches(rows)
-                for index, part in enumerate(parts):
-                    chunk = trajectory.rollout.rows(part.start, part.stop, trim=True)
-                    with world.no_sync(self.train_critic, last=index == len(parts) - 1):
-                        with self._autocast():
-                            values = _widen(completion_values(self.train_critic, chunk.sequences, chunk.prompt_mask,
-                                                              chunk.completion_mask), width)
-                        terms = core.clipped_value_loss(values, trajectory.values[part], trajectory.returns[part],
-                                                        config.value_clip)
-                        loss = config.vf_coef * (terms * mask[part]).sum() / tokens
-                        (loss * world.size if world.distributed else loss).backward()
+                for part, chunk in self._accumulating(trajectory, rows, self.train_critic):
+                    with self._autocast():
+                        values = _widen(completion_values(self.train_critic, chunk.sequences, chunk.prompt_mask,
+                                                          chunk.completion_mask), width)
+                    terms = core.clipped_value_loss(values, trajectory.values[part], trajectory.returns[part],
+                                                    config.value_clip)
+                    loss = config.vf_coef * (terms * mask[part]).sum() / tokens
+                    (loss * world.size if world.distributed else loss).backward()
                     value_loss += float(loss.detach()) / max(config.vf_coef, 1e-12)
                 self._optimizer_step(self.critic, self.critic_optimizer)
         count = world.total(mask.sum()).clamp(min=1)
