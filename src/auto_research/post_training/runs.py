@@ -469,7 +469,7 @@ def rlhf(args, log=print) -> dict:
     stages = {"warm_start": time.perf_counter() - started}
     log(f"[1/3] sampling and labelling {args.pairs} preference pairs from the warm-started policy")
     label_stats = preference.make_preferences(warm, task, output / "preferences.jsonl", args.pairs, seed=0,
-                                              temperature=1.5, max_new_tokens=6, log=log)
+                                              temperature=preference.PAIR_TEMPERATURE, max_new_tokens=6, log=log)
     rows = [json.loads(line) for line in (output / "preferences.jsonl").read_text().splitlines()]
     pairs = preference_pairs(rows, "preferences.jsonl", "prompt", "chosen", "rejected", None, build_tokenizer(), log)
     held = max(1, min(500, len(pairs) // 10))

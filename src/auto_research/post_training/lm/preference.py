@@ -40,6 +40,9 @@ from auto_research.errors import UserError
 
 LABEL_TEMPERATURE = 0.15
 GOLD_LENGTH = 4
+# Pairs are sampled at temperature 1: the warm start's own answers, which are rarely longer than
+# 3 characters, so what the proxy says beyond that is extrapolation.
+PAIR_TEMPERATURE = 1.0
 PREFERENCE_PROMPTS = 3000  # the first training prompts; pairs are sampled on these
 
 
