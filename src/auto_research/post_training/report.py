@@ -236,8 +236,8 @@ def write_generation_comparison(output: Path, dataset: str, seeds: list[int], re
 
     summary = {}
     lines = ["| algorithm | K | held-out accuracy before → after | reward before → after | KL(reference) | samples | "
-             "median step (s) | peak memory (MB) | trainable / total parameters |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+             "median step (s) | peak memory (MB) | trainable / total parameters | win rate (--judge) |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for (K, algorithm), runs in results.items():
         take = lambda part, key: [run[part][key] for run in runs]  # noqa: E731
         parameters = runs[0]["training"].get("parameters", {})
@@ -258,14 +258,20 @@ def write_generation_comparison(output: Path, dataset: str, seeds: list[int], re
                                                                        "vf_coef", "value_clip")},
             "run_dirs": [run.get("run_dir") for run in runs],
         }
+        for key in OPTIONAL_METRICS:  # the judge's win rate and the gold reward, where the runs have them
+            values = [run["final"].get(key) for run in runs if run["final"].get(key) is not None]
+            if values:
+                entry["final"][key] = mean_and_std(values)
         summary[f"{algorithm}-k{K}"] = entry
+        win = [run["final"]["win_rate"] for run in runs if run["final"].get("win_rate") is not None]
         lines.append(
             f"| {algorithm} | {K} | {_mean_std(take('baseline', 'accuracy'))} → {_mean_std(take('final', 'accuracy'))} | "
             f"{_mean_std(take('baseline', 'mean_reward'))} → {_mean_std(take('final', 'mean_reward'))} | "
             f"{_mean_std(take('final', 'kl_from_reference'))} | {entry['samples']} | "
             f"{_mean_std([run['step_seconds_median'] for run in runs])} | "
             f"{_mean_std([run['training']['peak_memory_mb'] for run in runs])} | "
-            f"{parameters.get('trainable', 0):,} / {parameters.get('total', 0):,} |")
+            f"{parameters.get('trainable', 0):,} / {parameters.get('total', 0):,} | "
+            f"{_mean_std(win) if win else 'n/a'} |")
     table = "\n".join(lines)
     stem = Path(output) / f"classic-post-training-{dataset}-{seeds_tag(seeds)}"
     paths = [atomic_write_json(stem.with_suffix(".json"), {"dataset": dataset, "seeds": seeds, "algorithms": summary})]
@@ -282,7 +288,12 @@ def write_generation_comparison(output: Path, dataset: str, seeds: list[int], re
         axes[0].plot([step * per_step for step in steps], accuracy, marker="o", markersize=3, label=label)
         kl = [statistics.fmean(run[i]["kl_from_reference"] for run in points) for i in range(len(steps))]
         reward = [statistics.fmean(run[i]["mean_reward"] or 0.0 for run in points) for i in range(len(steps))]
-        axes[1].plot(kl, reward, marker="o", markersize=3, label=label)
+        line = axes[1].plot(kl, reward, marker="o", markersize=3, label=label)[0]
+        if all("gold_reward" in row for run in points for row in run):
+            # The hidden gold reward beside the optimised one: where they part is over-optimisation.
+            gold = [statistics.fmean(run[i]["gold_reward"] for run in points) for i in range(len(steps))]
+            axes[1].plot(kl, gold, marker="x", markersize=3, linestyle="--", color=line.get_color(),
+                         label=f"{label}: gold reward")
     axes[0].set_xlabel("samples generated")
     axes[0].set_ylabel("held-out greedy accuracy")
     axes[1].set_xlabel("KL(π ‖ π_ref) of held-out greedy completions")
@@ -290,6 +301,8 @@ def write_generation_comparison(output: Path, dataset: str, seeds: list[int], re
     for axis in axes:
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    if any("gold_reward" in run["final"] for runs in results.values() for run in runs):
+        axes[1].legend(fontsize=7)
     figure.suptitle(f"{dataset}: {seeds_tag(seeds)}")
     figure.tight_layout()
     buffer = io.BytesIO()
