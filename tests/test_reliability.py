@@ -489,8 +489,8 @@ def test_progress_without_a_terminal_is_plain_lines(tiny_model_dir, sums_jsonl, 
 
 @pytest.mark.parametrize("args, message", [
     (["sft", "--dataset", "arithmetic-smoke"], "arithmetic-smoke is a candidate-level dataset (no text to generate)"),
-    (["post-train", "--dataset", "rows.json", "--model", "m"], "--dataset rows.json: a data file must be JSON Lines"),
-    (["post-train", "--dataset", "rows.json"], "--dataset rows.json: a data file must be JSON Lines"),
+    (["post-train", "--dataset", "rows.txt", "--model", "m"], "--dataset rows.txt: a data file must be .jsonl (JSON Lines)"),
+    (["post-train", "--dataset", "rows.txt"], "--dataset rows.txt: a data file must be .jsonl (JSON Lines)"),
     (["post-train", "--dataset", "sums.jsonl"], "--model is required for sums.jsonl"),
 ])
 def test_messages_say_what_is_wrong(tmp_path, capsys, args, message):

@@ -198,3 +198,19 @@ def test_the_whole_pipeline_runs_and_reports_win_rate_and_both_rewards(tiny_mode
     assert 0.5 <= summary["labels"]["label_ceiling"] <= 1.0
     assert "gold win rate" in out.out and (tmp_path / "rlhf.png").is_file()
     assert (tmp_path / "reward-model" / "model.safetensors").is_file()
+
+
+def test_post_train_reads_prompt_files_through_datasets(tiny_model_dir, sums_jsonl, tmp_path, capsys):
+    """Parquet and CSV prompts, and a save_to_disk folder, train like the same rows in JSONL."""
+    import datasets
+
+    rows = [json.loads(line) for line in sums_jsonl.read_text().splitlines()]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "sums.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "sums-folder"))
+    for source in (tmp_path / "sums.parquet", tmp_path / "sums-folder"):
+        code = main(["post-train", "--model", str(tiny_model_dir), "--dataset", str(source), "--steps", "1",
+                     "--prompts-per-step", "2", "--max-new-tokens", "2", "--offline", "--device", "cpu",
+                     "--no-progress", "--output-dir", str(tmp_path / "out")])
+        assert code == 0, capsys.readouterr().err
+        metrics = json.loads((tmp_path / "out" / f"rloo-{source.stem}-seed42" / "metrics.json").read_text())
+        assert metrics["training"]["train_examples"] + metrics["training"]["validation_examples"] == len(rows)

@@ -26,9 +26,22 @@ IN_MEMORY = "memory:"
 """Prefix of an in-memory dataset's name (the Python API: rows passed as a list of dicts)."""
 
 
+# Prompt files read through Hugging Face ``datasets`` (besides .jsonl, which the project reads itself,
+# line by line, with line numbers in its messages); ``hf:owner/name`` is a hub dataset (online).
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+HUB_DATASET = "hf:"
+
+
+def is_data_source(name: str) -> bool:
+    """A file or folder of rows (or a hub dataset) rather than a named dataset."""
+    folder = Path(name).expanduser()
+    return (name.endswith(DATA_FILE_SUFFIXES) or name.startswith(HUB_DATASET)
+            or (folder.is_dir() and ((folder / "dataset_info.json").exists() or (folder / "dataset_dict.json").exists())))
+
+
 def is_generation_dataset(name: str) -> bool:
-    """The generation level's datasets: the named ones, any local .jsonl file, rows in memory."""
-    return name in GENERATION_DATASETS or name.endswith(".jsonl") or name.startswith(IN_MEMORY)
+    """The generation level's datasets: the named ones, data files and folders, rows in memory."""
+    return name in GENERATION_DATASETS or is_data_source(name) or name.startswith(IN_MEMORY)
 
 
 def looks_like_a_file(name: str) -> bool:
@@ -42,7 +55,8 @@ def check_candidate_dataset(name: str) -> None:
     if name in CANDIDATE_DATASETS:
         return
     if looks_like_a_file(name):
-        raise UserError(f"--dataset {name}: a data file must be JSON Lines (one JSON object per line) named *.jsonl")
+        raise UserError(f"--dataset {name}: a data file must be .jsonl (JSON Lines), .json, .parquet or .csv, or a "
+                        "folder written by datasets' save_to_disk")
     raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}, or a .jsonl file")
 
 
@@ -54,7 +68,8 @@ def check_generation_dataset(name: str) -> None:
         raise UserError(f"{name} is a candidate-level dataset (no text to generate); the generation level takes "
                         f"{', '.join(GENERATION_DATASETS)} or a .jsonl file")
     if looks_like_a_file(name):
-        raise UserError(f"--dataset {name}: a data file must be JSON Lines (one JSON object per line) named *.jsonl")
+        raise UserError(f"--dataset {name}: a data file must be .jsonl (JSON Lines), .json, .parquet or .csv, or a "
+                        "folder written by datasets' save_to_disk")
     raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(GENERATION_DATASETS)}, or a .jsonl file")
 
 
@@ -300,7 +315,9 @@ class GenerationConfig:
     def dataset_name(self) -> str:
         if self.dataset.startswith(IN_MEMORY):
             return self.dataset[len(IN_MEMORY):] or "rows"
-        return Path(self.dataset).stem if self.dataset.endswith(".jsonl") else self.dataset
+        if self.dataset.startswith(HUB_DATASET):
+            return self.dataset[len(HUB_DATASET):].replace("/", "-")
+        return Path(self.dataset).stem if is_data_source(self.dataset) else self.dataset
 
     @property
     def run_dir(self) -> Path:
@@ -432,7 +449,7 @@ class GenerationConfig:
 
     def validate_dataset(self) -> None:
         check_generation_dataset(self.dataset)
-        if not self.dataset.endswith(".jsonl") and not self.dataset.startswith(IN_MEMORY):
+        if not is_data_source(self.dataset) and not self.dataset.startswith(IN_MEMORY):
             for flag, value in (("--prompt-field", self.prompt_field), ("--answer-field", self.answer_field)):
                 if value is not None:
                     raise UserError(f"{flag} applies to .jsonl datasets only; {self.dataset} has fixed fields")

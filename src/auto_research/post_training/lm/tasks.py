@@ -2,7 +2,8 @@
 
 - ``arithmetic-generate``: procedural two-number addition, embedded (no download).
 - ``gsm8k-generate``: GSM8K questions; the verifier checks the final number.
-- a local JSONL file: ``--dataset PATH.jsonl --prompt-field F --answer-field G``.
+- a local JSONL file: ``--dataset PATH.jsonl --prompt-field F --answer-field G``; .json, .parquet,
+  .csv files, ``save_to_disk`` folders and ``hf:owner/name`` hub datasets through Hugging Face datasets.
 """
 
 from __future__ import annotations
@@ -224,9 +225,18 @@ def load_task(config, rows: list[dict] | None = None) -> Task:
                             "Python API's post_train)")
         task = rows_task(enumerate(rows, start=1), "rows", config.dataset_name, f"{len(rows)} rows in memory",
                          config.prompt_field or "prompt", config.answer_field or "answer", config.evaluation_examples)
-    else:
+    elif config.dataset.endswith(".jsonl"):
         task = jsonl_task(config.dataset, config.prompt_field or "prompt", config.answer_field or "answer",
                           config.evaluation_examples)
+    else:  # .json, .parquet, .csv, a save_to_disk folder, or hf:owner/name, through Hugging Face datasets
+        from auto_research.post_training.config import HUB_DATASET
+        from auto_research.post_training.lm.reward_model import load_rows
+
+        source = config.dataset[len(HUB_DATASET):] if config.dataset.startswith(HUB_DATASET) else config.dataset
+        loaded = load_rows(source, config.offline)
+        task = rows_task(enumerate(loaded, start=1), config.dataset, config.dataset_name,
+                         f"{source} ({len(loaded)} rows, read with datasets)", config.prompt_field or "prompt",
+                         config.answer_field or "answer", config.evaluation_examples)
     for flag, wanted, available, what in (
         ("--maximum-examples", config.maximum_examples, len(task.train), "training prompts"),
         ("--evaluation-examples", config.evaluation_examples, len(task.evaluation), "held-out prompts"),
