@@ -273,8 +273,9 @@ class GenerationConfig:
                                                  "(default: per dataset)", "sampling", type=int)
 
     # --- optimisation ---
-    micro_batch_size: int | None = setting(None, "completions per forward/backward, any size (default: the whole "
-                                                 "batch)", "optimisation", type=int)
+    micro_batch_size: int | None = setting(None, "completions per forward/backward, any size, and per sampling call "
+                                                 "(rounded down to whole groups; default: the whole batch)",
+                                           "optimisation", type=int)
     lr_schedule: str = setting("constant", "constant or cosine, after linear warmup", "optimisation")
     warmup_steps: int | None = setting(None, "linear warmup updates (default: per dataset)", "optimisation", type=int)
     weight_decay: float = setting(0.0, "AdamW weight decay", "optimisation", type=float)
