@@ -214,3 +214,19 @@ def test_post_train_reads_prompt_files_through_datasets(tiny_model_dir, sums_jso
         assert code == 0, capsys.readouterr().err
         metrics = json.loads((tmp_path / "out" / f"rloo-{source.stem}-seed42" / "metrics.json").read_text())
         assert metrics["training"]["train_examples"] + metrics["training"]["validation_examples"] == len(rows)
+
+
+def test_preference_arithmetic_judges_by_the_sum():
+    """The second embedded preference task: gold is the arithmetic partial credit, its judge strict."""
+    from auto_research.post_training.config import GenerationConfig
+    from auto_research.post_training.lm.tasks import load_task
+
+    config = GenerationConfig(dataset="preference-arithmetic", reward_model="rm").filled()
+    task = load_task(config)
+    example = task.evaluation[0]  # the answer is the sum written least-significant digit first
+    right, wrong = example.answer, "9" * len(example.answer) if example.answer != "9" * len(example.answer) else "0"
+    assert task.gold([example.prompt] * 2, [right, wrong], [example] * 2)[0] == 1.0
+    assert task.gold_judge(example.prompt, right, wrong, example) == 1.0
+    assert task.gold_judge(example.prompt, wrong, right, example) == 0.0
+    assert task.gold_judge(example.prompt, right, right, example) == 0.5
+    assert task.base == "arithmetic-generate"  # it starts from the same cached warm start

@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                                "train the reward model, RL against it, judge by win rate")
     rlhf.add_argument("--model", default=None, help="starting policy and reward-model backbone (default: the embedded "
                       "tiny model, warm-started on arithmetic)")
+    rlhf.add_argument("--gold", choices=["length", "arithmetic"], default="length",
+                      help="the hidden gold scorer: length (preference-generate: 4-character answers) or arithmetic "
+                      "(preference-arithmetic: partial credit for the sum, which fools a tiny proxy; over-optimisation "
+                      "shows) (default: %(default)s)")
     rlhf.add_argument("--algorithms", default="rloo", help="comma-separated (default: %(default)s)")
     rlhf.add_argument("--betas", default="0.05", help="comma-separated β values: a sweep (default: %(default)s)")
     rlhf.add_argument("--seeds", default="42", help="comma-separated (default: %(default)s)")

@@ -17,8 +17,9 @@ from auto_research.errors import UserError
 ALGORITHMS = ("rloo", "ppo-rlhf", "grpo", "remax", "reinforce", "vanilla-pg", "raft")
 """The registry's names (algorithms.py), here without NumPy so that --help can list them; a test keeps them equal."""
 CANDIDATE_DATASETS = ("arithmetic-smoke", "gsm8k-candidate")
-GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate", "preference-generate")
-EMBEDDED_MODEL_DATASETS = ("arithmetic-generate", "preference-generate")
+PREFERENCE_DATASETS = ("preference-generate", "preference-arithmetic")
+GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate", *PREFERENCE_DATASETS)
+EMBEDDED_MODEL_DATASETS = ("arithmetic-generate", *PREFERENCE_DATASETS)
 DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
 
 
@@ -155,6 +156,8 @@ GENERATION_PRESETS = {
     # Against a learned reward model (auto-research rlhf): shorter, with evaluations for the KL curves.
     "preference-generate": dict(steps=300, learning_rate=3e-4, prompts_per_step=32, temperature=1.5,
                                 max_new_tokens=6, evaluation_examples=500, warmup_steps=10, eval_every=50),
+    "preference-arithmetic": dict(steps=300, learning_rate=3e-4, prompts_per_step=32, temperature=1.5,
+                                  max_new_tokens=6, evaluation_examples=500, warmup_steps=10, eval_every=50),
     "gsm8k-generate": dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0,
                            max_new_tokens=256, evaluation_examples=128, warmup_steps=10),
     # A JSONL file holds out its last min(128, rows // 5) rows unless --evaluation-examples is given.
@@ -432,8 +435,8 @@ class GenerationConfig:
             raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.lora_target_modules is not None and not [name for name in self.lora_target_modules.split(",") if name.strip()]:
             raise UserError("--lora-target-modules is empty; give module names such as q_proj,v_proj")
-        if self.dataset == "preference-generate" and not self.reward_model and not self.reward:
-            raise UserError("preference-generate is optimised against a learned reward model: give --reward-model "
+        if self.dataset in PREFERENCE_DATASETS and not self.reward_model and not self.reward:
+            raise UserError(f"{self.dataset} is optimised against a learned reward model: give --reward-model "
                             "(auto-research rlhf samples the preference pairs and trains one), or --reward")
         if self.judge is not None and self.judge != "gold" and ":" not in self.judge:
             raise UserError(f"--judge {self.judge!r}: give gold or module:function")

@@ -316,7 +316,7 @@ def rlhf_table(summary: dict) -> str:
     """The RLHF pipeline's summary: the labels, the proxy reward model, then one row per RL run."""
     labels, proxy = summary["labels"], summary["reward_model"]
     lines = [
-        f"# RLHF on preference-generate ({summary['seconds']:.0f} s in all)",
+        f"# RLHF on {summary.get('dataset', 'preference-generate')} ({summary['seconds']:.0f} s in all)",
         "",
         "Seconds: " + ", ".join(f"{name.replace('_', ' ')} {value:.0f}" for name, value in summary["stage_seconds"].items()
                                 if not isinstance(value, list))

@@ -458,7 +458,8 @@ def rlhf(args, log=print) -> dict:
     from auto_research.post_training.lm.tasks import preference_task
     from auto_research.post_training.lm.tiny import build_tokenizer, ensure_warm_started
 
-    task = preference_task()
+    dataset = "preference-generate" if args.gold == "length" else "preference-arithmetic"
+    task = preference_task(dataset)
     if args.model is not None:
         from auto_research.post_training.lm.models import check_model_source
 
@@ -493,7 +494,7 @@ def rlhf(args, log=print) -> dict:
     for index, (algorithm, beta, seed) in enumerate(combinations, 1):
         log(f"[3/3] RL against the proxy ({index}/{len(combinations)}): {algorithm}, β = {beta}, seed {seed}")
         folder = runs_dir / f"beta-{beta:g}"
-        command = [sys.executable, "-m", "auto_research", "post-train", "--dataset", "preference-generate",
+        command = [sys.executable, "-m", "auto_research", "post-train", "--dataset", dataset,
                    "--reward-model", str(output / "reward-model"), "--judge", "gold", "--algorithm", algorithm,
                    "--beta", str(beta), "--seed", str(seed), "--group-size", str(args.group_size), "--offline",
                    "--output-dir", str(folder), "--device", "cpu",
@@ -507,10 +508,10 @@ def rlhf(args, log=print) -> dict:
         if finished.returncode:
             raise UserError(f"the {algorithm} run (β = {beta}, seed {seed}) failed with status {finished.returncode}; "
                             f"its command: {' '.join(command[1:])}")
-        metrics = json.loads((folder / f"{algorithm}-preference-generate-seed{seed}" / "metrics.json").read_text())
+        metrics = json.loads((folder / f"{algorithm}-{dataset}-seed{seed}" / "metrics.json").read_text())
         results.append({"algorithm": algorithm, "beta": beta, "seed": seed, "metrics": metrics})
     seconds = time.perf_counter() - started
-    summary = {"seconds": seconds, "stage_seconds": stages, "labels": label_stats,
+    summary = {"dataset": dataset, "seconds": seconds, "stage_seconds": stages, "labels": label_stats,
                "reward_model": {key: value for key, value in reward_metrics.items() if key != "history"},
                "runs": [{"algorithm": r["algorithm"], "beta": r["beta"], "seed": r["seed"],
                          "win_rate": r["metrics"]["final"].get("win_rate"),

@@ -51,13 +51,32 @@ def gold_scores(prompts, completions, examples) -> list[float]:
     return [max(0.0, 1.0 - abs(len(text.strip()) - GOLD_LENGTH) / GOLD_LENGTH) for text in completions]
 
 
-def gold_judge(prompt: str, response_a: str, response_b: str, example) -> float:
-    """P(A is better) by the gold scorer, without noise: 1, 0, or ½ on a tie."""
-    a, b = gold_scores([prompt, prompt], [response_a, response_b], [example, example])
-    return 1.0 if a > b else 0.0 if a < b else 0.5
+def arithmetic_gold(prompts, completions, examples) -> list[float]:
+    """preference-arithmetic's gold scorer: the arithmetic partial credit (rewards.arithmetic_reward).
+    Hard for a tiny reward model to learn from pairs, so its proxy is easily fooled: the task on which
+    over-optimisation shows (the gold reward falls while the proxy climbs)."""
+    from auto_research.post_training.lm.rewards import arithmetic_reward
+
+    return arithmetic_reward(prompts, completions, examples)
 
 
-def label_pairs(prompts, examples, first, second, seed: int) -> tuple[list[dict], dict]:
+# Embedded preference datasets → their hidden gold scorer.
+GOLD_SCORERS = {"preference-generate": gold_scores, "preference-arithmetic": arithmetic_gold}
+
+
+def judge_of(scorer):
+    """The noise-free pairwise judge of a gold scorer: P(A is better) is 1, 0, or ½ on a tie."""
+    def judge(prompt: str, response_a: str, response_b: str, example) -> float:
+        a, b = scorer([prompt, prompt], [response_a, response_b], [example, example])
+        return 1.0 if a > b else 0.0 if a < b else 0.5
+
+    return judge
+
+
+gold_judge = judge_of(gold_scores)
+
+
+def label_pairs(prompts, examples, first, second, seed: int, scorer=gold_scores) -> tuple[list[dict], dict]:
     """Noisy Bradley–Terry labels of (first, second) completions; returns rows and label statistics."""
     generator = random.Random(seed)
     rows, agreement, ceiling, ties, identical = [], [], [], 0, 0
@@ -65,7 +84,7 @@ def label_pairs(prompts, examples, first, second, seed: int) -> tuple[list[dict]
         if a == b:
             identical += 1  # the same text twice teaches nothing; not a pair
             continue
-        g_a, g_b = gold_scores([prompt, prompt], [a, b], [example, example])
+        g_a, g_b = scorer([prompt, prompt], [a, b], [example, example])
         p_a = 1.0 / (1.0 + math.exp(-(g_a - g_b) / LABEL_TEMPERATURE))
         a_wins = generator.random() < p_a
         chosen, rejected = (a, b) if a_wins else (b, a)
@@ -112,7 +131,7 @@ def make_preferences(model_dir: Path, task, output: Path, pairs: int, seed: int,
             other = next((text for text in texts[1:] if text != texts[0]), texts[0])
             first.append(texts[0])
             second.append(other)
-    rows, statistics = label_pairs(prompts, examples, first, second, seed)
+    rows, statistics = label_pairs(prompts, examples, first, second, seed, task.gold)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text("".join(json.dumps(row) + "\n" for row in rows))
     log(f"labelled {statistics['pairs']} preference pairs with the gold scorer and Bradley–Terry noise "

@@ -95,14 +95,16 @@ def arithmetic_task() -> Task:
     )
 
 
-def preference_task() -> Task:
-    """preference-generate: arithmetic prompts, a learned reward, and a hidden gold judge (preference.py)."""
-    from auto_research.post_training.lm.preference import gold_judge, gold_scores
+def preference_task(name: str = "preference-generate") -> Task:
+    """preference-generate (gold: 4-character answers) or preference-arithmetic (gold: the arithmetic
+    partial credit): arithmetic prompts, a learned reward, and a hidden gold judge (preference.py)."""
+    from auto_research.post_training.lm.preference import GOLD_SCORERS, judge_of
 
     task = arithmetic_task()
-    return replace(task, name="preference-generate", gold=gold_scores, gold_judge=gold_judge,
-                   base="arithmetic-generate",
-                   source=task.source + "; gold: a preference for 4-character answers, hidden from the learner")
+    scorer = GOLD_SCORERS[name]
+    what = "a preference for 4-character answers" if name == "preference-generate" else "the arithmetic partial credit"
+    return replace(task, name=name, gold=scorer, gold_judge=judge_of(scorer), base="arithmetic-generate",
+                   source=task.source + f"; gold: {what}, hidden from the learner")
 
 
 # --- GSM8K -------------------------------------------------------------------------
@@ -215,8 +217,8 @@ def load_task(config, rows: list[dict] | None = None) -> Task:
 
     if config.dataset == "arithmetic-generate":
         task = arithmetic_task()
-    elif config.dataset == "preference-generate":
-        task = preference_task()
+    elif config.dataset in ("preference-generate", "preference-arithmetic"):
+        task = preference_task(config.dataset)
     elif config.dataset == "gsm8k-generate":
         task = gsm8k_task(config.dataset_dir, config.offline, config.maximum_examples, config.evaluation_examples)
     elif config.dataset.startswith(IN_MEMORY):
