@@ -353,6 +353,7 @@ def reward_model(args) -> dict:
     import math
     import os
     import shutil
+    import sys
 
     from auto_research.post_training.config import check_positive_finite
 
@@ -378,7 +379,7 @@ def reward_model(args) -> dict:
     tokenizer = _tokenizer_for(args.model, args.offline)
     prompt_field = None if args.prompt_field in (None, "", "none") else args.prompt_field
     pairs = preference_pairs(rows, args.dataset, prompt_field, args.chosen_field, args.rejected_field, args.margin_field,
-                             tokenizer, log=lambda text: print(text, file=__import__("sys").stderr))
+                             tokenizer, log=lambda text: print(text, file=sys.stderr))
     held = args.evaluation_examples or max(1, min(500, len(pairs) // 10))
     if held >= len(pairs):
         raise UserError(f"--evaluation-examples {held}: the dataset has {len(pairs)} usable pairs, and some must be "
@@ -389,7 +390,7 @@ def reward_model(args) -> dict:
         metrics = train_reward_model(args.model, pairs, staging, args.steps, args.batch_size, args.learning_rate, held,
                                      args.seed, resolve_device(args.device), args.offline,
                                      args.center_rewards_coefficient, args.max_length, progress=args.progress,
-                                     log=lambda text: print(text, file=__import__("sys").stderr))
+                                     log=lambda text: print(text, file=sys.stderr))
         if output.exists():
             shutil.rmtree(output)
         os.replace(staging, output)

@@ -142,21 +142,16 @@ def make_preferences(model_dir: Path, task, output: Path, pairs: int, seed: int,
 
 def gold_accuracy_of_reward_model(reward_model_dir: Path, rows: list[dict]) -> float:
     """On pairs the gold scorer orders: how often the proxy orders them the same way."""
-    import torch
-
-    from auto_research.post_training.lm.reward_model import score_texts
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from auto_research.post_training.lm.rewards import RewardModel
 
     ordered = [row for row in rows if row["gold_chosen"] != row["gold_rejected"]]
     if not ordered:
         return float("nan")
-    tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
-    better = [r["prompt"] + (r["chosen"] if r["gold_chosen"] > r["gold_rejected"] else r["rejected"]) for r in ordered]
-    worse = [r["prompt"] + (r["rejected"] if r["gold_chosen"] > r["gold_rejected"] else r["chosen"]) for r in ordered]
-    with torch.no_grad():
-        gap = score_texts(model, tokenizer, better, "cpu") - score_texts(model, tokenizer, worse, "cpu")
-    return float((gap > 0).double().mean())
+    reward = RewardModel(str(reward_model_dir), "cpu", offline=True)  # as the RL runs will score
+    prompts = [r["prompt"] for r in ordered]
+    better = reward(prompts, [r["chosen"] if r["gold_chosen"] > r["gold_rejected"] else r["rejected"] for r in ordered], None)
+    worse = reward(prompts, [r["rejected"] if r["gold_chosen"] > r["gold_rejected"] else r["chosen"] for r in ordered], None)
+    return sum(b > w for b, w in zip(better, worse)) / len(ordered)
 
 
 # --- judges: win rate against the starting policy -------------------------------------------------

@@ -174,7 +174,7 @@ class Trainer:
         self.updates_per_step = config.updates_per_batch * config.ppo_mini_batches
         self.reward = build_reward(config.reward, config.reward_weights, config.reward_model, self.task.verifier,
                                    self.device, config.offline, self.reward_functions)
-        self.judge, self.baseline_completions = None, None
+        self.judge, self.baseline_completions, self.final_completions = None, None, {}
         if config.judge:
             from auto_research.post_training.lm.preference import load_judge
 
@@ -552,8 +552,12 @@ class Trainer:
         return total / max(count, 1.0)
 
     def _completions(self) -> list[str]:
-        found: dict = {}
-        self.evaluate(found)
+        """The final policy's greedy held-out completions: those of the last evaluation when the loop
+        made one at the final step (and this process ran it), else from a fresh evaluation."""
+        found = self.final_completions
+        if len(found) < len(self.eval_prompts):
+            found = {}
+            self.evaluate(found)
         return [found[index] for index in range(len(self.eval_prompts))]
 
     def parameter_counts(self) -> dict:
@@ -703,7 +707,9 @@ class Trainer:
                 postfix = {"reward": _figure(row["reward_mean"]), "kl": f"{row['kl']:.3f}"}
                 if config.eval_every and (step % config.eval_every == 0 or step == config.steps):
                     try:
-                        metrics = self.evaluate()
+                        # The last evaluation keeps its greedy completions for the judge's win rate.
+                        last = self.judge is not None and step == config.steps
+                        metrics = self.evaluate(self.final_completions if last else None)
                     except RewardError as error:
                         raise _user_error(f"{error} (held-out evaluation); saved step {step} in {self.save(step)}",
                                           error) from None
