@@ -14,7 +14,9 @@ float32. Each measurement skips the first step (compilation of kernels, allocato
 
 Figures: generation tokens/s = completion tokens sampled / time in the collect phase; training
 tokens/s = (prompt + completion) tokens through the policy's forward and backward / time in the
-update; MFU = (2·N per token for each no-grad forward and every sampled token, 6·N per trained
+update; training state = the policy's weights, a gradient per trainable weight, the optimizer's states and
+the reference's own weights, counted exactly (peak memory adds the allocator's working memory, whose
+size varies from run to run); MFU = (2·N per token for each no-grad forward and every sampled token, 6·N per trained
 token) / step time / the device's peak bf16 FLOP/s (known for A100, H100, H200; otherwise n/a).
 """
 
@@ -112,6 +114,7 @@ def child(options) -> None:
         rows_seen.append(row)
     world = trainer.world
     parameters = sum(p.numel() for p in trainer.model.parameters())
+    held = held_bytes(trainer)
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
@@ -122,10 +125,28 @@ def child(options) -> None:
               "generated": [row["completion_length"] * options.prompts * 4 for row in rows_seen[1:]],
               "prompt_tokens": statistics.median(prompt_tokens[1:]), "parameters": parameters, "peak_mb": peak,
               "processes": world.size, "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
+              "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad), "held": held}
     world.stop()
     if world.main:
         print("RESULT " + json.dumps(result), flush=True)
+
+
+def held_bytes(trainer) -> dict:
+    """The training state this process holds, counted tensor by tensor: the policy's weights, a gradient
+    for every trainable weight, the optimizer's states and the reference's own weights. Exact and the same
+    on every run, where peak memory also holds the allocator's and the framework's working memory."""
+    import torch
+
+    def size(tensors) -> int:
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+    own_reference = trainer.reference is not None and not trainer.config.lora_r
+    held = {"weights": size(trainer.model.parameters()),
+            "gradients": size(p for p in trainer.model.parameters() if p.requires_grad),
+            "optimizer": size(value for state in trainer.optimizer.state.values() for value in state.values()
+                              if torch.is_tensor(value)),
+            "reference": size(trainer.reference.parameters()) if own_reference else 0}
+    return {**held, "total": sum(held.values())}
 
 
 def run(folder: Path, options, lora: bool, processes: int) -> dict | None:
@@ -157,7 +178,8 @@ def report(name: str, result: dict, options) -> None:
     peak_flops = next((value for key, value in PEAK_BF16_FLOPS.items() if key in result["device"]), None)
     mfu = f"{flops / step / (peak_flops * result['processes']):.1%}" if peak_flops else "n/a"
     print(f"  {name:22s} step {step:7.3f} s | generation {generation:9.0f} tok/s | training {training:9.0f} tok/s | "
-          f"MFU {mfu:>6s} | peak memory {result['peak_mb']:8.0f} MB/process | trainable {result['trainable']:,}")
+          f"MFU {mfu:>6s} | peak memory {result['peak_mb']:8.0f} MB/process | training state "
+          f"{result['held']['total'] / 2**20:7.1f} MB | trainable {result['trainable']:,}")
 
 
 def main() -> None:

@@ -106,42 +106,111 @@ def test_two_processes_end_with_the_weights_of_one(tiny_model_dir, sums_jsonl, w
         assert "before training" in two.stderr and two.stderr.count("before training") == 1
 
 
-def test_resume_after_sigkill_under_two_processes_is_exact(tiny_model_dir, sums_jsonl, workdir):
-    extra = ("--steps", "6", "--checkpoint-every", "1", "--eval-every", "3")
-    whole = _torchrun(_args(tiny_model_dir, sums_jsonl, workdir / "whole", *extra, reward="slow_checksum"), cwd=workdir)
+KILL_AFTER = ("--steps", "6", "--checkpoint-every", "1", "--eval-every", "3")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory):
+    """The 6-step run under 2 processes, never interrupted: what every resumed run must end equal to."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    (folder / "dist_rewards.py").write_text(textwrap.dedent(REWARDS))
+    data = folder / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(6) for b in range(6)))
+    whole = _torchrun(_args(tiny_model_dir, data, folder / "whole", *KILL_AFTER, reward="slow_checksum"), cwd=folder)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    # The whole process group is killed after the second checkpoint, as a lost machine would be.
+    return _final(folder / "whole")
+
+
+def _launch(tiny_model_dir, sums_jsonl, workdir, output):
+    """torchrun in a session of its own; returns it once it has saved its second checkpoint, with the PIDs of
+    its two workers (torchrun starts each worker in a session of its own too)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-               "auto_research", *_args(tiny_model_dir, sums_jsonl, workdir / "killed", *extra, reward="slow_checksum")]
-    process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    checkpoints = workdir / "killed" / "rloo-sums-seed42" / "checkpoints"
-    deadline = time.time() + 180
-    while time.time() < deadline and not (checkpoints / "step-000002").is_dir():
+               "auto_research", *_args(tiny_model_dir, sums_jsonl, output, *KILL_AFTER, reward="slow_checksum")]
+    agent = subprocess.Popen(command, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    checkpoints = output / "rloo-sums-seed42" / "checkpoints"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (checkpoints / "step-000002").is_dir() and agent.poll() is None:
         time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    assert (checkpoints / "step-000002").is_dir(), "the run never saved its second checkpoint"
+    workers = [int(pid) for task in Path(f"/proc/{agent.pid}/task").iterdir()
+               for pid in (task / "children").read_text().split()]
+    assert len(workers) == 2, workers
+    return agent, workers, checkpoints
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (or is stopped); a zombie nobody has reaped yet counts as gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _resume_equals_the_uninterrupted_run(tiny_model_dir, sums_jsonl, workdir, output, checkpoints, expected):
     done = max(int(path.name[5:]) for path in checkpoints.iterdir() if path.name.startswith("step-"))
     assert 2 <= done < 6
-    resumed = _torchrun(_args(tiny_model_dir, sums_jsonl, workdir / "killed", *extra, "--resume",
-                              reward="slow_checksum"), cwd=workdir)
+    resumed = _torchrun(_args(tiny_model_dir, sums_jsonl, output, *KILL_AFTER, "--resume", reward="slow_checksum"),
+                        cwd=workdir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    expected, got = _final(workdir / "whole"), _final(workdir / "killed")
+    got = _final(output)
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
-    assert [row["step"] for row in _rows(workdir / "killed")] == [1, 2, 3, 4, 5, 6]
+    assert [row["step"] for row in _rows(output)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_after_every_process_died_at_once_is_exact(tiny_model_dir, sums_jsonl, workdir, uninterrupted):
+    output = workdir / "killed"
+    agent, workers, checkpoints = _launch(tiny_model_dir, sums_jsonl, workdir, output)
+    # As a lost machine: the agent's session and each worker's session, all at once.
+    for session in (agent.pid, *workers):
+        os.killpg(session, signal.SIGKILL)
+    agent.wait()
+    deadline = time.time() + 30
+    while any(_alive(pid) for pid in workers) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in workers)
+    _resume_equals_the_uninterrupted_run(tiny_model_dir, sums_jsonl, workdir, output, checkpoints, uninterrupted)
     # Another number of processes cannot continue it exactly: refused in one line, before any work.
-    other = run_cli(*_args(tiny_model_dir, sums_jsonl, workdir / "killed", *extra, "--resume", reward="slow_checksum"),
+    other = run_cli(*_args(tiny_model_dir, sums_jsonl, output, *KILL_AFTER, "--resume", reward="slow_checksum"),
                     cwd=workdir)
     assert other.returncode == 2
     assert "ran on 2 process(es), this command on 1" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1
 
 
+def test_ranks_stop_with_their_launcher_and_hold_the_run_folder_until_then(tiny_model_dir, sums_jsonl, workdir,
+                                                                           uninterrupted):
+    output = workdir / "orphaned"
+    agent, workers, checkpoints = _launch(tiny_model_dir, sums_jsonl, workdir, output)
+    # Frozen first, so that they are sure to outlive the launcher: the orphans a SIGKILLed agent leaves behind.
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    os.kill(agent.pid, signal.SIGKILL)
+    agent.wait()
+    # While an orphan holds the run folder, a resume (or an overwrite) is refused in one line, naming it.
+    for flag in ("--resume", "--overwrite"):
+        refused = run_cli(*_args(tiny_model_dir, sums_jsonl, output, *KILL_AFTER, flag, reward="slow_checksum"),
+                          cwd=workdir)
+        assert refused.returncode == 2, refused.stderr
+        lines = refused.stderr.strip().splitlines()
+        assert len(lines) == 1 and "is in use by another run" in lines[0], lines
+        assert any(f"PID {pid}," in lines[0] for pid in workers), lines
+    assert (checkpoints / "step-000002").is_dir()  # --overwrite deleted nothing
+    for pid in workers:
+        os.kill(pid, signal.SIGCONT)
+    # Each notices that its launcher is gone and stops, well within 60 s.
+    deadline = time.time() + 60
+    while any(_alive(pid) for pid in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers), "an orphaned rank outlived its launcher by 60 s"
+    _resume_equals_the_uninterrupted_run(tiny_model_dir, sums_jsonl, workdir, output, checkpoints, uninterrupted)
+
+
 def test_a_reward_failing_on_one_rank_stops_every_rank_with_one_line(tiny_model_dir, sums_jsonl, workdir):
-    started = time.perf_counter()
+    # A rank left waiting for the failed one would hang until the collective timeout; _torchrun's timeout catches it.
     result = _torchrun(_args(tiny_model_dir, sums_jsonl, workdir / "out", reward="fails_on_rank_one"), cwd=workdir)
-    assert time.perf_counter() - started < 120
     assert result.returncode != 0
     ours = [line for line in result.stderr.splitlines() if line.startswith("auto-research:")]
     assert len(ours) == 1 and "rank one's reward is broken" in ours[0], result.stderr[-3000:]

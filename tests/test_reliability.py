@@ -165,7 +165,7 @@ def test_non_finite_figures_are_written_as_null(tmp_path):
     from auto_research.post_training.lm.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)
-    trainer.run_dir, trainer.run_dir_ready, trainer.writer = tmp_path, True, None
+    trainer.run_dir, trainer.run_dir_ready, trainer.writer, trainer.lock = tmp_path, True, None, None
     trainer.config = type("C", (), {"report_to": "none"})()
     trainer._append_metrics({"step": 1, "reward_std": math.nan, "kl": math.inf, "loss": 0.5})
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "reward_std": None, "kl": None, "loss": 0.5}
@@ -521,3 +521,132 @@ def test_the_report_says_before_and_after_and_names_the_model(tiny_model_dir, su
     assert f"model: {tiny_model_dir}" in out and "before       after" in out and "untrained" not in out
     report = (tmp_path / "rloo-sums-seed42" / "report.md").read_text()
     assert f"Model: {tiny_model_dir}" in report and "| metric | before | after |" in report
+
+
+# --- one writer per run folder (issue 13) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", [None, "--resume", "--overwrite"])
+def test_a_run_folder_in_use_is_refused_in_one_line_before_anything_is_touched(tiny_model_dir, sums_jsonl, tmp_path,
+                                                                                capsys, flag):
+    from auto_research.locks import FolderLock
+
+    assert _run(tiny_model_dir, sums_jsonl, tmp_path, "--steps", "2") == 0
+    run_dir = tmp_path / "rloo-sums-seed42"
+    before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
+    capsys.readouterr()
+    with FolderLock(run_dir):  # a live run of this very process: flock locks open files, not processes
+        code = _run(tiny_model_dir, sums_jsonl, tmp_path, "--steps", "3", *([flag] if flag else []))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(lines) == 1 and f"{run_dir} is in use by another run (host " in lines[0], lines
+    assert f"PID {os.getpid()}, since " in lines[0]
+    # Nothing read into, deleted or written: every file as it was, and no lock file left behind.
+    assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")} == before
+
+
+def test_every_command_refuses_a_folder_in_use(tiny_model_dir, sums_jsonl, tmp_path, capsys):
+    from auto_research import GenerationConfig, post_train
+    from auto_research.errors import UserError
+    from auto_research.locks import FolderLock
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": "p", "chosen": f"a{i}", "rejected": f"b{i}"}) + "\n" for i in range(4)))
+    commands = {
+        "sft": (["sft", "--dataset", str(sums_jsonl), "--steps", "1", "--output-dir", str(tmp_path / "sft")],
+                tmp_path / "sft"),
+        "reward-model": (["reward-model", "--dataset", str(pairs), "--steps", "1", "--output-dir", str(tmp_path / "rm")],
+                         tmp_path / "rm"),
+        "rlhf": (["rlhf", "--output-dir", str(tmp_path / "rlhf")], tmp_path / "rlhf"),
+        "compare": (["compare", "--dataset", str(sums_jsonl), "--model", str(tiny_model_dir), "--algorithms", "rloo",
+                     "--offline", "--output-dir", str(tmp_path / "cmp")], tmp_path / "cmp" / "rloo-sums-seed42"),
+        "candidate": (["post-train", "--output-dir", str(tmp_path / "cand")],
+                      tmp_path / "cand" / "rloo-arithmetic-smoke-seed42"),
+    }
+    for name, (args, folder) in commands.items():
+        with FolderLock(folder):
+            assert main(args) == 2, name
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and f"{folder} is in use by another " in error[0], (name, error)
+        assert list(folder.iterdir()) == [], name  # nothing was made there (the lock file went with the lock)
+    config = GenerationConfig(model=str(tiny_model_dir), offline=True, device="cpu", progress=False, output_dir=tmp_path)
+    with FolderLock(tmp_path / "rloo-sums-seed42"):
+        with pytest.raises(UserError, match="rloo-sums-seed42 is in use by another run"):
+            post_train(str(sums_jsonl), config=config, steps=1)
+
+
+def test_a_filesystem_that_cannot_lock_warns_once_and_the_run_goes_on(tiny_model_dir, sums_jsonl, tmp_path, capsys,
+                                                                      monkeypatch):
+    import fcntl
+
+    from auto_research import locks
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(locks, "_warned", False)
+    assert _run(tiny_model_dir, sums_jsonl, tmp_path, "--steps", "1") == 0
+    assert _run(tiny_model_dir, sums_jsonl, tmp_path / "again", "--steps", "1") == 0
+    err = capsys.readouterr().err
+    assert err.count("filesystem cannot lock (No locks available); nothing stops a second run") == 1
+
+
+def test_a_run_folder_that_is_not_writable_is_one_line(tiny_model_dir, sums_jsonl, tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "rloo-sums-seed42"
+    run_dir.mkdir()
+    # (Tests may run as root, for whom no mode bit denies a write: the check is made through os.access.)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(run_dir) else real(path, mode))
+    assert _run(tiny_model_dir, sums_jsonl, tmp_path) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"auto-research: error: cannot write to {run_dir}: no permission (the run folder must be writable)"]
+
+
+VANDALS = '''
+import shutil
+from pathlib import Path
+
+RUN = Path(__file__).parent / "out" / "rloo-sums-seed42"
+
+def deletes_the_run_folder(prompts, completions, rows):
+    deletes_the_run_folder.calls = getattr(deletes_the_run_folder, "calls", 0) + 1
+    if deletes_the_run_folder.calls == 3:  # the baseline evaluation, step 1, then during step 2
+        shutil.rmtree(RUN)
+    return [float(len(c)) for c in completions]
+
+def replaces_checkpoints_with_a_file(prompts, completions, rows):
+    replaces_checkpoints_with_a_file.calls = getattr(replaces_checkpoints_with_a_file, "calls", 0) + 1
+    if replaces_checkpoints_with_a_file.calls == 3:
+        shutil.rmtree(RUN / "checkpoints")
+        (RUN / "checkpoints").write_text("not a folder")
+    return [float(len(c)) for c in completions]
+'''
+
+
+@pytest.mark.parametrize("vandal, message", [
+    ("deletes_the_run_folder", "rloo-sums-seed42 was deleted or replaced while the run was running; stopped without "
+                               "writing anything more"),
+    ("replaces_checkpoints_with_a_file", "checkpoints is not a folder any more (something replaced it while the run "
+                                         "was live): stopped without writing"),
+])
+def test_a_run_folder_damaged_while_the_run_is_live_stops_it_in_one_line(tiny_model_dir, sums_jsonl, tmp_path, capsys,
+                                                                        monkeypatch, vandal, message):
+    (tmp_path / "vandals.py").write_text(VANDALS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("vandals", None)
+    assert _run(tiny_model_dir, sums_jsonl, tmp_path / "out", "--reward", f"vandals:{vandal}") == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("auto-research: error: ") and message in lines[-1], lines
+    assert "Traceback" not in "\n".join(lines)
+    # Not made again by a later write (and, with nothing resumable left, the folder the run created is removed).
+    assert not (tmp_path / "out" / "rloo-sums-seed42" / "checkpoints").is_dir()
+
+
+def test_checkpoints_that_are_a_file_are_one_line_on_resume(tiny_model_dir, sums_jsonl, tmp_path, capsys):
+    run_dir = tmp_path / "rloo-sums-seed42"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("not a folder")
+    assert _run(tiny_model_dir, sums_jsonl, tmp_path, "--resume") == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"auto-research: error: --resume: {run_dir / 'checkpoints'} is a file, not a folder of checkpoints"]

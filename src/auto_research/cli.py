@@ -8,6 +8,7 @@ torch or transformers.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -391,6 +392,19 @@ COMMANDS = {"post-train": _post_train, "compare": _compare, "sft": _sft, "reward
 
 
 def main(argv: list[str] | None = None) -> int:
+    status = _main(argv)
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1") and argv is None:
+        # A torchrun rank ends here without Python's finalization: there, a gloo run-loop thread that
+        # is still releasing the last collective's buffers needs the GIL, cannot have it, and aborts the
+        # process ("terminate called without an active exception", exit -6) after all its work was done.
+        # Everything is written and closed by now; only the standard streams need flushing.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -38,16 +38,37 @@ def _run_all(configs: list[CandidateConfig]) -> list[dict]:
     return [train(config, data) for config, data in _progress(prepared, "runs")]
 
 
+def _write_runs(configs: list[CandidateConfig], runs: list[dict]) -> list[Path]:
+    """Each run's folder, written under its lock."""
+    from auto_research.locks import FolderLock
+
+    paths: list[Path] = []
+    for run_config, metrics in zip(configs, runs):
+        with FolderLock(run_config.run_dir) as lock:
+            try:
+                paths += report.write_run(run_config.run_dir, metrics)
+            except BaseException:
+                lock.remove_created()
+                raise
+    return paths
+
+
+def _check_unlocked(configs) -> None:
+    from auto_research.locks import check_unlocked
+
+    for config in configs:
+        check_unlocked(config.run_dir)
+
+
 def post_train(config: CandidateConfig, seeds: list[int] | None = None) -> dict:
     """Train one run per seed; write each run directory and, for several seeds, a summary.
 
     Returns ``{"runs": [...metrics...], "paths": [...], "summary": dict | None}``.
     """
     configs = [replace(config, seed=seed) for seed in seeds] if seeds else [config]
+    _check_unlocked(configs)
     runs = _run_all(configs)
-    paths: list[Path] = []
-    for run_config, metrics in zip(configs, runs):
-        paths += report.write_run(run_config.run_dir, metrics)
+    paths = _write_runs(configs, runs)
     summary = None
     if len(configs) > 1:
         stem = Path(config.output_dir) / f"{config.algorithm}-{config.dataset}-{report.seeds_tag(seeds)}-summary"
@@ -59,10 +80,9 @@ def post_train(config: CandidateConfig, seeds: list[int] | None = None) -> dict:
 def compare(config: CandidateConfig, algorithms: list[str], seeds: list[int]) -> dict:
     """Run every algorithm on identical data and settings; write one summary, table and plot."""
     configs = [replace(config, algorithm=name, seed=seed) for name in algorithms for seed in seeds]
+    _check_unlocked(configs)
     runs = _run_all(configs)
-    paths: list[Path] = []
-    for run_config, metrics in zip(configs, runs):
-        paths += report.write_run(run_config.run_dir, metrics)
+    paths = _write_runs(configs, runs)
 
     by_algorithm = {name: [run for run in runs if run["algorithm"] == name] for name in algorithms}
     summaries = {name: report.summarise_seeds(group) for name, group in by_algorithm.items()}
@@ -106,7 +126,8 @@ def compare(config: CandidateConfig, algorithms: list[str], seeds: list[int]) ->
     return {"runs": runs, "paths": paths, "summaries": summaries, "table": table}
 
 
-def check_generation_run(config, log=print, rows: list[dict] | None = None, reward_functions=()):
+def check_generation_run(config, log=print, rows: list[dict] | None = None, reward_functions=(),
+                         world_size: int | None = None):
     """Every check of a generation-level run that needs no torch, in the order a user would fix them:
     settings, output folder, an earlier run there, the model's source, rewards, the data.
 
@@ -123,7 +144,8 @@ def check_generation_run(config, log=print, rows: list[dict] | None = None, rewa
     check_world(config)
     check_writable_directory(config.output_dir)
     checkpoints.check_run_folder(config)
-    resume_from = checkpoints.resumable_checkpoint(config, log, environment_world_size()) if config.resume else None
+    world_size = environment_world_size() if world_size is None else world_size
+    resume_from = checkpoints.resumable_checkpoint(config, log, world_size) if config.resume else None
     if config.model is not None:
         check_model_source(config.model, config.offline)
     if config.reward_model is not None:
@@ -146,49 +168,78 @@ def _silent(text: str) -> None:
 def post_train_generation(config, log=print, rows: list[dict] | None = None, reward_functions=()) -> dict:
     """One generation-level run: input checks, train, write metrics, report and plot.
 
-    torch is imported only once every check that can be made without it has
-    passed, so a mistyped flag costs a fraction of a second, not torch's start-up.
+    The run folder is locked (``locks.FolderLock``) before anything in it is read, deleted or
+    written, and stays locked until the run ends; under torchrun rank 0 holds the lock and every
+    rank learns the outcome before any work. torch is imported only once every check that can be
+    made without it has passed (one process), so a mistyped flag costs a fraction of a second,
+    not torch's start-up.
     """
-    from auto_research.post_training.lm.distributed import environment_rank
+    from auto_research.locks import FolderLock
+    from auto_research.post_training.lm import checkpoint as checkpoints
+    from auto_research.post_training.lm.distributed import World, check_world
 
     config = config.filled()
-    main = environment_rank() == 0
-    if not main:  # under torchrun every rank runs this; rank 0 alone speaks and writes
+    world = World.from_environment(config.fsdp)
+    if not world.main:  # under torchrun every rank runs this; rank 0 alone speaks and writes
         log = _silent
-    task, resume_from = check_generation_run(config, log, rows, reward_functions)
-    from auto_research.post_training.lm.trainer import Trainer
+    config.validate()
+    check_world(config)
+    check_writable_directory(config.output_dir)
+    if world.distributed:
+        from auto_research.post_training.lm.models import resolve_device
 
-    memory = MemoryMeter(config.device)
-    trainer = Trainer(config, log=log, task=task, resume_from=resume_from, reward_functions=reward_functions)
+        world.start(world.device(resolve_device(config.device)))
+    lock, failure = None, None
+    if world.main:
+        try:
+            lock = FolderLock(config.run_dir).acquire()
+        except UserError as error:
+            failure = error
     try:
+        world.agree(failure)
+        task, resume_from = check_generation_run(config, log, rows, reward_functions, world.size)
+        from auto_research.post_training.lm.trainer import Trainer
+
+        memory = MemoryMeter(config.device)
+        trainer = Trainer(config, log=log, task=task, resume_from=resume_from, reward_functions=reward_functions,
+                          world=world, lock=lock)
         trainer.setup()
         metrics = trainer.train()
         if config.merge_lora:
             trainer.save_merged()
+        # Every rank leaves the process group together, before rank 0 writes the reports (gloo aborts a
+        # rank whose peer tears its connections down while it is still busy).
+        world.stop()
+        metrics["training"].update(memory.read())
+        metrics["training"]["processes"] = world.size
+        if not world.main:
+            return {"runs": [metrics], "paths": [], "summary": None}
+        lock.check()
+        rows = report.read_jsonl(config.run_dir / "metrics.jsonl")
+        try:
+            paths = report.write_run(config.run_dir, metrics)
+            paths.append(report.training_curves_plot(config.run_dir / "curves.png", rows, metrics))
+        except OSError as error:
+            raise UserError(f"cannot write the results to {config.run_dir}: {error.strerror or error}; the last "
+                            f"checkpoint in {config.run_dir / 'checkpoints'} holds the trained model") from None
+        return {"runs": [metrics], "paths": paths, "summary": None}
+    except BaseException:
+        # A run that fails before it saved anything resumable leaves no folder it created behind.
+        if lock is not None and not checkpoints.checkpoint_dirs(config.run_dir):
+            lock.remove_created()
+        raise
     finally:
-        if getattr(trainer, "world", None) is not None:
-            trainer.world.stop()
-    metrics["training"].update(memory.read())
-    metrics["training"]["processes"] = trainer.world.size
-    if not main:
-        return {"runs": [metrics], "paths": [], "summary": None}
-    rows = report.read_jsonl(config.run_dir / "metrics.jsonl")
-    try:
-        paths = report.write_run(config.run_dir, metrics)
-        paths.append(report.training_curves_plot(config.run_dir / "curves.png", rows, metrics))
-    except OSError as error:
-        raise UserError(f"cannot write the results to {config.run_dir}: {error.strerror or error}; the last "
-                        f"checkpoint in {config.run_dir / 'checkpoints'} holds the trained model") from None
-    return {"runs": [metrics], "paths": paths, "summary": None}
+        if lock is not None:
+            lock.release()
+        world.stop()
 
 
 def supervised(model: str | None, dataset: str, output_dir: Path, steps: int, batch_size: int, learning_rate: float,
                seed: int, dataset_dir: Path, offline: bool, chat_template: bool, device: str, overwrite: bool = False,
                threads: int | None = None, **task_options) -> dict:
     """``auto-research sft``: supervised fine-tuning of any causal LM on a dataset's demonstrations."""
+    from auto_research.locks import locked
     from auto_research.post_training.config import GenerationConfig
-    from auto_research.post_training.lm.models import check_model_source
-    from auto_research.post_training.lm.tasks import load_task
 
     config = GenerationConfig(model=model, dataset=dataset, dataset_dir=dataset_dir, offline=offline, seed=seed,
                               chat_template=chat_template, device=device, threads=threads, **task_options)
@@ -200,7 +251,18 @@ def supervised(model: str | None, dataset: str, output_dir: Path, steps: int, ba
         raise UserError(f"--threads must be a positive integer, got {threads}")
     check_writable_directory(output_dir)
     output_dir = Path(output_dir)
-    if not overwrite and output_dir.is_dir() and any(output_dir.iterdir()):
+    with locked(output_dir, "sft"):
+        return _supervised(model, config, task_options, output_dir, steps, batch_size, learning_rate, seed, offline,
+                           chat_template, device, overwrite, threads)
+
+
+def _supervised(model, config, task_options, output_dir, steps, batch_size, learning_rate, seed, offline,
+                chat_template, device, overwrite, threads) -> dict:
+    from auto_research.locks import entries
+    from auto_research.post_training.lm.models import check_model_source
+    from auto_research.post_training.lm.tasks import load_task
+
+    if not overwrite and entries(output_dir):
         raise UserError(f"--output-dir {output_dir} is not empty; choose another folder, or --overwrite to replace "
                         "what is there")
     if model is not None:
@@ -298,6 +360,8 @@ def compare_generation(make_config, output_dir: Path, algorithms: list[str], see
     import sys
     import time
 
+    from auto_research.locks import check_unlocked
+
     output = Path(output_dir)
     # Every run's settings are checked before the first one starts.
     planned = []
@@ -306,6 +370,7 @@ def compare_generation(make_config, output_dir: Path, algorithms: list[str], see
             for seed in seeds:
                 config = make_config(algorithm, K, seed, output / f"k{K}" if len(group_sizes) > 1 else output).filled()
                 check_generation_run(config, log)
+                check_unlocked(config.run_dir)
                 planned.append(config)
     if planned[0].model is None:
         # Warm-start the embedded model once, here, so that no run's time or memory includes it.
@@ -351,9 +416,6 @@ def reward_model(args) -> dict:
     into place, so a failure leaves nothing half-written.
     """
     import math
-    import os
-    import shutil
-    import sys
 
     from auto_research.post_training.config import check_positive_finite
 
@@ -367,12 +429,23 @@ def reward_model(args) -> dict:
     if not DEVICE_PATTERN.fullmatch(args.device):
         raise UserError(f"--device {args.device!r}: choose auto, cpu, cuda, cuda:N or mps")
     output = Path(args.output_dir)
-    if output.exists() and any(output.iterdir()) and not args.overwrite:
-        raise UserError(f"{output} is not empty: choose another --output-dir, or --overwrite to replace it")
-    check_writable_directory(output.parent if output.parent != Path("") else Path("."))
+    check_writable_directory(output)
+    from auto_research.locks import locked
+
+    with locked(output, "reward-model"):
+        return _reward_model(args, output)
+
+
+def _reward_model(args, output: Path) -> dict:
+    import shutil
+    import sys
+
+    from auto_research.locks import entries
     from auto_research.post_training.lm.models import check_model_source, resolve_device
     from auto_research.post_training.lm.reward_model import load_rows, preference_pairs, train_reward_model
 
+    if entries(output) and not args.overwrite:
+        raise UserError(f"{output} is not empty: choose another --output-dir, or --overwrite to replace it")
     if args.model is not None:
         check_model_source(args.model, args.offline)
     rows = load_rows(args.dataset, args.offline)
@@ -384,20 +457,34 @@ def reward_model(args) -> dict:
     if held >= len(pairs):
         raise UserError(f"--evaluation-examples {held}: the dataset has {len(pairs)} usable pairs, and some must be "
                         "left to train on")
-    staging = output.parent / f".{output.name}.partial"
+    # Trained beside the earlier model (inside the locked folder), which is replaced only at the end.
+    staging = output / ".staging"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         metrics = train_reward_model(args.model, pairs, staging, args.steps, args.batch_size, args.learning_rate, held,
                                      args.seed, resolve_device(args.device), args.offline,
                                      args.center_rewards_coefficient, args.max_length, progress=args.progress,
                                      log=lambda text: print(text, file=sys.stderr))
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(staging, output)
+        replace_contents(output, staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return metrics
+
+
+def replace_contents(folder: Path, staging: Path) -> None:
+    """The locked ``folder``'s contents replaced by ``staging``'s (a folder inside it), then ``staging`` removed."""
+    import os
+    import shutil
+
+    from auto_research.locks import entries
+
+    for path in entries(folder):
+        if path != staging:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    for path in staging.iterdir():
+        os.replace(path, folder / path.name)
+    staging.rmdir()
 
 
 def _tokenizer_for(model: str | None, offline: bool):
@@ -419,12 +506,7 @@ def rlhf(args, log=print) -> dict:
     """``auto-research rlhf``: warm start → sample and label pairs → reward model → RL (every
     algorithm × β × seed, each in its own process) against it → gold win rate, and the proxy and
     gold rewards against the KL."""
-    import json
     import math
-    import shutil
-    import subprocess
-    import sys
-    import time
 
     from auto_research.post_training.config import ALGORITHMS
 
@@ -446,10 +528,23 @@ def rlhf(args, log=print) -> dict:
     if args.group_size < 2:
         raise UserError(f"--group-size {args.group_size}: K >= 2")
     output = Path(args.output_dir)
+    check_writable_directory(output)
+    from auto_research.locks import locked
+
+    with locked(output, "rlhf pipeline"):
+        return _rlhf(args, output, algorithms, betas, seeds, log)
+
+
+def _rlhf(args, output: Path, algorithms, betas, seeds, log) -> dict:
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import time
+
     found = [name for name in RLHF_OUTPUTS if (output / name).exists()]
     if found and not args.overwrite:
         raise UserError(f"{output} holds an earlier pipeline ({', '.join(found)}): --overwrite replaces it")
-    check_writable_directory(output)
     for name in found:
         target = output / name
         shutil.rmtree(target) if target.is_dir() else target.unlink()

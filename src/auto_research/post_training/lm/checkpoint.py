@@ -82,8 +82,11 @@ def verified_checkpoint(run_dir: Path, log) -> Path:
     With none that verifies, a UserError names the newest one's bad file.
     """
     found = checkpoint_dirs(run_dir)
+    root = Path(run_dir) / "checkpoints"
+    if root.exists() and not root.is_dir():
+        raise UserError(f"--resume: {root} is a file, not a folder of checkpoints")
     if not found:
-        raise UserError(f"--resume: no valid checkpoint in {Path(run_dir) / 'checkpoints'}")
+        raise UserError(f"--resume: no valid checkpoint in {root}")
     problems = []
     for folder in reversed(found):
         problem = checkpoint_problem(folder)
@@ -217,6 +220,9 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
     from safetensors.torch import save_file
 
     root = Path(run_dir) / "checkpoints"
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{root} is not a folder any more (something replaced it while the run was live): stopped "
+                        "without writing; no checkpoint of this run is left there")
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{PREFIX}{step:06d}"
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}."))

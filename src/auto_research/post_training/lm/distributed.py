@@ -25,6 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
 from auto_research.errors import UserError
@@ -55,6 +59,42 @@ def check_world(config) -> None:
         raise UserError(f"--prompts-per-step {config.prompts_per_step} must be a multiple of the number of processes "
                         f"({size}) times --ppo-mini-batches ({config.ppo_mini_batches}): each rank takes whole groups "
                         "of every mini-batch")
+
+
+PARENT_POLL_SECONDS = 1.0
+"""How often a rank checks that its launcher is alive."""
+
+
+def stop_with_launcher(rank: int, poll: float = PARENT_POLL_SECONDS) -> threading.Thread | None:
+    """Stop this rank when the process that launched it dies (the torchrun agent, SIGKILLed by the OOM
+    killer or gone with its node).
+
+    torchrun starts each worker in a session of its own, so killing the agent's process group leaves the
+    workers running: they would go on training, saving and pruning checkpoints while a requeued job resumes
+    from the same folder. A daemon thread watches the parent: once the process is re-parented (to init or a
+    subreaper), the rank SIGKILLs itself at once, so it writes nothing more (every file here is written
+    beside and renamed into place, so nothing is left half-written either). The 30-minute collective
+    timeout would take far too long; ``PR_SET_PDEATHSIG`` fires when the launching *thread* exits, which is
+    not what is meant, so the parent is polled instead (``poll`` seconds apart).
+    """
+    parent = os.getppid()
+    if parent <= 1:
+        return None
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll)
+            if os.getppid() != parent:
+                try:
+                    os.write(sys.stderr.fileno(), f"auto-research: rank {rank}: the launcher (PID {parent}) is gone; "
+                                                  "stopping now\n".encode())
+                except (OSError, ValueError):
+                    pass
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="auto-research-launcher-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 class PeerFailed(UserError):
@@ -101,6 +141,7 @@ class World:
 
         if dist.is_initialized():
             return
+        stop_with_launcher(self.rank)
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if device.startswith("cuda"):
             torch.cuda.set_device(self.local_rank)
@@ -171,17 +212,20 @@ class World:
             raise peer
 
     def on_main(self, function):
-        """``function()`` on rank 0 only; an OSError there (a full disk) is raised on every rank."""
+        """``function()`` on rank 0 only; an OSError there (a full disk) or a UserError (the run folder
+        deleted under the run) is raised on every rank, quietly on the others."""
         result, error = None, None
         if self.main:
             try:
                 result = function()
-            except OSError as failure:
+            except (OSError, UserError) as failure:
                 error = failure
         if self.distributed:
-            errors = self.gather_objects(None if error is None else (error.errno, error.strerror or str(error)))
+            described = (None if error is None else ("user", str(error)) if isinstance(error, UserError)
+                         else ("os", error.errno, error.strerror or str(error)))
+            errors = self.gather_objects(described)
             if error is None and errors[0] is not None:
-                peer = OSError(*errors[0])
+                peer = PeerFailed(errors[0][1]) if errors[0][0] == "user" else OSError(*errors[0][1:])
                 peer.quiet = True
                 raise peer
         if error is not None:

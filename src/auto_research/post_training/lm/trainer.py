@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -106,8 +105,10 @@ def _figure(value: float | None) -> str:
 
 class Trainer:
     def __init__(self, config: GenerationConfig, log=print, task=None, resume_from: Path | None = None,
-                 reward_functions: list[tuple[str, object]] = ()):
+                 reward_functions: list[tuple[str, object]] = (), world: World | None = None, lock=None):
         self.config = config
+        self.world = world
+        self.lock = lock  # the run folder's FolderLock (rank 0), checked before every write
         self.reward_functions = list(reward_functions)
         self.log = log
         self.algorithm = get_algorithm(config.algorithm)
@@ -122,7 +123,7 @@ class Trainer:
 
     def setup(self) -> None:
         config = self.config
-        self.world = World.from_environment(config.fsdp)
+        self.world = self.world or World.from_environment(config.fsdp)
         if config.resume and self.resume_from is None:
             self.resume_from = checkpoints.resumable_checkpoint(config, self.log, self.world.size)
         if self.task is None:
@@ -614,14 +615,10 @@ class Trainer:
         nothing usable) leaves no folder behind. ``--overwrite`` deletes the
         earlier run's outputs here, not before.
         """
+        if self.lock is not None:
+            self.lock.check()
         if self.run_dir_ready:
             return
-        # The outermost folder this run creates: removed again if nothing resumable gets written.
-        self.created_root = None
-        for folder in (self.run_dir, *self.run_dir.parents):
-            if folder.exists():
-                break
-            self.created_root = folder
         if self.config.overwrite:
             checkpoints.clear_run_folder(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -659,8 +656,8 @@ class Trainer:
         else:
             kept = "no checkpoint had been saved yet"
             # Nothing resumable was written: do not leave a lone metrics.jsonl for --resume to trip on.
-            if getattr(self, "created_root", None) is not None:
-                shutil.rmtree(self.created_root, ignore_errors=True)
+            if self.lock is not None and self.lock.created is not None:
+                self.lock.remove_created()
             else:
                 (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         return _user_error(f"cannot write to {self.run_dir}: {reason} (errno {error.errno}); {kept}", error)
