@@ -40,10 +40,11 @@ def main() -> None:
               f"{metrics['final']['accuracy']:.3f} ({rl_curve})", flush=True)
         os.environ["AUTO_RESEARCH_CACHE"] = env["AUTO_RESEARCH_CACHE"]
 
-        from auto_research.post_training.lm import tasks, tiny
-        from auto_research.post_training.lm.evaluation import greedy_accuracy
-        from auto_research.post_training.lm.models import load_policy
-        from auto_research.post_training.lm.sft import supervised_fine_tune
+        from auto_research.data import tasks
+        from auto_research.engine.models import load_policy
+        from auto_research.train import warm_start as tiny
+        from auto_research.train.evaluation import greedy_accuracy
+        from auto_research.train.sft import supervised_fine_tune
 
         task = tasks.arithmetic_task()
         folder = tiny.warm_started_path(task.name)

@@ -69,9 +69,8 @@ def child(options) -> None:
     """One measured run (every rank under torchrun): prints RESULT json on rank 0."""
     import torch
 
-    from auto_research.post_training.config import GenerationConfig
-    from auto_research.post_training.lm.tasks import load_task
-    from auto_research.post_training.lm.trainer import Trainer
+    from auto_research.config.generation import GenerationConfig
+    from auto_research.train.trainer import Trainer
 
     folder = Path(options.folder)
     prompts = json.loads((folder / "prompts.json").read_text())
@@ -83,55 +82,41 @@ def child(options) -> None:
                               progress=False, offline=True, device="cuda" if cuda else "cpu",
                               dtype="bfloat16" if cuda else "float32", chat_template=False, eval_every=0,
                               checkpoint_every=0, evaluation_examples=1, micro_batch_size=options.micro_batch,
-                              lora_r=options.lora_r or None, fsdp=options.fsdp).filled().validate()
-    trainer = Trainer(config, log=lambda text: None, task=load_task(config, rows),
-                      reward_functions=[("length", lambda p, completions, r: [float(len(c)) for c in completions])])
-    trainer.setup()
-    timings, prompt_tokens = {"collect": [], "update_actor": []}, []
-    for phase in timings:
-        original = getattr(trainer, phase)
-
-        def timed(*args, _original=original, _phase=phase, **kwargs):
-            if cuda:
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            result = _original(*args, **kwargs)
-            if cuda:
-                torch.cuda.synchronize()
-            timings[_phase].append(time.perf_counter() - started)
-            if _phase == "collect":  # this rank's prompt tokens, times the ranks: the step's
-                prompt_tokens.append(int(result.rollout.prompt_mask.sum()) * trainer.world.size)
-            return result
-
-        setattr(trainer, phase, timed)
+                              lora_r=options.lora_r or None, fsdp=options.fsdp)
+    trainer = Trainer.build(config, log=lambda text: None, rows=rows,
+                            reward_functions=[("length", lambda p, completions, r: [float(len(c)) for c in completions])])
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     steps, rows_seen = [], []
     for step in range(1, options.steps + 1):
         started = time.perf_counter()
-        row = trainer.step(step)
+        rows_seen.append(trainer.step(step))
         steps.append(time.perf_counter() - started)
-        rows_seen.append(row)
-    world = trainer.world
-    parameters = sum(p.numel() for p in trainer.model.parameters())
-    held = held_bytes(trainer)
+    c = trainer.components
+    world = c.world
+    parameters = sum(p.numel() for p in c.policy.parameters())
+    held = held_bytes(c)
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    result = {"steps": steps[1:], "collect": timings["collect"][1:], "update": timings["update_actor"][1:],
+    # This rank's prompt tokens, times the ranks: the step's (every rank holds as many prompts).
+    prompt_tokens = sum(len(c.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                        for prompt in c.train_prompts) / len(c.train_prompts)
+    result = {"steps": steps[1:], "collect": [row["time_sample"] for row in rows_seen[1:]],
+              "update": [row["time_update_actor"] for row in rows_seen[1:]],
               "generated": [row["completion_length"] * options.prompts * 4 for row in rows_seen[1:]],
-              "prompt_tokens": statistics.median(prompt_tokens[1:]), "parameters": parameters, "peak_mb": peak,
+              "prompt_tokens": prompt_tokens * options.prompts * 4, "parameters": parameters, "peak_mb": peak,
               "processes": world.size, "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad), "held": held}
+              "trainable": sum(p.numel() for p in c.policy.parameters() if p.requires_grad), "held": held}
     world.stop()
     if world.main:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def held_bytes(trainer) -> dict:
+def held_bytes(c) -> dict:
     """The training state this process holds, counted tensor by tensor: the policy's weights, a gradient
     for every trainable weight, the optimizer's states and the reference's own weights. Exact and the same
     on every run, where peak memory also holds the allocator's and the framework's working memory."""
@@ -140,12 +125,12 @@ def held_bytes(trainer) -> dict:
     def size(tensors) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
-    own_reference = trainer.reference is not None and not trainer.config.lora_r
-    held = {"weights": size(trainer.model.parameters()),
-            "gradients": size(p for p in trainer.model.parameters() if p.requires_grad),
-            "optimizer": size(value for state in trainer.optimizer.state.values() for value in state.values()
+    own_reference = c.reference is not None and not c.config.lora_r
+    held = {"weights": size(c.policy.parameters()),
+            "gradients": size(p for p in c.policy.parameters() if p.requires_grad),
+            "optimizer": size(value for state in c.optimizer.state.values() for value in state.values()
                               if torch.is_tensor(value)),
-            "reference": size(trainer.reference.parameters()) if own_reference else 0}
+            "reference": size(c.reference.parameters()) if own_reference else 0}
     return {**held, "total": sum(held.values())}
 
 

@@ -32,7 +32,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers import GenerationConfig as HFGenerationConfig
 
-    from auto_research.post_training.lm.rollout import encode_prompts, prompt_seed, sample
+    from auto_research.engine.rollout import prompt_seed
+    from auto_research.engine.rollout.builtin import encode_prompts, sample
     from vs_trl import K, NEW_TOKENS, PROMPTS, build
 
     torch.set_num_threads(options.threads)

@@ -112,8 +112,8 @@ def _peak_mb() -> float:
 
 
 def run_ours(folder: Path, steps: int) -> dict:
-    from auto_research.post_training.config import GenerationConfig
-    from auto_research.post_training.lm.trainer import Trainer
+    from auto_research.config.generation import GenerationConfig
+    from auto_research.train.trainer import Trainer
 
     prompts = json.loads((folder / "prompts.json").read_text())
     rows = [{"prompt": prompt, "answer": "0"} for prompt in prompts]
@@ -122,11 +122,7 @@ def run_ours(folder: Path, steps: int) -> dict:
                               learning_rate=LEARNING_RATE, temperature=1.0, top_p=1.0, top_k=0, progress=False,
                               offline=True, device="cpu", dtype="float32", chat_template=False, eval_every=0,
                               checkpoint_every=0, evaluation_examples=1).filled().validate()
-    from auto_research.post_training.lm.tasks import load_task
-
-    trainer = Trainer(config, log=lambda text: None, task=load_task(config, rows),
-                      reward_functions=[("bench", lambda p, c, r: reward(c))])
-    trainer.setup()
+    trainer = Trainer.build(config, log=lambda text: None, rows=rows, reward_functions=[("bench", lambda p, c, r: reward(c))])
     loaded = _rss_mb()
     times, lengths = [], []
     for step in range(1, steps + 1):

@@ -41,7 +41,7 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> sub
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A randomly initialised 1-layer Qwen2 with the character tokenizer, saved as a normal checkpoint."""
-    from auto_research.post_training.lm.tiny import build_model, build_tokenizer
+    from auto_research.engine.tiny import build_model, build_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-model")
     tokenizer = build_tokenizer()

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from auto_research.post_training.candidate.groups import arithmetic_groups, gsm8k_groups
-from auto_research.post_training.datasets import parse_gold, read_gsm8k
+from auto_research.candidate.groups import arithmetic_groups, gsm8k_groups
+from auto_research.data.gsm8k import parse_gold, read_gsm8k
 
 
 def test_gold_parsing():

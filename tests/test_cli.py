@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from auto_research.cli import ALGORITHMS, DATASETS, main
-from auto_research.post_training.algorithms import REGISTRY
-from auto_research.post_training.config import DATASETS as CONFIG_DATASETS
+from auto_research.algorithms.registry import REGISTRY
+from auto_research.config.fields import DATASETS as CONFIG_DATASETS
 from conftest import run_cli
 
 SEED_COMMAND = ["post-train", "--algorithm", "rloo", "--dataset", "gsm8k-candidate", "--maximum-examples", "512",
@@ -196,28 +196,30 @@ def test_process_exit_status_is_2_without_traceback(tmp_path):
     assert result.stderr == "auto-research: error: --steps must be a positive integer, got 0\n"
 
 
-def test_generation_flags_are_generated_from_the_config_fields():
+def test_generation_flags_are_generated_from_the_config_fields(tmp_path):
     from dataclasses import fields
 
-    from auto_research.cli import GENERATION_FLAGS, _generation_config, build_parser
-    from auto_research.post_training.config import SECTIONS, GenerationConfig
+    from auto_research.cli import build_parser
+    from auto_research.cli.flags import flag_names, given
+    from auto_research.config.generation import GenerationConfig
+    from auto_research.config.fields import SECTIONS
+    from auto_research.config.files import read_config_file, write_config_file
 
     parser = build_parser()
     sectioned = {item.name: item for item in fields(GenerationConfig) if item.metadata.get("section")}
-    assert set(GENERATION_FLAGS) == set(sectioned)
+    assert set(flag_names(GenerationConfig)) == set(sectioned)
     assert {item.metadata["section"] for item in sectioned.values()} == set(SECTIONS)
     # Names, defaults and help are written once, in the dataclass.
     text = parser._subparsers._group_actions[0].choices["post-train"].format_help()
     assert "weight of the value loss (the critic has its own AdamW) (default: 0.1)" in " ".join(text.split())
     args = parser.parse_args(["post-train", "--dataset", "rows.jsonl", "--ppo-epochs", "3", "--no-whiten-advantages",
                               "--reward-weights", "1,0.5", "--reward", "match", "--reward", "format", "--top-k", "5"])
-    config = _generation_config(args)
+    config = GenerationConfig(**given(args, GenerationConfig))
     assert (config.updates_per_batch, config.whiten_advantages, config.reward_weights, config.reward, config.top_k) == (
         3, False, [1.0, 0.5], ["match", "format"], 5)
-    # compare passes the given flags on to each run as the same words.
-    from auto_research.cli import generation_argv
-
-    assert parser.parse_args(["post-train", *generation_argv(args)]).reward_weights == [1.0, 0.5]
-    assert generation_argv(args).count("--reward") == 2
+    # compare and rlhf hand each run its settings as a JSON file, which reads back as the same settings.
+    path = write_config_file(tmp_path / "run.json", config)
+    assert GenerationConfig(**read_config_file(path, [GenerationConfig])) == config
+    assert read_config_file(path, [GenerationConfig])["reward"] == ["match", "format"]
     # Unset flags keep the dataclass's defaults (or presets, filled later).
     assert config.gae_lambda == GenerationConfig.gae_lambda and config.temperature is None

@@ -10,7 +10,7 @@ import pytest
 
 from auto_research.cli import main
 from auto_research.errors import UserError
-from auto_research.post_training.datasets import GSM8K_SHA256, ensure_gsm8k
+from auto_research.data.gsm8k import GSM8K_SHA256, ensure_gsm8k
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from auto_research.post_training import estimators
-from auto_research.post_training.algorithms import REGISTRY, AdvantageInputs, get_algorithm
+from auto_research.algorithms import candidate as estimators
+from auto_research.algorithms.candidate import ADVANTAGES, AdvantageInputs
+from auto_research.algorithms.registry import candidate_algorithms, get_algorithm
 
 
 def test_shaped_reward_subtracts_beta_times_log_ratio():
@@ -104,7 +105,7 @@ def _brute_force(name: str, rewards, log_ratio, mask, beta, greedy, values, movi
     return out
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(candidate_algorithms()))
 def test_every_registered_estimator_matches_a_brute_force_loop(name):
     rng = np.random.default_rng(7)
     shape = (6, 5)
@@ -115,12 +116,13 @@ def test_every_registered_estimator_matches_a_brute_force_loop(name):
     mask[1] = [True, False, False, False, False]
     greedy = rng.normal(size=(shape[0], 1))
     values = rng.normal(size=shape)
-    state = {"moving_average": 0.25}
-    inputs = AdvantageInputs(rewards, log_ratio, 0.05, mask, greedy, values)
-    got = get_algorithm(name).advantages(inputs, state)
+    algorithm = get_algorithm(name)
+    inputs = AdvantageInputs(rewards, log_ratio, 0.05, mask, greedy, values, baseline=0.25)
+    got = ADVANTAGES[algorithm.candidate.advantage](inputs)
     expected = _brute_force(name, rewards, log_ratio, mask, 0.05, greedy, values, 0.25)
     np.testing.assert_allclose(got, expected, atol=1e-12)
     assert np.all(got[~mask] == 0.0)
-    if name == "reinforce":
+    if algorithm.moving_average is not None:  # the loop moves the baseline afterwards, by the record's decay
         shaped = (rewards - 0.05 * log_ratio)[mask]
-        assert state["moving_average"] == pytest.approx(0.9 * 0.25 + 0.1 * shaped.mean())
+        after = estimators.update_moving_average(0.25, inputs.shaped(), algorithm.moving_average, mask)
+        assert after == pytest.approx(0.9 * 0.25 + 0.1 * shaped.mean())

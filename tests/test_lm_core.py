@@ -5,6 +5,7 @@ the audit's fixes (no inert KL term, fp32 master weights under bf16)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from auto_research.post_training import estimators
-from auto_research.post_training.config import GenerationConfig
-from auto_research.post_training.lm import core
-from auto_research.post_training.lm.distributed import World
-from auto_research.post_training.lm.trainer import Trainer
+from auto_research.algorithms import candidate as estimators
+from auto_research.config.generation import GenerationConfig
+from auto_research.algorithms import estimators as core
+from auto_research.algorithms import losses
+from auto_research.engine.distributed import World
+from auto_research.train.trainer import Trainer
 
 GOLDEN = Path(__file__).parent / "fixtures" / "rloo-gradient-golden.safetensors"
 
@@ -38,17 +40,19 @@ def test_torch_estimators_equal_their_numpy_twins(name, twin):
     rewards = rng.normal(size=(5, 4))
     rewards[2] = rewards[2, 0]  # a group with no signal
     valid = rng.random((5, 4)) > 0.2
-    inputs = _inputs(rewards, 4)
-    inputs.scored = torch.tensor(valid.reshape(-1))
+    inputs = replace(_inputs(rewards, 4), scored=torch.tensor(valid.reshape(-1)))
     ours, _ = core.ADVANTAGE_ESTIMATORS[name](inputs)
     assert np.allclose(ours.numpy().reshape(5, 4), twin(rewards, valid), atol=1e-12)
 
 
 def test_reinforce_and_remax_by_hand():
-    state = {"moving_average": 0.5}
-    advantages, _ = core.ADVANTAGE_ESTIMATORS["reinforce"](_inputs([1.0, 0.0, 0.5, 0.7], 2, state=state))
+    from auto_research.train.update import moving_average_after
+
+    inputs = _inputs([1.0, 0.0, 0.5, 0.7], 2, baseline=0.5)
+    advantages, _ = core.ADVANTAGE_ESTIMATORS["reinforce"](inputs)
     assert advantages.reshape(-1).tolist() == pytest.approx([0.5, -0.5, 0.0, 0.2])
-    assert state["moving_average"] == pytest.approx(0.9 * 0.5 + 0.1 * 0.55)
+    # The baseline is the loop's: it moves after the step, by the record's decay.
+    assert moving_average_after(inputs, 0.5, 0.9) == pytest.approx(0.9 * 0.5 + 0.1 * 0.55)
     greedy = torch.tensor([0.5, 0.5, 1.0, 1.0], dtype=torch.float64)
     advantages, _ = core.ADVANTAGE_ESTIMATORS["remax"](_inputs([1.0, 0.0, 0.5, 0.7], 2, greedy_rewards=greedy))
     assert advantages.reshape(-1).tolist() == pytest.approx([0.5, -0.5, -0.5, -0.3])
@@ -80,7 +84,7 @@ def test_clipped_value_loss_by_hand():
     # Old value 0, target 1, clip 0.2: new 0.5 is clipped to 0.2 → ½·max(0.25, 0.64) = 0.32;
     # new 1.1 (target 1): clipped to 0.2 → ½·max(0.01, 0.64) = 0.32; new 0.1 (inside the clip): ½·0.81.
     new = torch.tensor([0.5, 1.1, 0.1], requires_grad=True)
-    loss = core.clipped_value_loss(new, torch.zeros(3), torch.ones(3), 0.2)
+    loss = losses.clipped_value_loss(new, torch.zeros(3), torch.ones(3), 0.2)
     assert loss.tolist() == pytest.approx([0.32, 0.32, 0.405])
     loss.sum().backward()
     # Where the clipped term wins, the loss is flat in V: no gradient.
@@ -91,12 +95,12 @@ def test_aggregations_by_hand():
     terms = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     counts = dict(sequences=2.0, tokens=3.0, groups=1.0)
-    assert core.aggregate(terms, mask, "sequence", **counts) == pytest.approx(3.0)
-    assert core.aggregate(terms, mask, "sequence", **counts, per_group_sum=True) == pytest.approx(6.0)
-    assert core.aggregate(terms, mask, "token-mean", **counts) == pytest.approx(2.0)
-    assert core.aggregate(terms, mask, "sequence-mean-token-mean", **counts) == pytest.approx(2.25)
+    assert losses.aggregate(terms, mask, "sequence", **counts) == pytest.approx(3.0)
+    assert losses.aggregate(terms, mask, "sequence", **counts, per_group_sum=True) == pytest.approx(6.0)
+    assert losses.aggregate(terms, mask, "token-mean", **counts) == pytest.approx(2.0)
+    assert losses.aggregate(terms, mask, "sequence-mean-token-mean", **counts) == pytest.approx(2.25)
     # Micro-batch shares with the global counts sum to the whole.
-    halves = sum(core.aggregate(terms[i : i + 1], mask[i : i + 1], "token-mean", **counts) for i in range(2))
+    halves = sum(losses.aggregate(terms[i : i + 1], mask[i : i + 1], "token-mean", **counts) for i in range(2))
     assert halves == pytest.approx(2.0)
 
 
@@ -107,51 +111,49 @@ ARCH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atten
             max_position_embeddings=32)
 
 
+class _KeepGradient(torch.optim.Optimizer):
+    """An optimizer that records the gradient and takes no step, so the same models can serve the next run."""
+
+    def __init__(self, parameters, grads: dict, names: dict):
+        super().__init__(list(parameters), {"lr": 0.0})
+        self.grads, self.names = grads, names
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                self.grads[self.names[parameter]] = parameter.grad.detach().clone()
+
+
 class _Fixed:
-    """A Trainer whose collect and score phases return a fixed batch, and whose optimizer keeps the gradient."""
+    """The step's phases on a fixed batch: its rollout and rewards given, the experience, advantages and actor
+    update computed, and the optimizer keeping the gradient."""
 
-    def __init__(self, config, policy, reference, tokenizer, rollout, rewards, critic=None):
-        from auto_research.post_training.lm.rollout import Rollout  # noqa: F401
+    def __init__(self, config, policy, reference, tokenizer, rollout, rewards, critic=None, greedy_rewards=None):
+        from auto_research.algorithms.registry import get_algorithm
+        from auto_research.train.components import Components
+        from auto_research.train.experience import Scores
 
-        trainer = Trainer(config, log=lambda text: None)
-        trainer.model, trainer.reference, trainer.tokenizer, trainer.critic = policy, reference, tokenizer, critic
-        trainer.world, trainer.train_model, trainer.train_critic = World(), policy, critic
-        trainer.compute_dtype, trainer.device = torch.float32, "cpu"
-        trainer.algorithm_state, trainer.updates, trainer.critic_updates, trainer.warned_unscored = {}, 0, 0, False
-        trainer.updates_per_step = config.updates_per_batch * config.ppo_mini_batches
-        trainer.totals = {"no_signal_groups": 0, "unscored_samples": 0, "generated_tokens": 0, "seconds": 0.0}
-        trainer.optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
-        trainer.critic_optimizer = None
-        G = rewards.numel() // config.group_size
-        from auto_research.post_training.lm.trainer import Trajectory
-
-        trainer.collect = lambda step: Trajectory(rollout, ["p"] * G, [None] * G)
-
-        def score(trajectory, step):
-            trajectory.rewards, trajectory.scored = rewards.float().reshape(-1), torch.ones(rewards.numel(), dtype=torch.bool)
-
-        trainer.score = score
-        self.trainer = trainer
+        self.grads = {}
+        names = {parameter: name for name, parameter in policy.named_parameters()}
+        optimizer = _KeepGradient(policy.parameters(), self.grads, names)
+        self.components = Components(config, get_algorithm(config.algorithm), World(), None, "cpu", torch.float32,
+                                     "fixed", tokenizer, policy, policy, optimizer, reference, critic, critic, None,
+                                     None, None, None, [], [])
+        self.rollout = rollout
+        self.scores = Scores(rewards.float().reshape(-1), torch.ones(rewards.numel(), dtype=torch.bool), greedy_rewards)
 
     def gradient(self) -> dict:
-        grads = {}
-        trainer = self.trainer
+        from auto_research.train.experience import build_experience
+        from auto_research.train.update import estimate_advantages, update_actor
 
-        def keep(model, optimizer):
-            # Record the gradient and take no step, so the same models can serve the next run.
-            if model is trainer.model:
-                grads.update({name: p.grad.detach().clone() for name, p in model.named_parameters()})
-            model.zero_grad(set_to_none=True)
-            return 0.0
-
-        trainer._optimizer_step = keep
-        trainer.step(1)
-        return grads
+        experience = build_experience(self.components, self.rollout, self.scores)
+        update_actor(self.components, experience, estimate_advantages(self.components, experience), 0)
+        return dict(self.grads)
 
 
 def _golden_setup(**overrides):
-    from auto_research.post_training.lm.rollout import Rollout
-    from auto_research.post_training.lm.tiny import build_model, build_tokenizer
+    from auto_research.engine.rollout import Rollout
+    from auto_research.engine.tiny import build_model, build_tokenizer
 
     golden = load_file(str(GOLDEN))
     tokenizer = build_tokenizer()
@@ -176,7 +178,7 @@ def test_rloo_gradient_equals_the_pre_reshape_golden(micro_batch_size):
 
 
 def test_ppo_without_critic_clipping_or_whitening_is_reinforce_without_baseline():
-    from auto_research.post_training.lm.models import load_critic
+    from auto_research.engine.models import load_critic
 
     golden, vanilla_config, policy, reference, tokenizer, rollout = _golden_setup(algorithm="vanilla-pg", beta=0.0)
     vanilla = _Fixed(vanilla_config, policy, None, tokenizer, rollout, golden["rewards"]).gradient()
@@ -197,23 +199,13 @@ def test_ppo_without_critic_clipping_or_whitening_is_reinforce_without_baseline(
 def test_remax_and_raft_have_no_kl_term(algorithm):
     golden, config, policy, reference, tokenizer, rollout = _golden_setup(algorithm=algorithm, beta=0.1)
     assert config.kl_in == "none"
-    with_reference = _Fixed(config, policy, reference, tokenizer, rollout, golden["rewards"])
-    with_reference.trainer.algorithm.needs_greedy and setattr(with_reference.trainer, "score", _greedy_score(golden))
+    greedy = torch.full((12,), 0.5) if algorithm == "remax" else None  # ReMax's greedy baseline, given
+    with_reference = _Fixed(config, policy, reference, tokenizer, rollout, golden["rewards"], greedy_rewards=greedy)
     plain_config = _golden_setup(algorithm=algorithm, beta=0.0)[1]
-    plain = _Fixed(plain_config, policy, None, tokenizer, rollout, golden["rewards"])
-    plain.trainer.algorithm.needs_greedy and setattr(plain.trainer, "score", _greedy_score(golden))
+    plain = _Fixed(plain_config, policy, None, tokenizer, rollout, golden["rewards"], greedy_rewards=greedy)
     a, b = with_reference.gradient(), plain.gradient()
     for name in a:
         assert torch.equal(a[name], b[name]), name
-
-
-def _greedy_score(golden):
-    def score(trajectory, step):
-        trajectory.rewards = golden["rewards"].float().reshape(-1)
-        trajectory.scored = torch.ones(12, dtype=torch.bool)
-        trajectory.greedy_rewards = torch.full((12,), 0.5)
-
-    return score
 
 
 def test_grpo_defaults_to_k3_in_the_loss():
@@ -230,16 +222,15 @@ def test_bf16_compute_keeps_float32_master_weights(tiny_model_dir, sums_jsonl, t
                               prompts_per_step=4, max_new_tokens=3, learning_rate=1e-6, warmup_steps=0,
                               evaluation_examples=4, progress=False, offline=True, device="cpu", dtype="bfloat16",
                               reward=["match"]).filled().validate()
-    trainer = Trainer(config, log=lambda text: None)
-    trainer.setup()
-    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
-    assert trainer.compute_dtype == torch.bfloat16
-    assert next(trainer.reference.parameters()).dtype == torch.bfloat16
+    trainer = Trainer.build(config, log=lambda text: None)
+    assert all(p.dtype == torch.float32 for p in trainer.components.policy.parameters())
+    assert trainer.components.compute_dtype == torch.bfloat16
+    assert next(trainer.components.reference.parameters()).dtype == torch.bfloat16
     before = {n: p.detach().clone() for n, p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()}
     row = trainer.step(1)
     assert row["grad_norm"] > 0
-    changed = sum(int((before[n] != p.detach()).sum()) for n, p in trainer.model.named_parameters())
-    total = sum(p.numel() for p in trainer.model.parameters())
+    changed = sum(int((before[n] != p.detach()).sum()) for n, p in trainer.components.policy.named_parameters())
+    total = sum(p.numel() for p in trainer.components.policy.parameters())
     assert changed / total > 0.5, changed / total
 
 

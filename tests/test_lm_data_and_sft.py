@@ -7,9 +7,10 @@ import json
 import pytest
 
 from auto_research.cli import main
-from auto_research.post_training.lm import tasks
-from auto_research.post_training.lm.rewards import (CombinedReward, RewardError, arithmetic_reward, final_number,
-                                                    format_reward, is_correct)
+from auto_research.data import tasks
+from auto_research.errors import RewardError
+from auto_research.rewards.combine import CombinedReward
+from auto_research.rewards.verifiers import arithmetic_reward, final_number, format_reward, is_correct
 
 
 def test_arithmetic_task_split_is_fixed_and_disjoint():
@@ -132,7 +133,7 @@ def _reward_model_dir(tmp_path):
 def test_reward_model_rescores_decoded_text_with_its_own_tokenizer(tmp_path):
     import torch
 
-    from auto_research.post_training.lm.rewards import RewardModel
+    from auto_research.rewards.reward_model import RewardModel
 
     folder, model, tokenizer = _reward_model_dir(tmp_path)
     reward_model = RewardModel(str(folder), "cpu", offline=True)

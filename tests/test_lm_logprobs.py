@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from auto_research.post_training.lm.logprobs import kl_per_token, token_logprobs
-from auto_research.post_training.lm.rollout import completion_mask, sample
+from auto_research.engine.logprobs import kl_per_token, token_logprobs
+from auto_research.engine.rollout import completion_mask
+from auto_research.engine.rollout.builtin import sample
 
 
 def _load(folder):

@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from auto_research.cli import main
-from auto_research.post_training.config import GenerationConfig
-from auto_research.post_training.lm.logprobs import token_logprobs
-from auto_research.post_training.lm import core
-from auto_research.post_training.lm.trainer import Trainer
+from auto_research.config.generation import GenerationConfig
+from auto_research.engine.logprobs import token_logprobs
+from auto_research.algorithms import estimators as core
+from auto_research.algorithms import losses
+from auto_research.train.trainer import Trainer
 from conftest import run_cli
 
 
@@ -44,15 +45,15 @@ def test_loss_gradient_is_the_papers_estimator_for_two_prompts(tiny_model_dir):
     rewards = np.array([[1.0, 0.0, 0.5], [0.2, 0.2, 0.8]])
     # Leave-one-out by hand: group 1: 1 − .25, 0 − .75, .5 − .5; group 2: .2 − .5, .2 − .5, .8 − .2.
     by_hand = [0.75, -0.75, 0.0, -0.3, -0.3, 0.6]
-    token_rewards = core.last_token(mask.float()) * torch.tensor(rewards, dtype=torch.float32).reshape(-1, 1)
+    token_rewards = losses.last_token(mask.float()) * torch.tensor(rewards, dtype=torch.float32).reshape(-1, 1)
     inputs = core.AdvantageInputs(token_rewards, mask.float(), K, torch.ones(6, dtype=torch.bool))
     advantages, _ = core.ADVANTAGE_ESTIMATORS["rloo"](inputs)
     # Every token of a completion carries its completion's advantage.
     assert torch.allclose(advantages, torch.tensor(by_hand).reshape(-1, 1) * mask, atol=1e-6)
 
     logprobs = token_logprobs(model, sequences, prompt_mask, mask)
-    terms = core.POLICY_LOSSES["vanilla"](core.LossInputs(logprobs, logprobs.detach(), advantages, mask.float()))
-    loss = core.aggregate(terms, mask.float(), "sequence", sequences=6, tokens=float(mask.sum()), groups=2)
+    terms = losses.POLICY_LOSSES["vanilla"](losses.LossInputs(logprobs, logprobs.detach(), advantages, mask.float()))
+    loss = losses.aggregate(terms, mask.float(), "sequence", sequences=6, tokens=float(mask.sum()), groups=2)
     ours = torch.autograd.grad(loss, list(model.parameters()))
 
     # The paper: ∇J = 1/(2K) Σ_i A_i ∇ Σ_t log π(y_i,t); the loss is its negative.
@@ -74,8 +75,7 @@ def _config(model_dir, dataset, output, **overrides):
 
 def test_kl_is_exactly_zero_before_the_first_update(tiny_model_dir, sums_jsonl, tmp_path, reward_module):
     config = _config(tiny_model_dir, sums_jsonl, tmp_path, beta=0.1, reward=[f"{reward_module}:checksum"])
-    trainer = Trainer(config, log=lambda text: None)
-    trainer.setup()
+    trainer = Trainer.build(config, log=lambda text: None)
     assert trainer.evaluate()["kl_from_reference"] == 0.0
     row = trainer.step(1)
     assert row["kl"] == 0.0  # sampled log-ratio of the first step: policy and reference are identical
@@ -120,9 +120,8 @@ def reward_module(tmp_path, monkeypatch):
 
 
 def test_none_rewards_leave_samples_out_and_count_silent_groups(tiny_model_dir, sums_jsonl, tmp_path, reward_module):
-    trainer = Trainer(_config(tiny_model_dir, sums_jsonl, tmp_path, reward=[f"{reward_module}:sometimes_none"]),
-                      log=lambda text: None)
-    trainer.setup()
+    trainer = Trainer.build(_config(tiny_model_dir, sums_jsonl, tmp_path, reward=[f"{reward_module}:sometimes_none"]),
+                            log=lambda text: None)
     row = trainer.step(1)
     # Group 1: three None; groups 2-4: one None each → 6 unscored of 16.
     assert row["unscored_samples"] == 6
@@ -147,8 +146,7 @@ def test_reward_rises_on_a_trivially_learnable_target(tiny_model_dir, sums_jsonl
     config = _config(tiny_model_dir, sums_jsonl, tmp_path, reward=[f"{reward_module}:count_sevens"], steps=40,
                      prompts_per_step=8, learning_rate=1e-2, temperature=1.0, beta=0.0, eval_every=0,
                      checkpoint_every=0, warmup_steps=0)
-    trainer = Trainer(config, log=lambda text: None)
-    trainer.setup()
+    trainer = Trainer.build(config, log=lambda text: None)
     rewards = [trainer.step(step)["reward_mean"] for step in range(1, 41)]
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     assert last > first + 0.3, (first, last)
@@ -269,10 +267,9 @@ def test_dataset_row_missing_a_field_names_file_and_line(tiny_model_dir, tmp_pat
 
 def _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path, reward_module, **overrides):
     config = _config(tiny_model_dir, sums_jsonl, tmp_path, reward=[f"{reward_module}:checksum"], beta=0.1, **overrides)
-    trainer = Trainer(config, log=lambda text: None)
-    trainer.setup()
+    trainer = Trainer.build(config, log=lambda text: None)
     row = trainer.step(1)
-    return {name: value.detach().clone() for name, value in trainer.model.named_parameters()}, row
+    return {name: value.detach().clone() for name, value in trainer.components.policy.named_parameters()}, row
 
 
 @pytest.mark.parametrize("algorithm", ["rloo", "reinforce"])
@@ -312,7 +309,7 @@ def test_every_generation_option_takes_a_finite_step_that_changes_the_policy(tin
 
 
 def test_learning_rate_schedule_by_hand():
-    from auto_research.post_training.lm.trainer import learning_rate_at
+    from auto_research.train.update import learning_rate_at
 
     config = GenerationConfig(learning_rate=1.0, warmup_steps=4, steps=14, lr_schedule="cosine").filled()
     assert [learning_rate_at(config, update, 14) for update in range(4)] == [0.25, 0.5, 0.75, 1.0]

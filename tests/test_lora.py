@@ -9,9 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from auto_research.cli import main
-from auto_research.post_training.config import GenerationConfig
-from auto_research.post_training.lm.logprobs import token_logprobs
-from auto_research.post_training.lm.trainer import Trainer
+from auto_research.config.generation import GenerationConfig
+from auto_research.engine.logprobs import token_logprobs
+from auto_research.train.components import parameter_counts
+from auto_research.train.trainer import Trainer
 
 pytest.importorskip("peft", reason="LoRA needs peft (installed with the dev extra)")
 
@@ -28,29 +29,28 @@ def _config(model_dir, dataset, output, **overrides):
 def test_the_lora_reference_is_the_base_model_and_only_adapters_train(tiny_model_dir, sums_jsonl, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    trainer = Trainer(_config(tiny_model_dir, sums_jsonl, tmp_path), log=lambda text: None)
-    trainer.setup()
+    trainer = Trainer.build(_config(tiny_model_dir, sums_jsonl, tmp_path), log=lambda text: None)
     # No second copy of the weights: the reference is the policy with its adapters off.
-    assert trainer.parameter_counts()["reference"] == 0
-    trainable = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    assert parameter_counts(trainer.components)["reference"] == 0
+    trainable = [name for name, p in trainer.components.policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
     # Move the adapters away from zero, so that the policy differs from the base model.
     with torch.no_grad():
-        for name, parameter in trainer.model.named_parameters():
+        for name, parameter in trainer.components.policy.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0, 0.5)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    rollout = trainer.collect(1).rollout
+    rollout = trainer.sample(1)
     arguments = (rollout.sequences, rollout.prompt_mask, rollout.completion_mask, 1.0)
     with torch.no_grad():
         expected = token_logprobs(base, *arguments)
-        reference = token_logprobs(trainer.reference, *arguments)
-        policy = token_logprobs(trainer.model, *arguments)
+        reference = token_logprobs(trainer.components.reference, *arguments)
+        policy = token_logprobs(trainer.components.policy, *arguments)
     assert torch.allclose(reference, expected, atol=1e-6)
     assert (policy - expected).abs().max() > 1e-2  # the adapters are on for the policy
-    frozen = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if not p.requires_grad}
+    frozen = {name: p.detach().clone() for name, p in trainer.components.policy.named_parameters() if not p.requires_grad}
     trainer.step(1)
-    for name, parameter in trainer.model.named_parameters():
+    for name, parameter in trainer.components.policy.named_parameters():
         if not parameter.requires_grad:
             assert torch.equal(parameter, frozen[name]), name
 
@@ -82,30 +82,28 @@ def test_lora_checkpoints_hold_the_adapter_and_the_merged_model_loads(tiny_model
 
 
 def test_a_run_from_a_saved_adapter_keeps_that_adapter_as_its_reference(tiny_model_dir, sums_jsonl, tmp_path):
-    first = Trainer(_config(tiny_model_dir, sums_jsonl, tmp_path / "first", steps=1), log=lambda text: None)
-    first.setup()
+    first = Trainer.build(_config(tiny_model_dir, sums_jsonl, tmp_path / "first", steps=1), log=lambda text: None)
     with torch.no_grad():
-        for name, parameter in first.model.named_parameters():
+        for name, parameter in first.components.policy.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0, 0.5)
-    first.model.save_pretrained(tmp_path / "adapter", selected_adapters=["default"])
-    first.tokenizer.save_pretrained(tmp_path / "adapter")
-    rollout = first.collect(1).rollout
+    first.components.policy.save_pretrained(tmp_path / "adapter", selected_adapters=["default"])
+    first.components.tokenizer.save_pretrained(tmp_path / "adapter")
+    rollout = first.sample(1)
     arguments = (rollout.sequences, rollout.prompt_mask, rollout.completion_mask, 1.0)
     with torch.no_grad():
-        adapted = token_logprobs(first.model, *arguments)
-    second = Trainer(_config(tmp_path / "adapter", sums_jsonl, tmp_path / "second"), log=lambda text: None)
-    second.setup()
+        adapted = token_logprobs(first.components.policy, *arguments)
+    second = Trainer.build(_config(tmp_path / "adapter", sums_jsonl, tmp_path / "second"), log=lambda text: None)
     with torch.no_grad():
-        reference = token_logprobs(second.reference, *arguments)
-        policy = token_logprobs(second.model, *arguments)
+        reference = token_logprobs(second.components.reference, *arguments)
+        policy = token_logprobs(second.components.policy, *arguments)
     # The reference is the starting adapter (not the bare base model), and so is the policy at step 0.
     assert torch.allclose(reference, adapted, atol=1e-6)
     assert torch.allclose(policy, adapted, atol=1e-6)
     second.step(1)
     with torch.no_grad():
-        assert torch.allclose(token_logprobs(second.reference, *arguments), adapted, atol=1e-6)
-        assert (token_logprobs(second.model, *arguments) - adapted).abs().max() > 1e-4
+        assert torch.allclose(token_logprobs(second.components.reference, *arguments), adapted, atol=1e-6)
+        assert (token_logprobs(second.components.policy, *arguments) - adapted).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("flags, message", [

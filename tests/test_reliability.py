@@ -31,7 +31,7 @@ TEXTS = ["Q: what is 4+5? A:", "47+38=", "  Two  spaces,\ttabs\nand CAPITALS!", 
 def test_embedded_tokenizer_round_trips_any_text_through_save_and_load(tmp_path):
     from transformers import AutoTokenizer
 
-    from auto_research.post_training.lm.tiny import BYTE_OFFSET, build_tokenizer
+    from auto_research.engine.tiny import BYTE_OFFSET, build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(tmp_path)
@@ -56,10 +56,10 @@ def test_sft_model_scores_the_same_after_saving(tmp_path, capsys):
                  "--device", "cpu", "--output-dir", str(tmp_path / "model")]) == 0
     printed = float(capsys.readouterr().out.splitlines()[-2].split()[-1])
 
-    from auto_research.post_training.config import GenerationConfig
-    from auto_research.post_training.lm.evaluation import greedy_accuracy
-    from auto_research.post_training.lm.models import load_policy
-    from auto_research.post_training.lm.tasks import load_task
+    from auto_research.config.generation import GenerationConfig
+    from auto_research.train.evaluation import greedy_accuracy
+    from auto_research.engine.models import load_policy
+    from auto_research.data.tasks import load_task
 
     model, tokenizer = load_policy(str(tmp_path / "model"), "cpu", None, offline=True)
     task = load_task(GenerationConfig(dataset=str(path)).filled())
@@ -87,7 +87,7 @@ def test_numeric_answers_are_converted_to_text():
     import tempfile
     from pathlib import Path
 
-    from auto_research.post_training.lm.tasks import jsonl_task
+    from auto_research.data.tasks import jsonl_task
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "numbers.jsonl"
@@ -162,18 +162,15 @@ def test_unscored_samples_warn_once_and_metrics_stay_valid_json(tiny_model_dir, 
 
 
 def test_non_finite_figures_are_written_as_null(tmp_path):
-    from auto_research.post_training.lm.trainer import Trainer
+    from auto_research.train.metrics import MetricsLog
 
-    trainer = Trainer.__new__(Trainer)
-    trainer.run_dir, trainer.run_dir_ready, trainer.writer, trainer.lock = tmp_path, True, None, None
-    trainer.config = type("C", (), {"report_to": "none"})()
-    trainer._append_metrics({"step": 1, "reward_std": math.nan, "kl": math.inf, "loss": 0.5})
+    MetricsLog(tmp_path).append({"step": 1, "reward_std": math.nan, "kl": math.inf, "loss": 0.5})
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "reward_std": None, "kl": None, "loss": 0.5}
 
 
 def test_maximum_examples_applies_at_the_generation_level_and_overreach_is_refused(tiny_model_dir, sums_jsonl, tmp_path, capsys):
-    from auto_research.post_training.config import GenerationConfig
-    from auto_research.post_training.lm.tasks import load_task
+    from auto_research.config.generation import GenerationConfig
+    from auto_research.data.tasks import load_task
 
     assert len(load_task(GenerationConfig(maximum_examples=100).filled()).train) == 100
     assert len(load_task(GenerationConfig().filled()).train) == 9150
@@ -251,7 +248,7 @@ def test_sigterm_saves_a_checkpoint_like_ctrl_c(tiny_model_dir, sums_jsonl, tmp_
 
 
 def test_resume_skips_a_damaged_checkpoint_and_names_the_bad_file(tiny_model_dir, sums_jsonl, tmp_path, capsys):
-    from auto_research.post_training.lm.checkpoint import checkpoint_problem
+    from auto_research.engine.run_folder import checkpoint_problem
 
     from safetensors.torch import load_file
 
@@ -282,7 +279,7 @@ def test_resume_skips_a_damaged_checkpoint_and_names_the_bad_file(tiny_model_dir
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_last_good_checkpoint(tiny_model_dir, sums_jsonl, tmp_path, monkeypatch, capsys):
-    from auto_research.post_training.lm import checkpoint
+    from auto_research.engine import checkpoint, run_folder
 
     real = checkpoint.write_manifest
     calls = []
@@ -301,7 +298,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_good_checkpoint(tiny_model_d
     assert error.startswith("auto-research: error: cannot write to") and "Traceback" not in "\n".join(lines)
     assert "No space left on device" in error and f"the last good checkpoint is {run_dir / 'checkpoints' / 'step-000002'}" in error
     assert _checkpoints(run_dir) == ["step-000001", "step-000002"]
-    assert checkpoint.checkpoint_problem(run_dir / "checkpoints" / "step-000002") is None
+    assert run_folder.checkpoint_problem(run_dir / "checkpoints" / "step-000002") is None
     assert not [path for path in (run_dir / "checkpoints").iterdir() if path.name.startswith(".")]
     # Full from the first checkpoint: nothing resumable, so no lone metrics.jsonl is left either.
     calls.extend([None, None])
@@ -388,8 +385,8 @@ def test_unusable_gsm8k_files_are_one_line(tiny_model_dir, tmp_path, capsys, tra
 
 
 def test_gsm8k_gold_numbers_of_a_million_and_more_are_kept_whole(tmp_path):
-    from auto_research.post_training.lm.rewards import is_correct
-    from auto_research.post_training.lm.tasks import gsm8k_task
+    from auto_research.rewards.verifiers import is_correct
+    from auto_research.data.tasks import gsm8k_task
 
     folder = tmp_path / "gsm8k"
     folder.mkdir()
@@ -424,7 +421,7 @@ def test_a_huge_candidate_learning_rate_runs_or_says_why_not(tmp_path, capsys):
 def test_draws_without_replacement_follow_the_renormalised_softmax():
     import numpy as np
 
-    from auto_research.post_training.candidate.trainer import draw_without_replacement, softmax
+    from auto_research.candidate.trainer import draw_without_replacement, softmax
 
     logits = np.array([2000.0, 1000.0, 500.0, -5.0, -5.0, -1e6])  # softmax: [1, 0, 0, 0, 0, 0] in float64
     rng = np.random.default_rng(0)

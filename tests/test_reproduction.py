@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from auto_research.post_training.candidate.trainer import load_data, train
-from auto_research.post_training.config import CandidateConfig
+from auto_research.candidate.trainer import load_data, train
+from auto_research.config.candidate import CandidateConfig
 
 # Seed 42, 512 examples, 300 steps, K = 4 (docs/candidate-protocol.md): accuracy, mean reward, KL.
 PUBLISHED = {

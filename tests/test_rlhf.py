@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from auto_research.cli import main
-from auto_research.post_training.lm.preference import gold_scores, label_pairs, win_rate
-from auto_research.post_training.lm.reward_model import bradley_terry_loss
+from auto_research.recipes.preferences import label_pairs
+from auto_research.rewards.gold import gold_scores, win_rate
+from auto_research.recipes.reward_model import bradley_terry_loss
 
 
 def test_bradley_terry_loss_and_gradient_by_hand():
@@ -74,7 +75,7 @@ def test_a_reward_model_learns_a_separable_toy_set_and_loads_as_a_reward(tmp_pat
     metrics = json.loads((tmp_path / "rm" / "metrics.json").read_text())
     assert metrics["pairwise_accuracy"] == 1.0 and metrics["evaluation_pairs"] == 20
     assert metrics["reward_gap"] > 0 and (tmp_path / "rm" / "calibration.png").is_file()
-    from auto_research.post_training.lm.rewards import RewardModel
+    from auto_research.rewards.reward_model import RewardModel
 
     reward = RewardModel(str(tmp_path / "rm"), "cpu", offline=True)
     good, bad = reward(["123=", "123="], ["123!", "123?"], [None, None])
@@ -172,7 +173,7 @@ def test_a_reward_model_with_two_labels_is_refused(tiny_model_dir, tmp_path, cap
     model.save_pretrained(tmp_path / "rm2")
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "rm2")
     from auto_research.errors import UserError
-    from auto_research.post_training.lm.rewards import RewardModel
+    from auto_research.rewards.reward_model import RewardModel
 
     with pytest.raises(UserError, match="its head gives 2 scores per text, a reward model gives one"):
         RewardModel(str(tmp_path / "rm2"), "cpu", offline=True)
@@ -218,8 +219,8 @@ def test_post_train_reads_prompt_files_through_datasets(tiny_model_dir, sums_jso
 
 def test_preference_arithmetic_judges_by_the_sum():
     """The second embedded preference task: gold is the arithmetic partial credit, its judge strict."""
-    from auto_research.post_training.config import GenerationConfig
-    from auto_research.post_training.lm.tasks import load_task
+    from auto_research.config.generation import GenerationConfig
+    from auto_research.data.tasks import load_task
 
     config = GenerationConfig(dataset="preference-arithmetic", reward_model="rm").filled()
     task = load_task(config)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from auto_research.post_training.lm.logprobs import completion_logits
-from auto_research.post_training.lm.rollout import draw, filter_logits, prompt_seed, sample
-from auto_research.post_training.lm.tiny import build_model, build_tokenizer
+from auto_research.engine.logprobs import completion_logits
+from auto_research.engine.rollout import prompt_seed
+from auto_research.engine.rollout.builtin import draw, filter_logits, sample
+from auto_research.engine.tiny import build_model, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +93,9 @@ def test_top_k_sampling_stays_inside_the_top_k(tiny):
 def test_trimmed_micro_batches_give_the_log_probs_and_gradient_of_the_padded_batch(tiny):
     """Micro-batches cut to their own longest prompt and completion, with logits only at completion
     positions, against the whole padded batch through the full output layer."""
-    from auto_research.post_training.lm.logprobs import attention_for, token_logprobs
-    from auto_research.post_training.lm.rollout import Rollout
-    from auto_research.post_training.lm.trainer import _widen
+    from auto_research.engine.logprobs import attention_for, token_logprobs
+    from auto_research.engine.rollout import Rollout
+    from auto_research.train.experience import widen as _widen
 
     model, tokenizer = tiny
     rollout = sample(model, tokenizer, ["1+2=", "Q: what is 33+4?"], 2, 8, temperature=1.0, seeds=[1, 2])

@@ -8,13 +8,14 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``from auto_research import post_train, GenerationConfig`` without importing NumPy for ``--help``."""
+    """``from auto_research import post_train, GenerationConfig``, imported on first use: the command line
+    (``--help`` above all) imports this package and must not pay for what the Python API needs."""
     if name == "post_train":
         from auto_research.api import post_train
 
         return post_train
     if name == "GenerationConfig":
-        from auto_research.post_training.config import GenerationConfig
+        from auto_research.config.generation import GenerationConfig
 
         return GenerationConfig
     raise AttributeError(f"module 'auto_research' has no attribute {name!r}")

@@ -22,8 +22,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Sequence
 
+from auto_research.config.fields import IN_MEMORY
+from auto_research.config.generation import GenerationConfig
 from auto_research.errors import UserError
-from auto_research.post_training.config import IN_MEMORY, GenerationConfig
 
 
 def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable | Sequence[Callable] | None = None,
@@ -39,7 +40,8 @@ def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable 
     they add to ``config.reward`` and ``config.reward_model``. ``settings`` override
     fields of ``config`` (``GenerationConfig``'s fields, the flags' names with underscores).
     """
-    from auto_research.post_training.runs import post_train_generation
+    # Imported here: ``import auto_research`` stays light, and the run's checks come before torch's import.
+    from auto_research.recipes.post_train import post_train_generation
 
     config = replace(config or GenerationConfig(), **settings)
     rows = None

@@ -24,3 +24,10 @@ def one_line(error: BaseException) -> str:
     """An exception as one line for a user-facing message: its type and the first line of its text."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+class RewardError(Exception):
+    """A reward (or judge) raised or returned something that is not a number (NaN, inf, a string).
+
+    Raised during training, not at the start: the run saves its last good step and stops with one line.
+    """

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -72,8 +73,6 @@ class FolderLock:
         self.supported = True
 
     def acquire(self) -> "FolderLock":
-        import fcntl
-
         if self.folder.exists() and not self.folder.is_dir():
             raise UserError(f"{self.folder} is a file, not a folder: the {self.what} cannot write there")
         if self.folder.is_dir() and not os.access(self.folder, os.W_OK | os.X_OK):
@@ -162,8 +161,6 @@ class FolderLock:
 
 def check_unlocked(folder: str | os.PathLike, what: str = "run") -> None:
     """Refuse, in one line, a folder that a live process holds (a planned run of compare, say)."""
-    import fcntl
-
     path = Path(folder) / LOCK_NAME
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -18,11 +18,11 @@ class Progress:
         self.total, self.description, self.count = total, description, initial
         self.enabled = enabled
         self.write = write or (lambda text: print(text, file=sys.stderr, flush=True))
-        self.every = max(1, total // lines)
+        self.every = max(1, total // lines) if lines else None  # lines=0: nothing without a terminal
         self.started = time.perf_counter()
         self.bar = None
         if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
+            from tqdm import tqdm  # on a terminal only: --help and logged runs never pay for its import
 
             self.bar = tqdm(total=total, initial=initial, desc=description, leave=leave)
 
@@ -33,7 +33,7 @@ class Progress:
             if postfix:
                 self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(1)
-        elif self.enabled and (self.count % self.every == 0 or self.count == self.total):
+        elif self.enabled and self.every and (self.count % self.every == 0 or self.count == self.total):
             figures = "".join(f"  {key} {value}" for key, value in (postfix or {}).items())
             self.write(f"{self.description}: {self.count}/{self.total}{figures}  "
                        f"({time.perf_counter() - self.started:.0f} s)")

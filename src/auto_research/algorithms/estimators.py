@@ -1,0 +1,176 @@
+"""Advantage estimators of the generation level, token by token, in torch: pure functions, registered by name.
+
+Shapes: B completions (G groups of K, rows g·K … g·K + K − 1 answer prompt g) of T completion
+tokens; ``mask`` (B, T) is 1 on the tokens that count.
+
+Every estimator takes the per-token rewards (B, T) — the task reward on the last completion token
+and, when the KL shapes the reward, −β·kl on every token — and returns per-token advantages and
+returns (B, T). Nothing here communicates or keeps state: statistics over the whole global batch
+(whitening) and baselines that persist across steps (REINFORCE's moving average) belong to the loop,
+which passes values in (``AdvantageInputs.baseline``) and normalises afterwards (``whiten``).
+
+The sequence-level methods (RLOO, GRPO, REINFORCE, vanilla PG, ReMax, RAFT) score a whole completion by
+its summed per-token reward and spread that one advantage over its tokens; PPO's GAE is per token.
+The candidate level keeps NumPy twins in ``candidate.py`` (tests check that the two agree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
+
+
+def register_advantage(name: str):
+    def decorate(function):
+        ADVANTAGE_ESTIMATORS[name] = function
+        return function
+
+    return decorate
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    token_rewards: torch.Tensor
+    """(B, T) per-token reward: task reward on the last token, −β·kl per token when KL shapes the reward."""
+    mask: torch.Tensor
+    """(B, T) 1 on completion tokens."""
+    group_size: int
+    scored: torch.Tensor
+    """(B,) bool: the reward could score this completion (None leaves it out of every baseline)."""
+    greedy_rewards: torch.Tensor | None = None
+    """(B,) reward of the prompt's greedy completion (ReMax)."""
+    values: torch.Tensor | None = None
+    """(B, T) critic's values V(s_t) before each completion token (PPO)."""
+    gamma: float = 1.0
+    lam: float = 1.0
+    baseline: float = 0.0
+    """The loop's moving-average baseline b (algorithms with a ``moving_average`` decay)."""
+    task_rewards: torch.Tensor | None = None
+    """(B,) the task's score of each completion, before any KL (0 where unscored)."""
+
+
+# --- group statistics over (G, K), the torch twins of candidate.py ------------------------------------
+
+
+def leave_one_out(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """A_i = v_i − 1/(K−1) Σ_{j≠i} v_j over the valid samples of each group (the paper's Eq. 5)."""
+    kept = torch.where(valid, values, 0.0)
+    count = valid.sum(-1, keepdim=True)
+    advantages = kept - (kept.sum(-1, keepdim=True) - kept) / (count - 1).clamp(min=1)
+    return torch.where(valid & (count >= 2), advantages, 0.0)
+
+
+def group_normalised(values: torch.Tensor, valid: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
+    """A_i = (v_i − mean v) / (std v + ε), population std over the valid samples (GRPO)."""
+    count = valid.sum(-1, keepdim=True)
+    safe = count.clamp(min=1)
+    mean = torch.where(valid, values, 0.0).sum(-1, keepdim=True) / safe
+    centred = torch.where(valid, values - mean, 0.0)
+    std = (centred.square().sum(-1, keepdim=True) / safe).sqrt()
+    return torch.where(valid & (count >= 2), centred / (std + epsilon), 0.0)
+
+
+def group_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The mean of each group's valid values, broadcast back over the group (0 in a group with none)."""
+    count = valid.sum(-1, keepdim=True).clamp(min=1)
+    return (torch.where(valid, values, 0.0).sum(-1, keepdim=True) / count).expand_as(values)
+
+
+def best_of_k(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """1 on the best valid sample of each group (first drawn on ties), 0 elsewhere (RAFT)."""
+    chosen = torch.where(valid, values, -torch.inf).argmax(-1, keepdim=True)
+    onehot = torch.arange(values.shape[-1], device=values.device) == chosen
+    return (onehot & valid).to(values.dtype)
+
+
+def sequence_scores(inputs: AdvantageInputs) -> torch.Tensor:
+    """(G, K) each completion's summed per-token reward: the return of the whole response."""
+    return (inputs.token_rewards * inputs.mask).sum(-1).view(-1, inputs.group_size)
+
+
+def _sequence(inputs: AdvantageInputs, advantage: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """Score each completion by its summed reward, compute a (G, K) advantage, spread it over the tokens."""
+    K = inputs.group_size
+    per_sequence = advantage(sequence_scores(inputs), inputs.scored.view(-1, K)).reshape(-1, 1)
+    spread = per_sequence * inputs.mask
+    return spread, spread
+
+
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """G_t = Σ_{s ≥ t} r_s over each completion's tokens (γ = 1), 0 where masked."""
+    rewards = rewards * mask
+    return (rewards.flip(-1).cumsum(-1).flip(-1)) * mask
+
+
+# --- the estimators --------------------------------------------------------------------------------------
+
+
+@register_advantage("rloo")
+def rloo(inputs: AdvantageInputs):
+    return _sequence(inputs, leave_one_out)
+
+
+@register_advantage("grpo")
+def grpo(inputs: AdvantageInputs):
+    return _sequence(inputs, group_normalised)
+
+
+@register_advantage("vanilla-pg")
+def vanilla_pg(inputs: AdvantageInputs):
+    return _sequence(inputs, lambda scores, valid: torch.where(valid, scores, 0.0))
+
+
+@register_advantage("reinforce")
+def reinforce(inputs: AdvantageInputs):
+    """A_i = r̃_i − b, b the loop's moving average of past steps' mean r̃ (it never holds this step's)."""
+    return _sequence(inputs, lambda scores, valid: torch.where(valid, scores - inputs.baseline, 0.0))
+
+
+@register_advantage("remax")
+def remax(inputs: AdvantageInputs):
+    greedy = inputs.greedy_rewards.view(-1, inputs.group_size)
+    return _sequence(inputs, lambda scores, valid: torch.where(valid, scores - greedy, 0.0))
+
+
+@register_advantage("raft")
+def raft(inputs: AdvantageInputs):
+    return _sequence(inputs, best_of_k)
+
+
+@register_advantage("gae")
+def gae(inputs: AdvantageInputs):
+    """Generalised advantage estimation (Schulman et al., 2016), per token.
+
+    δ_t = r_t + γ V_{t+1} − V_t (V after the last token is 0), A_t = δ_t + γλ A_{t+1};
+    returns R_t = A_t + V_t are the critic's targets. Unscored samples get 0.
+    """
+    rewards, values, mask = inputs.token_rewards * inputs.mask, inputs.values * inputs.mask, inputs.mask
+    T = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        following = values[:, t + 1] if t + 1 < T else torch.zeros_like(running)
+        delta = rewards[:, t] + inputs.gamma * following - values[:, t]
+        running = delta + inputs.gamma * inputs.lam * running * mask[:, t + 1] if t + 1 < T else delta
+        advantages[:, t] = running
+    advantages = advantages * mask
+    keep = inputs.scored.to(rewards.dtype).unsqueeze(1)
+    return advantages * keep, (advantages + values) * keep
+
+
+# --- normalisation over the global batch (the loop's, never an estimator's) -------------------------------
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, epsilon: float = 1e-8, total=lambda tensor: tensor) -> torch.Tensor:
+    """(v − mean) / std over the masked entries (population std), 0 elsewhere: PPO's advantage whitening.
+
+    ``total`` sums over processes, so the statistics are the whole batch's.
+    """
+    count = total(mask.sum()).clamp(min=1)
+    mean = total((values * mask).sum()) / count
+    variance = total(((values - mean).square() * mask).sum()) / count
+    return (values - mean) * torch.rsqrt(variance + epsilon) * mask

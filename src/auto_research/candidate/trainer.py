@@ -1,0 +1,207 @@
+"""The candidate-level loop: a linear softmax policy over 6 candidates.
+
+π = softmax(Φ·w), w ∈ R^8, starting at zero; the reference is the initial w,
+frozen. Each step samples K candidates of one problem, asks the registered
+algorithm for advantages, and takes w ← w + lr · clip(g, −5, 5). All random
+draws follow docs/candidate-protocol.md exactly, so figures reproduce to the
+last digit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from auto_research.algorithms.candidate import (ADVANTAGES, LOG_EPSILON, AdvantageInputs, clipped_surrogate,
+                                                update_moving_average)
+from auto_research.algorithms.registry import get_algorithm
+from auto_research.candidate.groups import CandidateGroups, arithmetic_groups, gsm8k_groups
+from auto_research.config.candidate import CandidateConfig
+from auto_research.data.gsm8k import ensure_gsm8k, read_gsm8k
+from auto_research.errors import UserError
+
+EPS = LOG_EPSILON
+
+
+@dataclass(frozen=True)
+class CandidateData:
+    train: CandidateGroups
+    validation: CandidateGroups
+    source: str
+
+
+def load_data(config: CandidateConfig) -> CandidateData:
+    """Train and validation groups for the configured dataset, drawn in protocol order."""
+    n = config.maximum_examples
+    if config.dataset == "arithmetic-smoke":
+        rng = np.random.default_rng(config.seed)
+        train = arithmetic_groups(n, rng)
+        validation = arithmetic_groups(max(64, n // 4), rng)
+        return CandidateData(train, validation, f"embedded arithmetic-smoke (generated from seed {config.seed})")
+    directory = ensure_gsm8k(config.dataset_dir, config.offline)
+    train_rows = read_gsm8k(directory / "train.jsonl", n)
+    validation_rows = read_gsm8k(directory / "test.jsonl", max(32, n // 4))
+    source = (
+        f"GSM8K {directory.resolve()} (train.jsonl first {len(train_rows)} rows, "
+        f"test.jsonl first {len(validation_rows)} rows)"
+    )
+    return CandidateData(
+        gsm8k_groups([row.gold for row in train_rows], config.seed),
+        gsm8k_groups([row.gold for row in validation_rows], config.seed + 1),
+        source,
+    )
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    exponentials = np.exp(shifted)
+    return exponentials / exponentials.sum(axis=-1, keepdims=True)
+
+
+def draw_without_replacement(rng: np.random.Generator, logits: np.ndarray, probabilities: np.ndarray, K: int) -> np.ndarray:
+    """K distinct candidates drawn one after another, each in proportion to π over those left.
+
+    numpy's ``choice(replace=False)`` does exactly this, and every ordinary run
+    takes it (so the protocol's draws are unchanged). It refuses when the
+    softmax has underflowed to fewer than K non-zero entries, as a very large
+    learning rate makes it; the draws then come one by one from the softmax of
+    the remaining logits, which is π restricted to the remaining candidates,
+    computed in log space so that it never underflows.
+    """
+    if np.count_nonzero(probabilities) >= K:
+        return rng.choice(len(probabilities), size=K, replace=False, p=probabilities)
+    remaining = list(range(len(logits)))
+    chosen = []
+    for _ in range(K):
+        pick = remaining[rng.choice(len(remaining), p=softmax(logits[remaining]))]
+        chosen.append(pick)
+        remaining.remove(pick)
+    return np.array(chosen)
+
+
+def evaluate(groups: CandidateGroups, weights: np.ndarray, reference: np.ndarray) -> dict[str, float]:
+    """Greedy accuracy and reward, entropy and KL(π ‖ π_ref), averaged over the groups."""
+    policy = softmax(groups.features @ weights)
+    reference_policy = softmax(groups.features @ reference)
+    greedy = policy.argmax(axis=-1)  # first index on ties
+    return {
+        "accuracy": float(np.mean(greedy == groups.gold)),
+        "mean_reward": float(np.mean(groups.rewards[np.arange(len(greedy)), greedy])),
+        "entropy": float(np.mean(-(policy * np.log(policy + EPS)).sum(axis=-1))),
+        "kl_from_reference": float(np.mean((policy * np.log((policy + EPS) / (reference_policy + EPS))).sum(axis=-1))),
+    }
+
+
+def history_interval(steps: int) -> int:
+    return max(1, steps // 10)
+
+
+def train(config: CandidateConfig, data: CandidateData) -> dict:
+    """Run the configured algorithm; return the metrics.json payload."""
+    # A diverging run (a huge learning rate) is reported in one line by the check in the loop,
+    # not by NumPy's overflow warnings on the way there.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _train(config, data)
+
+
+def _train(config: CandidateConfig, data: CandidateData) -> dict:
+    algorithm = get_algorithm(config.algorithm)
+    twin = algorithm.candidate
+    rng = np.random.default_rng(config.seed)
+    K, lr, beta = config.group_size, config.learning_rate, config.beta
+    features, rewards = data.train.features, data.train.rewards
+    weights = np.zeros(features.shape[-1])
+    reference = weights.copy()
+    rollout = weights.copy()
+    critic = np.zeros(features.shape[-1])
+    moving_average = 0.0  # the loop's baseline for an algorithm with a moving_average decay (REINFORCE)
+    counters = {"critic_updates": 0, "rollout_refreshes": 0}
+    every = history_interval(config.steps)
+    baseline = evaluate(data.validation, weights, reference)
+    history = []
+
+    for step in range(1, config.steps + 1):
+        index = rng.integers(0, len(data.train))
+        phi, group_rewards = features[index], rewards[index]
+        policy = softmax(phi @ weights)
+        reference_policy = softmax(phi @ reference)
+        sampler_logits = phi @ rollout if twin.samples_from == "rollout" else phi @ weights
+        sampler = softmax(phi @ rollout) if twin.samples_from == "rollout" else policy
+        sampled = draw_without_replacement(rng, sampler_logits, sampler, K)
+
+        values = phi[sampled] @ critic if algorithm.needs_critic else None
+        inputs = AdvantageInputs(
+            rewards=group_rewards[sampled],
+            log_ratio=np.log((policy[sampled] + EPS) / (reference_policy[sampled] + EPS)),
+            beta=beta,
+            greedy_rewards=group_rewards[int(np.argmax(policy))] if algorithm.needs_greedy else None,
+            values=values,
+            baseline=moving_average,
+        )
+        advantages = ADVANTAGES[twin.advantage](inputs)
+        if algorithm.moving_average is not None:
+            # The baseline moves after it has been used, so b never contains this step's rewards.
+            moving_average = update_moving_average(moving_average, inputs.shaped(), algorithm.moving_average,
+                                                   inputs.mask)
+
+        # ∇_w log π(i) = φ_i − E_π[φ] for a linear softmax.
+        score = phi[sampled] - policy @ phi
+        if twin.objective == "clipped":
+            ratio = policy[sampled] / (sampler[sampled] + EPS)
+            surrogate = clipped_surrogate(ratio, advantages, config.clip_range)
+            # Where the clip binds, the surrogate is flat in w and contributes nothing.
+            active = np.isclose(surrogate, ratio * advantages)
+            weight = advantages * ratio * active
+            loss = -float(np.mean(surrogate))
+        else:
+            weight = advantages
+            loss_terms = advantages * np.log(policy[sampled] + EPS)
+            loss = -float(np.mean(loss_terms) if twin.reduction == "mean" else np.sum(loss_terms))
+        gradient = (weight[:, None] * score).sum(axis=0)
+        if twin.reduction == "mean":
+            gradient = gradient / K
+        if twin.kl == "loss":
+            # Exact gradient of the forward KL(π_ref ‖ π) over all 6 candidates (a protocol quirk).
+            gradient = gradient - beta * phi.T @ (policy - reference_policy)
+        if algorithm.needs_critic:
+            critic = critic + lr * np.mean((inputs.rewards - values)[:, None] * phi[sampled], axis=0)
+            counters["critic_updates"] += 1
+
+        weights = weights + lr * np.clip(gradient, -config.gradient_clip, config.gradient_clip)
+        if not (np.isfinite(weights).all() and np.isfinite(critic).all()):
+            part = "critic's weights (it takes the same step size)" if not np.isfinite(critic).all() else "policy weights"
+            raise UserError(f"{config.algorithm} diverged at step {step}: the {part} are no longer finite at "
+                            f"--learning-rate {lr:g}; lower it (default {CandidateConfig.learning_rate})")
+        if twin.samples_from == "rollout" and step % config.rollout_refresh == 0:
+            rollout = weights.copy()
+            counters["rollout_refreshes"] += 1
+        if step == 1 or step % every == 0:
+            history.append({"step": float(step), "loss": loss, **evaluate(data.validation, weights, reference)})
+
+    final = evaluate(data.validation, weights, reference)
+    diagnostics = dict(counters)
+    if algorithm.moving_average is not None:
+        diagnostics["final_moving_average_baseline"] = moving_average
+    return {
+        "algorithm": config.algorithm,
+        "dataset": config.dataset,
+        "level": "candidate",
+        "seed": config.seed,
+        "baseline": baseline,
+        "final": final,
+        "relative_accuracy": (final["accuracy"] - baseline["accuracy"]) / max(baseline["accuracy"], 1e-12),
+        "training": {
+            "steps": config.steps,
+            "learning_rate": lr,
+            "group_size": K,
+            "beta": beta,
+            "train_examples": len(data.train),
+            "validation_examples": len(data.validation),
+            "data_source": data.source,
+            "policy": "linear softmax over 6 candidates, 8 features",
+            "final_weights": [float(value) for value in weights],
+            **diagnostics,
+        },
+        "history": history,
+    }

@@ -1,0 +1,111 @@
+"""The ``auto-research`` command line: parse, build a config, call a recipe, print.
+
+No training logic lives here, and nothing heavy is imported at module level, so that
+``auto-research --help`` stays fast and candidate-level runs never import torch or transformers.
+Every flag is made from a config dataclass (cli/flags.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from auto_research import __version__
+from auto_research.algorithms.registry import REGISTRY
+from auto_research.cli import commands
+from auto_research.cli.flags import Parser, add_config_flag, add_flags
+from auto_research.config.candidate import CandidateConfig
+from auto_research.config.fields import DATASETS
+from auto_research.config.generation import GenerationConfig
+from auto_research.config.options import CompareOptions, PostTrainOptions
+from auto_research.errors import TrainingInterrupted, UserError
+
+ALGORITHMS = tuple(REGISTRY)
+LEVELS = {"candidate level": CandidateConfig}
+
+
+def _post_train(parser) -> None:
+    add_flags(parser, GenerationConfig, grouped=True, levels=LEVELS, defaults={"dataset": "arithmetic-smoke"})
+    add_flags(parser, PostTrainOptions)
+
+
+def _compare(parser) -> None:
+    add_flags(parser, GenerationConfig, exclude=("algorithm", "group_size"), grouped=True, levels=LEVELS,
+              defaults={"dataset": "arithmetic-smoke"})
+    add_flags(parser, CompareOptions)
+
+
+def _recipe(name: str):
+    def add(parser) -> None:
+        # Only the command that runs builds its flags, so the others' settings are not even imported.
+        from auto_research.config import recipes
+
+        add_flags(parser, getattr(recipes, name))
+
+    return add
+
+
+SUBCOMMANDS = {
+    "post-train": ("train a policy with one algorithm and report before/after", _post_train),
+    "compare": ("run several algorithms on identical data and settings (generation level: each run in its own "
+                "process, with its time and memory)", _compare),
+    "sft": ("supervised fine-tuning of a causal LM on a dataset's demonstrations", _recipe("SFTConfig")),
+    "reward-model": ("train a reward model (one scalar head) on preference pairs, Bradley–Terry",
+                     _recipe("RewardModelConfig")),
+    "rlhf": ("the whole RLHF pipeline on preference-generate: sample and label pairs, train the reward model, RL "
+             "against it, judge by win rate", _recipe("RLHFConfig")),
+    "data": ("download a dataset into --dataset-dir", _recipe("DataConfig")),
+}
+
+
+def build_parser(command: str | None = None) -> Parser:
+    """The parser, with the flags of ``command`` (of every subcommand when None)."""
+    parser = Parser(prog="auto-research",
+                    description="RL post-training of language models, centred on RLOO (Ahmadian et al., 2024).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for name, (help_text, add) in SUBCOMMANDS.items():
+        subparser = subcommands.add_parser(name, help=help_text)
+        if command in (None, name):
+            add(subparser)
+            if name != "data":
+                add_config_flag(subparser)
+    return parser
+
+
+def _main(argv: list[str] | None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(next((word for word in words if word in SUBCOMMANDS), None))
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        return commands.COMMANDS[args.command](args)
+    except UserError as error:
+        # Under torchrun, the rank that failed says why; the others stop with the same status, silently.
+        if not getattr(error, "quiet", False):
+            print(f"auto-research: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("auto-research: interrupted", file=sys.stderr)
+        return 130
+    except TrainingInterrupted as interrupted:
+        print(f"auto-research: {interrupted}", file=sys.stderr)
+        return interrupted.exit_status
+
+
+def main(argv: list[str] | None = None) -> int:
+    status = _main(argv)
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1") and argv is None:
+        # A torchrun rank ends here without Python's finalization: there, a gloo run-loop thread that
+        # is still releasing the last collective's buffers needs the GIL, cannot have it, and aborts the
+        # process ("terminate called without an active exception", exit -6) after all its work was done.
+        # Everything is written and closed by now; only the standard streams need flushing.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+__all__ = ["ALGORITHMS", "DATASETS", "build_parser", "main"]

@@ -1,0 +1,173 @@
+"""Each subcommand: its flags (and ``--config``) into a config, the recipe called, the outcome printed.
+
+Recipes (and what one command alone needs) are imported inside each command, after its settings are
+checked: they import NumPy, torch or matplotlib, which ``--help`` and a mistyped flag must not wait for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from auto_research.algorithms.registry import REGISTRY, candidate_algorithms
+from auto_research.cli.flags import flag_names, given, load_config_file
+from auto_research.config.candidate import CandidateConfig
+from auto_research.config.generation import GenerationConfig
+from auto_research.config.options import CompareOptions, PostTrainOptions
+from auto_research.config.fields import check_candidate_dataset, is_generation_dataset
+from auto_research.engine.launch import environment_rank
+from auto_research.errors import UserError
+
+CANDIDATE_FIELDS = {name for name in flag_names(CandidateConfig)}
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _levels(args, classes) -> tuple[dict, str]:
+    load_config_file(args, classes)
+    settings = given(args, GenerationConfig)
+    return settings, settings.get("dataset", "arithmetic-smoke")
+
+
+def _candidate(settings: dict, dataset: str) -> CandidateConfig:
+    check_candidate_dataset(dataset)
+    extra = [name for name in settings if name not in CANDIDATE_FIELDS]
+    if extra:
+        flag = flag_names(GenerationConfig)[extra[0]]
+        raise UserError(f"{flag} applies to the generation level only (arithmetic-generate, gsm8k-generate, .jsonl); "
+                        f"{dataset} is a candidate-level dataset")
+    return CandidateConfig(**{**settings, "dataset": dataset})
+
+
+def _print_runs(result: dict, summary_name: str | None = None) -> None:
+    from auto_research.report import tables
+
+    for metrics in result["runs"]:
+        training = metrics["training"]
+        print(f"{metrics['algorithm']} on {metrics['dataset']}: seed {metrics['seed']}, {training['steps']} steps, "
+              f"K={training['group_size']}, {training['train_examples']} train / "
+              f"{training['validation_examples']} validation problems")
+        if metrics.get("model"):
+            print(f"model: {metrics['model']}")
+        print(tables.console_table(metrics))
+        print()
+    if result["summary"] is not None:
+        print(tables.summary_table({summary_name: result["summary"]}))
+        print()
+    for path in result["paths"]:
+        print(f"wrote {path}")
+
+
+def post_train(args: argparse.Namespace) -> int:
+    settings, dataset = _levels(args, [GenerationConfig, PostTrainOptions])
+    options = PostTrainOptions(**given(args, PostTrainOptions))
+    if is_generation_dataset(dataset):
+        if options.seeds:
+            raise UserError("--seeds runs several seeds at the candidate level only; at the generation level run one "
+                            "--seed per command")
+        from auto_research.recipes.post_train import post_train_generation
+
+        result = post_train_generation(GenerationConfig(**settings), log=_stderr)
+        if environment_rank() != 0:  # under torchrun, rank 0 reports
+            return 0
+    else:
+        config = _candidate(settings, dataset).validate()
+        seeds = options.seed_list()
+        from auto_research.recipes.candidate import post_train as candidate_post_train
+
+        result = candidate_post_train(config, seeds)
+    _print_runs(result, settings.get("algorithm", "rloo"))
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    settings, dataset = _levels(args, [GenerationConfig, CompareOptions])
+    options = CompareOptions(**given(args, CompareOptions))
+    group_sizes = options.group_size_list()
+    seeds = options.seed_list() or [settings.get("seed", 42)]
+    if is_generation_dataset(dataset):
+        algorithms = options.algorithm_list(list(REGISTRY))
+        from auto_research.recipes.compare import compare_generation
+
+        result = compare_generation(GenerationConfig(**settings), algorithms, seeds, group_sizes, log=_stderr)
+        print(result["table"])
+        print()
+        for path in result["paths"]:
+            print(f"wrote {path}")
+        return 0
+    if len(group_sizes) > 1:
+        raise UserError("several --group-size values are for the generation level; the candidate level takes one")
+    config = _candidate({**settings, "group_size": group_sizes[0]}, dataset)
+    algorithms = options.algorithm_list(candidate_algorithms())
+    for name in algorithms:
+        CandidateConfig(**{**vars(config), "algorithm": name}).validate()
+    from auto_research.recipes.candidate import compare as candidate_compare
+
+    result = candidate_compare(config, algorithms, seeds)
+    print(result["table"])
+    print()
+    for path in result["paths"][-3:]:
+        print(f"wrote {path}")
+    print(f"and {len(result['paths']) - 3} files in per-run directories under {config.output_dir}")
+    return 0
+
+
+def sft(args: argparse.Namespace) -> int:
+    from auto_research.config.recipes import SFTConfig
+
+    load_config_file(args, [SFTConfig])
+    config = SFTConfig(**given(args, SFTConfig)).validate()
+    from auto_research.recipes import sft as recipe
+
+    result = recipe.run(config)
+    for row in result["history"]:
+        print(f"step {row['step']:>6}  loss {row['loss']:.4f}  held-out accuracy {row['held_out_accuracy']:.3f}")
+    print(f"wrote {result['output_dir']}")
+    return 0
+
+
+def reward_model(args: argparse.Namespace) -> int:
+    from auto_research.config.recipes import RewardModelConfig
+
+    load_config_file(args, [RewardModelConfig])
+    config = RewardModelConfig(**given(args, RewardModelConfig)).validate()
+    from auto_research.recipes import reward_model as recipe
+
+    metrics = recipe.run(config)
+    print(f"reward model on {metrics['train_pairs']} pairs ({metrics['evaluation_pairs']} held out): held-out pairwise "
+          f"accuracy {metrics['pairwise_accuracy']:.3f}, mean reward gap {metrics['reward_gap']:.3f}")
+    print(f"wrote {config.output_dir} (use it as --reward-model {config.output_dir}), metrics.json and calibration.png")
+    return 0
+
+
+def rlhf(args: argparse.Namespace) -> int:
+    from auto_research.config.recipes import RLHFConfig
+
+    load_config_file(args, [RLHFConfig])
+    config = RLHFConfig(**given(args, RLHFConfig)).validate()
+    from auto_research.recipes import rlhf as recipe
+
+    result = recipe.run(config, log=_stderr)
+    print(result["table"])
+    for path in result["paths"]:
+        print(f"wrote {path}")
+    return 0
+
+
+def data(args: argparse.Namespace) -> int:
+    from auto_research.config.recipes import DataConfig
+
+    config = DataConfig(**given(args, DataConfig)).validate()
+    from auto_research.data.gsm8k import ensure_gsm8k, gsm8k_dir
+
+    directory = gsm8k_dir(config.dataset_dir)
+    already = all((directory / name).is_file() for name in ("train.jsonl", "test.jsonl"))
+    ensure_gsm8k(config.dataset_dir, offline=False, base_url=config.base_url)
+    print(f"GSM8K {'already present' if already else 'downloaded'} in {directory}")
+    return 0
+
+
+COMMANDS = {"post-train": post_train, "compare": compare, "sft": sft, "reward-model": reward_model, "rlhf": rlhf,
+            "data": data}

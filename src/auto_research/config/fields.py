@@ -1,0 +1,180 @@
+"""What every config dataclass is made of: fields that are also command-line flags, the checks they
+share (written once), and the names of the datasets. Light: no NumPy, no torch, so ``--help`` is fast.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import field
+from pathlib import Path
+
+from auto_research.errors import UserError
+
+CANDIDATE_DATASETS = ("arithmetic-smoke", "gsm8k-candidate")
+PREFERENCE_DATASETS = ("preference-generate", "preference-arithmetic")
+GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate", *PREFERENCE_DATASETS)
+EMBEDDED_MODEL_DATASETS = ("arithmetic-generate", *PREFERENCE_DATASETS)
+DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
+
+IN_MEMORY = "memory:"
+"""Prefix of an in-memory dataset's name (the Python API: rows passed as a list of dicts)."""
+
+# Prompt files read through Hugging Face ``datasets`` (besides .jsonl, which the project reads itself,
+# line by line, with line numbers in its messages); ``hf:owner/name`` is a hub dataset (online).
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+HUB_DATASET = "hf:"
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+SECTIONS = {
+    "common": "the run (both levels)",
+    "data": "data and model",
+    "rewards": "rewards",
+    "loss": "loss, KL and updates",
+    "critic": "critic (ppo-rlhf)",
+    "sampling": "sampling",
+    "optimisation": "optimisation",
+    "scaling": "several processes (torchrun) and LoRA",
+    "run": "evaluation, checkpoints and the run",
+}
+
+
+def setting(default, help: str, section: str | None = "common", flag: str | None = None, default_text: str | None = None,
+            **argparse_options):
+    """A config field that is also a command-line flag: its name, default and help are written once, here.
+
+    ``section`` groups the flag in --help (None: no flag); ``flag`` overrides the flag derived from the
+    field's name; ``default_text`` says what an unset (None) default means; ``argparse_options`` (type,
+    action, aliases, required, choices) go to argparse. Mutable defaults are given as a zero-argument function.
+    """
+    metadata = {"help": help, "section": section, "flag": flag, "default_text": default_text,
+                "options": argparse_options}
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def default_dataset_dir() -> Path:
+    """``$AUTO_RESEARCH_DATA`` when set, else ``data`` (the folder holding gsm8k/)."""
+    return Path(os.environ.get("AUTO_RESEARCH_DATA") or "data")
+
+
+def flag_of(item) -> str:
+    """The command-line flag of a dataclass field made by ``setting``."""
+    return item.metadata.get("flag") or "--" + item.name.replace("_", "-")
+
+
+# --- checks every command shares --------------------------------------------------------------------
+
+
+def check_positive_finite(flag: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise UserError(f"{flag} must be a finite number > 0, got {value}")
+
+
+def check_non_negative_finite(flag: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise UserError(f"{flag} must be a finite number >= 0, got {value}")
+
+
+def check_positive_integers(*pairs) -> None:
+    """(flag, value) pairs: each value None (unset) or a positive integer."""
+    for flag, value in pairs:
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be a positive integer, got {value}")
+
+
+def check_non_negative_integers(*pairs) -> None:
+    for flag, value in pairs:
+        if value is not None and value < 0:
+            raise UserError(f"{flag} must be >= 0, got {value}")
+
+
+def check_device(device: str) -> None:
+    if not DEVICE_PATTERN.fullmatch(device):
+        raise UserError(f"--device {device!r}: choose auto, cpu, cuda, cuda:N or mps")
+
+
+def check_choice(flag: str, value, allowed) -> None:
+    if value is not None and value not in allowed:
+        raise UserError(f"{flag} {value!r}: choose one of {', '.join(allowed)}")
+
+
+def comma_floats(text: str) -> list[float]:
+    try:
+        return [float(part) for part in str(text).split(",")]
+    except ValueError:
+        raise UserError(f"--reward-weights takes comma-separated numbers such as 1,0.2; got {text!r}") from None
+
+
+def comma_list(flag: str, text: str, kind=str, noun: str = "value") -> list:
+    """``a,b,c`` → [a, b, c] of ``kind``; an empty list, a malformed item or a repeated one is one line."""
+    items = [part.strip() for part in str(text).split(",") if part.strip()]
+    if not items:
+        raise UserError(f"{flag} is empty; give a comma-separated list such as "
+                        f"{'42,43' if kind is int else '0.01,0.05' if kind is float else 'rloo,grpo'}")
+    values = []
+    for item in items:
+        try:
+            values.append(kind(item))
+        except ValueError:
+            what = ("integers such as 42,43,44" if kind is int else "numbers such as 0.01,0.05" if kind is float
+                    else "names")
+            raise UserError(f"{flag} takes comma-separated {what}; got {item!r}") from None
+    if len(set(values)) != len(values):
+        raise UserError(f"{flag} lists a {noun} twice: {text}")
+    return values
+
+
+# --- datasets by name ---------------------------------------------------------------------------------
+
+
+def is_data_source(name: str) -> bool:
+    """A file or folder of rows (or a hub dataset) rather than a named dataset."""
+    folder = Path(name).expanduser()
+    return (name.endswith(DATA_FILE_SUFFIXES) or name.startswith(HUB_DATASET)
+            or (folder.is_dir() and ((folder / "dataset_info.json").exists() or (folder / "dataset_dict.json").exists())))
+
+
+def is_generation_dataset(name: str) -> bool:
+    """The generation level's datasets: the named ones, data files and folders, rows in memory."""
+    return name in GENERATION_DATASETS or is_data_source(name) or name.startswith(IN_MEMORY)
+
+
+def looks_like_a_file(name: str) -> bool:
+    return "/" in name or os.sep in name or Path(name).suffix != "" or Path(name).exists()
+
+
+def _not_a_data_file(name: str) -> UserError:
+    return UserError(f"--dataset {name}: a data file must be .jsonl (JSON Lines), .json, .parquet or .csv, or a "
+                     "folder written by datasets' save_to_disk")
+
+
+def check_candidate_dataset(name: str) -> None:
+    if is_generation_dataset(name):
+        raise UserError(f"{name} is a generation-level dataset; 'compare' and --seeds run the candidate "
+                        f"level ({', '.join(CANDIDATE_DATASETS)})")
+    if name in CANDIDATE_DATASETS:
+        return
+    if looks_like_a_file(name):
+        raise _not_a_data_file(name)
+    raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}, or a .jsonl file")
+
+
+def check_generation_dataset(name: str) -> None:
+    """One line for a dataset the generation level cannot take, saying what it can."""
+    if is_generation_dataset(name):
+        return
+    if name in CANDIDATE_DATASETS:
+        raise UserError(f"{name} is a candidate-level dataset (no text to generate); the generation level takes "
+                        f"{', '.join(GENERATION_DATASETS)} or a .jsonl file")
+    if looks_like_a_file(name):
+        raise _not_a_data_file(name)
+    raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(GENERATION_DATASETS)}, or a .jsonl file")
+
+
+def json_ready(payload: dict) -> dict:
+    """A config's fields as JSON values (paths as text)."""
+    return {key: str(value) if isinstance(value, Path) else value for key, value in payload.items()}

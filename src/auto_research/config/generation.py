@@ -1,0 +1,283 @@
+"""One generation-level run: RL on a causal LM (the paper's setting), validated once.
+
+``validate`` raises ``UserError`` with one line that says what was wrong and what is allowed; it runs
+before any data is read or any output is written, and imports neither NumPy nor torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from auto_research.algorithms.registry import REGISTRY, check_group_size, get_algorithm
+from auto_research.config.fields import (CANDIDATE_DATASETS, EMBEDDED_MODEL_DATASETS, GENERATION_DATASETS,
+                                         HUB_DATASET, IN_MEMORY, PREFERENCE_DATASETS, check_choice, check_device,
+                                         check_generation_dataset,
+                                         check_non_negative_finite, check_non_negative_integers, check_positive_finite,
+                                         check_positive_integers, comma_floats, default_dataset_dir, is_data_source,
+                                         json_ready, setting)
+from auto_research.errors import UserError
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_PLACEMENTS = ("reward", "loss", "none")
+LOSS_AGGREGATIONS = ("sequence", "token-mean", "sequence-mean-token-mean")
+SCHEDULES = ("constant", "cosine")
+
+# Per-dataset defaults for settings the user leaves unset. arithmetic-generate's
+# were chosen so that its CPU demo learns within minutes (see README, "CPU demo").
+GENERATION_PRESETS = {
+    "arithmetic-generate": dict(steps=600, learning_rate=3e-4, prompts_per_step=32, temperature=1.5,
+                                max_new_tokens=6, evaluation_examples=500, warmup_steps=10),
+    # Against a learned reward model (auto-research rlhf): shorter, with evaluations for the KL curves.
+    "preference-generate": dict(steps=300, learning_rate=3e-4, prompts_per_step=32, temperature=1.5,
+                                max_new_tokens=6, evaluation_examples=500, warmup_steps=10, eval_every=50),
+    "preference-arithmetic": dict(steps=300, learning_rate=3e-4, prompts_per_step=32, temperature=1.5,
+                                  max_new_tokens=6, evaluation_examples=500, warmup_steps=10, eval_every=50),
+    "gsm8k-generate": dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0,
+                           max_new_tokens=256, evaluation_examples=128, warmup_steps=10),
+    # A JSONL file holds out its last min(128, rows // 5) rows unless --evaluation-examples is given.
+    "jsonl": dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0,
+                  max_new_tokens=128, warmup_steps=10),
+}
+
+
+@dataclass
+class GenerationConfig:
+    """One generation-level run: RL on a causal LM (the paper's setting).
+
+    The fields are grouped in sections (``SECTIONS``); each one's metadata holds the
+    help text the command line shows, so the flags of ``post-train`` and ``compare``
+    are generated from this class (``cli/flags.py``). None means "the dataset's preset"
+    (``GENERATION_PRESETS``) or "the algorithm's own".
+    """
+
+    # --- the run flags both levels share (config/candidate.py has the candidate level's defaults) ---
+    algorithm: str = setting("rloo", f"one of {', '.join(REGISTRY)}")
+    dataset: str = setting("arithmetic-generate", f"the generation level: {', '.join(GENERATION_DATASETS)}, or a "
+                           ".jsonl, .json, .parquet or .csv file, a save_to_disk folder, hf:owner/name; the candidate "
+                           f"level: {', '.join(CANDIDATE_DATASETS)}")
+    dataset_dir: Path = setting(default_dataset_dir, "folder holding gsm8k/{train,test}.jsonl",
+                                default_text="$AUTO_RESEARCH_DATA, else data", type=Path)
+    maximum_examples: int | None = setting(None, "training prompts used: the dataset's first N", default_text="all",
+                                           type=int)
+    group_size: int = setting(4, "K: completions sampled per prompt", type=int)
+    beta: float = setting(0.05, "β: weight of the KL penalty to the frozen reference", type=float)
+    learning_rate: float | None = setting(None, "AdamW step size", default_text="per dataset", type=float)
+    steps: int | None = setting(None, "policy updates", default_text="per dataset", type=int)
+    seed: int = setting(42, "random seed", type=int)
+    output_dir: Path = setting(lambda: Path("runs/post-training"), "where run folders go", type=Path)
+    offline: bool = setting(False, "never download; missing data or models are an error", action="store_true")
+
+    # --- data and model ---
+    model: str | None = setting(None, "local folder or hub id of a causal LM (default: the embedded tiny model, "
+                                      "arithmetic-generate only)", "data")
+    prompt_field: str | None = setting(None, "prompt field of a .jsonl dataset, text (default: prompt)", "data")
+    answer_field: str | None = setting(None, "answer field of a .jsonl dataset, text or a number (default: answer)",
+                                       "data")
+    evaluation_examples: int | None = setting(None, "held-out prompts evaluated (default: per dataset)", "data",
+                                              type=int)
+    chat_template: bool = setting(True, "send prompts as plain text, not through the chat template", "data",
+                                  flag="--no-chat-template", action="store_false")
+
+    # --- rewards ---
+    reward: list[str] = setting(list, "built-in (arithmetic, gsm8k, match, format) or module:function; repeatable "
+                                      "(default: the dataset's verifier)", "rewards", action="append")
+    reward_weights: list[float] | None = setting(None, "comma-separated weights, one per reward, reward model last",
+                                                 "rewards", type=comma_floats)
+    reward_model: str | None = setting(None, "sequence-classification reward model (folder or hub id)", "rewards")
+    judge: str | None = setting(None, "gold (preference-generate's hidden judge) or module:function(prompt, a, b) -> "
+                                "P(a better): held-out win rate against the starting policy, both orders", "rewards")
+
+    # --- loss, KL and updates ---
+    kl_estimator: str | None = setting(None, "k1 (default in the reward, the paper), k2 or k3 (default in the loss)",
+                                       "loss")
+    kl_in: str | None = setting(None, "reward (rloo, reinforce, vanilla-pg, ppo-rlhf: the shaped reward), loss (grpo) "
+                                      "or none (remax, raft) (default: the algorithm's)", "loss")
+    loss_aggregation: str = setting("sequence", "sequence (the whole response is one action), token-mean or "
+                                                "sequence-mean-token-mean", "loss")
+    updates_per_batch: int = setting(1, "epochs over each rollout batch; > 1 uses clipped ratios", "loss",
+                                     flag="--ppo-epochs", aliases=("--updates-per-batch",), type=int)
+    ppo_mini_batches: int = setting(1, "optimizer steps per epoch, each on whole groups; > 1 uses clipped ratios",
+                                    "loss", type=int)
+    ratio_level: str = setting("token", "importance ratio of the clipped surrogate: token (PPO, GRPO, TRL) or "
+                                        "sequence", "loss")
+    clip_range: float = setting(0.2, "ε of the clipped ratio", "loss", type=float)
+
+    # --- critic (ppo-rlhf) ---
+    gae_lambda: float = setting(1.0, "λ of GAE (the RLOO paper's best for PPO; TRL uses 0.95)", "critic", type=float)
+    value_clip: float = setting(0.2, "clip range of the value loss around the old values", "critic", type=float)
+    vf_coef: float = setting(0.1, "weight of the value loss (the critic has its own AdamW)", "critic", type=float)
+    critic_model: str | None = setting(None, "initial critic weights (default: --reward-model if given, else the "
+                                             "policy)", "critic")
+    whiten_advantages: bool = setting(True, "keep the advantages of algorithms that whiten them over the global batch "
+                                      "(ppo-rlhf's GAE) as they are", "loss", flag="--no-whiten-advantages",
+                                      action="store_false")
+
+    # --- sampling ---
+    temperature: float | None = setting(None, "sampling temperature (default: per dataset)", "sampling", type=float)
+    top_p: float = setting(1.0, "nucleus sampling", "sampling", type=float)
+    top_k: int = setting(0, "top-k sampling, 0 = off", "sampling", type=int)
+    max_new_tokens: int | None = setting(None, "completion length limit (default: per dataset)", "sampling", type=int)
+    prompts_per_step: int | None = setting(None, "prompts (groups) per step; the batch holds prompts × K completions "
+                                                 "(default: per dataset)", "sampling", type=int)
+
+    # --- optimisation ---
+    micro_batch_size: int | None = setting(None, "completions per forward/backward, any size, and per sampling call "
+                                                 "(rounded down to whole groups; default: the whole batch)",
+                                           "optimisation", type=int)
+    lr_schedule: str = setting("constant", "constant or cosine, after linear warmup", "optimisation")
+    warmup_steps: int | None = setting(None, "linear warmup updates (default: per dataset)", "optimisation", type=int)
+    weight_decay: float = setting(0.0, "AdamW weight decay", "optimisation", type=float)
+    max_grad_norm: float = setting(1.0, "gradient-norm clip", "optimisation", type=float)
+    gradient_checkpointing: bool = setting(False, "trade compute for memory", "optimisation", action="store_true")
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N or mps", "optimisation")
+    dtype: str = setting("auto", "auto (bf16 compute on a GPU, fp32 on CPU), float32 or bfloat16; weights stay fp32",
+                         "optimisation")
+    threads: int | None = setting(None, "CPU threads torch may use (default: one per core)", "optimisation", type=int)
+
+    # --- several processes and LoRA ---
+    fsdp: bool = setting(False, "under torchrun, shard policy, reference and critic with FSDP2 (default: DDP, "
+                         "whole models on each rank)", "scaling", action="store_true")
+    lora_r: int | None = setting(None, "train LoRA adapters of this rank instead of every weight (PEFT); the "
+                                 "reference is the model with its adapters disabled", "scaling", type=int)
+    lora_alpha: float | None = setting(None, "LoRA scaling numerator (default: 2 × --lora-r)", "scaling", type=float)
+    lora_dropout: float = setting(0.0, "dropout on the LoRA input (0 keeps sampling and training the same "
+                                  "distribution)", "scaling", type=float)
+    lora_target_modules: str | None = setting(None, "comma-separated module names to adapt (default: every linear "
+                                              "layer of attention and MLP)", "scaling")
+    merge_lora: bool = setting(False, "also save the merged model (base + adapters) in <run>/merged at the end",
+                               "scaling", action="store_true")
+
+    # --- evaluation, checkpoints and the run ---
+    eval_every: int | None = setting(None, "evaluate every N steps, 0 = only at the end (default: steps // 10)", "run",
+                                     type=int)
+    checkpoint_every: int = setting(100, "checkpoint every N steps, and always at the end", "run", type=int)
+    keep_checkpoints: int = setting(2, "most recent checkpoints kept", "run", type=int)
+    resume: bool = setting(False, "continue the run in --output-dir from its latest good checkpoint", "run",
+                           action="store_true")
+    overwrite: bool = setting(False, "start afresh where an earlier run is (deletes its checkpoints)", "run",
+                              action="store_true")
+    report_to: str = setting("none", "none or tensorboard", "run")
+    progress: bool = setting(True, "no progress bar or progress lines", "run", flag="--no-progress",
+                             action="store_false")
+
+    @property
+    def dataset_name(self) -> str:
+        if self.dataset.startswith(IN_MEMORY):
+            return self.dataset[len(IN_MEMORY):] or "rows"
+        if self.dataset.startswith(HUB_DATASET):
+            return self.dataset[len(HUB_DATASET):].replace("/", "-")
+        return Path(self.dataset).stem if is_data_source(self.dataset) else self.dataset
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / f"{self.algorithm}-{self.dataset_name}-seed{self.seed}"
+
+    def filled(self) -> "GenerationConfig":
+        """A copy with the dataset's presets in place of unset (None) settings, and the algorithm's KL placement."""
+        preset = GENERATION_PRESETS[self.dataset if self.dataset in GENERATION_PRESETS else "jsonl"]
+        values = {key: value for key, value in preset.items() if getattr(self, key) is None}
+        filled = replace(self, **values)
+        if filled.eval_every is None:
+            filled.eval_every = max(1, filled.steps // 10)
+        if filled.kl_in is None:
+            filled.kl_in = get_algorithm(self.algorithm).kl
+        if filled.kl_estimator is None:
+            # k1's expected gradient as a loss term is zero: GRPO's paper uses k3 there.
+            filled.kl_estimator = "k1" if filled.kl_in != "loss" else "k3"
+        return filled
+
+    def validate(self) -> "GenerationConfig":
+        """Every check that needs neither torch nor the data: runs before anything heavy is imported."""
+        algorithm = get_algorithm(self.algorithm)
+        self.validate_dataset()
+        if self.model is None and self.dataset not in EMBEDDED_MODEL_DATASETS:
+            raise UserError(f"--model is required for {self.dataset} (only {' and '.join(EMBEDDED_MODEL_DATASETS)} have "
+                            "an embedded model; "
+                            "give a local folder or hub id, or an 'auto-research sft' output)")
+        if self.resume and self.overwrite:
+            raise UserError("--resume continues the run in the output folder and --overwrite deletes it: choose one")
+        if self.group_size < 2:
+            raise UserError(f"--group-size {self.group_size}: the generation level samples K >= 2 completions per "
+                            "prompt (leave-one-out is undefined for K = 1)")
+        check_group_size(algorithm, self.group_size)
+        check_non_negative_finite("--beta", self.beta)
+        check_positive_integers(("--max-new-tokens", self.max_new_tokens), ("--steps", self.steps),
+                                ("--prompts-per-step", self.prompts_per_step), ("--ppo-epochs", self.updates_per_batch),
+                                ("--maximum-examples", self.maximum_examples),
+                                ("--evaluation-examples", self.evaluation_examples), ("--threads", self.threads),
+                                ("--micro-batch-size", self.micro_batch_size),
+                                ("--ppo-mini-batches", self.ppo_mini_batches), ("--lora-r", self.lora_r))
+        check_non_negative_integers(("--warmup-steps", self.warmup_steps), ("--checkpoint-every", self.checkpoint_every),
+                                    ("--eval-every", self.eval_every), ("--top-k", self.top_k))
+        check_device(self.device)
+        if self.keep_checkpoints < 1:
+            raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+        for flag, value in (("--learning-rate", self.learning_rate), ("--temperature", self.temperature),
+                            ("--max-grad-norm", self.max_grad_norm), ("--value-clip", self.value_clip),
+                            ("--lora-alpha", self.lora_alpha)):
+            if value is not None:
+                check_positive_finite(flag, value)
+        if not (0 < self.top_p <= 1):
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.clip_range < 1):
+            raise UserError(f"--clip-range must be in [0, 1), got {self.clip_range}")
+        check_non_negative_finite("--weight-decay", self.weight_decay)
+        for flag, value, allowed in (("--kl-estimator", self.kl_estimator, KL_ESTIMATORS),
+                                     ("--kl-in", self.kl_in, KL_PLACEMENTS),
+                                     ("--loss-aggregation", self.loss_aggregation, LOSS_AGGREGATIONS),
+                                     ("--ratio-level", self.ratio_level, ("token", "sequence")),
+                                     ("--lr-schedule", self.lr_schedule, SCHEDULES),
+                                     ("--report-to", self.report_to, ("none", "tensorboard"))):
+            check_choice(flag, value, allowed)
+        if self.kl_in == "reward" and algorithm.kl != "reward" and self.beta > 0:
+            raise UserError(f"--kl-in reward: {self.algorithm}'s advantage does not use the shaped reward; "
+                            "use --kl-in loss (or --beta 0)")
+        if self.kl_in == "loss" and self.kl_estimator == "k1":
+            raise UserError("--kl-estimator k1 with --kl-in loss: the expected gradient of a k1 loss term is zero, "
+                            "so the penalty would do nothing; use k3 (the default there) or k2")
+        if self.prompts_per_step is not None and self.prompts_per_step % self.ppo_mini_batches:
+            raise UserError(f"--ppo-mini-batches {self.ppo_mini_batches} must divide --prompts-per-step "
+                            f"{self.prompts_per_step} (each mini-batch holds whole groups)")
+        if not (math.isfinite(self.gae_lambda) and 0 <= self.gae_lambda <= 1):
+            raise UserError(f"--gae-lambda must be in [0, 1], got {self.gae_lambda}")
+        check_non_negative_finite("--vf-coef", self.vf_coef)
+        if self.critic_model is not None and not algorithm.needs_critic:
+            with_critic = [name for name, record in REGISTRY.items() if record.needs_critic]
+            raise UserError(f"--critic-model applies to {', '.join(with_critic)} only; {self.algorithm} has no critic")
+        if self.dtype in ("float16", "fp16"):
+            raise UserError("--dtype float16 would need loss scaling; use bfloat16 (fp32 master weights, bf16 compute) "
+                            "or float32")
+        if self.lora_r is None:
+            for flag, value in (("--lora-alpha", self.lora_alpha), ("--lora-target-modules", self.lora_target_modules)):
+                if value is not None:
+                    raise UserError(f"{flag} needs --lora-r (LoRA is off without it)")
+            if self.merge_lora:
+                raise UserError("--merge-lora needs --lora-r (LoRA is off without it)")
+        if not (0 <= self.lora_dropout < 1):
+            raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_target_modules is not None and not [name for name in self.lora_target_modules.split(",") if name.strip()]:
+            raise UserError("--lora-target-modules is empty; give module names such as q_proj,v_proj")
+        if self.dataset in PREFERENCE_DATASETS and not self.reward_model and not self.reward:
+            raise UserError(f"{self.dataset} is optimised against a learned reward model: give --reward-model "
+                            "(auto-research rlhf samples the preference pairs and trains one), or --reward")
+        if self.judge is not None and self.judge != "gold" and ":" not in self.judge:
+            raise UserError(f"--judge {self.judge!r}: give gold or module:function")
+        for weight in self.reward_weights or ():
+            if not math.isfinite(weight):
+                raise UserError(f"--reward-weights must be finite numbers, got {weight}")
+        if self.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+            raise UserError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
+        return self
+
+    def validate_dataset(self) -> None:
+        check_generation_dataset(self.dataset)
+        if not is_data_source(self.dataset) and not self.dataset.startswith(IN_MEMORY):
+            for flag, value in (("--prompt-field", self.prompt_field), ("--answer-field", self.answer_field)):
+                if value is not None:
+                    raise UserError(f"{flag} applies to .jsonl datasets only; {self.dataset} has fixed fields")
+
+    def to_json(self) -> dict:
+        return json_ready(asdict(self))

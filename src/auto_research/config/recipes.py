@@ -1,0 +1,154 @@
+"""The settings of the other commands (data, sft, reward-model, rlhf): dataclasses whose fields are the
+commands' flags (cli/flags.py generates them)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from auto_research.algorithms.registry import REGISTRY
+from auto_research.config.fields import (check_device, check_generation_dataset, check_non_negative_finite,
+                                         check_positive_finite, check_positive_integers, comma_list,
+                                         default_dataset_dir, json_ready, setting)
+from auto_research.errors import UserError
+
+
+@dataclass
+class DataConfig:
+    """``auto-research data``: download a dataset's official files."""
+
+    name: str = setting("gsm8k", "the dataset: gsm8k", positional=True)
+    dataset_dir: Path = setting(default_dataset_dir, "where it goes", default_text="$AUTO_RESEARCH_DATA, else data",
+                                type=Path)
+    base_url: str | None = setting(None, "mirror of the official files", default_text="OpenAI's repository")
+
+    def validate(self) -> "DataConfig":
+        if self.name != "gsm8k":
+            raise UserError(f"unknown dataset {self.name!r} for 'data'; choose one of: gsm8k")
+        return self
+
+
+@dataclass
+class SFTConfig:
+    """``auto-research sft``: supervised fine-tuning of a causal LM on a dataset's demonstrations."""
+
+    output_dir: Path | None = setting(None, "where the fine-tuned model is saved", type=Path, required=True)
+    model: str | None = setting(None, "folder or hub id", default_text="a fresh embedded tiny model")
+    dataset: str = setting("arithmetic-generate", "arithmetic-generate, gsm8k-generate, preference-generate or a "
+                                                  ".jsonl file")
+    prompt_field: str | None = setting(None, "prompt field of a .jsonl dataset", default_text="prompt")
+    answer_field: str | None = setting(None, "field of a .jsonl dataset trained on as the completion",
+                                       default_text="answer")
+    steps: int = setting(1000, "optimizer steps", type=int)
+    batch_size: int = setting(64, "demonstrations per step", type=int)
+    learning_rate: float = setting(2e-3, "AdamW step size", type=float)
+    seed: int = setting(0, "random seed: initialisation and batch order", type=int)
+    dataset_dir: Path = setting(default_dataset_dir, "folder holding gsm8k/", default_text="$AUTO_RESEARCH_DATA, else data",
+                                type=Path)
+    overwrite: bool = setting(False, "replace a model already saved in --output-dir", action="store_true")
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N or mps")
+    threads: int | None = setting(None, "CPU threads torch may use", default_text="one per core", type=int)
+    chat_template: bool = setting(True, "send prompts as plain text", flag="--no-chat-template", action="store_false")
+    offline: bool = setting(False, "never download; a hub id is an error", action="store_true")
+
+    def validate(self) -> "SFTConfig":
+        if self.output_dir is None:
+            raise UserError("--output-dir is required: where the fine-tuned model is saved")
+        check_generation_dataset(self.dataset)
+        check_positive_integers(("--steps", self.steps), ("--batch-size", self.batch_size), ("--threads", self.threads))
+        check_positive_finite("--learning-rate", self.learning_rate)
+        check_device(self.device)
+        return self
+
+    def to_json(self) -> dict:
+        return json_ready(asdict(self))
+
+
+@dataclass
+class RewardModelConfig:
+    """``auto-research reward-model``: a one-scalar reward model fitted to preference pairs (Bradley–Terry)."""
+
+    dataset: str | None = setting(None, "preference pairs: .jsonl, .json, .parquet, .csv, a save_to_disk folder, or "
+                                        "a hub name (online)", required=True)
+    output_dir: Path | None = setting(None, "where the reward model is saved", type=Path, required=True)
+    model: str | None = setting(None, "causal LM folder or hub id to put the head on",
+                                default_text="a fresh embedded tiny model")
+    prompt_field: str = setting("prompt", "the prompt's field ('none': the prompt is inside chosen and rejected)")
+    chosen_field: str = setting("chosen", "the preferred response's field")
+    rejected_field: str = setting("rejected", "the other response's field")
+    margin_field: str | None = setting(None, "a per-pair margin m in −log σ(r_w − r_l − m)", default_text="none")
+    center_rewards_coefficient: float = setting(0.0, "weight of (r_w + r_l)², keeping rewards near 0", type=float)
+    steps: int = setting(400, "optimizer steps", type=int)
+    batch_size: int = setting(32, "pairs per step", type=int)
+    learning_rate: float = setting(1e-3, "AdamW step size", type=float)
+    max_length: int | None = setting(None, "truncate prompt + response to N tokens", type=int)
+    evaluation_examples: int | None = setting(None, "held-out pairs", default_text="min(500, pairs // 10), at least 1",
+                                              type=int)
+    seed: int = setting(0, "random seed", type=int)
+    overwrite: bool = setting(False, "replace a model already saved in --output-dir", action="store_true")
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N or mps")
+    offline: bool = setting(False, "never download", action="store_true")
+    progress: bool = setting(True, "no progress bar", flag="--no-progress", action="store_false")
+
+    @property
+    def prompt(self) -> str | None:
+        return None if self.prompt_field in (None, "", "none") else self.prompt_field
+
+    def validate(self) -> "RewardModelConfig":
+        for flag, value in (("--dataset", self.dataset), ("--output-dir", self.output_dir)):
+            if value is None:
+                raise UserError(f"{flag} is required")
+        check_positive_integers(("--steps", self.steps), ("--batch-size", self.batch_size),
+                                ("--evaluation-examples", self.evaluation_examples), ("--max-length", self.max_length))
+        check_positive_finite("--learning-rate", self.learning_rate)
+        check_non_negative_finite("--center-rewards-coefficient", self.center_rewards_coefficient)
+        check_device(self.device)
+        return self
+
+
+@dataclass
+class RLHFConfig:
+    """``auto-research rlhf``: the whole RLHF pipeline on an embedded preference task."""
+
+    model: str | None = setting(None, "starting policy and reward-model backbone",
+                                default_text="the embedded tiny model, warm-started on arithmetic")
+    gold: str = setting("length", "the hidden gold scorer: length (preference-generate: 4-character answers) or "
+                                  "arithmetic (preference-arithmetic: partial credit for the sum, which fools a tiny "
+                                  "proxy; over-optimisation shows)", choices=("length", "arithmetic"))
+    algorithms: str = setting("rloo", "comma-separated")
+    betas: str = setting("0.05", "comma-separated β values: a sweep")
+    seeds: str = setting("42", "comma-separated")
+    group_size: int = setting(4, "K", type=int)
+    steps: int | None = setting(None, "RL steps per run", default_text="the dataset's, 300", type=int)
+    pairs: int = setting(3000, "preference pairs to label", type=int)
+    reward_model_steps: int = setting(400, "optimizer steps of the reward model", type=int)
+    eval_every: int | None = setting(None, "evaluations for the KL curves", default_text="50", type=int)
+    output_dir: Path = setting(lambda: Path("runs/rlhf"), "where the pipeline's outputs go", type=Path)
+    overwrite: bool = setting(False, "start afresh over an earlier pipeline in --output-dir", action="store_true")
+    progress: bool = setting(True, "no progress bars", flag="--no-progress", action="store_false")
+
+    @property
+    def dataset(self) -> str:
+        return "preference-generate" if self.gold == "length" else "preference-arithmetic"
+
+    def validate(self) -> "RLHFConfig":
+        unknown = [name for name in self.algorithm_list() if name not in REGISTRY]
+        if unknown:
+            raise UserError(f"--algorithms {self.algorithms!r}: choose from {', '.join(REGISTRY)}")
+        for beta in self.beta_list():
+            check_non_negative_finite("--betas", beta)
+        self.seed_list()
+        check_positive_integers(("--pairs", self.pairs), ("--reward-model-steps", self.reward_model_steps),
+                                ("--steps", self.steps), ("--eval-every", self.eval_every))
+        if self.group_size < 2:
+            raise UserError(f"--group-size {self.group_size}: K >= 2")
+        return self
+
+    def algorithm_list(self) -> list[str]:
+        return comma_list("--algorithms", self.algorithms, noun="algorithm")
+
+    def beta_list(self) -> list[float]:
+        return comma_list("--betas", self.betas, float, "β")
+
+    def seed_list(self) -> list[int]:
+        return comma_list("--seeds", self.seeds, int, "seed")

@@ -1,0 +1,37 @@
+"""The types a task is made of: leaf module, imported by data, rewards and training alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    """The text the model is asked to continue (before any chat template)."""
+    answer: str
+    """What the verifier compares a completion against."""
+    solution: str | None = None
+    """A reference completion, for supervised fine-tuning."""
+    fields: dict = field(default_factory=dict)
+    """The dataset row as read, for user reward functions."""
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    train: list[Example]
+    """Prompts for RL (fresh: never among the demonstrations for arithmetic-generate)."""
+    evaluation: list[Example]
+    """Held-out prompts for greedy evaluation."""
+    demonstrations: list[Example]
+    """Prompt + solution pairs for supervised fine-tuning."""
+    verifier: str
+    """Name of the built-in reward that checks answers (rewards/verifiers.py)."""
+    source: str
+    gold: object = None
+    """A hidden gold scorer (prompts, completions, examples) → floats, evaluated but never trained on."""
+    gold_judge: object = None
+    """Pairwise gold judge (prompt, response A, response B, example) → P(A is better)."""
+    base: str | None = None
+    """The embedded task whose warm-started model this task starts from (default: its own name)."""

@@ -1,0 +1,35 @@
+"""What a process knows of its launch before torch is imported: its rank, the number of processes, and the
+settings that depend on that number. Light, so that a setting torchrun cannot honour fails at once."""
+
+from __future__ import annotations
+
+import os
+
+from auto_research.errors import UserError
+
+
+def environment_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def environment_rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def check_world(config, size: int | None = None) -> None:
+    """The settings that depend on the number of processes; no torch needed."""
+    size = environment_world_size() if size is None else size
+    if config.fsdp and size < 2:
+        raise UserError("--fsdp shards the models over several processes: launch with "
+                        "torchrun --nproc-per-node N -m auto_research post-train … (N >= 2)")
+    parts = size * config.ppo_mini_batches
+    if config.prompts_per_step % parts:
+        raise UserError(f"--prompts-per-step {config.prompts_per_step} must be a multiple of the number of processes "
+                        f"({size}) times --ppo-mini-batches ({config.ppo_mini_batches}): each rank takes whole groups "
+                        "of every mini-batch")

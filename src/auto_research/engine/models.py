@@ -1,0 +1,126 @@
+"""Loading a policy (any AutoModelForCausalLM), its tokenizer and PPO's critic; devices and dtypes."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from auto_research.engine import lora
+from auto_research.engine.sources import base_of, check_model_source, is_adapter
+from auto_research.errors import UserError, one_line
+
+_log = logging.getLogger("auto_research")
+
+
+def resolve_device(name: str = "auto") -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device mps: Apple's MPS backend is not available on this machine; use --device cpu")
+    if name not in ("cpu", "mps") and not name.startswith("cuda"):
+        raise UserError(f"--device {name!r}: choose auto, cpu, cuda, cuda:N or mps")
+    return name
+
+
+def resolve_dtype(name: str, device: str):
+    """auto: bfloat16 on a GPU that supports it, else float32."""
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name == "auto":
+        if device.startswith("cuda") and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if name not in table:
+        raise UserError(f"--dtype {name!r}: choose one of auto, {', '.join(table)}")
+    return table[name]
+
+
+def quiet_transformers() -> None:
+    """Our own progress bar and log lines say what happens; keep the library's per-load bars out."""
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_policy(name: str, device: str, dtype, offline: bool, log=None, keep_adapter: bool = False):
+    """Model and tokenizer from a local folder or a hub id.
+
+    A folder holding a LoRA adapter (``adapter_config.json``) loads its base model with the
+    adapter: kept as a PEFT model to train on (``keep_adapter``), or merged into the weights.
+    """
+    quiet_transformers()
+
+    check_model_source(name, offline)
+    adapter = is_adapter(name)
+    weights = base_of(name) if adapter else name
+    if adapter:
+        check_model_source(weights, offline, f"--model {name}'s base model")
+    local = Path(weights).expanduser().exists()
+    tokenizer_source = name if not adapter or (Path(name).expanduser() / "tokenizer_config.json").is_file() else weights
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, local_files_only=offline or local)
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, local_files_only=offline or local)
+    except Exception as error:  # a damaged file surfaces as many types: OSError, SafetensorError, ValueError …
+        raise UserError(f"--model {name}: cannot load ({one_line(error)})") from None
+    if adapter:
+        model = lora.attach_saved_adapter(model, name, trainable=keep_adapter)
+        if not keep_adapter:
+            model = model.merge_and_unload()
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise UserError(f"--model {name}: the tokenizer has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+        (log or _log.info)(f"tokenizer of {name} has no pad token; padding with its EOS token {tokenizer.eos_token!r}")
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    model.to(device)
+    return model, tokenizer
+
+
+def format_prompt(tokenizer, prompt: str, use_chat_template: bool) -> str:
+    """The prompt as the model sees it: through the chat template when it has one."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    return prompt
+
+
+def context_length(model) -> int | None:
+    config = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def load_critic(name: str, device: str, offline: bool, vocabulary: int, flag: str = "--critic-model"):
+    """PPO's value model: the architecture of ``name`` with a scalar head per token, in float32.
+
+    The backbone is loaded from ``name`` (the policy, a reward model, or --critic-model);
+    the head starts at zero, so every value starts at 0 and the first advantages are
+    the returns themselves.
+    """
+    check_model_source(name, offline, flag)
+    local = Path(name).expanduser().exists()
+    try:
+        critic = AutoModelForTokenClassification.from_pretrained(name, num_labels=1, dtype=torch.float32,
+                                                                 local_files_only=offline or local)
+    except Exception as error:  # as in load_policy: many exception types for one mistake
+        raise UserError(f"{flag} {name}: cannot load as a value model ({one_line(error)})") from None
+    if critic.config.vocab_size != vocabulary:
+        raise UserError(f"{flag} {name}: its vocabulary has {critic.config.vocab_size} tokens, the policy's "
+                        f"{vocabulary}; the critic reads the policy's tokens")
+    head = getattr(critic, "score", None) or getattr(critic, "classifier")
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.zero_()
+    return critic.to(device)

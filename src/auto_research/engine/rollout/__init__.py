@@ -1,0 +1,145 @@
+"""Rollout: the Sampler seam. A sampler turns prompts into K completions each, from given seeds, and carries
+its own log-probabilities of the tokens it drew; it is handed the policy's new weights after every
+optimizer step.
+
+    rollout = sampler.sample(prompts, K, seeds)      # ids, masks, texts, the sampler's log-probs
+    ...                                              # score, experience, advantages, update
+    sampler.load_weights(policy)                     # a no-op for the builtin loop
+
+The builtin loop (``builtin.py``) samples from the training model itself. Another engine (vLLM, an
+asynchronous producer) implements the same two methods and returns the same ``Rollout``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Every setting that shapes the sampled distribution, passed explicitly (never a checkpoint's
+    ``generation_config``)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """B = groups · K rows; rows g·K … g·K + K − 1 answer prompt g."""
+
+    sequences: torch.Tensor
+    """(B, P + C) left-padded prompt, then completion."""
+    prompt_mask: torch.Tensor
+    """(B, P) 1 on prompt tokens, 0 on left padding."""
+    completion_mask: torch.Tensor
+    """(B, C) 1 up to and including the first EOS."""
+    completions: list[str]
+    """Decoded completions, special tokens removed."""
+    group_size: int
+    sampler_logprobs: torch.Tensor | None = None
+    """(B, C) the sampler's log-probability of each drawn token under the distribution it sampled (after
+    temperature, top-k and top-p), 0 where masked; None for greedy decoding or a fixed batch."""
+
+    @property
+    def prompt_length(self) -> int:
+        return self.prompt_mask.shape[1]
+
+    @property
+    def completion_ids(self) -> torch.Tensor:
+        return self.sequences[:, self.prompt_length:]
+
+    def rows(self, start: int, stop: int, trim: bool = False) -> "Rollout":
+        """Rows start … stop − 1 (a micro-batch of whole groups).
+
+        With ``trim``, without the prompt columns that are left padding in every one of these rows
+        and the completion columns after the longest of their completions: the forward then costs
+        what the micro-batch holds, not what the longest row of the whole batch needs. Log-probs
+        and values of the kept positions are unchanged (positions come from the attention mask).
+        """
+        sequences, prompt_mask, completion_mask = (self.sequences[start:stop], self.prompt_mask[start:stop],
+                                                   self.completion_mask[start:stop])
+        logprobs = None if self.sampler_logprobs is None else self.sampler_logprobs[start:stop]
+        if trim and sequences.shape[0]:
+            used_prompt = prompt_mask.any(0).nonzero()
+            first = int(used_prompt[0]) if used_prompt.numel() else prompt_mask.shape[1] - 1
+            used_completion = completion_mask.any(0).nonzero()
+            width = int(used_completion[-1]) + 1 if used_completion.numel() else 1
+            prompt_length = prompt_mask.shape[1]
+            sequences = sequences[:, first: prompt_length + width]
+            prompt_mask, completion_mask = prompt_mask[:, first:], completion_mask[:, :width]
+            logprobs = None if logprobs is None else logprobs[:, :width]
+        return Rollout(sequences, prompt_mask, completion_mask, self.completions[start:stop], self.group_size, logprobs)
+
+
+class Sampler(Protocol):
+    """What the training step needs of a rollout engine."""
+
+    def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
+        """K completions of each prompt; prompt i's draws come from ``seeds[i]`` alone, so which batch or
+        process samples a prompt changes nothing."""
+
+    def load_weights(self, model) -> None:
+        """Take the policy's weights after an optimizer step (before the next ``sample``)."""
+
+
+def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+    """One rollout from several sampled separately: prompts left-padded, completions right-padded
+    to the widest (padding is masked out, and positions come from the masks, so nothing changes)."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    prompt_width = max(r.prompt_length for r in rollouts)
+    completion_width = max(r.completion_mask.shape[1] for r in rollouts)
+    sequences, prompt_masks, completion_masks, logprobs = [], [], [], []
+    for r in rollouts:
+        left = prompt_width - r.prompt_length
+        right = completion_width - r.completion_mask.shape[1]
+        prompt = torch.nn.functional.pad(r.sequences[:, : r.prompt_length], (left, 0), value=pad_token_id)
+        completion = torch.nn.functional.pad(r.completion_ids, (0, right), value=pad_token_id)
+        sequences.append(torch.cat([prompt, completion], dim=1))
+        prompt_masks.append(torch.nn.functional.pad(r.prompt_mask, (left, 0)))
+        completion_masks.append(torch.nn.functional.pad(r.completion_mask, (0, right)))
+        if r.sampler_logprobs is not None:
+            logprobs.append(torch.nn.functional.pad(r.sampler_logprobs, (0, right)))
+    return Rollout(torch.cat(sequences), torch.cat(prompt_masks), torch.cat(completion_masks),
+                   [text for r in rollouts for text in r.completions], rollouts[0].group_size,
+                   torch.cat(logprobs) if len(logprobs) == len(rollouts) else None)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """1 on every completion token up to and including the first EOS, 0 after it.
+
+    Padding appended after a finished row comes after its EOS, so it is excluded too, whether or not
+    the pad token equals EOS.
+    """
+    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
+    for token in eos_token_ids:
+        is_eos |= completion_ids == token
+    eos_so_far = is_eos.long().cumsum(dim=1)
+    after_eos = (eos_so_far - is_eos.long()) > 0
+    return (~after_eos).long()
+
+
+def prompt_seed(seed: int, step: int, index: int) -> int:
+    """The sampling seed of one prompt at one step: from the run's seed, the step and the prompt's
+    dataset index, never from a process's random stream, so 1 or N processes draw the same samples."""
+    return int(np.random.SeedSequence([seed, step, index]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(int(token) for token in configured)
+    return sorted(ids)

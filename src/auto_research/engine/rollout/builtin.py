@@ -1,0 +1,159 @@
+"""The builtin sampler: a lean decoding loop over the training model's own KV cache, seeded per prompt.
+
+Every setting that shapes the distribution is an argument (``SamplingSettings``); the checkpoint's
+``generation_config`` (repetition penalty, suppressed tokens, min_p …) is never read. Token t of a
+sample is logits/temperature → top-k → top-p → an inverse-CDF draw at a uniform from the prompt's own
+generator, so the samples of a prompt do not depend on which other prompts share its batch or process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from auto_research.engine.logprobs import accepts
+from auto_research.engine.rollout import Rollout, SamplingSettings, completion_mask, concatenate, eos_ids
+
+
+def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = tokenizer(prompts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k, then nucleus filtering (−inf outside), as Hugging Face's warpers order them.
+
+    Nucleus keeps the smallest set of most probable tokens whose probability reaches ``top_p``
+    (at least one token).
+    """
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        probabilities = ordered.softmax(-1)
+        # Mass strictly before each token: a token stays while the ones above it hold < top_p.
+        before = probabilities.cumsum(-1) - probabilities
+        remove = before >= top_p
+        remove[..., 0] = False
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return logits
+
+
+def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row b takes the first token whose cumulative probability exceeds u_b.
+
+    Exact for the softmax of ``logits``, and a row's draw depends on its own uniform only, so
+    batch composition cannot change which token a prompt gets.
+    """
+    cumulative = logits.softmax(-1).cumsum(-1)
+    target = uniforms.unsqueeze(-1) * cumulative[..., -1:]
+    index = torch.searchsorted(cumulative, target, right=True).squeeze(-1)
+    return index.clamp(max=logits.shape[-1] - 1)
+
+
+def _cache_argument(model) -> str:
+    """The name under which this model's forward takes its KV cache (transformers 5.2x renamed it)."""
+    return "cache" if accepts(model, "cache") else "past_key_values"
+
+
+def _cache_of(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+@torch.no_grad()
+def sample(
+    model,
+    tokenizer,
+    prompts: list[str],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    seeds: list[int] | None = None,
+) -> Rollout:
+    """K samples for each prompt (or one greedy completion each when ``greedy``), with the sampler's
+    log-probabilities of the drawn tokens. Without ``seeds`` the uniforms come from torch's global
+    generator."""
+    device = next(model.parameters()).device
+    input_ids, attention = encode_prompts(tokenizer, prompts, device)
+    repeats = 1 if greedy else group_size
+    input_ids = input_ids.repeat_interleave(repeats, dim=0)
+    attention = attention.repeat_interleave(repeats, dim=0)
+    rows = input_ids.shape[0]
+    uniforms = None
+    if not greedy:
+        if seeds is not None:
+            if len(seeds) != len(prompts):
+                raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+            uniforms = torch.cat([torch.rand(repeats, max_new_tokens, generator=torch.Generator().manual_seed(seed),
+                                             dtype=torch.float64) for seed in seeds]).to(device)
+        else:
+            uniforms = torch.rand(rows, max_new_tokens, dtype=torch.float64).to(device)
+    eos = torch.tensor(eos_ids(tokenizer, model), device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(eos[0])
+    was_training = model.training
+    model.eval()
+    # transformers 5.2x renamed past_key_values to cache; older models keep the old name.
+    cache_argument = _cache_argument(model)
+    try:
+        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        output = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                       logits_to_keep=1)
+        position = positions[:, -1:] + 1
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        tokens, logprobs = [], []
+        for t in range(max_new_tokens):
+            logits = output.logits[:, -1].float()
+            if greedy:
+                token = logits.argmax(-1)
+            else:
+                logits = logits / temperature if temperature != 1.0 else logits
+                filtered = filter_logits(logits, top_k, top_p).double()
+                token = draw(filtered, uniforms[:, t])
+                logprobs.append(torch.log_softmax(filtered, -1).gather(-1, token.unsqueeze(-1)).squeeze(-1).float())
+            token = torch.where(finished, torch.full_like(token, pad), token)
+            tokens.append(token)
+            finished |= torch.isin(token, eos)
+            if bool(finished.all()) or t == max_new_tokens - 1:
+                break
+            attention = torch.cat([attention, attention.new_ones(rows, 1)], dim=1)
+            output = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=position,
+                           use_cache=True, **{cache_argument: _cache_of(output)})
+            position = position + 1
+    finally:
+        model.train(was_training)
+    completion_ids = torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(rows, 0)
+    sequences = torch.cat([input_ids, completion_ids], dim=1)
+    mask = completion_mask(completion_ids, eos.tolist())
+    texts = tokenizer.batch_decode(completion_ids * mask + pad * (1 - mask), skip_special_tokens=True)
+    sampled = torch.stack(logprobs, dim=1) * mask if logprobs else None
+    return Rollout(sequences, attention[:, : input_ids.shape[1]], mask, texts, repeats, sampled)
+
+
+class BuiltinSampler:
+    """Samples from the training model itself (``sample`` above), in chunks of ``chunk_prompts`` prompts
+    so that shapes are the same on 1 or N processes; ``context`` is entered around the sampling (bf16
+    autocast, FSDP's whole parameters). ``load_weights`` has nothing to do: there is no second copy."""
+
+    def __init__(self, model, tokenizer, settings: SamplingSettings, chunk_prompts: int | None = None,
+                 context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.chunk_prompts, self.context = chunk_prompts, context
+
+    def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
+        chunk = self.chunk_prompts or len(prompts)
+        settings = self.settings
+        with self.context():
+            parts = [sample(self.model, self.tokenizer, prompts[start: start + chunk], group_size,
+                            settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
+                            seeds=seeds[start: start + chunk]) for start in range(0, len(prompts), chunk)]
+        return concatenate(parts, self.tokenizer.pad_token_id)
+
+    def load_weights(self, model) -> None:
+        pass

@@ -1,1 +1,0 @@
-"""Post-training: one loop, one estimator module, algorithms as small functions."""

@@ -1,0 +1,55 @@
+"""The torch half of a generation-level run: the components, the loop, the reports."""
+
+from __future__ import annotations
+
+from auto_research.engine.distributed import World
+from auto_research.engine.lora import save_merged
+from auto_research.engine.models import resolve_device
+from auto_research.errors import UserError
+from auto_research.report import plots, tables
+from auto_research.train.components import build_components
+from auto_research.train.loop import RunLoop, restore
+from auto_research.train.memory import MemoryMeter
+from auto_research.train.prepare import Prepared
+from auto_research.train.state import LoopState
+from auto_research.train.warm_start import model_for
+
+
+def started_world(config) -> World:
+    """Under torchrun: this rank's World, its process group joined."""
+    world = World.from_environment(config.fsdp)
+    world.start(world.device(resolve_device(config.device)))
+    return world
+
+
+def train_and_report(prepared: Prepared, world: World | None, lock, log) -> dict:
+    config = prepared.config
+    world = world or World.from_environment(config.fsdp)
+    memory = MemoryMeter(config.device)
+    components = build_components(prepared, model_for(config, prepared.task, world, log), world, log)
+    state = LoopState.fresh(config.seed)
+    if prepared.resume_from is not None:
+        restore(components, state, prepared.resume_from, log)
+    metrics = RunLoop(components, state, lock, log, resumed=prepared.resume_from is not None).run()
+    if config.merge_lora:
+        folder = config.run_dir / "merged"
+        if world.main:
+            save_merged(components.policy, components.tokenizer, folder)
+            log(f"wrote the merged model to {folder}")
+        world.barrier()
+    # Every rank leaves the process group together, before rank 0 writes the reports (gloo aborts a rank
+    # whose peer tears its connections down while it is still busy).
+    world.stop()
+    metrics["training"].update(memory.read())
+    metrics["training"]["processes"] = world.size
+    if not world.main:
+        return {"runs": [metrics], "paths": [], "summary": None}
+    lock.check()
+    rows = tables.read_jsonl(config.run_dir / "metrics.jsonl")
+    try:
+        paths = tables.write_run(config.run_dir, metrics)
+        paths.append(plots.training_curves_plot(config.run_dir / "curves.png", rows, metrics))
+    except OSError as error:
+        raise UserError(f"cannot write the results to {config.run_dir}: {error.strerror or error}; the last "
+                        f"checkpoint in {config.run_dir / 'checkpoints'} holds the trained model") from None
+    return {"runs": [metrics], "paths": paths, "summary": None}

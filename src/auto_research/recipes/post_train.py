@@ -1,0 +1,65 @@
+"""``post-train`` at the generation level (and ``post_train()`` in Python): check, lock, prepare, then train.
+
+The run folder is locked (``locks.FolderLock``) before anything in it is read, deleted or written, and stays
+locked until the run ends; under torchrun rank 0 holds the lock and every rank learns the outcome before any
+work. In one process torch is imported only once every check that can be made without it has passed, so a
+mistyped flag costs a fraction of a second, not torch's start-up.
+"""
+
+from __future__ import annotations
+
+from auto_research.config.generation import GenerationConfig
+from auto_research.engine.launch import environment_rank, environment_world_size
+from auto_research.engine.run_folder import checkpoint_dirs
+from auto_research.errors import UserError
+from auto_research.locks import FolderLock
+from auto_research.train.prepare import check_settings, prepare
+
+
+def _silent(text: str) -> None:
+    pass
+
+
+def post_train_generation(config: GenerationConfig, log=print, rows: list[dict] | None = None,
+                          reward_functions=()) -> dict:
+    """One generation-level run: checks, train, metrics, report and plot. Returns ``{"runs": [metrics],
+    "paths": [...], "summary": None}``."""
+    config = config.filled()
+    size, main = environment_world_size(), environment_rank() == 0
+    if not main:  # under torchrun every rank runs this; rank 0 alone speaks and writes
+        log = _silent
+    check_settings(config, size)
+    world = None
+    if size > 1:
+        # torch now, not later: every rank joins the process group before rank 0 takes the lock, so that all
+        # of them learn whether it got it.
+        from auto_research.recipes.generation_run import started_world
+
+        world = started_world(config)
+    lock = None
+    try:
+        failure = None
+        if main:
+            try:
+                lock = FolderLock(config.run_dir).acquire()
+            except UserError as error:
+                failure = error
+        if world is not None:
+            world.agree(failure)
+        elif failure is not None:
+            raise failure
+        prepared = prepare(config, log, rows, reward_functions, size)
+        # torch and transformers only now: every check that can be made without them has passed.
+        from auto_research.recipes.generation_run import train_and_report
+
+        return train_and_report(prepared, world, lock, log)
+    except BaseException:
+        # A run that fails before it saved anything resumable leaves no folder it created behind.
+        if lock is not None and not checkpoint_dirs(config.run_dir):
+            lock.remove_created()
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+        if world is not None:
+            world.stop()

@@ -1,0 +1,122 @@
+"""Preference pairs for ``preference-generate``: the paper's RLHF pipeline on a laptop CPU, with no download.
+
+The prompts are the embedded arithmetic task's (``47+38=``); the policy is the
+embedded tiny model after its warm start, whose answers are mostly 2–3
+characters long. A hidden **gold scorer** defines what is better: an
+annotator who likes answers of ``GOLD_LENGTH`` (4) characters, 1 − |length − 4| / 4
+(at least 0). It is a property a tiny reward model can learn, and one it
+learns the wrong way outside the data: the warm start's pairs are nearly all
+shorter than 4, so "longer is better" fits them, and a policy pushed far
+enough overshoots into answers the gold scorer likes less (the length bias of
+learned reward models, Singhal et al., 2023). The learner never sees the
+scorer. Instead:
+
+1. pairs of completions are sampled from the warm-started policy, two per
+   prompt, at the RL sampling temperature;
+2. each pair is labelled by the gold scorer with Bradley–Terry noise: y₁ ≻ y₂
+   with probability σ((g(y₁) − g(y₂)) / τ), τ = ``LABEL_TEMPERATURE`` (a
+   simulated annotator who is right more often the clearer the difference);
+3. a proxy reward model (a scalar head on the warm-started model) is fitted
+   to those labels (``reward_model.py``);
+4. RLOO (or any algorithm) optimises the proxy, with the KL penalty to the
+   warm start;
+5. the gold judge compares the trained policy's greedy answers with the
+   starting policy's (win rate), and every evaluation logs the proxy and gold
+   rewards against the KL, where over-optimisation shows (Gao et al., 2022).
+
+The labels' own ceiling, how often a noisy label agrees with the gold order,
+is computed exactly from the noise model and reported next to the proxy's
+held-out accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import torch
+
+from auto_research.engine.models import load_policy
+from auto_research.engine.rollout import prompt_seed
+from auto_research.engine.rollout.builtin import sample
+from auto_research.rewards.gold import gold_scores
+from auto_research.rewards.reward_model import RewardModel
+
+LABEL_TEMPERATURE = 0.15
+# Pairs are sampled at temperature 1: the warm start's own answers, which are rarely longer than
+# 3 characters, so what the proxy says beyond that is extrapolation.
+PAIR_TEMPERATURE = 1.0
+PREFERENCE_PROMPTS = 3000  # the first training prompts; pairs are sampled on these
+
+
+def label_pairs(prompts, examples, first, second, seed: int, scorer=gold_scores) -> tuple[list[dict], dict]:
+    """Noisy Bradley–Terry labels of (first, second) completions; returns rows and label statistics."""
+    generator = random.Random(seed)
+    rows, agreement, ceiling, ties, identical = [], [], [], 0, 0
+    for prompt, example, a, b in zip(prompts, examples, first, second):
+        if a == b:
+            identical += 1  # the same text twice teaches nothing; not a pair
+            continue
+        g_a, g_b = scorer([prompt, prompt], [a, b], [example, example])
+        p_a = 1.0 / (1.0 + math.exp(-(g_a - g_b) / LABEL_TEMPERATURE))
+        a_wins = generator.random() < p_a
+        chosen, rejected = (a, b) if a_wins else (b, a)
+        g_chosen, g_rejected = (g_a, g_b) if a_wins else (g_b, g_a)
+        if g_a == g_b:
+            ties += 1
+        else:
+            agreement.append(float(g_chosen > g_rejected))
+            ceiling.append(max(p_a, 1 - p_a))
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected,
+                     "gold_chosen": g_chosen, "gold_rejected": g_rejected})
+    statistics = {
+        "pairs": len(rows),
+        "identical_pairs_dropped": identical,
+        "gold_ties": ties,
+        # Over pairs the gold scorer orders: how often the noisy label agrees with it.
+        "label_agreement": sum(agreement) / len(agreement) if agreement else float("nan"),
+        "label_ceiling": sum(ceiling) / len(ceiling) if ceiling else float("nan"),
+        "label_temperature": LABEL_TEMPERATURE,
+    }
+    return rows, statistics
+
+
+def make_preferences(model_dir: Path, task, output: Path, pairs: int, seed: int, temperature: float,
+                     max_new_tokens: int, log=print) -> dict:
+    """Sample completions from the warm-started policy (two distinct ones per prompt where its four
+    draws allow), label them, write JSONL."""
+    model, tokenizer = load_policy(str(model_dir), "cpu", torch.float32, offline=True)
+    examples = task.train[:min(pairs, PREFERENCE_PROMPTS, len(task.train))]
+    prompts = [example.prompt for example in examples]
+    first, second = [], []
+    draws = 4  # per prompt; the pair is the first two that differ (a confident policy often repeats itself)
+    for start in range(0, len(prompts), 256):
+        chunk = prompts[start: start + 256]
+        rollout = sample(model, tokenizer, chunk, draws, max_new_tokens, temperature,
+                         seeds=[prompt_seed(seed, 0, start + i) for i in range(len(chunk))])
+        for group in range(len(chunk)):
+            texts = rollout.completions[group * draws: (group + 1) * draws]
+            other = next((text for text in texts[1:] if text != texts[0]), texts[0])
+            first.append(texts[0])
+            second.append(other)
+    rows, statistics = label_pairs(prompts, examples, first, second, seed, task.gold)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    log(f"labelled {statistics['pairs']} preference pairs with the gold scorer and Bradley–Terry noise "
+        f"(τ = {LABEL_TEMPERATURE}): labels agree with the gold order on {statistics['label_agreement']:.3f} of the "
+        f"pairs it orders (expected {statistics['label_ceiling']:.3f}) -> {output}")
+    return statistics
+
+
+def gold_accuracy_of_reward_model(reward_model_dir: Path, rows: list[dict]) -> float:
+    """On pairs the gold scorer orders: how often the proxy orders them the same way."""
+    ordered = [row for row in rows if row["gold_chosen"] != row["gold_rejected"]]
+    if not ordered:
+        return float("nan")
+    reward = RewardModel(str(reward_model_dir), "cpu", offline=True)  # as the RL runs will score
+    prompts = [r["prompt"] for r in ordered]
+    better = reward(prompts, [r["chosen"] if r["gold_chosen"] > r["gold_rejected"] else r["rejected"] for r in ordered], None)
+    worse = reward(prompts, [r["rejected"] if r["gold_chosen"] > r["gold_rejected"] else r["chosen"] for r in ordered], None)
+    return sum(b > w for b, w in zip(better, worse)) / len(ordered)

@@ -1,0 +1,108 @@
+"""``auto-research rlhf``: warm start → sample and label pairs → reward model → RL (every algorithm × β × seed,
+each in its own process, its settings in a JSON file) against it → gold win rate, and the proxy and gold
+rewards against the KL (recipes/preferences.py describes the task)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from auto_research.config.generation import GenerationConfig
+from auto_research.config.recipes import RLHFConfig
+from auto_research.data.tasks import preference_task
+from auto_research.engine.sources import check_model_source
+from auto_research.engine.tiny import build_tokenizer
+from auto_research.errors import UserError
+from auto_research.files import atomic_write_json, atomic_write_text, check_writable_directory
+from auto_research.locks import locked
+from auto_research.recipes import preferences
+from auto_research.recipes.compare import run_child
+from auto_research.recipes.reward_model import preference_pairs, train_reward_model
+from auto_research.report import plots, tables
+from auto_research.train.warm_start import ensure_warm_started
+
+OUTPUTS = ("preferences.jsonl", "reward-model", "runs", "rlhf-summary.json", "rlhf-summary.md", "rlhf.png")
+
+
+def run(config: RLHFConfig, log=print) -> dict:
+    config.validate()
+    check_writable_directory(config.output_dir)
+    with locked(config.output_dir, "rlhf pipeline"):
+        return _pipeline(config, Path(config.output_dir), log)
+
+
+def _pipeline(config: RLHFConfig, output: Path, log) -> dict:
+    found = [name for name in OUTPUTS if (output / name).exists()]
+    if found and not config.overwrite:
+        raise UserError(f"{output} holds an earlier pipeline ({', '.join(found)}): --overwrite replaces it")
+    for name in found:
+        target = output / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    started = time.perf_counter()
+    dataset = config.dataset
+    task = preference_task(dataset)
+    if config.model is not None:
+        check_model_source(config.model, True)
+        warm = Path(config.model)
+    else:
+        warm = ensure_warm_started(task, progress=config.progress, log=log)
+    stages = {"warm_start": time.perf_counter() - started}
+    log(f"[1/3] sampling and labelling {config.pairs} preference pairs from the warm-started policy")
+    label_stats = preferences.make_preferences(warm, task, output / "preferences.jsonl", config.pairs, seed=0,
+                                               temperature=preferences.PAIR_TEMPERATURE, max_new_tokens=6, log=log)
+    rows = [json.loads(line) for line in (output / "preferences.jsonl").read_text().splitlines()]
+    pairs = preference_pairs(rows, "preferences.jsonl", "prompt", "chosen", "rejected", None, build_tokenizer(), log)
+    held = max(1, min(500, len(pairs) // 10))
+    stages["pairs"] = time.perf_counter() - started - sum(stages.values())
+    log(f"[2/3] training the proxy reward model on {len(pairs) - held} pairs ({held} held out)")
+    reward_metrics = train_reward_model(str(warm), pairs, output / "reward-model", config.reward_model_steps, 64,
+                                        1e-3, held, 0, "cpu", True, progress=config.progress, log=log)
+    held_rows = [rows[i] for i in reward_metrics.pop("evaluation_indices")]
+    reward_metrics["gold_order_accuracy"] = preferences.gold_accuracy_of_reward_model(output / "reward-model",
+                                                                                      held_rows)
+    reward_metrics["label_agreement"] = label_stats["label_agreement"]
+    reward_metrics["label_ceiling"] = label_stats["label_ceiling"]
+    atomic_write_json(output / "reward-model" / "metrics.json", reward_metrics)
+    log(f"      held-out pairwise accuracy {reward_metrics['pairwise_accuracy']:.3f} against the noisy labels "
+        f"(their own agreement with the gold order: {label_stats['label_agreement']:.3f}, expected "
+        f"{label_stats['label_ceiling']:.3f}); {reward_metrics['gold_order_accuracy']:.3f} against the gold order")
+    stages["reward_model"] = time.perf_counter() - started - sum(stages.values())
+    stages["runs"] = []
+    results = []
+    combinations = [(a, b, s) for a in config.algorithm_list() for b in config.beta_list() for s in config.seed_list()]
+    for index, (algorithm, beta, seed) in enumerate(combinations, 1):
+        log(f"[3/3] RL against the proxy ({index}/{len(combinations)}): {algorithm}, β = {beta}, seed {seed}")
+        run_config = GenerationConfig(algorithm=algorithm, dataset=dataset, reward_model=str(output / "reward-model"),
+                                      judge="gold", beta=beta, seed=seed, group_size=config.group_size, offline=True,
+                                      output_dir=output / "runs" / f"beta-{beta:g}", device="cpu", model=config.model,
+                                      steps=config.steps, eval_every=config.eval_every, progress=config.progress)
+        run_started = time.perf_counter()
+        finished = run_child(run_config, capture=False)
+        stages["runs"].append(time.perf_counter() - run_started)
+        if finished.returncode:
+            raise UserError(f"the {algorithm} run (β = {beta}, seed {seed}) failed with status {finished.returncode}")
+        metrics = json.loads((run_config.run_dir / "metrics.json").read_text())
+        results.append({"algorithm": algorithm, "beta": beta, "seed": seed, "metrics": metrics})
+    summary = {"dataset": dataset, "seconds": time.perf_counter() - started, "stage_seconds": stages,
+               "labels": label_stats, "reward_model": {key: value for key, value in reward_metrics.items()
+                                                       if key != "history"},
+               "runs": [_summary_row(result) for result in results]}
+    atomic_write_json(output / "rlhf-summary.json", summary)
+    table = tables.rlhf_table(summary)
+    atomic_write_text(output / "rlhf-summary.md", table + "\n")
+    plot = plots.over_optimisation_plot(output / "rlhf.png", summary)
+    return {"summary": summary, "table": table,
+            "paths": [output / "rlhf-summary.json", output / "rlhf-summary.md", plot, output / "reward-model"]}
+
+
+def _summary_row(result: dict) -> dict:
+    before, after = result["metrics"]["baseline"], result["metrics"]["final"]
+    return {"algorithm": result["algorithm"], "beta": result["beta"], "seed": result["seed"],
+            "win_rate": after.get("win_rate"),
+            "gold_reward": [before.get("gold_reward"), after.get("gold_reward")],
+            "proxy_reward": [before.get("mean_reward"), after.get("mean_reward")],
+            "accuracy": [before["accuracy"], after["accuracy"]],
+            "kl": after["kl_from_reference"],
+            "history": [{"step": 0.0, **before}, *result["metrics"]["history"]]}

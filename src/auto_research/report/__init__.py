@@ -1,0 +1,1 @@
+"""Reports: tables and summaries as text (tables.py), pictures (plots.py)."""

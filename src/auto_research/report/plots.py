@@ -1,0 +1,134 @@
+"""What a run leaves behind as pictures: training curves, comparisons, over-optimisation (PNG, written atomically).
+
+matplotlib is imported here and only here: the command line and candidate-level runs that draw nothing
+never pay for it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
+
+from auto_research.files import atomic_write_bytes  # noqa: E402
+from auto_research.report.tables import LABELS  # noqa: E402
+
+
+def _png(figure, dpi: int) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def comparison_plot(path: Path, histories: dict[str, list[list[dict]]], title: str) -> Path:
+    """PNG: validation accuracy and KL(reference) against steps, one line per algorithm.
+
+    With several seeds, each line is the mean over seeds at every logged step.
+    """
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, per_seed in histories.items():
+        steps = [row["step"] for row in per_seed[0]]
+        for axis, key in zip(axes, ("accuracy", "kl_from_reference")):
+            curve = [statistics.fmean(run[i][key] for run in per_seed) for i in range(len(steps))]
+            axis.plot(steps, curve, marker="o", markersize=3, label=name)
+    for axis, key in zip(axes, ("accuracy", "kl_from_reference")):
+        axis.set_xlabel("step")
+        axis.set_ylabel(f"validation {LABELS[key]}")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    return atomic_write_bytes(path, _png(figure, 120))
+
+
+def training_curves_plot(path: Path, rows: list[dict], metrics: dict) -> Path:
+    """PNG: per-step reward and KL, and held-out accuracy at each evaluation."""
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    steps = [row["step"] for row in rows]
+    axes[0].plot(steps, [math.nan if row["reward_mean"] is None else row["reward_mean"] for row in rows], linewidth=0.8)
+    axes[0].set_ylabel("mean reward of samples")
+    axes[1].plot(steps, [row["kl"] for row in rows], linewidth=0.8, color="tab:red")
+    axes[1].set_ylabel("sampled KL(π ‖ π_ref) per completion")
+    evaluations = [{"step": 0.0, **metrics["baseline"]}, *metrics["history"]]
+    axes[2].plot([row["step"] for row in evaluations], [row["accuracy"] for row in evaluations], marker="o", color="tab:green")
+    axes[2].set_ylabel("held-out greedy accuracy")
+    for axis in axes:
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    figure.suptitle(f"{metrics['algorithm']} on {metrics['dataset']} (seed {metrics['seed']})")
+    figure.tight_layout()
+    return atomic_write_bytes(path, _png(figure, 110))
+
+
+def generation_comparison_plot(path: Path, dataset: str, tag: str, results: dict) -> Path:
+    """Held-out accuracy against samples generated, and reward (and gold reward) against KL."""
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for (K, algorithm), runs in results.items():
+        label = f"{algorithm} (K={K})" if len({k for k, _ in results}) > 1 else algorithm
+        per_step = runs[0]["samples_per_step"]
+        points = [[{"step": 0.0, **run["baseline"]}, *run["history"]] for run in runs]
+        steps = [row["step"] for row in points[0]]
+        accuracy = [statistics.fmean(run[i]["accuracy"] for run in points) for i in range(len(steps))]
+        axes[0].plot([step * per_step for step in steps], accuracy, marker="o", markersize=3, label=label)
+        kl = [statistics.fmean(run[i]["kl_from_reference"] for run in points) for i in range(len(steps))]
+        reward = [statistics.fmean(run[i]["mean_reward"] or 0.0 for run in points) for i in range(len(steps))]
+        line = axes[1].plot(kl, reward, marker="o", markersize=3, label=label)[0]
+        if all("gold_reward" in row for run in points for row in run):
+            # The hidden gold reward beside the optimised one: where they part is over-optimisation.
+            gold = [statistics.fmean(run[i]["gold_reward"] for run in points) for i in range(len(steps))]
+            axes[1].plot(kl, gold, marker="x", markersize=3, linestyle="--", color=line.get_color(),
+                         label=f"{label}: gold reward")
+    axes[0].set_xlabel("samples generated")
+    axes[0].set_ylabel("held-out greedy accuracy")
+    axes[1].set_xlabel("KL(π ‖ π_ref) of held-out greedy completions")
+    axes[1].set_ylabel("held-out mean reward")
+    for axis in axes:
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if any("gold_reward" in run["final"] for runs in results.values() for run in runs):
+        axes[1].legend(fontsize=7)
+    figure.suptitle(f"{dataset}: {tag}")
+    figure.tight_layout()
+    return atomic_write_bytes(path, _png(figure, 120))
+
+
+def over_optimisation_plot(path: Path, summary: dict) -> Path:
+    """PNG: the proxy reward and the gold reward against KL(reference), a curve per run, a point per
+    evaluation: the proxy rising while the gold flattens or falls is over-optimisation."""
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for run in summary["runs"]:
+        kl = [row["kl_from_reference"] for row in run["history"]]
+        label = f"{run['algorithm']} β={run['beta']:g} seed {run['seed']}"
+        for axis, key in zip(axes, ("mean_reward", "gold_reward")):
+            axis.plot(kl, [row.get(key) for row in run["history"]], marker="o", markersize=3, label=label)
+    for axis, title in zip(axes, ("proxy reward (the learned reward model)", "gold reward (hidden scorer)")):
+        axis.set_xlabel("KL(π ‖ π_ref), held-out greedy completions")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    return atomic_write_bytes(path, _png(figure, 120))
+
+
+def calibration_plot(path: Path, metrics: dict) -> Path:
+    """Held-out calibration of σ(r_w − r_l), and the training loss."""
+    figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    bins = metrics["calibration"]
+    left.plot([0.5, 1.0], [0.5, 1.0], color="grey", linestyle="--", label="calibrated")
+    left.plot([b["confidence"] for b in bins], [b["accuracy"] for b in bins], marker="o", label="held-out pairs")
+    left.set_xlabel("σ(|r_w − r_l|): confidence in the predicted order")
+    left.set_ylabel("fraction ordered right")
+    left.set_title(f"pairwise accuracy {metrics['pairwise_accuracy']:.3f}")
+    left.legend()
+    right.plot([h["step"] for h in metrics["history"]], [h["loss"] for h in metrics["history"]])
+    right.set_xlabel("step")
+    right.set_ylabel("Bradley–Terry loss")
+    figure.tight_layout()
+    return atomic_write_bytes(path, _png(figure, 110))

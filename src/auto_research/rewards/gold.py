@@ -1,0 +1,82 @@
+"""Hidden gold scorers and judges: what a preference task is really scored by (never trained on),
+and the held-out win rate against the starting policy.
+
+``preference-generate``'s gold scorer is an annotator who likes answers of ``GOLD_LENGTH`` (4)
+characters, 1 − |length − 4| / 4 (at least 0): a property a tiny reward model can learn, and one it
+learns the wrong way outside the data (recipes/preferences.py). ``preference-arithmetic``'s is the
+arithmetic partial credit, which a tiny proxy learns poorly, so over-optimisation shows.
+"""
+
+from __future__ import annotations
+
+from auto_research.errors import RewardError, UserError, one_line
+from auto_research.rewards.loading import load_callable
+from auto_research.rewards.verifiers import arithmetic_reward
+
+GOLD_LENGTH = 4
+
+
+def gold_scores(prompts, completions, examples) -> list[float]:
+    """The hidden gold scorer: 1 − |characters − GOLD_LENGTH| / GOLD_LENGTH, at least 0."""
+    return [max(0.0, 1.0 - abs(len(text.strip()) - GOLD_LENGTH) / GOLD_LENGTH) for text in completions]
+
+
+def arithmetic_gold(prompts, completions, examples) -> list[float]:
+    """preference-arithmetic's gold scorer: the arithmetic partial credit (verifiers.arithmetic_reward).
+    Hard for a tiny reward model to learn from pairs, so its proxy is easily fooled: the task on which
+    over-optimisation shows (the gold reward falls while the proxy climbs)."""
+    return arithmetic_reward(prompts, completions, examples)
+
+
+# Embedded preference datasets → their hidden gold scorer.
+GOLD_SCORERS = {"preference-generate": gold_scores, "preference-arithmetic": arithmetic_gold}
+
+
+def judge_of(scorer):
+    """The noise-free pairwise judge of a gold scorer: P(A is better) is 1, 0, or ½ on a tie."""
+    def judge(prompt: str, response_a: str, response_b: str, example) -> float:
+        a, b = scorer([prompt, prompt], [response_a, response_b], [example, example])
+        return 1.0 if a > b else 0.0 if a < b else 0.5
+
+    return judge
+
+
+gold_judge = judge_of(gold_scores)
+
+
+def load_judge(spec: str, task):
+    """``gold`` (the task's own, when it has one) or ``module:function`` called as
+    (prompt, response_a, response_b) → probability that A is better."""
+    if spec == "gold":
+        if getattr(task, "gold_judge", None) is None:
+            raise UserError(f"--judge gold: {task.name} has no gold judge (preference-generate has one); "
+                            "give --judge module:function")
+        return task.gold_judge
+    function = load_callable(spec, "--judge")
+    return lambda prompt, a, b, example: function(prompt, a, b)
+
+
+def judge_probability(judge, spec: str, prompt: str, a: str, b: str, example) -> float:
+    """One call of the judge, checked: a judge that raises or returns no probability is one line."""
+    try:
+        value = judge(prompt, a, b, example)
+    except Exception as error:  # noqa: BLE001 - the user's code
+        raise RewardError(f"--judge {spec}: raised {one_line(error)}") from None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise RewardError(f"--judge {spec}: returned {value!r}, not a probability") from None
+    if not (0.0 <= value <= 1.0):
+        raise RewardError(f"--judge {spec}: returned {value}, not a probability in [0, 1]")
+    return value
+
+
+def win_rate(judge, spec: str, prompts, examples, new, old) -> tuple[float, float]:
+    """(sum, count) of ½ [J(x, new, old) + 1 − J(x, old, new)]: both orders, which cancels a judge's
+    preference for a position (a judge that always prefers A gives exactly ½)."""
+    total = 0.0
+    for prompt, example, a, b in zip(prompts, examples, new, old):
+        forward = judge_probability(judge, spec, prompt, a, b, example)
+        backward = judge_probability(judge, spec, prompt, b, a, example)
+        total += 0.5 * (forward + 1.0 - backward)
+    return total, float(len(prompts))

@@ -1,0 +1,86 @@
+"""Built-in verifiers: exact-match correctness (the accuracy every level reports) and the rewards built on it.
+
+Every reward is called on a whole batch as ``reward(prompts, completions, examples)`` and returns one
+float per completion.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable
+
+from auto_research.data.types import Example
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> float | None:
+    """The number after the last ``####`` if any, else the last number in the text."""
+    tail = text.rsplit("####", 1)[-1] if "####" in text else text
+    found = NUMBER.findall(tail)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def _same_number(completion: str, answer: str) -> bool:
+    value, gold = final_number(completion), final_number(answer)
+    return value is not None and gold is not None and math.isclose(value, gold, rel_tol=0, abs_tol=1e-6)
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.strip().split()).lower()
+
+
+def is_correct(verifier: str, completion: str, example: Example) -> bool:
+    """Exact-match correctness, the accuracy every level reports."""
+    if verifier == "arithmetic":
+        return completion.strip() == example.answer
+    if verifier == "gsm8k":
+        return _same_number(completion, example.answer)
+    if verifier == "match":
+        if final_number(example.answer) is not None and NUMBER.fullmatch(example.answer.strip()):
+            return _same_number(completion, example.answer)
+        return _normalise(completion) == _normalise(example.answer)
+    raise ValueError(f"unknown verifier {verifier!r}")
+
+
+def arithmetic_reward(prompts, completions, examples) -> list[float]:
+    """½ · exact match + ½ · fraction of digit positions that are right (partial credit).
+
+    Exact match alone gives a group no signal whenever all K samples are wrong;
+    per-digit credit lets a sample with the right units digit beat one without.
+    """
+    rewards = []
+    for completion, example in zip(completions, examples):
+        text, gold = completion.strip(), example.answer
+        matching = sum(1 for x, y in zip(text, gold) if x == y)
+        rewards.append(0.5 * float(text == gold) + 0.5 * matching / max(len(text), len(gold), 1))
+    return rewards
+
+
+def _verifier_reward(verifier: str):
+    def reward(prompts, completions, examples) -> list[float]:
+        return [float(is_correct(verifier, completion, example)) for completion, example in zip(completions, examples)]
+
+    reward.__name__ = f"{verifier}_verifier"
+    return reward
+
+
+def format_reward(prompts, completions, examples) -> list[float]:
+    """1 when the completion states a final number (GSM8K style ``#### n`` earns it too), else 0."""
+    return [float(final_number(completion) is not None) for completion in completions]
+
+
+BUILT_IN: dict[str, Callable] = {
+    "arithmetic": arithmetic_reward,
+    "gsm8k": _verifier_reward("gsm8k"),
+    "match": _verifier_reward("match"),
+    "format": format_reward,
+}
+
+

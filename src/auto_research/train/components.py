@@ -1,0 +1,179 @@
+"""What a generation-level run trains and samples with, built once (``build_components``) and never replaced.
+
+Weights and optimizer states are float32 (master weights); ``--dtype bfloat16`` runs the forward passes
+under bf16 autocast. The frozen reference is the initial policy held in the compute dtype, or, with
+LoRA, the same model with its adapters off (no second copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from auto_research.algorithms.registry import Algorithm, get_algorithm
+from auto_research.config.generation import GenerationConfig
+from auto_research.data.types import Task
+from auto_research.engine import checkpoint as checkpoints
+from auto_research.engine import lora
+from auto_research.engine.distributed import World
+from auto_research.engine.models import (context_length, format_prompt, load_critic, load_policy, resolve_device,
+                                         resolve_dtype)
+from auto_research.engine.rollout import Sampler, SamplingSettings
+from auto_research.engine.rollout.builtin import BuiltinSampler
+from auto_research.errors import UserError
+from auto_research.rewards.combine import CombinedReward, build_reward
+from auto_research.train.prepare import Prepared
+
+
+@dataclass
+class Components:
+    config: GenerationConfig
+    algorithm: Algorithm
+    world: World
+    task: Task
+    device: str
+    compute_dtype: torch.dtype
+    model_name: str
+    tokenizer: object
+    policy: torch.nn.Module
+    """The model that trains (a PEFT model with LoRA); its weights are what a checkpoint holds."""
+    train_policy: torch.nn.Module
+    """What gradient forwards call: the DDP wrapper, or the model itself (one process, FSDP)."""
+    optimizer: torch.optim.Optimizer
+    reference: Callable | None
+    """The frozen reference: a model, the policy with its LoRA adapters off, or None (not needed)."""
+    critic: torch.nn.Module | None
+    train_critic: torch.nn.Module | None
+    critic_optimizer: torch.optim.Optimizer | None
+    sampler: Sampler
+    reward: CombinedReward
+    judge: Callable | None
+    train_prompts: list[str]
+    """The task's training prompts as the model sees them (through the chat template)."""
+    eval_prompts: list[str]
+
+    def autocast(self):
+        """bf16 compute over float32 master weights when --dtype bfloat16; nothing otherwise."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.split(":")[0], dtype=self.compute_dtype)
+
+    @contextlib.contextmanager
+    def sampling(self, *models):
+        """Around decoding from the policy (and the reference): autocast, and whole parameters under FSDP."""
+        with self.autocast(), self.world.gathered(self.policy, *models):
+            yield
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.config.updates_per_batch * self.config.ppo_mini_batches
+
+
+def adamw(model, config: GenerationConfig) -> torch.optim.AdamW:
+    """AdamW over the weights that train, in its multi-tensor (foreach) form: one kernel per operation
+    for all parameters instead of a Python loop over them, the same arithmetic."""
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    return torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay, foreach=True)
+
+
+def _load_optimizer(world: World, model, optimizer, folder: Path) -> None:
+    saved = checkpoints.read_optimizer_state(folder)
+    if all(isinstance(key, int) for key in saved["state"]):  # a checkpoint from before names
+        optimizer.load_state_dict(saved)
+    else:
+        world.load_optimizer_state(model, optimizer, saved)
+
+
+def _check_context(model, tokenizer, prompts: list[str], max_new_tokens: int) -> None:
+    limit = context_length(model)
+    if limit is not None:
+        longest = max(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) for prompt in prompts)
+        if longest + max_new_tokens > limit:
+            raise UserError(f"prompts of up to {longest} tokens plus --max-new-tokens {max_new_tokens} "
+                            f"exceed the model's context of {limit} tokens")
+
+
+def build_components(prepared: Prepared, model_name: str, world: World, log=print) -> Components:
+    """Load every model once, put the checkpoint's weights and optimizer states in when resuming, and wrap
+    the models for several processes (DDP, or FSDP2 with --fsdp)."""
+    config, task, resume_from = prepared.config, prepared.task, prepared.resume_from
+    algorithm = get_algorithm(config.algorithm)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    device = world.device(resolve_device(config.device))
+    world.start(device)
+    compute_dtype = resolve_dtype(config.dtype, device)
+    policy, tokenizer = load_policy(model_name, device, torch.float32, config.offline, log=log,
+                                    keep_adapter=bool(config.lora_r))
+    if config.gradient_checkpointing:
+        # transformers 5 renamed it; the old name still works on older releases.
+        enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
+        enable()
+    # With β = 0 the reference is not needed, unless the task measures over-optimisation against the KL.
+    measured = config.beta > 0 or task.gold is not None
+    reference = None
+    if config.lora_r:
+        policy, reference = lora.add_adapters(policy, config, model_name)
+        reference = reference if measured else None
+    elif measured:
+        reference, _ = load_policy(model_name, device, compute_dtype, config.offline)
+        reference.eval().requires_grad_(False)
+    critic = None
+    if algorithm.needs_critic:
+        source, flag = ((config.critic_model, "--critic-model") if config.critic_model else
+                        (config.reward_model, "--reward-model (the critic's default start)") if config.reward_model
+                        else (model_name, "--model"))
+        critic = load_critic(source, device, config.offline, len(tokenizer), flag)
+    reward = build_reward(prepared.rewards, config.reward_weights, config.reward_model, task.verifier, device,
+                          config.offline)
+    train_prompts = [format_prompt(tokenizer, example.prompt, config.chat_template) for example in task.train]
+    eval_prompts = [format_prompt(tokenizer, example.prompt, config.chat_template) for example in task.evaluation]
+    _check_context(policy, tokenizer, train_prompts + eval_prompts, config.max_new_tokens)
+    if resume_from is not None:
+        if config.lora_r:
+            lora.load_adapter_weights(resume_from, policy)
+        else:
+            checkpoints.load_weights(resume_from, policy)
+        if critic is not None:
+            checkpoints.load_weights(resume_from / "critic", critic)
+    train_policy = world.wrap(policy)
+    if reference is not None and not config.lora_r:
+        world.wrap(reference, trains=False)
+    optimizer = adamw(policy, config)
+    train_critic = critic_optimizer = None
+    if critic is not None:
+        train_critic, critic_optimizer = world.wrap(critic), adamw(critic, config)
+    if resume_from is not None:
+        _load_optimizer(world, train_policy, optimizer, resume_from)
+        if critic is not None:
+            _load_optimizer(world, train_critic, critic_optimizer, resume_from / "critic")
+    components = Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
+                            train_policy, optimizer, reference, critic, train_critic, critic_optimizer, None, reward,
+                            prepared.judge, train_prompts, eval_prompts)
+    # With --micro-batch-size, sampling runs in chunks of that many completions too: the same chunks on 1 or
+    # N processes, hence the same floating-point numbers.
+    chunk = max(1, config.micro_batch_size // config.group_size) if config.micro_batch_size else None
+    settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
+    components.sampler = BuiltinSampler(policy, tokenizer, settings, chunk, components.sampling)
+    return components
+
+
+def parameter_counts(c: Components) -> dict:
+    """Trainable and total parameters of every model held: policy, critic, reference, reward model."""
+    def count(model):
+        return sum(parameter.numel() for parameter in model.parameters()) if model is not None else 0
+
+    def trainable(model):
+        return sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else 0
+
+    reward_model = c.reward.reward_model
+    # With LoRA the reference is the policy with its adapters off: no weights of its own.
+    reference = None if c.config.lora_r else c.reference
+    held = {"policy": count(c.policy), "critic": count(c.critic), "reference": count(reference),
+            "reward_model": count(reward_model.model if reward_model is not None else None)}
+    return {**held, "trainable": trainable(c.policy) + trainable(c.critic), "total": sum(held.values())}

@@ -1,0 +1,105 @@
+"""Held-out evaluation: greedy completions, exact-match accuracy, reward, entropy and KL.
+
+Entropy and KL(π ‖ π_ref) are exact per-token values over the whole
+vocabulary at each position of the greedy completion, summed over the
+completion and averaged over prompts, so they carry no sampling noise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from auto_research.engine.logprobs import completion_logits
+from auto_research.engine.rollout.builtin import sample
+from auto_research.errors import RewardError
+from auto_research.rewards.gold import win_rate as judged
+from auto_research.rewards.verifiers import is_correct
+
+
+def _distributions(model, rollout, temperature: float) -> torch.Tensor:
+    logits = completion_logits(model, rollout.sequences, rollout.prompt_mask, rollout.completion_mask, temperature)
+    return torch.log_softmax(logits, dim=-1)
+
+
+@torch.no_grad()
+def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier: str, reward, max_new_tokens: int,
+             temperature: float = 1.0, batch_size: int = 64, shard: tuple[int, int] = (0, 1),
+             total=lambda tensor: tensor, gold=None, completions: dict | None = None) -> dict[str, float]:
+    """accuracy, mean_reward (over the completions the reward could score), entropy and
+    kl_from_reference of greedy completions.
+
+    Under several processes, ``shard`` = (rank, size) deals out the fixed batches of
+    ``batch_size`` prompts (batch b to rank b mod size) and ``total`` adds the sums up, so
+    every batch is the one a single process would evaluate. ``gold``: a hidden scorer whose
+    mean over the greedy completions is reported as ``gold_reward`` (never trained on).
+    ``completions``: a dict that receives {prompt index: greedy completion} of this rank.
+    """
+    correct, rewards, entropies, kls, golds = [], [], [], [], []
+    rank, size = shard
+    for start in range(rank * batch_size, len(prompts), batch_size * size):
+        batch_prompts = prompts[start : start + batch_size]
+        batch_examples = examples[start : start + batch_size]
+        rollout = sample(model, tokenizer, batch_prompts, 1, max_new_tokens, greedy=True)
+        correct += [is_correct(verifier, text, example) for text, example in zip(rollout.completions, batch_examples)]
+        rewards += [value for value in reward(batch_prompts, rollout.completions, batch_examples) if value is not None]
+        if gold is not None:
+            golds += gold(batch_prompts, rollout.completions, batch_examples)
+        if completions is not None:
+            completions.update({start + i: text for i, text in enumerate(rollout.completions)})
+        mask = rollout.completion_mask.float()
+        log_p = _distributions(model, rollout, temperature)
+        entropies += (-(log_p.exp() * log_p).sum(-1) * mask).sum(-1).tolist()
+        if reference is None:
+            kls += [0.0] * len(batch_prompts)
+        else:
+            log_q = _distributions(reference, rollout, temperature)
+            kls += ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum(-1).tolist()
+    count = max(len(prompts), 1)
+    sums = total(torch.tensor([sum(correct), sum(rewards), len(rewards), sum(entropies), sum(kls), sum(golds)],
+                              dtype=torch.float64))
+    correct_count, reward_sum, scored, entropy_sum, kl_sum, gold_sum = sums.tolist()
+    extra = {"gold_reward": gold_sum / count} if gold is not None else {}
+    return {
+        **extra,
+        "accuracy": correct_count / count,
+        # None when the reward could score no held-out completion (written as null, shown as n/a).
+        "mean_reward": reward_sum / scored if scored else None,
+        "entropy": entropy_sum / count,
+        "kl_from_reference": kl_sum / count,
+    }
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 8) -> float:
+    """Exact-match accuracy of greedy completions on the task's held-out prompts."""
+    correct = 0
+    for start in range(0, len(task.evaluation), 128):
+        batch = task.evaluation[start : start + 128]
+        rollout = sample(model, tokenizer, [example.prompt for example in batch], 1, max_new_tokens, greedy=True)
+        correct += sum(is_correct(task.verifier, text, example) for text, example in zip(rollout.completions, batch))
+    return correct / max(len(task.evaluation), 1)
+
+
+def held_out(c, completions: dict | None = None) -> dict:
+    """Held-out evaluation of a run's components, its batches dealt out to the ranks and the sums added up.
+    With ``completions`` (a dict), it receives every held-out prompt's greedy completion by index."""
+    failure, result, mine = None, None, {}
+    with c.sampling(c.reference):
+        try:
+            result = evaluate(c.policy, c.reference, c.tokenizer, c.eval_prompts, c.task.evaluation, c.task.verifier,
+                              c.reward, c.config.max_new_tokens, c.config.temperature,
+                              shard=(c.world.rank, c.world.size), total=c.world.total, gold=c.task.gold,
+                              completions=mine if completions is not None else None)
+        except RewardError as error:
+            failure = error
+    c.world.agree(failure, RewardError)
+    if completions is not None:
+        for part in c.world.gather_objects(mine):
+            completions.update(part)
+    return result
+
+
+def win_rate(c, baseline_completions: list[str], new: list[str]) -> float:
+    """Held-out win rate of ``new`` greedy completions against the starting policy's, judged both ways round."""
+    total, count = judged(c.judge, c.config.judge, c.eval_prompts, c.task.evaluation, new, baseline_completions)
+    return total / max(count, 1.0)

@@ -1,0 +1,261 @@
+"""The run around the step (nanoGPT's loop): the evaluation before training, Ctrl-C and SIGTERM, the
+cadence of evaluations, checkpoints and metrics rows, failures answered in one line with the last good
+step kept, and the metrics.json payload at the end. ``rl_step`` itself touches no disk.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from pathlib import Path
+
+from auto_research.engine import checkpoint as checkpoints
+from auto_research.engine.run_folder import PREFIX, clear_run_folder
+from auto_research.errors import RewardError, TrainingInterrupted, UserError
+from auto_research.progress import Progress
+from auto_research.train.components import Components, parameter_counts
+from auto_research.train.evaluation import held_out, win_rate
+from auto_research.train.metrics import MetricsLog
+from auto_research.train.state import LoopState
+from auto_research.train.step import rl_step
+
+
+def _user_error(message: str, cause: BaseException) -> UserError:
+    """A UserError that stays quiet when its cause was another rank's failure (that rank reports it)."""
+    error = UserError(message)
+    error.quiet = getattr(cause, "quiet", False)
+    return error
+
+
+def _figure(value: float | None) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.3f}"
+
+
+def restore(c: Components, state: LoopState, folder: Path, log) -> None:
+    """Continue from a checkpoint: the loop's state, every random state, and metrics.jsonl cut back to it.
+    (The weights and optimizer states went in when the components were built.)"""
+    saved, rng = checkpoints.read_trainer_state(folder)
+    checkpoints.restore_rng(rng, state.rng)
+    state.restore(saved)
+    c.world.on_main(lambda: MetricsLog(c.config.run_dir).truncate(state.step))
+    log(f"resumed from {folder} (step {state.step})")
+
+
+class RunLoop:
+    def __init__(self, c: Components, state: LoopState, lock=None, log=print, resumed: bool = False):
+        self.c, self.state, self.lock, self.log = c, state, lock, log
+        self.run_dir = c.config.run_dir
+        self.metrics_log = MetricsLog(self.run_dir, c.config.report_to)
+        self.resumed = resumed
+        self.run_dir_ready = resumed
+        self.stop_signal: int | None = None
+        self.final_completions: dict = {}
+
+    # --- writes (rank 0) ------------------------------------------------------------------------------
+
+    def _open_run_dir(self) -> None:
+        """Before every write: the folder is still this run's (``locks.FolderLock.check``); at the first,
+        ``--overwrite`` deletes the earlier run's outputs, once the inputs have proved themselves on a real step."""
+        if self.lock is not None:
+            self.lock.check()
+        if self.run_dir_ready:
+            return
+        if self.c.config.overwrite:
+            clear_run_folder(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir_ready = True
+
+    def _append(self, row: dict) -> None:
+        self._open_run_dir()
+        self.metrics_log.append(row)
+
+    def trainer_state(self) -> dict:
+        c = self.c
+        return {"config": c.config.to_json(), **self.state.saved(c.algorithm.moving_average is not None),
+                "model": c.model_name, "world_size": c.world.size}
+
+    def save(self, step: int, rng: dict | None = None) -> Path:
+        """One checkpoint: every rank helps gather sharded state (FSDP), rank 0 writes it."""
+        c, world = self.c, self.c.world
+        model_state = world.full_state(c.policy)
+        optimizer_state = world.optimizer_state(c.train_policy, c.optimizer)
+        critic_state = critic_optimizer_state = None
+        if c.critic is not None:
+            critic_state = world.full_state(c.critic)
+            critic_optimizer_state = world.optimizer_state(c.train_critic, c.critic_optimizer)
+        rng = rng or checkpoints.capture_rng(self.state.rng)
+
+        def write():
+            self._open_run_dir()
+            return checkpoints.save_checkpoint(self.run_dir, step, c.policy, c.tokenizer, optimizer_state, rng,
+                                               self.trainer_state(), c.config.keep_checkpoints, c.critic,
+                                               critic_optimizer_state, model_state, critic_state)
+
+        world.on_main(write)
+        return self.run_dir / "checkpoints" / f"{PREFIX}{step:06d}"
+
+    def _write_failed(self, error: OSError, last_saved: int | None) -> UserError:
+        """A full disk (or any failed write): one line, and the last good checkpoint left as it was."""
+        reason = error.strerror or str(error)
+        if not self.c.world.main:
+            kept = "rank 0 reports it"
+        elif last_saved is not None:
+            kept = f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{last_saved:06d}'}"
+        else:
+            kept = "no checkpoint had been saved yet"
+            # Nothing resumable was written: do not leave a lone metrics.jsonl for --resume to trip on.
+            if self.lock is not None and self.lock.created is not None:
+                self.lock.remove_created()
+            else:
+                (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        return _user_error(f"cannot write to {self.run_dir}: {reason} (errno {error.errno}); {kept}", error)
+
+    def _request_stop(self, signum, frame) -> None:
+        if self.stop_signal is not None:  # a second Ctrl-C (or SIGTERM) stops at once
+            raise KeyboardInterrupt
+        self.stop_signal = signum
+        name = "interrupt" if signum == signal.SIGINT else "SIGTERM"
+        self.log(f"\n{name}: finishing this step, saving a checkpoint, then stopping (send it again to abort)")
+
+    # --- the loop ---------------------------------------------------------------------------------------
+
+    def _evaluate_baseline(self) -> None:
+        c, state = self.c, self.state
+        try:
+            if c.judge is not None:
+                found: dict = {}
+                state.baseline = held_out(c, found)
+                state.baseline_completions = [found[index] for index in range(len(c.eval_prompts))]
+                # The judge on the starting policy against itself: a judge that fails fails now, not at the end.
+                state.baseline["win_rate"] = win_rate(c, state.baseline_completions, state.baseline_completions)
+            else:
+                state.baseline = held_out(c)
+        except RewardError as error:
+            raise _user_error(f"{error} (evaluation before training)", error) from None
+        self.log(f"before training: held-out accuracy {state.baseline['accuracy']:.3f}, "
+                 f"mean reward {_figure(state.baseline['mean_reward'])}")
+
+    def run(self) -> dict:
+        c, state, config = self.c, self.state, self.c.config
+        if not self.resumed:
+            self._evaluate_baseline()
+        handlers = {signum: signal.signal(signum, self._request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+        bar = Progress(config.steps, f"{config.algorithm} on {c.task.name}", initial=state.step,
+                       enabled=config.progress and c.world.main, write=self.log)
+        last_saved = state.step if self.resumed else None
+        try:
+            for step in range(state.step + 1, config.steps + 1):
+                rng_before = checkpoints.capture_rng(state.rng)
+                try:
+                    row = rl_step(c, state, step, self.log)
+                except RewardError as error:
+                    where = (f"saved the last good step ({state.step}) in {self.save(state.step, rng_before)}"
+                             if state.step > 0 else "nothing was written")
+                    raise _user_error(f"{error}; {where}", error) from None
+                state.step = step
+                c.world.on_main(lambda: self._append(row))
+                postfix = {"reward": _figure(row["reward_mean"]), "kl": f"{row['kl']:.3f}"}
+                if config.eval_every and (step % config.eval_every == 0 or step == config.steps):
+                    self._evaluate(step, row)
+                if state.history:
+                    postfix["acc"] = f"{state.history[-1]['accuracy']:.3f}"
+                bar.update(postfix)
+                # A signal that reached one rank stops them all after this step.
+                if c.world.any(self.stop_signal is not None) and self.stop_signal is None:
+                    self.stop_signal = signal.SIGTERM
+                if (step == config.steps or (config.checkpoint_every and step % config.checkpoint_every == 0)
+                        or self.stop_signal is not None):
+                    self.save(step)
+                    last_saved = step
+                if self.stop_signal is not None:
+                    raise TrainingInterrupted(
+                        f"interrupted after step {step}; checkpoint saved in {self.run_dir / 'checkpoints'}: "
+                        "continue with the same command and --resume", 128 + self.stop_signal)
+        except OSError as error:
+            raise self._write_failed(error, last_saved) from None
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            bar.close()
+            self.metrics_log.close()
+        if state.totals["unscored_samples"]:
+            self.log(f"warning: {state.totals['unscored_samples']} samples of this run could not be scored (reward None)")
+        return self.payload()
+
+    def _evaluate(self, step: int, row: dict) -> None:
+        c, state = self.c, self.state
+        try:
+            # The last evaluation keeps its greedy completions for the judge's win rate.
+            last = c.judge is not None and step == c.config.steps
+            metrics = held_out(c, self.final_completions if last else None)
+        except RewardError as error:
+            raise _user_error(f"{error} (held-out evaluation); saved step {step} in {self.save(step)}", error) from None
+        state.history.append({"step": float(step), "loss": row["loss"], **metrics})
+        self.metrics_log.evaluation(step, metrics)
+
+    def _final_completions(self) -> list[str]:
+        """The final policy's greedy held-out completions: those of the last evaluation when the loop
+        made one at the final step (and this process ran it), else from a fresh evaluation."""
+        found = self.final_completions
+        if len(found) < len(self.c.eval_prompts):
+            found = {}
+            held_out(self.c, found)
+        return [found[index] for index in range(len(self.c.eval_prompts))]
+
+    def payload(self) -> dict:
+        """metrics.json."""
+        c, state, config = self.c, self.state, self.c.config
+        if state.history and state.history[-1]["step"] == config.steps:
+            final = {key: state.history[-1][key] for key in ("accuracy", "mean_reward", "entropy", "kl_from_reference",
+                                                             "gold_reward") if key in state.history[-1]}
+        else:
+            try:
+                final = held_out(c)
+            except RewardError as error:
+                raise _user_error(f"{error} (final evaluation; the last checkpoint holds the trained model)",
+                                  error) from None
+        if c.judge is not None:
+            try:
+                final["win_rate"] = win_rate(c, state.baseline_completions, self._final_completions())
+            except RewardError as error:
+                raise _user_error(f"{error} (win rate; the last checkpoint holds the trained model)", error) from None
+        baseline = state.baseline
+        return {
+            "algorithm": config.algorithm,
+            "dataset": c.task.name,
+            "level": "generation",
+            "seed": config.seed,
+            "model": c.model_name,
+            "baseline": baseline,
+            "final": final,
+            "relative_accuracy": (final["accuracy"] - baseline["accuracy"]) / max(baseline["accuracy"], 1e-12),
+            "training": {
+                "steps": config.steps,
+                "learning_rate": config.learning_rate,
+                "group_size": config.group_size,
+                "beta": config.beta,
+                "train_examples": len(c.task.train),
+                "validation_examples": len(c.task.evaluation),
+                "data_source": c.task.source,
+                "prompts_per_step": config.prompts_per_step,
+                "kl_estimator": config.kl_estimator,
+                "kl_in": config.kl_in,
+                "loss_aggregation": config.loss_aggregation,
+                "updates_per_batch": config.updates_per_batch,
+                "ppo_mini_batches": config.ppo_mini_batches,
+                "ratio_level": config.ratio_level,
+                "dtype": str(c.compute_dtype).replace("torch.", ""),
+                "temperature": config.temperature,
+                "max_new_tokens": config.max_new_tokens,
+                "optimizer_updates": state.updates,
+                "no_signal_groups": state.totals["no_signal_groups"],
+                "unscored_samples": state.totals["unscored_samples"],
+                "training_seconds": state.totals["seconds"],
+                "tokens_per_second": state.totals["generated_tokens"] / max(state.totals["seconds"], 1e-9),
+                "critic_updates": state.critic_updates,
+                **({"gae_lambda": config.gae_lambda, "vf_coef": config.vf_coef, "value_clip": config.value_clip,
+                    "whiten_advantages": config.whiten_advantages} if c.critic is not None else {}),
+                "parameters": parameter_counts(c),
+            },
+            "history": state.history,
+        }

@@ -1,0 +1,103 @@
+"""The figures of a step (one row of metrics.jsonl) and where they are written.
+
+``objective`` is the paper's E[r − β·KL] over the sampled completions (it should rise); ``pg_loss`` is
+the surrogate whose gradient is the policy gradient. Per-sequence figures are gathered from every rank
+in rank order (each rank holds whole groups), so the row is the same on 1 or N processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+from auto_research.algorithms.candidate import groups_without_signal
+from auto_research.files import atomic_write_text
+from auto_research.train.components import Components
+from auto_research.train.experience import Experience
+from auto_research.train.update import Advantages
+
+
+def step_metrics(c: Components, step: int, experience: Experience, advantages: Advantages, actor: dict,
+                 critic: dict, elapsed: float, totals: dict) -> dict:
+    config, mask, K, gather = c.config, experience.mask, c.config.group_size, c.world.gather
+    scores = experience.scores
+    scored = gather(scores.scored)
+    all_rewards = gather(scores.rewards.double())
+    rewards = all_rewards[scored]
+    kl_sequence = gather(experience.kl.sum(1).double())
+    objective = (all_rewards - config.beta * kl_sequence)[scored]
+    sequence_advantages = gather(((advantages.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)).double())
+    no_signal = groups_without_signal(sequence_advantages.view(-1, K).numpy())
+    lengths = gather(mask.sum(1).double())
+    entropy = float(gather(experience.entropy.sum(1).double()).sum())
+    generated = int(lengths.sum())
+    sequences = lengths.shape[0]
+    totals["no_signal_groups"] += no_signal
+    totals["unscored_samples"] += int((~scored).sum())
+    totals["generated_tokens"] += generated
+    totals["seconds"] += elapsed
+    return {
+        "step": step,
+        **actor,
+        "objective": float(objective.mean()),
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)) if rewards.numel() else float("nan"),
+        "kl": float(kl_sequence.mean()),
+        "entropy": entropy / max(generated, 1),
+        "completion_length": generated / sequences,
+        "advantage_mean": float(sequence_advantages.mean()),
+        "advantage_std": float(sequence_advantages.double().std(unbiased=False)),
+        "advantage_abs_max": float(sequence_advantages.abs().max()),
+        "no_signal_fraction": no_signal / (sequences // K),
+        "unscored_samples": int((~scored).sum()),
+        **critic,
+        "learning_rate": c.optimizer.param_groups[0]["lr"],
+        "tokens_per_second": generated / elapsed,
+        "step_seconds": elapsed,
+    }
+
+
+class MetricsLog:
+    """metrics.jsonl (one row a step; JSON has no NaN, so a figure that could not be computed is null) and,
+    with --report-to tensorboard, the same scalars for TensorBoard. Rank 0 only."""
+
+    def __init__(self, run_dir: Path, report_to: str = "none"):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.report_to, self.writer = report_to, None
+
+    def _tensorboard(self):
+        if self.report_to == "tensorboard" and self.writer is None:
+            # Imported here: tensorboard is an optional dependency, imported only by runs that name it.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"))
+        return self.writer
+
+    def append(self, row: dict) -> None:
+        clean = {key: value if not isinstance(value, float) or math.isfinite(value) else None for key, value in row.items()}
+        writer = self._tensorboard()
+        with self.path.open("a") as stream:
+            stream.write(json.dumps(clean, allow_nan=False) + "\n")
+        if writer is not None:
+            for key, value in clean.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    writer.add_scalar(f"train/{key}", value, row["step"])
+
+    def evaluation(self, step: int, metrics: dict) -> None:
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if value is not None:
+                    self.writer.add_scalar(f"eval/{key}", value, step)
+
+    def truncate(self, step: int) -> None:
+        """Keep the rows up to ``step`` (a resumed run continues from its checkpoint)."""
+        if self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= step]
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

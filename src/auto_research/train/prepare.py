@@ -1,0 +1,60 @@
+"""Everything a generation-level run checks and loads before torch: done once, and handed on.
+
+In the order a user would fix them: settings, output folder, an earlier run there, the checkpoint to
+resume, the model's source, the rewards (user modules imported here, once), the data, the judge.
+Light: nothing here imports torch or transformers, so a mistake costs a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from auto_research.config.generation import GenerationConfig
+from auto_research.data.tasks import load_task
+from auto_research.data.types import Task
+from auto_research.engine import run_folder
+from auto_research.engine.launch import check_world
+from auto_research.engine.sources import check_model_source
+from auto_research.errors import UserError
+from auto_research.files import check_writable_directory
+from auto_research.rewards.gold import load_judge
+from auto_research.rewards.loading import resolve_rewards
+
+
+@dataclass(frozen=True)
+class Prepared:
+    config: GenerationConfig
+    task: Task
+    resume_from: Path | None
+    """The verified checkpoint ``--resume`` continues from."""
+    rewards: list[tuple[str, Callable, bool]]
+    """The named reward components, user callables already imported (rewards/loading.py)."""
+    judge: Callable | None
+
+
+def check_settings(config: GenerationConfig, world_size: int) -> None:
+    """The checks that read nothing: settings, the number of processes, the output folder."""
+    config.validate()
+    check_world(config, world_size)
+    check_writable_directory(config.output_dir)
+
+
+def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None, reward_functions=(),
+            world_size: int = 1) -> Prepared:
+    """Every check of a run that needs no torch; reads the run folder (lock it first), writes nothing."""
+    check_settings(config, world_size)
+    run_folder.check_run_folder(config)
+    resume_from = run_folder.resumable_checkpoint(config, log, world_size) if config.resume else None
+    for source, flag in ((config.model, "--model"), (config.reward_model, "--reward-model"),
+                         (config.critic_model, "--critic-model")):
+        if source is not None:
+            check_model_source(source, config.offline, flag)
+    rewards = resolve_rewards(config.reward, config.reward_weights, config.reward_model, list(reward_functions))
+    task = load_task(config, rows)
+    if config.prompts_per_step > len(task.train):
+        raise UserError(f"--prompts-per-step {config.prompts_per_step}: a step draws distinct prompts, and "
+                        f"{task.name} has {len(task.train)} training prompts")
+    judge = load_judge(config.judge, task) if config.judge else None
+    return Prepared(config, task, resume_from, rewards, judge)

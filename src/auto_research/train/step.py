@@ -1,0 +1,68 @@
+"""One RL step at the generation level, as phases that hand frozen values on. Touches no disk.
+
+RLOO (the default) is the paper's: r̃_i = r_i − β Σ_t kl_t, the leave-one-out baseline, loss
+−1/(groups·K) Σ_i A_i Σ_t log π(y_i,t). Which estimator, loss and normalisation a step uses comes from
+the algorithm's record (algorithms/registry.py). Each phase is timed (``time_<phase>`` in the row).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from auto_research.train.components import Components
+from auto_research.train.experience import build_experience, draw_batch, score
+from auto_research.train.metrics import step_metrics
+from auto_research.train.state import LoopState
+from auto_research.train.update import estimate_advantages, moving_average_after, update_actor, update_critic
+
+
+def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
+    """sample → score → experience → advantages → update; returns the step's row of metrics."""
+    started, seconds = time.perf_counter(), {}
+    timed = _timer(c, seconds)
+    with timed("sample"):
+        batch = draw_batch(c, state.rng, step)
+        rollout = c.sampler.sample(batch.prompts, c.config.group_size, batch.seeds)
+    with timed("score"):
+        scores = score(c, batch, rollout, step)
+    if scores.unscored and not state.warned_unscored:
+        state.warned_unscored = True
+        log(f"warning: the reward returned None for {scores.unscored} of {scores.samples} samples at step {step}; "
+            "they are left out of their groups' baselines (counted in unscored_samples; warned once per run)")
+    with timed("experience"):
+        experience = build_experience(c, rollout, scores)
+    with timed("advantages"):
+        advantages = estimate_advantages(c, experience, state.moving_average)
+        if c.algorithm.moving_average is not None:  # the loop's baseline moves after the advantages used it
+            state.moving_average = moving_average_after(advantages.inputs, state.moving_average,
+                                                        c.algorithm.moving_average, c.world.total)
+    with timed("update_actor"):
+        actor = update_actor(c, experience, advantages, state.updates)
+        state.updates += c.updates_per_step
+    with timed("update_critic"):
+        critic = update_critic(c, experience, advantages, state.updates)
+        if c.critic is not None:
+            state.critic_updates += c.updates_per_step
+    with timed("weight_sync"):
+        c.sampler.load_weights(c.policy)
+    row = step_metrics(c, step, experience, advantages, actor, critic, time.perf_counter() - started, state.totals)
+    return {**row, **{f"time_{phase}": value for phase, value in seconds.items()}}
+
+
+def _timer(c: Components, seconds: dict):
+    cuda = c.device.startswith("cuda")
+
+    @contextlib.contextmanager
+    def timed(phase: str):
+        if cuda:  # kernels run asynchronously: a phase ends when its work does
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+        seconds[phase] = time.perf_counter() - started
+
+    return timed

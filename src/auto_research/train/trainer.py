@@ -1,0 +1,41 @@
+"""A run's components and loop state together, for Python and for tests: build once, then step and
+evaluate. The command line and ``post_train()`` put the run folder, its lock and the loop around it
+(recipes/post_train.py); this class touches no disk but the model cache."""
+
+from __future__ import annotations
+
+from auto_research.config.generation import GenerationConfig
+from auto_research.engine.distributed import World
+from auto_research.engine.rollout import Rollout
+from auto_research.train.components import Components, build_components
+from auto_research.train.evaluation import held_out
+from auto_research.train.experience import draw_batch
+from auto_research.train.prepare import prepare
+from auto_research.train.state import LoopState
+from auto_research.train.step import rl_step
+from auto_research.train.warm_start import model_for
+
+
+class Trainer:
+    def __init__(self, components: Components, state: LoopState, log=print):
+        self.components, self.state, self.log = components, state, log
+
+    @classmethod
+    def build(cls, config: GenerationConfig, log=print, rows: list[dict] | None = None, reward_functions=(),
+              world: World | None = None) -> "Trainer":
+        config = config.filled()
+        world = world or World.from_environment(config.fsdp)
+        prepared = prepare(config, log, rows, reward_functions, world.size)
+        components = build_components(prepared, model_for(config, prepared.task, world, log), world, log)
+        return cls(components, LoopState.fresh(config.seed), log)
+
+    def sample(self, step: int) -> Rollout:
+        """The rollout a step would train on: its prompts drawn from the loop's generator, then sampled."""
+        batch = draw_batch(self.components, self.state.rng, step)
+        return self.components.sampler.sample(batch.prompts, self.components.config.group_size, batch.seeds)
+
+    def step(self, step: int) -> dict:
+        return rl_step(self.components, self.state, step, self.log)
+
+    def evaluate(self, completions: dict | None = None) -> dict:
+        return held_out(self.components, completions)

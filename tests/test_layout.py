@@ -1,0 +1,90 @@
+"""The package's shape: no import circle (function-local imports included), no source file over 450 lines,
+and the one-screen step."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "auto_research"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph() -> dict[str, set[str]]:
+    """module → the project modules it imports anywhere in its file (top level or inside a function)."""
+    modules = {_module(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                # ``from package import module`` imports the module; ``from module import name`` the module.
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def test_a_cycle_in_a_made_up_graph_is_found():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circle_among_the_package_modules():
+    graph = _graph()
+    assert len(graph) > 40 and graph["auto_research.train.step"]  # the graph is real
+    # A package's __init__ importing its own submodules is how packages work, not a circle.
+    edges = {name: {target for target in targets if not (name.startswith(target + ".") and target in graph)}
+             for name, targets in graph.items()}
+    assert _cycle(edges) is None, " → ".join(_cycle(edges))
+
+
+def test_no_source_file_is_over_450_lines():
+    long = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")
+            if len(path.read_text().splitlines()) > 450}
+    assert not long, long
+
+
+def test_the_rl_step_reads_on_one_screen():
+    source = (PACKAGE / "train" / "step.py").read_text()
+    function = next(node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == "rl_step")
+    assert function.end_lineno - function.lineno + 1 <= 40
