@@ -162,6 +162,26 @@ def gae(inputs: AdvantageInputs):
     return advantages * keep, (advantages + values) * keep
 
 
+@register_advantage("reinforce-pp")
+def reinforce_pp(inputs: AdvantageInputs):
+    """REINFORCE++ (Hu et al., 2025, arXiv 2501.03262): the per-token rewards (the score on the last token,
+    −β·kl on every token) summed to the end, G_t = Σ_{s≥t} r_s (γ = 1), no critic and no group baseline; the
+    record whitens them over the whole global batch."""
+    returns = returns_to_go(inputs.token_rewards, inputs.mask) * inputs.scored.to(inputs.mask.dtype).unsqueeze(1)
+    return returns, returns
+
+
+@register_advantage("reinforce-pp-baseline")
+def reinforce_pp_baseline(inputs: AdvantageInputs):
+    """REINFORCE++-baseline (the same paper; OpenRLHF's ``reinforce_baseline``): the group's mean score
+    subtracted from each completion's score first, then as REINFORCE++. A constant on the last token adds to
+    every token's return, so G_t − mean_group(r) on every token."""
+    K, keep = inputs.group_size, inputs.scored.to(inputs.mask.dtype).unsqueeze(1)
+    baseline = group_mean(inputs.task_rewards.view(-1, K), inputs.scored.view(-1, K)).reshape(-1, 1)
+    returns = (returns_to_go(inputs.token_rewards, inputs.mask) - baseline * inputs.mask) * keep
+    return returns, returns
+
+
 # --- normalisation over the global batch (the loop's, never an estimator's) -------------------------------
 
 

@@ -143,3 +143,15 @@ register(Algorithm(
     citation="Dong et al., 2023 (arXiv 2304.06767)",
     candidate=CandidateTwin("raft", "policy-gradient", "none", "policy", reduction="sum"),
 ))
+register(Algorithm(
+    name="reinforce-pp", advantage="reinforce-pp", policy_loss="clipped", kl="reward", whiten=True,
+    formula="A_t = whiten(G_t) over the global batch, G_t = Σ_{s≥t} r_s, r_s = score·[s = last] − β·kl_s; "
+            "clipped surrogate",
+    citation="Hu et al., 2025 (arXiv 2501.03262)",
+))
+register(Algorithm(
+    name="reinforce-pp-baseline", advantage="reinforce-pp-baseline", policy_loss="clipped", kl="reward", whiten=True,
+    min_group_size=2,
+    formula="as reinforce-pp, with the group's mean score subtracted from each score first",
+    citation="Hu et al., 2025 (arXiv 2501.03262); OpenRLHF's reinforce_baseline",
+))
