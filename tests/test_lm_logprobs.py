@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -108,3 +109,84 @@ def test_the_checkpoints_generation_config_does_not_change_what_is_sampled(tiny_
     first = sample(model, tokenizer, prompts, 1, 1, greedy=True).completion_ids[:, 0]
     styled.generation_config.suppress_tokens = first.tolist()
     assert torch.equal(sample(styled, tokenizer, prompts, 1, 1, greedy=True).completion_ids[:, 0], first)
+
+
+def test_chunked_logprobs_equal_the_full_logits_in_value_and_gradient(tiny_model_dir, monkeypatch):
+    from auto_research.engine import logprobs
+    from auto_research.engine.logprobs import completion_hidden, completion_logits
+
+    model, tokenizer = _load(tiny_model_dir)
+    rows = [("3+4=", "7"), ("12+30=", "24"), ("5+5=", "01")]
+    encoded = [(tokenizer(p, add_special_tokens=False)["input_ids"],
+                tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]) for p, c in rows]
+    P, C, pad = max(len(p) for p, _ in encoded), max(len(c) for _, c in encoded), tokenizer.pad_token_id
+    sequences = torch.tensor([[pad] * (P - len(p)) + p + c + [pad] * (C - len(c)) for p, c in encoded])
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p, _ in encoded])
+    mask = torch.tensor([[1] * len(c) + [0] * (C - len(c)) for _, c in encoded])
+    assert completion_hidden(model, sequences, prompt_mask, mask)[0] is not None  # the tiny Qwen2 takes this path
+    # Several chunks of 5 rows' logits (the vocabulary is 260 tokens wide).
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 5 * 260)
+    chunked, entropy = token_logprobs(model, sequences, prompt_mask, mask, temperature=1.3, with_entropy=True)
+    chunked_grads = torch.autograd.grad((chunked * torch.arange(1.0, 1 + chunked.numel()).view_as(chunked)).sum(),
+                                        list(model.parameters()))
+    logits = completion_logits(model, sequences, prompt_mask, mask, temperature=1.3)
+    log_p = torch.log_softmax(logits, dim=-1)
+    full = log_p.gather(-1, sequences[:, P:].unsqueeze(-1)).squeeze(-1) * mask
+    full_grads = torch.autograd.grad((full * torch.arange(1.0, 1 + full.numel()).view_as(full)).sum(),
+                                     list(model.parameters()))
+    assert torch.allclose(chunked, full, atol=1e-6)
+    assert torch.allclose(entropy, (-(log_p.exp() * log_p).sum(-1) * mask).detach(), atol=1e-5)
+    for got, want in zip(chunked_grads, full_grads):
+        assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+    assert (entropy[mask == 0] == 0).all() and (chunked[mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("kind", ["policy", "lora reference", "critic"])
+def test_a_groups_prompt_shared_by_its_samples_gives_the_same_numbers_and_gradients(tiny_model_dir, kind):
+    from auto_research.engine.logprobs import completion_values, shares_prompts
+    from auto_research.engine.models import load_critic
+
+    model, tokenizer = _load(tiny_model_dir)
+    groups = [("3+4=", ["7", "8", "17"]), ("12+30=", ["24", "2", "240"])]
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in groups]
+    P, pad, eos = max(map(len, prompt_ids)), tokenizer.pad_token_id, tokenizer.eos_token_id
+    rows = [(ids, tokenizer(c, add_special_tokens=False)["input_ids"] + [eos]) for ids, (_, cs) in zip(prompt_ids, groups)
+            for c in cs]
+    C = max(len(c) for _, c in rows)
+    sequences = torch.tensor([[pad] * (P - len(p)) + p + c + [pad] * (C - len(c)) for p, c in rows])
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p, _ in rows])
+    mask = torch.tensor([[1] * len(c) + [0] * (C - len(c)) for _, c in rows])
+    if kind == "critic":
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            model = load_critic(folder, "cpu", True, len(tokenizer))
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model.score.weight.normal_()  # a head at zero would make every value 0
+        function = completion_values
+    else:
+        function = token_logprobs
+    if kind == "lora reference":
+        import peft
+
+        from auto_research.engine.lora import AdaptersDisabled
+
+        model = AdaptersDisabled(peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])))
+    assert shares_prompts(model, sequences, prompt_mask, 3) and not shares_prompts(model, sequences, prompt_mask, 2)
+    weights = torch.arange(1.0, 1 + mask.numel()).view_as(mask)
+    results = []
+    for group_size in (3, 1):
+        out = function(model, sequences, prompt_mask, mask, group_size=group_size)
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        # (The reference's weights are all frozen: its numbers are compared, there are no gradients.)
+        grads = torch.autograd.grad((out * weights).sum(), parameters) if out.requires_grad else ()
+        results.append((out.detach(), grads))
+    (shared, shared_grads), (whole, whole_grads) = results
+    assert torch.allclose(shared, whole, atol=1e-5), float((shared - whole).abs().max())
+    assert shared.abs().max() > 0
+    scale = max((float(grad.abs().max()) for grad in whole_grads), default=0.0)  # float32 rounding, relative
+    for got, want in zip(shared_grads, whole_grads):
+        assert torch.allclose(got, want, atol=2e-6 * scale), float((got - want).abs().max())

@@ -14,6 +14,8 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from transformers import DynamicCache
 
 
 def attention_for(sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +55,8 @@ def accepts(model, argument: str) -> bool:
     return False
 
 
-def completion_values(critic, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+def completion_values(critic, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
+                      group_size: int = 1) -> torch.Tensor:
     """(B, C) the critic's value V(s_t) of the state before each completion token; 0 where masked.
 
     The critic is a token-classification model with one label: its output at
@@ -61,9 +64,61 @@ def completion_values(critic, sequences: torch.Tensor, prompt_mask: torch.Tensor
     position earlier is the value of the state in which y_t is chosen.
     """
     prompt_length = prompt_mask.shape[1]
+    if shares_prompts(critic, sequences, prompt_mask, group_size):
+        first, rest = _prompt_then_completions(critic, sequences, prompt_mask, completion_mask, group_size, {})
+        scores = torch.cat([first.logits[:, -1:, 0].repeat_interleave(group_size, dim=0), rest.logits[:, :-1, 0]], 1)
+        return scores.float() * completion_mask.to(torch.float32)
     attention, positions = attention_for(sequences, prompt_mask, completion_mask)
     scores = critic(input_ids=sequences, attention_mask=attention, position_ids=positions).logits[..., 0]
     return scores[:, prompt_length - 1 : -1].float() * completion_mask.to(torch.float32)
+
+
+def cache_argument(model) -> str:
+    """The name under which this model's forward takes its KV cache (transformers 5.2x renamed it)."""
+    return "cache" if accepts(model, "cache") else "past_key_values"
+
+
+def cache_of(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def shares_prompts(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> bool:
+    """Whether the K rows of each group can share one forward of their (identical) prompt: the batch holds
+    whole groups, the model keeps a KV cache, and neither DDP, FSDP nor activation checkpointing (each of
+    which expects one forward over whole rows) is in the way."""
+    rows = sequences.shape[0]
+    if group_size < 2 or rows % group_size or not accepts(model, cache_argument(model)):
+        return False
+    inner = model if isinstance(model, torch.nn.Module) else getattr(model, "model", None)  # a LoRA reference
+    if not isinstance(inner, torch.nn.Module) or isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+        return False
+    if any(isinstance(module, FSDPModule) or getattr(module, "gradient_checkpointing", False)
+           for module in inner.modules()):
+        return False
+    prompts, masks = sequences[:, :prompt_mask.shape[1]], prompt_mask
+    return bool(torch.equal(prompts, prompts[::group_size].repeat_interleave(group_size, dim=0))
+                and torch.equal(masks, masks[::group_size].repeat_interleave(group_size, dim=0)))
+
+
+def _prompt_then_completions(model, sequences, prompt_mask, completion_mask, group_size: int, keep: dict):
+    """Each group's prompt once (its KV cache repeated for the K rows), then the completions over that cache:
+    the same positions and attention as one forward over ``[prompt | completion]`` rows, K − 1 of every K
+    prompt computations fewer, in the forward and in the backward. Returns both outputs."""
+    P = prompt_mask.shape[1]
+    prompts, masks = sequences[::group_size, :P], prompt_mask[::group_size].long()
+    positions = (masks.cumsum(dim=1) - 1).clamp(min=0)
+    last = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}
+    cache = DynamicCache()  # filled in place by the prompts' forward (a token classifier returns no cache)
+    first = model(input_ids=prompts, attention_mask=masks, position_ids=positions, use_cache=True,
+                  **{cache_argument(model): cache}, **last)
+    cache.batch_repeat_interleave(group_size)
+    attention = torch.cat([masks.repeat_interleave(group_size, dim=0), completion_mask.long()], dim=1)
+    steps = torch.arange(completion_mask.shape[1], device=sequences.device)
+    completion_positions = positions[:, -1:].repeat_interleave(group_size, dim=0) + 1 + steps
+    rest = model(input_ids=sequences[:, P:], attention_mask=attention, position_ids=completion_positions,
+                 use_cache=True, **{cache_argument(model): cache}, **keep)
+    return first, rest
 
 
 def token_logprobs(
@@ -73,25 +128,166 @@ def token_logprobs(
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    group_size: int = 1,
 ):
     """log π(y_t | x, y_<t) for each completion token, shape (B, C); 0 where masked.
 
-    Logits are divided by the sampling temperature, so the policy trained is the
-    one that sampled. With ``with_entropy`` also returns the per-token entropy
-    of that distribution (no gradient).
+    Logits are divided by the sampling temperature, so the policy trained is the one that sampled.
+    With ``with_entropy`` also returns the per-token entropy of that distribution (no gradient).
+
+    Where the model's output layer is a plain linear map (Llama, Qwen, Mistral, SmolLM …), its input is
+    taken at the completion positions and the logits are made, used and dropped a chunk of positions at
+    a time (``chunked_logprobs``): no (B, C, V) tensor, and no log-softmax copy of it, ever exists, in
+    the forward or the backward. Other models go through their own logits. With ``group_size`` K, the rows of
+    each group of K share one forward of their prompt (``shares_prompts``).
     """
-    logits = completion_logits(model, sequences, prompt_mask, completion_mask, temperature)
-    targets = sequences[:, prompt_mask.shape[1] :]
+    hidden, weight = completion_hidden(model, sequences, prompt_mask, completion_mask, group_size)
+    targets = sequences[:, prompt_mask.shape[1]:]
+    mask = completion_mask.bool()
+    if hidden is None:
+        return _from_logits(completion_logits(model, sequences, prompt_mask, completion_mask, temperature), targets,
+                            mask, with_entropy)
+    chosen = torch.zeros(mask.shape, dtype=torch.float32, device=sequences.device)
+    kept_hidden, kept_targets = hidden[mask], targets[mask]
+    chosen = chosen.masked_scatter(mask, chunked_logprobs(kept_hidden, weight, kept_targets, temperature))
+    if not with_entropy:
+        return chosen
+    entropy = torch.zeros(mask.shape, dtype=torch.float32, device=sequences.device)
+    return chosen, entropy.masked_scatter(mask, chunked_entropy(kept_hidden.detach(), weight.detach(), temperature))
+
+
+def _from_logits(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, with_entropy: bool):
     normaliser = torch.logsumexp(logits, dim=-1)
-    chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser
-    mask = completion_mask.to(chosen.dtype)
-    chosen = chosen * mask
+    chosen = (logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser) * mask
     if not with_entropy:
         return chosen
     with torch.no_grad():
         log_p = logits - normaliser.unsqueeze(-1)
         entropy = -(log_p.exp() * log_p).sum(-1) * mask
     return chosen, entropy
+
+
+def _plain_output_layer(model):
+    """The output layer under any wrappers (DDP, PEFT, a LoRA reference) when it is a bias-free nn.Linear whose
+    output is the logits as they are (no soft-capping or scaling after it); else None. Not under FSDP, which
+    frees the whole weight again as soon as the forward ends."""
+    inner = model
+    for _ in range(8):
+        if isinstance(inner, FSDPModule):
+            return None
+        if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+            inner = inner.module
+            continue
+        get = getattr(inner, "get_output_embeddings", None)
+        if callable(get):
+            layer, config = get(), getattr(inner, "config", None)
+            scaled = any(getattr(config, name, None) not in (None, 1.0) for name in ("final_logit_softcapping",
+                                                                                        "logit_scale"))
+            if type(layer) is torch.nn.Linear and layer.bias is None and not scaled:
+                return layer
+            return None
+        inner = getattr(inner, "model", None)
+        if inner is None:
+            return None
+    return None
+
+
+def completion_hidden(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
+                      group_size: int = 1):
+    """(B, C, H) the output layer's input at the positions that predict the completion tokens, and its weight,
+    from forwards in which the output layer itself computes nothing; (None, None) for a model whose output
+    layer cannot be taken apart so, or one that cannot skip the prompt positions."""
+    layer = _plain_output_layer(model)
+    if layer is None or not accepts(model, "logits_to_keep"):
+        return None, None
+    completion_length = completion_mask.shape[1]
+    captured = []
+
+    def capture(module, args):
+        captured.append((args[0], module.weight))
+        return (args[0][..., :0, :],)  # the layer runs on no position at all
+
+    handle = layer.register_forward_pre_hook(capture)
+    try:
+        if shares_prompts(model, sequences, prompt_mask, group_size):
+            _prompt_then_completions(model, sequences, prompt_mask, completion_mask, group_size,
+                                     {"logits_to_keep": completion_length})
+            (first, weight), (rest, _) = captured
+            return torch.cat([first[:, -1:].repeat_interleave(group_size, dim=0), rest[:, :-1]], dim=1), weight
+        attention, positions = attention_for(sequences, prompt_mask, completion_mask)
+        model(input_ids=sequences, attention_mask=attention, position_ids=positions, use_cache=False,
+              logits_to_keep=completion_length + 1)
+    finally:
+        handle.remove()
+    hidden, weight = captured[0]
+    return hidden[:, :-1], weight
+
+
+CHUNK_ELEMENTS = 1 << 24
+"""Logits made at a time by the chunked log-probs: 16M floats (64 MB), whatever the batch and vocabulary."""
+
+
+def _chunks(rows: int, vocabulary: int):
+    size = max(1, CHUNK_ELEMENTS // vocabulary)
+    return [(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = (hidden @ weight.to(hidden.dtype).t()).float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """log softmax(h Wᵀ / T)[y] for N rows, a chunk of rows at a time; the backward makes each chunk's logits
+    again (d/dlogits = g · (onehot(y) − softmax) / T), so only one chunk of logits is alive at any moment."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature):
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        normalisers = torch.empty_like(out)
+        for start, stop in _chunks(hidden.shape[0], weight.shape[0]):
+            logits = _logits(hidden[start:stop], weight, temperature)
+            normalisers[start:stop] = torch.logsumexp(logits, dim=-1)
+            out[start:stop] = logits.gather(-1, targets[start:stop, None]).squeeze(-1) - normalisers[start:stop]
+        ctx.save_for_backward(hidden, weight, targets, normalisers)
+        ctx.temperature = temperature
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, normalisers = ctx.saved_tensors
+        compute = hidden.dtype
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        w = weight.to(compute)
+        for start, stop in _chunks(hidden.shape[0], weight.shape[0]):
+            logits = _logits(hidden[start:stop], weight, ctx.temperature)
+            grad = -torch.exp(logits - normalisers[start:stop, None])
+            grad.scatter_add_(-1, targets[start:stop, None], torch.ones_like(grad[:, :1]))
+            grad *= (grad_out[start:stop] / ctx.temperature)[:, None]
+            grad = grad.to(compute)
+            if grad_hidden is not None:
+                grad_hidden[start:stop] = grad @ w
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ hidden[start:stop]).float()
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """(N,) log-probabilities of ``targets`` under softmax(hidden · weightᵀ / T), never all N logits at once."""
+    return _ChunkedLogProbs.apply(hidden, weight, targets, temperature)
+
+
+@torch.no_grad()
+def chunked_entropy(hidden: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(N,) entropy of softmax(hidden · weightᵀ / T), a chunk of rows at a time."""
+    entropy = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start, stop in _chunks(hidden.shape[0], weight.shape[0]):
+        log_p = torch.log_softmax(_logits(hidden[start:stop], weight, temperature), dim=-1)
+        entropy[start:stop] = -(log_p.exp() * log_p).sum(-1)
+    return entropy
 
 
 def kl_per_token(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:

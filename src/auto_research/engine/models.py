@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from transformers.utils import logging as hf_logging
 
 from auto_research.engine import lora
+from auto_research.engine.packaged import materialise
 from auto_research.engine.sources import base_of, check_model_source, is_adapter
 from auto_research.errors import UserError, one_line
 
@@ -60,6 +61,7 @@ def load_policy(name: str, device: str, dtype, offline: bool, log=None, keep_ada
     quiet_transformers()
 
     check_model_source(name, offline)
+    name = materialise(name, offline, log or _log.info)
     adapter = is_adapter(name)
     weights = base_of(name) if adapter else name
     if adapter:
@@ -110,6 +112,7 @@ def load_critic(name: str, device: str, offline: bool, vocabulary: int, flag: st
     the returns themselves.
     """
     check_model_source(name, offline, flag)
+    name = materialise(name, offline)
     local = Path(name).expanduser().exists()
     try:
         critic = AutoModelForTokenClassification.from_pretrained(name, num_labels=1, dtype=torch.float32,

@@ -1,4 +1,5 @@
-"""Where a model comes from: a local folder (a Hugging Face checkpoint or a LoRA adapter) or a hub id.
+"""Where a model comes from: a local folder (a Hugging Face checkpoint or a LoRA adapter), a hub id, a GGUF
+file or a packaged model (engine/packaged.py).
 
 Light (no torch, no transformers), so that a mistyped ``--model`` fails in a fraction of a second.
 """
@@ -9,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from auto_research.engine.packaged import check_source, is_gguf, is_packaged
 from auto_research.errors import UserError
 
 
@@ -30,6 +32,9 @@ def base_of(name: str) -> str:
 
 def check_model_source(name: str, offline: bool, flag: str = "--model") -> None:
     """Fail fast, in one line, when a model can be neither read locally nor fetched."""
+    if is_gguf(name) or is_packaged(name):
+        check_source(name, offline, flag)
+        return
     path = Path(name).expanduser()
     if path.exists():
         if is_adapter(name):  # a LoRA adapter: its base model must be reachable too

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from auto_research.engine.packaged import materialise
 from auto_research.engine.sources import check_model_source
 from auto_research.errors import UserError, one_line
 
@@ -35,6 +36,7 @@ class RewardModel:
 
     def __init__(self, path: str, device, offline: bool, batch_size: int = 16):
         check_model_source(path, offline, "--reward-model")
+        path = materialise(path, offline)
         local = Path(path).expanduser().exists()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=offline or local)

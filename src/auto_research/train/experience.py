@@ -125,7 +125,8 @@ def no_grad_forward(c: Components, model, rollout: Rollout, function, **options)
     with torch.no_grad(), c.autocast():
         for start in range(0, rollout.sequences.shape[0], size):
             chunk = rollout.rows(start, start + size, trim=True)
-            result = function(model, chunk.sequences, chunk.prompt_mask, chunk.completion_mask, **options)
+            result = function(model, chunk.sequences, chunk.prompt_mask, chunk.completion_mask,
+                              group_size=c.config.group_size, **options)
             outputs.append(tuple(widen(part, width) for part in result) if isinstance(result, tuple)
                            else widen(result, width))
     if isinstance(outputs[0], tuple):
@@ -135,17 +136,31 @@ def no_grad_forward(c: Components, model, rollout: Rollout, function, **options)
 
 def build_experience(c: Components, rollout: Rollout, scores: Scores) -> Experience:
     """log π_ref of every completion token (when a reference is held), then log π of the policy that sampled
-    (the ratios' denominator and the KL) with its entropy, and the critic's values: no-grad forwards."""
+    (the ratios' denominator and the KL) with its entropy, and the critic's values: no-grad forwards.
+
+    The policy's forward is skipped when the step is on-policy (one update per batch) and the sampler drew
+    from the training weights' own, unfiltered distribution in float32: its log-probs and entropies are then
+    those of the policy (the ratio of the one update is 1), computed as it sampled."""
     temperature = c.config.temperature
     mask = rollout.completion_mask.float()
     reference_logprobs = None
     if c.reference is not None:
         reference_logprobs = no_grad_forward(c, c.reference, rollout, token_logprobs, temperature=temperature)
-    old_logprobs, entropy = no_grad_forward(c, c.policy, rollout, token_logprobs, temperature=temperature,
-                                            with_entropy=True)
+    if sampled_is_the_policy(c, rollout):
+        old_logprobs, entropy = rollout.sampler_logprobs, rollout.sampler_entropy
+    else:
+        old_logprobs, entropy = no_grad_forward(c, c.policy, rollout, token_logprobs, temperature=temperature,
+                                                with_entropy=True)
     if reference_logprobs is not None:
         kl = kl_per_token(old_logprobs, reference_logprobs, c.config.kl_estimator) * mask
     else:
         kl = torch.zeros_like(old_logprobs)
     values = no_grad_forward(c, c.critic, rollout, completion_values) * mask if c.critic is not None else None
     return Experience(rollout, scores, old_logprobs, entropy, kl, reference_logprobs, values)
+
+
+def sampled_is_the_policy(c: Components, rollout: Rollout) -> bool:
+    """Whether the rollout's own log-probs serve as the old policy's (see ``build_experience``)."""
+    return (rollout.trained_distribution and rollout.sampler_logprobs is not None
+            and rollout.sampler_entropy is not None and c.updates_per_step == 1
+            and c.compute_dtype == torch.float32)

@@ -108,7 +108,8 @@ def update_actor(c: Components, experience: Experience, advantages: Advantages, 
             for part, chunk in _accumulating(c, experience, rows, c.train_policy):
                 with c.autocast():
                     logprobs = widen(token_logprobs(c.train_policy, chunk.sequences, chunk.prompt_mask,
-                                                    chunk.completion_mask, config.temperature), width)
+                                                    chunk.completion_mask, config.temperature,
+                                                    group_size=config.group_size), width)
                 inputs = LossInputs(logprobs, experience.old_logprobs[part], advantages.advantages[part], mask[part],
                                     config.clip_range)
                 pg = aggregate(loss_function(inputs), mask[part], config.loss_aggregation, **counts,
@@ -151,7 +152,7 @@ def update_critic(c: Components, experience: Experience, advantages: Advantages,
             for part, chunk in _accumulating(c, experience, rows, c.train_critic):
                 with c.autocast():
                     values = widen(completion_values(c.train_critic, chunk.sequences, chunk.prompt_mask,
-                                                     chunk.completion_mask), width)
+                                                     chunk.completion_mask, config.group_size), width)
                 terms = clipped_value_loss(values, experience.values[part], advantages.returns[part],
                                            config.value_clip)
                 loss = config.vf_coef * (terms * mask[part]).sum() / tokens

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from auto_research.engine.models import quiet_transformers
+from auto_research.engine.packaged import cache_dir, materialise
 from auto_research.engine.tiny import TINY_ARCHITECTURE, build_model, build_tokenizer
 from auto_research.files import atomic_write_json, make_tree_shareable
 from auto_research.train.evaluation import greedy_accuracy
@@ -27,10 +28,6 @@ RECIPE_VERSION = 3
 # Warm start: every demonstration seen about 270 times; held-out accuracy has
 # plateaued well before the end (benchmarks/arithmetic_generate.py shows the control).
 WARM_START = dict(steps=1500, batch_size=64, learning_rate=2e-3, warmup_steps=20, seed=2)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("AUTO_RESEARCH_CACHE") or Path.home() / ".cache" / "auto-research")
 
 
 def warm_started_path(task_name: str) -> Path:
@@ -88,14 +85,13 @@ def warm_start_record(path: Path) -> dict | None:
 
 
 def model_for(config, task, world, log=print) -> str:
-    """The run's model: ``--model``, else the embedded tiny model warm-started on the task (rank 0 trains it
-    once; the others wait, then read its cache)."""
-    if config.model is not None:
-        return config.model
-    name = None
-    if world.main:
-        name = ensure_warm_started(task, progress=config.progress, log=log)
+    """The run's model as a folder or hub id: ``--model`` (a GGUF file or a packaged model converted once), else
+    the embedded tiny model warm-started on the task. Rank 0 makes it; the others wait, then read the cache."""
+    def resolve(progress: bool) -> str:
+        if config.model is None:
+            return str(ensure_warm_started(task, progress=progress, log=log))
+        return materialise(config.model, config.offline, log)
+
+    name = resolve(config.progress) if world.main else None
     world.barrier()
-    if not world.main:
-        name = ensure_warm_started(task, progress=False, log=log)
-    return str(name)
+    return name if world.main else resolve(False)

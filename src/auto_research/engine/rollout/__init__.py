@@ -46,6 +46,11 @@ class Rollout:
     sampler_logprobs: torch.Tensor | None = None
     """(B, C) the sampler's log-probability of each drawn token under the distribution it sampled (after
     temperature, top-k and top-p), 0 where masked; None for greedy decoding or a fixed batch."""
+    sampler_entropy: torch.Tensor | None = None
+    """(B, C) the entropy of the distribution each token was drawn from, 0 where masked (when the sampler has it)."""
+    trained_distribution: bool = False
+    """The sampler drew from the training model's own distribution, unfiltered (the builtin loop with no top-k
+    or top-p): its log-probs are the policy's, so with one update per batch no forward need recompute them."""
 
     @property
     def prompt_length(self) -> int:
@@ -66,6 +71,7 @@ class Rollout:
         sequences, prompt_mask, completion_mask = (self.sequences[start:stop], self.prompt_mask[start:stop],
                                                    self.completion_mask[start:stop])
         logprobs = None if self.sampler_logprobs is None else self.sampler_logprobs[start:stop]
+        entropy = None if self.sampler_entropy is None else self.sampler_entropy[start:stop]
         if trim and sequences.shape[0]:
             used_prompt = prompt_mask.any(0).nonzero()
             first = int(used_prompt[0]) if used_prompt.numel() else prompt_mask.shape[1] - 1
@@ -75,7 +81,9 @@ class Rollout:
             sequences = sequences[:, first: prompt_length + width]
             prompt_mask, completion_mask = prompt_mask[:, first:], completion_mask[:, :width]
             logprobs = None if logprobs is None else logprobs[:, :width]
-        return Rollout(sequences, prompt_mask, completion_mask, self.completions[start:stop], self.group_size, logprobs)
+            entropy = None if entropy is None else entropy[:, :width]
+        return Rollout(sequences, prompt_mask, completion_mask, self.completions[start:stop], self.group_size, logprobs,
+                       entropy, self.trained_distribution)
 
 
 class Sampler(Protocol):
@@ -96,7 +104,7 @@ def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         return rollouts[0]
     prompt_width = max(r.prompt_length for r in rollouts)
     completion_width = max(r.completion_mask.shape[1] for r in rollouts)
-    sequences, prompt_masks, completion_masks, logprobs = [], [], [], []
+    sequences, prompt_masks, completion_masks, logprobs, entropies = [], [], [], [], []
     for r in rollouts:
         left = prompt_width - r.prompt_length
         right = completion_width - r.completion_mask.shape[1]
@@ -107,9 +115,13 @@ def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         completion_masks.append(torch.nn.functional.pad(r.completion_mask, (0, right)))
         if r.sampler_logprobs is not None:
             logprobs.append(torch.nn.functional.pad(r.sampler_logprobs, (0, right)))
+        if r.sampler_entropy is not None:
+            entropies.append(torch.nn.functional.pad(r.sampler_entropy, (0, right)))
     return Rollout(torch.cat(sequences), torch.cat(prompt_masks), torch.cat(completion_masks),
                    [text for r in rollouts for text in r.completions], rollouts[0].group_size,
-                   torch.cat(logprobs) if len(logprobs) == len(rollouts) else None)
+                   torch.cat(logprobs) if len(logprobs) == len(rollouts) else None,
+                   torch.cat(entropies) if len(entropies) == len(rollouts) else None,
+                   all(r.trained_distribution for r in rollouts))
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from auto_research.engine.logprobs import accepts
+from auto_research.engine.logprobs import cache_argument, cache_of
 from auto_research.engine.rollout import Rollout, SamplingSettings, completion_mask, concatenate, eos_ids
 
 
@@ -54,14 +54,21 @@ def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return index.clamp(max=logits.shape[-1] - 1)
 
 
-def _cache_argument(model) -> str:
-    """The name under which this model's forward takes its KV cache (transformers 5.2x renamed it)."""
-    return "cache" if accepts(model, "cache") else "past_key_values"
-
-
-def _cache_of(output):
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
+def _prefill(model, input_ids, attention, repeats: int):
+    """The prompts' forward, once per prompt: its last logits and the KV cache, then each repeated ``repeats``
+    times for the K samples (a cache that cannot be repeated is made by a forward over the repeated rows)."""
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    output = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                   logits_to_keep=1)
+    cache = cache_of(output)
+    logits = output.logits[:, -1].float()
+    if repeats > 1:
+        if hasattr(cache, "batch_repeat_interleave"):
+            cache.batch_repeat_interleave(repeats)
+            logits = logits.repeat_interleave(repeats, dim=0)
+        else:  # pragma: no cover - a model with a legacy tuple cache
+            return _prefill(model, input_ids.repeat_interleave(repeats, 0), attention.repeat_interleave(repeats, 0), 1)
+    return logits, cache, positions.repeat_interleave(repeats, dim=0)[:, -1:] + 1
 
 
 @torch.no_grad()
@@ -78,13 +85,14 @@ def sample(
     seeds: list[int] | None = None,
 ) -> Rollout:
     """K samples for each prompt (or one greedy completion each when ``greedy``), with the sampler's
-    log-probabilities of the drawn tokens. Without ``seeds`` the uniforms come from torch's global
-    generator."""
+    log-probabilities of the drawn tokens and the entropy of each token's distribution. Each prompt is
+    prefilled once and its KV cache shared by its K samples. Without ``seeds`` the uniforms come from
+    torch's global generator."""
     device = next(model.parameters()).device
-    input_ids, attention = encode_prompts(tokenizer, prompts, device)
+    prompt_ids, prompt_attention = encode_prompts(tokenizer, prompts, device)
     repeats = 1 if greedy else group_size
-    input_ids = input_ids.repeat_interleave(repeats, dim=0)
-    attention = attention.repeat_interleave(repeats, dim=0)
+    input_ids = prompt_ids.repeat_interleave(repeats, dim=0)
+    attention = prompt_attention.repeat_interleave(repeats, dim=0)
     rows = input_ids.shape[0]
     uniforms = None
     if not greedy:
@@ -100,23 +108,21 @@ def sample(
     was_training = model.training
     model.eval()
     # transformers 5.2x renamed past_key_values to cache; older models keep the old name.
-    cache_argument = _cache_argument(model)
+    argument = cache_argument(model)
     try:
-        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        output = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                       logits_to_keep=1)
-        position = positions[:, -1:] + 1
+        logits, cache, position = _prefill(model, prompt_ids, prompt_attention, repeats)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        tokens, logprobs = [], []
+        tokens, logprobs, entropies = [], [], []
         for t in range(max_new_tokens):
-            logits = output.logits[:, -1].float()
             if greedy:
                 token = logits.argmax(-1)
             else:
                 logits = logits / temperature if temperature != 1.0 else logits
                 filtered = filter_logits(logits, top_k, top_p).double()
                 token = draw(filtered, uniforms[:, t])
-                logprobs.append(torch.log_softmax(filtered, -1).gather(-1, token.unsqueeze(-1)).squeeze(-1).float())
+                log_p = torch.log_softmax(filtered, -1)
+                logprobs.append(log_p.gather(-1, token.unsqueeze(-1)).squeeze(-1).float())
+                entropies.append(-(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1).float())
             token = torch.where(finished, torch.full_like(token, pad), token)
             tokens.append(token)
             finished |= torch.isin(token, eos)
@@ -124,7 +130,8 @@ def sample(
                 break
             attention = torch.cat([attention, attention.new_ones(rows, 1)], dim=1)
             output = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=position,
-                           use_cache=True, **{cache_argument: _cache_of(output)})
+                           use_cache=True, **{argument: cache})
+            cache, logits = cache_of(output), output.logits[:, -1].float()
             position = position + 1
     finally:
         model.train(was_training)
@@ -133,7 +140,9 @@ def sample(
     mask = completion_mask(completion_ids, eos.tolist())
     texts = tokenizer.batch_decode(completion_ids * mask + pad * (1 - mask), skip_special_tokens=True)
     sampled = torch.stack(logprobs, dim=1) * mask if logprobs else None
-    return Rollout(sequences, attention[:, : input_ids.shape[1]], mask, texts, repeats, sampled)
+    entropy = torch.stack(entropies, dim=1) * mask if entropies else None
+    unfiltered = not greedy and not top_k and top_p >= 1.0
+    return Rollout(sequences, attention[:, : input_ids.shape[1]], mask, texts, repeats, sampled, entropy, unfiltered)
 
 
 class BuiltinSampler:
