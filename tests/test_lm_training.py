@@ -346,3 +346,25 @@ def test_resume_with_other_settings_names_them(tiny_model_dir, sums_jsonl, tmp_p
     capsys.readouterr()
     assert main(base + ["--resume", "--beta", "0.2"]) == 2
     assert "started with different settings: beta (was 0.05, now 0.2)" in capsys.readouterr().err
+
+
+def test_recomputed_mlps_change_memory_not_the_step(tiny_model_dir, sums_jsonl, tmp_path, reward_module):
+    from auto_research.train.components import checkpoint_mlps
+
+    plain, _ = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path / "a", reward_module)
+    recomputed, _ = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path / "b", reward_module, checkpoint_mlp=True)
+    for name in plain:
+        assert torch.allclose(plain[name], recomputed[name], atol=1e-6), name
+    # What the backward keeps: fewer saved activations with the MLPs recomputed.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.randint(4, 200, (4, 24))
+
+    def saved(module) -> int:
+        total = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel()) or t, lambda t: t):
+            module(input_ids=ids).logits.sum().backward()
+        return sum(total)
+
+    before = saved(model)
+    assert checkpoint_mlps(model) == 1
+    assert saved(model) < 0.8 * before

@@ -19,6 +19,7 @@ from auto_research.config.fields import (CANDIDATE_DATASETS, EMBEDDED_MODEL_DATA
                                          check_positive_integers, comma_floats, default_dataset_dir, is_data_source,
                                          json_ready, setting)
 from auto_research.errors import UserError
+from auto_research.rewards.verifiers import VERIFIERS
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_PLACEMENTS = ("reward", "loss", "none")
@@ -78,6 +79,9 @@ class GenerationConfig:
                                        "data")
     evaluation_examples: int | None = setting(None, "held-out prompts evaluated (default: per dataset)", "data",
                                               type=int)
+    verifier: str | None = setting(None, "how a data file's held-out answers are judged, and its reward when none is "
+                                         "given: match (the final number, or the normalised text) or exact (the whole "
+                                         "completion is the answer)", "data", default_text="match")
     chat_template: bool = setting(True, "send prompts as plain text, not through the chat template", "data",
                                   flag="--no-chat-template", action="store_false")
 
@@ -125,13 +129,23 @@ class GenerationConfig:
 
     # --- optimisation ---
     micro_batch_size: int | None = setting(None, "completions per forward/backward, any size, and per sampling call "
-                                                 "(rounded down to whole groups; default: the whole batch)",
-                                           "optimisation", type=int)
+                                                 "unless --generation-batch-size says otherwise (default: the whole "
+                                                 "batch)", "optimisation", type=int)
+    generation_batch_size: int | None = setting(None, "completions per sampling call, rounded down to whole groups: "
+                                                      "decoding reads every weight once a token, so more rows a call "
+                                                      "is faster; the same on 1 and N processes keeps their numbers "
+                                                      "equal (default: --micro-batch-size, else the whole batch)",
+                                                "sampling", type=int)
     lr_schedule: str = setting("constant", "constant or cosine, after linear warmup", "optimisation")
     warmup_steps: int | None = setting(None, "linear warmup updates (default: per dataset)", "optimisation", type=int)
     weight_decay: float = setting(0.0, "AdamW weight decay", "optimisation", type=float)
     max_grad_norm: float = setting(1.0, "gradient-norm clip", "optimisation", type=float)
-    gradient_checkpointing: bool = setting(False, "trade compute for memory", "optimisation", action="store_true")
+    gradient_checkpointing: bool = setting(False, "recompute every decoder layer in the backward: the least memory, "
+                                                  "the most compute", "optimisation", action="store_true")
+    checkpoint_mlp: bool = setting(False, "recompute each decoder layer's MLP in the backward instead of keeping its "
+                                          "activations: on Llama-shaped models about half the activation memory "
+                                          "for about a quarter more update time", "optimisation",
+                                   action="store_true")
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N or mps", "optimisation")
     dtype: str = setting("auto", "auto (bf16 compute on a GPU, fp32 on CPU), float32 or bfloat16; weights stay fp32",
                          "optimisation")
@@ -209,6 +223,7 @@ class GenerationConfig:
                                 ("--maximum-examples", self.maximum_examples),
                                 ("--evaluation-examples", self.evaluation_examples), ("--threads", self.threads),
                                 ("--micro-batch-size", self.micro_batch_size),
+                                ("--generation-batch-size", self.generation_batch_size),
                                 ("--ppo-mini-batches", self.ppo_mini_batches), ("--lora-r", self.lora_r))
         check_non_negative_integers(("--warmup-steps", self.warmup_steps), ("--checkpoint-every", self.checkpoint_every),
                                     ("--eval-every", self.eval_every), ("--top-k", self.top_k))
@@ -230,7 +245,8 @@ class GenerationConfig:
                                      ("--loss-aggregation", self.loss_aggregation, LOSS_AGGREGATIONS),
                                      ("--ratio-level", self.ratio_level, ("token", "sequence")),
                                      ("--lr-schedule", self.lr_schedule, SCHEDULES),
-                                     ("--report-to", self.report_to, ("none", "tensorboard"))):
+                                     ("--report-to", self.report_to, ("none", "tensorboard")),
+                                     ("--verifier", self.verifier, VERIFIERS)):
             check_choice(flag, value, allowed)
         if self.kl_in == "reward" and algorithm.kl != "reward" and self.beta > 0:
             raise UserError(f"--kl-in reward: {self.algorithm}'s advantage does not use the shaped reward; "
@@ -275,7 +291,8 @@ class GenerationConfig:
     def validate_dataset(self) -> None:
         check_generation_dataset(self.dataset)
         if not is_data_source(self.dataset) and not self.dataset.startswith(IN_MEMORY):
-            for flag, value in (("--prompt-field", self.prompt_field), ("--answer-field", self.answer_field)):
+            for flag, value in (("--prompt-field", self.prompt_field), ("--answer-field", self.answer_field),
+                                ("--verifier", self.verifier)):
                 if value is not None:
                     raise UserError(f"{flag} applies to .jsonl datasets only; {self.dataset} has fixed fields")
 

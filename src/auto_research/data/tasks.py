@@ -132,17 +132,18 @@ def _answer_text(path, number: int, row: dict, name: str) -> str:
 
 
 def jsonl_task(path, prompt_field: str, answer_field: str, evaluation_examples: int | None = None,
-               solution_field: str | None = None) -> Task:
+               solution_field: str | None = None, verifier: str | None = None) -> Task:
     """Rows of a local JSONL file; the last ``evaluation_examples`` rows are held out (see ``rows_task``)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"dataset file not found: {path}")
     return rows_task(iter_jsonl(path), path, path.stem, str(path.resolve()), prompt_field, answer_field,
-                     evaluation_examples, solution_field)
+                     evaluation_examples, solution_field, verifier)
 
 
 def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str, answer_field: str,
-              evaluation_examples: int | None = None, solution_field: str | None = None) -> Task:
+              evaluation_examples: int | None = None, solution_field: str | None = None,
+              verifier: str | None = None) -> Task:
     """(number, dict) rows → a task; the last ``evaluation_examples`` rows are held out.
 
     Prompts (and solutions) must be JSON strings; answers may be strings or numbers.
@@ -166,7 +167,7 @@ def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str, a
                         "must be left to train on")
     else:
         held = evaluation_examples
-    return Task(name, rows[:-held], rows[-held:], rows[:-held], verifier="match",
+    return Task(name, rows[:-held], rows[-held:], rows[:-held], verifier=verifier or "match",
                 source=f"{source} ({len(rows) - held} train, {held} held out)")
 
 
@@ -187,16 +188,17 @@ def load_task(config, rows: list[dict] | None = None) -> Task:
             raise UserError(f"dataset {config.dataset}: an in-memory dataset needs its rows (pass dataset=[...] to the "
                             "Python API's post_train)")
         task = rows_task(enumerate(rows, start=1), "rows", config.dataset_name, f"{len(rows)} rows in memory",
-                         config.prompt_field or "prompt", config.answer_field or "answer", config.evaluation_examples)
+                         config.prompt_field or "prompt", config.answer_field or "answer", config.evaluation_examples,
+                         verifier=config.verifier)
     elif config.dataset.endswith(".jsonl"):
         task = jsonl_task(config.dataset, config.prompt_field or "prompt", config.answer_field or "answer",
-                          config.evaluation_examples)
+                          config.evaluation_examples, verifier=config.verifier)
     else:  # .json, .parquet, .csv, a save_to_disk folder, or hf:owner/name, through Hugging Face datasets
         source = config.dataset[len(HUB_DATASET):] if config.dataset.startswith(HUB_DATASET) else config.dataset
         loaded = load_rows(source, config.offline)
         task = rows_task(enumerate(loaded, start=1), config.dataset, config.dataset_name,
                          f"{source} ({len(loaded)} rows, read with datasets)", config.prompt_field or "prompt",
-                         config.answer_field or "answer", config.evaluation_examples)
+                         config.answer_field or "answer", config.evaluation_examples, verifier=config.verifier)
     for flag, wanted, available, what in (
         ("--maximum-examples", config.maximum_examples, len(task.train), "training prompts"),
         ("--evaluation-examples", config.evaluation_examples, len(task.evaluation), "held-out prompts"),

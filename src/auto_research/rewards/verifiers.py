@@ -46,7 +46,15 @@ def is_correct(verifier: str, completion: str, example: Example) -> bool:
         if final_number(example.answer) is not None and NUMBER.fullmatch(example.answer.strip()):
             return _same_number(completion, example.answer)
         return _normalise(completion) == _normalise(example.answer)
+    if verifier == "exact":
+        return _normalise(completion).removesuffix(".").strip() == _normalise(example.answer)
     raise ValueError(f"unknown verifier {verifier!r}")
+
+
+VERIFIERS = ("match", "exact")
+"""The verifiers a data file may ask for (--verifier): match (the final number when the answer is one, else the
+normalised text; the default) or exact (the whole completion is the answer, whitespace, case and a final period
+aside: a reply that wraps the right number in words is wrong)."""
 
 
 def arithmetic_reward(prompts, completions, examples) -> list[float]:
@@ -80,6 +88,7 @@ BUILT_IN: dict[str, Callable] = {
     "arithmetic": arithmetic_reward,
     "gsm8k": _verifier_reward("gsm8k"),
     "match": _verifier_reward("match"),
+    "exact": _verifier_reward("exact"),
     "format": format_reward,
 }
 

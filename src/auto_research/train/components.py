@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 
 from auto_research.algorithms.registry import Algorithm, get_algorithm
 from auto_research.config.generation import GenerationConfig
 from auto_research.data.types import Task
 from auto_research.engine import checkpoint as checkpoints
 from auto_research.engine import lora
-from auto_research.engine.distributed import World
+from auto_research.engine.distributed import World, decoder_layers
 from auto_research.engine.models import (context_length, format_prompt, load_critic, load_policy, resolve_device,
                                          resolve_dtype)
 from auto_research.engine.rollout import Sampler, SamplingSettings
@@ -88,6 +89,28 @@ def _load_optimizer(world: World, model, optimizer, folder: Path) -> None:
         world.load_optimizer_state(model, optimizer, saved)
 
 
+def checkpoint_mlps(model) -> int:
+    """Recompute every decoder layer's MLP in the backward (torch.utils.checkpoint, non-reentrant): what the MLP
+    keeps for its backward (its gate, up and activation products, 2.7× the hidden size each on Llama-shaped
+    models) is not kept; only its input is. The forward's numbers are unchanged. Returns the MLPs wrapped."""
+    wrapped = 0
+    for layer in decoder_layers(model):
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, torch.nn.Module):
+            forward = mlp.forward
+
+            def recomputed(hidden, _forward=forward):
+                if not torch.is_grad_enabled():
+                    return _forward(hidden)
+                return torch.utils.checkpoint.checkpoint(_forward, hidden, use_reentrant=False)
+
+            mlp.forward = recomputed
+            wrapped += 1
+    if not wrapped:
+        raise UserError("--checkpoint-mlp: this model's decoder layers have no mlp module to recompute")
+    return wrapped
+
+
 def _check_context(model, tokenizer, prompts: list[str], max_new_tokens: int) -> None:
     limit = context_length(model)
     if limit is not None:
@@ -110,6 +133,8 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     compute_dtype = resolve_dtype(config.dtype, device)
     policy, tokenizer = load_policy(model_name, device, torch.float32, config.offline, log=log,
                                     keep_adapter=bool(config.lora_r))
+    if config.checkpoint_mlp:
+        checkpoint_mlps(policy)
     if config.gradient_checkpointing:
         # transformers 5 renamed it; the old name still works on older releases.
         enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
@@ -155,9 +180,10 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     components = Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
                             train_policy, optimizer, reference, critic, train_critic, critic_optimizer, None, reward,
                             prepared.judge, train_prompts, eval_prompts)
-    # With --micro-batch-size, sampling runs in chunks of that many completions too: the same chunks on 1 or
-    # N processes, hence the same floating-point numbers.
-    chunk = max(1, config.micro_batch_size // config.group_size) if config.micro_batch_size else None
+    # Sampling runs in chunks of --generation-batch-size (else --micro-batch-size) completions: the same chunks
+    # on 1 or N processes, hence the same floating-point numbers.
+    per_call = config.generation_batch_size or config.micro_batch_size
+    chunk = max(1, per_call // config.group_size) if per_call else None
     settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
     components.sampler = BuiltinSampler(policy, tokenizer, settings, chunk, components.sampling)
     return components

@@ -42,13 +42,14 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def draw(logits: torch.Tensor, uniforms: torch.Tensor, probabilities: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse-CDF sampling: row b takes the first token whose cumulative probability exceeds u_b.
 
-    Exact for the softmax of ``logits``, and a row's draw depends on its own uniform only, so
-    batch composition cannot change which token a prompt gets.
+    Exact for the softmax of ``logits`` (or the ``probabilities`` given, that softmax computed already),
+    and a row's draw depends on its own uniform only, so batch composition cannot change which token a
+    prompt gets.
     """
-    cumulative = logits.softmax(-1).cumsum(-1)
+    cumulative = (logits.softmax(-1) if probabilities is None else probabilities).cumsum(-1)
     target = uniforms.unsqueeze(-1) * cumulative[..., -1:]
     index = torch.searchsorted(cumulative, target, right=True).squeeze(-1)
     return index.clamp(max=logits.shape[-1] - 1)
@@ -119,10 +120,10 @@ def sample(
             else:
                 logits = logits / temperature if temperature != 1.0 else logits
                 filtered = filter_logits(logits, top_k, top_p).double()
-                token = draw(filtered, uniforms[:, t])
-                log_p = torch.log_softmax(filtered, -1)
-                logprobs.append(log_p.gather(-1, token.unsqueeze(-1)).squeeze(-1).float())
-                entropies.append(-(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1).float())
+                probabilities = filtered.softmax(-1)
+                token = draw(filtered, uniforms[:, t], probabilities)
+                logprobs.append(probabilities.gather(-1, token.unsqueeze(-1)).squeeze(-1).log().float())
+                entropies.append(-torch.special.xlogy(probabilities, probabilities).sum(-1).float())
             token = torch.where(finished, torch.full_like(token, pad), token)
             tokens.append(token)
             finished |= torch.isin(token, eos)
