@@ -1,0 +1,110 @@
+"""A real model that learns: RLOO on SmolLM2-135M-Instruct, two-digit sums, on the CPU.
+
+    python benchmarks/real_model.py                 # RLOO and the shuffled-reward control, then the table
+    python benchmarks/real_model.py --runs rloo     # RLOO alone
+
+The task: "What is a + b? Reply with only the number." for every pair a, b in 10..49 (1,600 prompts),
+shuffled with seed 0; the last 200 rows of the file are the held-out set (the CLI holds out a data file's
+last ``--evaluation-examples`` rows), never trained on and never looked at while the recipe was chosen (it was
+tuned on 100 training prompts). Accuracy is the built-in ``match`` verifier: the last number of the greedy
+completion equals the sum. The untrained model answers about a quarter right, mostly because it does not stop
+after the number, or gets a carry wrong.
+
+The control trains exactly like RLOO, same seed, same prompts, same sampler and the same KL penalty, but each
+batch's rewards are shuffled among its samples before the update: the same amount of updates and of reward
+pressure, with the link between a completion and its correctness cut. If the control gains as much, the gain
+was not RL's (it was, e.g., the KL penalty or the sampling temperature).
+
+Both runs go through the command line a user would type; the table prints before, after, the gain and the
+training wall time, read from each run's metrics.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from smollm2 import QUESTION, model_folder  # noqa: E402
+
+HELD_OUT = 200
+RECIPE = ["--algorithm", "rloo", "--steps", "30", "--learning-rate", "5e-6", "--group-size", "8",
+          "--prompts-per-step", "8", "--temperature", "0.7", "--beta", "0.02", "--max-new-tokens", "16",
+          "--warmup-steps", "0", "--evaluation-examples", str(HELD_OUT), "--eval-every", "0",
+          "--checkpoint-every", "0"]
+CONTROL_REWARD = '''\
+import random
+
+from types import SimpleNamespace
+
+from auto_research.rewards.verifiers import is_correct
+
+_shuffle = random.Random(0)
+
+
+def shuffled_match(prompts, completions, rows):
+    """The match reward, shuffled among the batch's samples: as much reward, no link to the completion."""
+    values = [float(is_correct("match", text, SimpleNamespace(answer=row["answer"])))
+              for text, row in zip(completions, rows)]
+    _shuffle.shuffle(values)
+    return values
+'''
+
+
+def write_task(folder: Path) -> Path:
+    pairs = [(a, b) for a in range(10, 50) for b in range(10, 50)]
+    random.Random(0).shuffle(pairs)
+    path = folder / "sums.jsonl"
+    with path.open("w") as handle:
+        for a, b in pairs:
+            handle.write(json.dumps({"question": QUESTION.format(a=a, b=b), "answer": str(a + b)}) + "\n")
+    return path
+
+
+def run(name: str, data: Path, folder: Path, model: Path, seed: int, extra: list[str]) -> dict:
+    run_dir = folder / name
+    command = [sys.executable, "-m", "auto_research", "post-train", "--dataset", str(data), "--model",
+               str(model), "--prompt-field", "question", "--answer-field", "answer", "--seed", str(seed),
+               "--output-dir", str(run_dir), "--overwrite", *RECIPE, *extra]
+    print("$", " ".join(command), flush=True)
+    subprocess.run(command, check=True, cwd=folder)
+    return json.loads(next(run_dir.glob("*/metrics.json")).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default="rloo,control", help="comma-separated: rloo, control")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/real-model"))
+    parser.add_argument("--reuse", action="store_true", help="read a run's metrics.json when it already exists")
+    args = parser.parse_args()
+    folder = args.output_dir.resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    data = write_task(folder)
+    (folder / "control_reward.py").write_text(CONTROL_REWARD)
+    model = model_folder()
+    extras = {"rloo": [], "control": ["--reward", "control_reward:shuffled_match"]}
+    results = {}
+    for name in args.runs.split(","):
+        done = list((folder / name).glob("*/metrics.json")) if args.reuse else []
+        results[name] = (json.loads(done[0].read_text()) if done
+                         else run(name, data, folder, model, args.seed, extras[name]))
+    print(textwrap.dedent(f"""
+        SmolLM2-135M-Instruct, two-digit sums, {HELD_OUT} held-out prompts, greedy, final-number accuracy
+        (seed {args.seed}, {' '.join(RECIPE)})
+    """))
+    print(f"{'run':<10} {'before':>8} {'after':>8} {'gain':>8} {'training':>10}")
+    for name, metrics in results.items():
+        before, after = metrics["baseline"]["accuracy"], metrics["final"]["accuracy"]
+        seconds = metrics["training"]["training_seconds"]
+        print(f"{name:<10} {before:>8.3f} {after:>8.3f} {100 * (after - before):>+7.1f}p {seconds / 60:>8.1f} min")
+
+
+if __name__ == "__main__":
+    main()
