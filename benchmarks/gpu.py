@@ -3,6 +3,7 @@ utilisation and peak memory, for full fine-tuning and LoRA, in one process and u
 
     python benchmarks/gpu.py                    # CUDA: a ~0.5B Qwen2-shaped model; CPU: a tiny one
     python benchmarks/gpu.py --size tiny --steps 2 --variants full,lora   # what the tests run
+    python benchmarks/gpu.py --sampler builtin,vllm  # on a GPU: vLLM against the builtin loop (tokens/s, weight sync)
 
 Nothing is downloaded: the model is randomly initialised in the shape of Qwen2.5-0.5B (24 layers,
 hidden 896, 151,936-token vocabulary, tied embeddings) or, with ``--size tiny``, a 2-layer one with
@@ -82,7 +83,8 @@ def child(options) -> None:
                               progress=False, offline=True, device="cuda" if cuda else "cpu",
                               dtype="bfloat16" if cuda else "float32", chat_template=False, eval_every=0,
                               checkpoint_every=0, evaluation_examples=1, micro_batch_size=options.micro_batch,
-                              lora_r=options.lora_r or None, fsdp=options.fsdp)
+                              lora_r=options.lora_r or None, fsdp=options.fsdp, sampler=options.sampler,
+                              vllm_memory=options.vllm_memory)
     trainer = Trainer.build(config, log=lambda text: None, rows=rows,
                             reward_functions=[("length", lambda p, completions, r: [float(len(c)) for c in completions])])
     if cuda:
@@ -107,6 +109,8 @@ def child(options) -> None:
                         for prompt in c.train_prompts) / len(c.train_prompts)
     result = {"steps": steps[1:], "collect": [row["time_sample"] for row in rows_seen[1:]],
               "update": [row["time_update_actor"] for row in rows_seen[1:]],
+              "weight_sync": [row.get("weight_sync_seconds", 0.0) for row in rows_seen[1:]],
+              "mismatch": max((row.get("rollout_logprob_diff_max", 0.0) for row in rows_seen), default=0.0),
               "generated": [row["completion_length"] * options.prompts * 4 for row in rows_seen[1:]],
               "prompt_tokens": prompt_tokens * options.prompts * 4, "parameters": parameters, "peak_mb": peak,
               "processes": world.size, "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -137,7 +141,9 @@ def held_bytes(c) -> dict:
 def run(folder: Path, options, lora: bool, processes: int) -> dict | None:
     arguments = ["--child", "--folder", str(folder), "--steps", str(options.steps), "--prompts", str(options.prompts),
                  "--new-tokens", str(options.new_tokens), "--micro-batch", str(options.micro_batch),
-                 "--lora-r", str(options.lora_r if lora else 0), *(["--fsdp"] if options.fsdp and processes > 1 else [])]
+                 "--lora-r", str(options.lora_r if lora else 0), *(["--fsdp"] if options.fsdp and processes > 1 else []),
+                 "--sampler", options.sampler,
+                 *(["--vllm-memory", str(options.vllm_memory)] if options.vllm_memory else [])]
     if processes > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                    __file__, *arguments]
@@ -165,6 +171,10 @@ def report(name: str, result: dict, options) -> None:
     print(f"  {name:22s} step {step:7.3f} s | generation {generation:9.0f} tok/s | training {training:9.0f} tok/s | "
           f"MFU {mfu:>6s} | peak memory {result['peak_mb']:8.0f} MB/process | training state "
           f"{result['held']['total'] / 2**20:7.1f} MB | trainable {result['trainable']:,}")
+    if options.sampler == "vllm":
+        sync = statistics.median(result["weight_sync"])
+        print(f"  {'':22s} weight sync {sync:.3f} s ({sync / step:.1%} of the step) | max |Δlog p| "
+              f"sampler/trainer {result['mismatch']:.2e}")
 
 
 def main() -> None:
@@ -177,6 +187,9 @@ def main() -> None:
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--variants", default="full,lora")
     parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 under torchrun instead of DDP")
+    parser.add_argument("--sampler", default="builtin", help="builtin, vllm, or builtin,vllm (one after the other; "
+                                                             "vllm in one process only)")
+    parser.add_argument("--vllm-memory", type=float, default=None, help="default: the trainer's (0.3 GPU, 0.05 CPU)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -196,11 +209,14 @@ def main() -> None:
         print(f"{size} Qwen2-shaped model on {device}: {options.prompts} prompts x K=4 per step, <= "
               f"{options.new_tokens} new tokens, micro-batches of {options.micro_batch}, {options.steps} steps "
               f"(the first not counted)")
-        for processes in sorted({1, gpus}):
-            for variant in options.variants.split(","):
-                result = run(folder, options, variant == "lora", processes)
-                if result:
-                    report(f"{variant}, {processes} process(es)", result, options)
+        samplers = options.sampler.split(",")
+        for sampler in samplers:
+            options.sampler = sampler
+            for processes in sorted({1, gpus}) if sampler == "builtin" else [1]:
+                for variant in options.variants.split(","):
+                    result = run(folder, options, variant == "lora", processes)
+                    if result:
+                        report(f"{sampler}, {variant}, {processes} proc", result, options)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ def test_gpu_benchmark_runs_on_the_cpu_and_lora_holds_less_training_state():
                              "--variants", "full,lora"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = {name: line for line in result.stdout.splitlines() for name in ("full", "lora")
-             if line.strip().startswith(f"{name}, 1 process")}
+             if line.strip().startswith(f"builtin, {name}, 1 proc")}
     assert lines.keys() == {"full", "lora"}, result.stdout
     figures = {}
     for name, line in lines.items():

@@ -63,6 +63,11 @@ class Algorithm:
     """Decay of a baseline kept by the loop across steps (REINFORCE): passed to the estimator, then updated
     from this step's globally reduced mean score."""
     min_group_size: int = 1
+    rollout_correction: str = "sequence-tis"
+    """The default --rollout-correction when another engine samples (--sampler vllm): sequence-tis for an
+    estimator whose action is the whole completion (one weight π/μ of the completion, as its gradient
+    A_i · ∇log π(y_i|x) is a per-sequence expectation), token-tis for token-level estimators (PPO's per-token
+    ratios and GAE)."""
     """Smallest K the estimator is defined for (2 when the baseline uses the other samples)."""
     candidate: CandidateTwin | None = None
 
@@ -107,6 +112,7 @@ register(Algorithm(
 ))
 register(Algorithm(
     name="ppo-rlhf", advantage="gae", policy_loss="clipped", kl="reward", needs_critic=True, whiten=True,
+    rollout_correction="token-tis",
     min_group_size=2,
     formula="GAE per token on r_t = score·[t = last] − β·kl_t, V a learned critic; advantages whitened over the "
             "batch; clipped surrogate of ρ_t A_t",
@@ -115,6 +121,7 @@ register(Algorithm(
 ))
 register(Algorithm(
     name="grpo", advantage="grpo", policy_loss="clipped", kl="loss", min_group_size=2,
+    rollout_correction="token-tis",
     formula="A_i = (r_i − mean r) / (std r + 1e−6); clipped surrogate of ρ_i A_i; KL penalty in the loss",
     citation="Shao et al., 2024 (arXiv 2402.03300)",
     candidate=CandidateTwin("grpo", "clipped", "loss", "rollout"),
@@ -145,12 +152,14 @@ register(Algorithm(
 ))
 register(Algorithm(
     name="reinforce-pp", advantage="reinforce-pp", policy_loss="clipped", kl="reward", whiten=True,
+    rollout_correction="token-tis",
     formula="A_t = whiten(G_t) over the global batch, G_t = Σ_{s≥t} r_s, r_s = score·[s = last] − β·kl_s; "
             "clipped surrogate",
     citation="Hu et al., 2025 (arXiv 2501.03262)",
 ))
 register(Algorithm(
     name="reinforce-pp-baseline", advantage="reinforce-pp-baseline", policy_loss="clipped", kl="reward", whiten=True,
+    rollout_correction="token-tis",
     min_group_size=2,
     formula="as reinforce-pp, with the group's mean score subtracted from each score first",
     citation="Hu et al., 2025 (arXiv 2501.03262); OpenRLHF's reinforce_baseline",

@@ -25,6 +25,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_PLACEMENTS = ("reward", "loss", "none")
 LOSS_AGGREGATIONS = ("sequence", "token-mean", "sequence-mean-token-mean")
 SCHEDULES = ("constant", "cosine")
+SAMPLERS = ("builtin", "vllm")
+ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-tis", "sequence-mask")
 
 # Per-dataset defaults for settings the user leaves unset. arithmetic-generate's
 # were chosen so that its CPU demo learns within minutes (see README, "CPU demo").
@@ -88,6 +90,9 @@ class GenerationConfig:
     # --- rewards ---
     reward: list[str] = setting(list, "built-in (arithmetic, gsm8k, match, format) or module:function; repeatable "
                                       "(default: the dataset's verifier)", "rewards", action="append")
+    reward_url: str | None = setting(None, "http://HOST:PORT/PATH of a reward server: a JSON POST per batch "
+                                           "({prompts, completions, columns}) answered by a list of numbers or "
+                                           "nulls; retried with backoff, then one line and exit 2", "rewards")
     reward_weights: list[float] | None = setting(None, "comma-separated weights, one per reward, reward model last",
                                                  "rewards", type=comma_floats)
     reward_model: str | None = setting(None, "sequence-classification reward model (folder or hub id)", "rewards")
@@ -126,6 +131,23 @@ class GenerationConfig:
     max_new_tokens: int | None = setting(None, "completion length limit (default: per dataset)", "sampling", type=int)
     prompts_per_step: int | None = setting(None, "prompts (groups) per step; the batch holds prompts × K completions "
                                                  "(default: per dataset)", "sampling", type=int)
+    sampler: str = setting("builtin", "builtin (the training model's own decoding loop) or vllm (a vLLM engine in "
+                                      "this process, weights pushed after every optimizer step)", "sampling")
+    vllm_memory: float | None = setting(None, "on a GPU, the share of its memory vLLM may take for weights, "
+                                              "activations and KV cache (default 0.3; the trainer needs the rest); "
+                                              "on the CPU, the share of host memory for its KV cache (default 0.05)",
+                                        "sampling", type=float)
+    vllm_mode: str = setting("colocate", "colocate (one engine in each training process); server is not "
+                                         "implemented yet", "sampling")
+    vllm_server: str | None = setting(None, "HOST:PORT of a vLLM server (--vllm-mode server)", "sampling")
+    rollout_correction: str | None = setting(None, "correct for the sampler's distribution differing from the "
+                                                   "trainer's: none, token-tis, sequence-tis or sequence-mask "
+                                                   "(default: sequence-tis for sequence-level estimators such as "
+                                                   "RLOO, token-tis for token-level ones such as PPO; the identity "
+                                                   "with --sampler builtin)", "sampling")
+    rollout_correction_cap: float = setting(2.0, "C of the truncated importance weight min(w, C); sequence-mask "
+                                                 "drops completions whose weight is above C or below 1/C",
+                                            "sampling", type=float)
 
     # --- optimisation ---
     micro_batch_size: int | None = setting(None, "completions per forward/backward, any size, and per sampling call "
@@ -174,6 +196,9 @@ class GenerationConfig:
     overwrite: bool = setting(False, "start afresh where an earlier run is (deletes its checkpoints)", "run",
                               action="store_true")
     report_to: str = setting("none", "none or tensorboard", "run")
+    log_completions: int = setting(8, "at every evaluation, the first N held-out prompts with their greedy "
+                                      "completions, rewards and verdicts go to completions.jsonl (and report.md "
+                                      "shows the last); 0 = none", "run", type=int)
     progress: bool = setting(True, "no progress bar or progress lines", "run", flag="--no-progress",
                              action="store_false")
 
@@ -198,6 +223,8 @@ class GenerationConfig:
             filled.eval_every = max(1, filled.steps // 10)
         if filled.kl_in is None:
             filled.kl_in = get_algorithm(self.algorithm).kl
+        if filled.rollout_correction is None:
+            filled.rollout_correction = get_algorithm(self.algorithm).rollout_correction
         if filled.kl_estimator is None:
             # k1's expected gradient as a loss term is zero: GRPO's paper uses k3 there.
             filled.kl_estimator = "k1" if filled.kl_in != "loss" else "k3"
@@ -226,7 +253,8 @@ class GenerationConfig:
                                 ("--generation-batch-size", self.generation_batch_size),
                                 ("--ppo-mini-batches", self.ppo_mini_batches), ("--lora-r", self.lora_r))
         check_non_negative_integers(("--warmup-steps", self.warmup_steps), ("--checkpoint-every", self.checkpoint_every),
-                                    ("--eval-every", self.eval_every), ("--top-k", self.top_k))
+                                    ("--eval-every", self.eval_every), ("--top-k", self.top_k),
+                                    ("--log-completions", self.log_completions))
         check_device(self.device)
         if self.keep_checkpoints < 1:
             raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
@@ -235,6 +263,22 @@ class GenerationConfig:
                             ("--lora-alpha", self.lora_alpha)):
             if value is not None:
                 check_positive_finite(flag, value)
+        check_choice("--sampler", self.sampler, SAMPLERS)
+        check_choice("--vllm-mode", self.vllm_mode, ("colocate", "server"))
+        if self.rollout_correction is not None:
+            check_choice("--rollout-correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        check_positive_finite("--rollout-correction-cap", self.rollout_correction_cap)
+        if self.rollout_correction_cap < 1:
+            raise UserError(f"--rollout-correction-cap must be >= 1 (a weight truncated below 1 down-weights every "
+                            f"sample), got {self.rollout_correction_cap}")
+        if self.sampler == "vllm":
+            if self.vllm_memory is not None and not (math.isfinite(self.vllm_memory) and 0 < self.vllm_memory <= 1):
+                raise UserError(f"--vllm-memory must be in (0, 1], got {self.vllm_memory}")
+            if self.vllm_mode == "server":
+                raise UserError("--vllm-mode server is not implemented yet: use --vllm-mode colocate (one engine in "
+                                "each training process)")
+        elif self.vllm_server is not None or self.vllm_mode != "colocate":
+            raise UserError("--vllm-mode and --vllm-server apply to --sampler vllm only")
         if not (0 < self.top_p <= 1):
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.clip_range < 1):

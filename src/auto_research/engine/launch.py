@@ -28,6 +28,10 @@ def check_world(config, size: int | None = None) -> None:
     if config.fsdp and size < 2:
         raise UserError("--fsdp shards the models over several processes: launch with "
                         "torchrun --nproc-per-node N -m auto_research post-train … (N >= 2)")
+    if getattr(config, "sampler", "builtin") == "vllm" and size > 1:
+        raise UserError("--sampler vllm runs one colocated engine in a single training process for now; under "
+                        "torchrun use --sampler builtin (the engine per rank with weight sync under DDP/FSDP2 is "
+                        "not built yet)")
     parts = size * config.ppo_mini_batches
     if config.prompts_per_step % parts:
         raise UserError(f"--prompts-per-step {config.prompts_per_step} must be a multiple of the number of processes "

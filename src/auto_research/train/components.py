@@ -133,6 +133,10 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     compute_dtype = resolve_dtype(config.dtype, device)
     policy, tokenizer = load_policy(model_name, device, torch.float32, config.offline, log=log,
                                     keep_adapter=bool(config.lora_r))
+    if config.sampler == "vllm":
+        from auto_research.engine.rollout.vllm import check_servable  # noqa: PLC0415
+
+        check_servable(getattr(policy, "get_base_model", lambda: policy)().config, device, model_name)
     if config.checkpoint_mlp:
         checkpoint_mlps(policy)
     if config.gradient_checkpointing:
@@ -156,8 +160,8 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
         critic = load_critic(source, device, config.offline, len(tokenizer), flag)
     reward = build_reward(prepared.rewards, config.reward_weights, config.reward_model, task.verifier, device,
                           config.offline)
-    train_prompts = [format_prompt(tokenizer, example.prompt, config.chat_template) for example in task.train]
-    eval_prompts = [format_prompt(tokenizer, example.prompt, config.chat_template) for example in task.evaluation]
+    train_prompts = [format_prompt(tokenizer, example.messages or example.prompt, config.chat_template) for example in task.train]
+    eval_prompts = [format_prompt(tokenizer, example.messages or example.prompt, config.chat_template) for example in task.evaluation]
     _check_context(policy, tokenizer, train_prompts + eval_prompts, config.max_new_tokens)
     if resume_from is not None:
         if config.lora_r:
@@ -185,7 +189,17 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     per_call = config.generation_batch_size or config.micro_batch_size
     chunk = max(1, per_call // config.group_size) if per_call else None
     settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
-    components.sampler = BuiltinSampler(policy, tokenizer, settings, chunk, components.sampling)
+    if config.sampler == "vllm":
+        from auto_research.engine.rollout.vllm import VLLMSampler  # noqa: PLC0415 - optional, heavy
+
+        longest = max(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) for prompt in train_prompts)
+        memory = config.vllm_memory or (0.05 if device == "cpu" else 0.3)
+        log(f"starting a colocated vLLM engine ({memory:g} of the "
+            f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'})")
+        components.sampler = VLLMSampler(policy, tokenizer, settings, memory, compute_dtype,
+                                         longest + config.max_new_tokens, config.seed)
+    else:
+        components.sampler = BuiltinSampler(policy, tokenizer, settings, chunk, components.sampling)
     return components
 
 

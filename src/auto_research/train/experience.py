@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from auto_research.data.types import Example
+from auto_research.algorithms.correction import importance_weights, mismatch
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
 from auto_research.engine.rollout import Rollout, prompt_seed
 from auto_research.engine.rollout.builtin import sample
@@ -61,6 +62,11 @@ class Experience:
     reference_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     """(B, T) the critic's V(s_t) (PPO)."""
+    rollout_weights: torch.Tensor | None = None
+    """(B, T) the importance weights of each token's loss term for a sampler other than the trainer
+    (--rollout-correction; algorithms/correction.py); None when the trainer sampled."""
+    drift: dict | None = None
+    """This process's sums of the sampler/trainer log-prob mismatch (``correction.mismatch``)."""
 
     @property
     def mask(self) -> torch.Tensor:
@@ -90,7 +96,7 @@ def score(c: Components, batch: Batch, rollout: Rollout, step: int) -> Scores:
             greedy = sample(c.policy, c.tokenizer, batch.prompts, 1, c.config.max_new_tokens, greedy=True)
     failure, values, greedy_values = None, None, None
     try:
-        values = c.reward(prompts, rollout.completions, examples)
+        values = c.reward(prompts, rollout.completions, examples, rollout.token_lists())
         greedy_values = c.reward(batch.prompts, greedy.completions, batch.examples) if greedy else None
     except RewardError as error:
         failure = error
@@ -156,7 +162,13 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores) -> Experie
     else:
         kl = torch.zeros_like(old_logprobs)
     values = no_grad_forward(c, c.critic, rollout, completion_values) * mask if c.critic is not None else None
-    return Experience(rollout, scores, old_logprobs, entropy, kl, reference_logprobs, values)
+    weights = drift = None
+    if c.config.sampler != "builtin" and rollout.sampler_logprobs is not None:
+        # Another engine sampled: how far its log-probs are from the trainer's, and the weights that correct it.
+        weights = importance_weights(old_logprobs - rollout.sampler_logprobs, mask, c.config.rollout_correction,
+                                     c.config.rollout_correction_cap)
+        drift = mismatch(old_logprobs, rollout.sampler_logprobs, mask)
+    return Experience(rollout, scores, old_logprobs, entropy, kl, reference_logprobs, values, weights, drift)
 
 
 def sampled_is_the_policy(c: Components, rollout: Rollout) -> bool:

@@ -11,9 +11,11 @@ import json
 import math
 from pathlib import Path
 
+import torch
 
 from auto_research.algorithms.candidate import groups_without_signal
 from auto_research.files import atomic_write_text
+from auto_research.report.tables import markdown_table
 from auto_research.train.components import Components
 from auto_research.train.experience import Experience
 from auto_research.train.update import Advantages
@@ -41,6 +43,7 @@ def step_metrics(c: Components, step: int, experience: Experience, advantages: A
     return {
         "step": step,
         **actor,
+        **_drift(c, experience),
         "objective": float(objective.mean()),
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(unbiased=False)) if rewards.numel() else float("nan"),
@@ -57,6 +60,24 @@ def step_metrics(c: Components, step: int, experience: Experience, advantages: A
         "tokens_per_second": generated / elapsed,
         "step_seconds": elapsed,
     }
+
+
+def _drift(c: Components, experience: Experience) -> dict:
+    """The sampler/trainer mismatch over every rank's tokens, and the correction's weights (another sampler only)."""
+    if experience.drift is None:
+        return {}
+    drift, mask = experience.drift, experience.mask
+    absolute, k3, tokens = c.world.total(torch.stack([drift["absolute"], drift["k3"], drift["tokens"]])).tolist()
+    weights = experience.rollout_weights
+    sequence_weight = c.world.gather(((weights * mask).sum(1) / mask.sum(1).clamp(min=1)).double())
+    return {"rollout_logprob_diff_mean": absolute / max(tokens, 1.0),
+            "rollout_logprob_diff_max": float(c.world.gather(drift["maximum"].reshape(1)).max()),
+            "rollout_k3_kl": k3 / max(tokens, 1.0),
+            "rollout_weight_mean": float(sequence_weight.mean()),
+            "rollout_weight_zero_fraction": float((sequence_weight == 0).double().mean())}
+
+
+COMPLETIONS = "completions.jsonl"
 
 
 class MetricsLog:
@@ -91,12 +112,23 @@ class MetricsLog:
                 if value is not None:
                     self.writer.add_scalar(f"eval/{key}", value, step)
 
+    def completions(self, step: int, table: list[dict]) -> None:
+        """One evaluation's completion table: a row per prompt in completions.jsonl, and a text table in
+        TensorBoard."""
+        with (self.path.parent / COMPLETIONS).open("a") as stream:
+            for row in table:
+                stream.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
+        writer = self._tensorboard()
+        if writer is not None and table:
+            writer.add_text("eval/completions", markdown_table(table), step)
+
     def truncate(self, step: int) -> None:
-        """Keep the rows up to ``step`` (a resumed run continues from its checkpoint)."""
-        if self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= step]
-            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        """Keep the rows up to ``step`` (a resumed run continues from its checkpoint), completions too."""
+        for path in (self.path, self.path.parent / COMPLETIONS):
+            if path.is_file():
+                kept = [line for line in path.read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] <= step]
+                atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def close(self) -> None:
         if self.writer is not None:

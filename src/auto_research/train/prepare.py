@@ -16,7 +16,7 @@ from auto_research.data.tasks import load_task
 from auto_research.data.types import Task
 from auto_research.engine import run_folder
 from auto_research.engine.launch import check_world
-from auto_research.engine.sources import check_model_source
+from auto_research.engine.sources import check_model_source, require_vllm
 from auto_research.errors import UserError
 from auto_research.files import check_writable_directory
 from auto_research.rewards.gold import load_judge
@@ -37,6 +37,8 @@ class Prepared:
 def check_settings(config: GenerationConfig, world_size: int) -> None:
     """The checks that read nothing: settings, the number of processes, the output folder."""
     config.validate()
+    if config.sampler == "vllm":
+        require_vllm()
     check_world(config, world_size)
     check_writable_directory(config.output_dir)
 
@@ -51,7 +53,8 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
                          (config.critic_model, "--critic-model")):
         if source is not None:
             check_model_source(source, config.offline, flag)
-    rewards = resolve_rewards(config.reward, config.reward_weights, config.reward_model, list(reward_functions))
+    rewards = resolve_rewards(config.reward, config.reward_weights, config.reward_model, list(reward_functions),
+                              config.reward_url)
     task = load_task(config, rows)
     if config.prompts_per_step > len(task.train):
         raise UserError(f"--prompts-per-step {config.prompts_per_step}: a step draws distinct prompts, and "

@@ -49,6 +49,8 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
     with timed("weight_sync"):
         c.sampler.load_weights(c.policy)
     row = step_metrics(c, step, experience, advantages, actor, critic, time.perf_counter() - started, state.totals)
+    if c.config.sampler != "builtin":
+        row["weight_sync_seconds"] = seconds["weight_sync"]
     return {**row, **{f"time_{phase}": value for phase, value in seconds.items()}}
 
 

@@ -112,7 +112,10 @@ def update_actor(c: Components, experience: Experience, advantages: Advantages, 
                                                     group_size=config.group_size), width)
                 inputs = LossInputs(logprobs, experience.old_logprobs[part], advantages.advantages[part], mask[part],
                                     config.clip_range)
-                pg = aggregate(loss_function(inputs), mask[part], config.loss_aggregation, **counts,
+                terms = loss_function(inputs)
+                if experience.rollout_weights is not None:  # another engine sampled: π/μ, truncated
+                    terms = terms * experience.rollout_weights[part]
+                pg = aggregate(terms, mask[part], config.loss_aggregation, **counts,
                                per_group_sum=c.algorithm.reduction == "sum")
                 loss = pg
                 if config.kl_in == "loss" and experience.reference_logprobs is not None and config.beta > 0:

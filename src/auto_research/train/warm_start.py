@@ -23,7 +23,7 @@ from auto_research.files import atomic_write_json, make_tree_shareable
 from auto_research.train.evaluation import greedy_accuracy
 from auto_research.train.sft import supervised_fine_tune
 
-RECIPE_VERSION = 3
+RECIPE_VERSION = 4
 
 # Warm start: every demonstration seen about 270 times; held-out accuracy has
 # plateaued well before the end (benchmarks/arithmetic_generate.py shows the control).

@@ -60,6 +60,11 @@ class Rollout:
     def completion_ids(self) -> torch.Tensor:
         return self.sequences[:, self.prompt_length:]
 
+    def token_lists(self) -> list[list[int]]:
+        """Each completion's token ids up to and including its EOS (TRL's ``completion_ids``)."""
+        lengths = self.completion_mask.sum(1).tolist()
+        return [row[: int(length)] for row, length in zip(self.completion_ids.tolist(), lengths)]
+
     def rows(self, start: int, stop: int, trim: bool = False) -> "Rollout":
         """Rows start … stop − 1 (a micro-batch of whole groups).
 

