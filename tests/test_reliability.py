@@ -68,7 +68,8 @@ def test_sft_model_scores_the_same_after_saving(tmp_path, capsys):
 
 @pytest.mark.parametrize("row, message", [
     ({"prompt": None, "answer": "1"}, "rows.jsonl:2: field 'prompt' is null"),
-    ({"prompt": ["a", "b"], "answer": "1"}, "rows.jsonl:2: field 'prompt' is a list"),
+    # A list is read as a conversation (TRL's format), so a list of plain strings is a malformed one.
+    ({"prompt": ["a", "b"], "answer": "1"}, "rows.jsonl:2: field 'prompt' message 0 is \"a\""),
     ({"prompt": 12, "answer": "1"}, "rows.jsonl:2: field 'prompt' is a number"),
     ({"prompt": "1+1=", "answer": None}, "rows.jsonl:2: field 'answer' is null, expected text or a number"),
     ({"prompt": "1+1=", "answer": [2]}, "rows.jsonl:2: field 'answer' is a list"),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from auto_research.config.fields import flag_of
 from auto_research.errors import UserError
-from auto_research.files import atomic_write_json
+from auto_research.files import atomic_write_json, atomic_write_text
 
 
 def key_of(item) -> str:
@@ -132,3 +132,17 @@ def config_payload(config) -> dict:
 def write_config_file(path: str | Path, config) -> Path:
     """The config as JSON (a child run's settings; JSON is YAML too)."""
     return atomic_write_json(path, config_payload(config))
+
+
+RUN_CONTROL = ("resume", "overwrite")
+"""Keys a resolved config leaves out: they say what to do with an existing folder, not what the run is."""
+
+
+def write_resolved_config(path: str | Path, config) -> Path:
+    """The run's settings after the dataset's presets filled the unset ones, as YAML: ``--config <run>/config.yaml``
+    runs the same again (flags given beside it win)."""
+    import yaml  # noqa: PLC0415
+
+    payload = {key: value for key, value in config_payload(config).items() if key not in RUN_CONTROL}
+    header = "# The resolved settings of this run; rerun with: auto-research post-train --config <this file>\n"
+    return atomic_write_text(path, header + yaml.safe_dump(payload, sort_keys=False, allow_unicode=True))

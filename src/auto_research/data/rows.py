@@ -96,3 +96,20 @@ def load_rows(dataset: str, offline: bool) -> list[dict]:
     except Exception as error:  # noqa: BLE001 - malformed files surface as many types
         raise UserError(f"--dataset {dataset}: cannot read ({one_line(error)})") from None
     return [dict(row) for row in loaded]
+
+
+def messages_field(path, number: int, row: dict, name: str) -> tuple[dict, ...] | None:
+    """``row[name]`` as a conversation (TRL's conversational format: a list of ``{"role", "content"}`` messages,
+    both strings), or None when it is text; anything else is a UserError naming the line."""
+    value = row.get(name)
+    if not isinstance(value, list):
+        return None
+    if not value:
+        raise UserError(f"{path}:{number}: field {name!r} is an empty list; a conversational prompt is a list of "
+                        '{"role": ..., "content": ...} messages')
+    for index, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise UserError(f"{path}:{number}: field {name!r} message {index} is {json.dumps(message)[:60]}; a "
+                            'conversational prompt is a list of {"role": ..., "content": ...} messages (strings)')
+    return tuple({"role": message["role"], "content": message["content"]} for message in value)

@@ -16,7 +16,7 @@ import numpy as np
 
 from auto_research.config.fields import HUB_DATASET, IN_MEMORY
 from auto_research.data.gsm8k import ensure_gsm8k, read_gsm8k
-from auto_research.data.rows import describe_json, iter_jsonl, load_rows, text_field
+from auto_research.data.rows import describe_json, iter_jsonl, load_rows, messages_field, text_field
 from auto_research.data.types import Example, Task
 from auto_research.errors import UserError
 from auto_research.rewards.gold import GOLD_SCORERS, judge_of
@@ -146,7 +146,7 @@ def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str, a
               verifier: str | None = None) -> Task:
     """(number, dict) rows → a task; the last ``evaluation_examples`` rows are held out.
 
-    Prompts (and solutions) must be JSON strings; answers may be strings or numbers.
+    Prompts are JSON strings or conversations (lists of {role, content} messages); solutions strings; answers may be strings or numbers.
     Anything else (null, a list, an object) is refused with its row number rather
     than turned into text such as "None". ``where`` names the rows in messages.
     """
@@ -154,10 +154,11 @@ def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str, a
     for number, row in numbered_rows:
         if not isinstance(row, dict):
             raise UserError(f"{where}:{number}: expected a dict (a JSON object), got {type(row).__name__}")
-        prompt = text_field(where, number, row, prompt_field)
+        messages = messages_field(where, number, row, prompt_field)
+        prompt = messages[-1]["content"] if messages else text_field(where, number, row, prompt_field)
         answer = _answer_text(where, number, row, answer_field)
         solution = text_field(where, number, row, solution_field) if solution_field else None
-        rows.append(Example(prompt, answer, solution, row))
+        rows.append(Example(prompt, answer, solution, row, messages))
     if len(rows) < 2:
         raise UserError(f"{where}: needs at least 2 rows (one to train on, one to evaluate), found {len(rows)}")
     if evaluation_examples is None:

@@ -15,6 +15,9 @@ class Example:
     """A reference completion, for supervised fine-tuning."""
     fields: dict = field(default_factory=dict)
     """The dataset row as read, for user reward functions."""
+    messages: tuple | None = None
+    """A conversational prompt (TRL's format): the ``{role, content}`` messages, rendered with the model's chat
+    template; ``prompt`` is then the last message's content, for logs."""
 
 
 @dataclass(frozen=True)

@@ -51,10 +51,10 @@ def _fine_tune(config: SFTConfig, task_config: GenerationConfig) -> dict:
         policy = build_model(tokenizer, seed=config.seed).to(device)
     else:
         policy, tokenizer = load_policy(config.model, device, resolve_dtype(task_config.dtype, device), config.offline)
-    pairs = [(format_prompt(tokenizer, example.prompt, config.chat_template), example.solution or example.answer)
+    pairs = [(format_prompt(tokenizer, example.messages or example.prompt, config.chat_template), example.solution or example.answer)
              for example in task.demonstrations]
     # Held-out prompts go through the chat template too, as the model will see them.
-    formatted = replace(task, evaluation=[replace(e, prompt=format_prompt(tokenizer, e.prompt, config.chat_template))
+    formatted = replace(task, evaluation=[replace(e, prompt=format_prompt(tokenizer, e.messages or e.prompt, config.chat_template))
                                           for e in task.evaluation])
     history = supervised_fine_tune(
         policy, tokenizer, pairs, steps=config.steps, batch_size=config.batch_size,

@@ -59,6 +59,19 @@ def console_table(metrics: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown_table(table: list[dict]) -> str:
+    """A completion table as Markdown: prompt, greedy completion, reward, the verifier's verdict."""
+    def cell(text) -> str:
+        return str(text).replace("|", "\\|").replace("\n", "⏎")[:200]
+
+    lines = ["| prompt | completion | answer | reward | correct |", "|---|---|---|---:|:---:|"]
+    for row in table:
+        reward = "–" if row["reward"] is None else f"{row['reward']:.3f}"
+        lines.append(f"| {cell(row['prompt'])} | {cell(row['completion'])} | {cell(row['answer'])} | {reward} | "
+                     f"{'✓' if row['correct'] else '✗'} |")
+    return "\n".join(lines)
+
+
 def run_report(metrics: dict) -> str:
     training = metrics["training"]
     lines = [
@@ -85,6 +98,9 @@ def run_report(metrics: dict) -> str:
         for row in history:
             cells = " | ".join(_cell(row[key]) for key in METRICS)
             lines.append(f"| {int(row['step'])} | {row['loss']:.4f} | {cells} |")
+    shown = metrics.get("completions")
+    if shown and shown["rows"]:
+        lines += ["", f"## Held-out completions (greedy, step {shown['step']})", "", markdown_table(shown["rows"])]
     return "\n".join(lines) + "\n"
 
 

@@ -4,6 +4,7 @@ passed in from Python. Light (no torch), so that a mistyped reward fails before 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from typing import Callable
@@ -45,7 +46,8 @@ def load_callable(spec: str, flag: str = "--reward") -> Callable:
 
 
 def resolve_rewards(specs: list[str], weights: list[float] | None, reward_model: str | None,
-                    functions: list[tuple[str, Callable]] = ()) -> list[tuple[str, Callable, bool]]:
+                    functions: list[tuple[str, Callable]] = (), reward_url: str | None = None
+                    ) -> list[tuple[str, Callable, bool]]:
     """The run's named reward components, found before any model is loaded: ``(name, function,
     is_user_function)``, user callables imported here once and kept. The reward model comes after them
     and is only named here; with no reward at all, the task's verifier serves (``combine.build_reward``).
@@ -56,8 +58,50 @@ def resolve_rewards(specs: list[str], weights: list[float] | None, reward_model:
         if not callable(function):
             raise UserError(f"reward {name!r} is {type(function).__name__}, not a function")
         resolved.append((name, function, True))
+    for name, function, user in resolved:
+        if user:
+            calling_convention(name, function)
+    if reward_url is not None:
+        from auto_research.rewards.remote import RemoteReward  # noqa: PLC0415
+
+        resolved.append((f"reward-url:{reward_url}", RemoteReward(reward_url), False))
     names = [name for name, _, _ in resolved] + ([f"reward-model:{reward_model}"] if reward_model else [])
     if weights is not None and len(weights) != max(1, len(names)):
         raise UserError(f"--reward-weights has {len(weights)} values for {max(1, len(names))} rewards "
                         f"({', '.join(names or ['the dataset verifier'])})")
     return resolved
+
+
+POSITIONAL, TRL = "positional", "trl"
+
+
+def calling_convention(name: str, function: Callable) -> str:
+    """How a user reward is called, from its signature (a one-line UserError when neither fits):
+
+    - ``trl``: TRL's keywords, ``reward(prompts=…, completions=…, completion_ids=…, **columns)``, each dataset
+      column a list; chosen when the function takes ``**kwargs`` or keyword-only parameters, or names a
+      parameter ``completions`` anywhere but second of three (``def reward(completions, answer, **kwargs)``);
+    - ``positional``: ours, ``reward(prompts, completions, rows)``, three positional parameters (any names,
+      the second not ``completions`` only if none is), rows as dicts.
+
+    Three positional parameters whose third is ``completion_ids`` could be either: refused, as is any other
+    shape (``*args`` alone, one or two parameters without ``completions``)."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return POSITIONAL  # a builtin or C callable: called as it always was
+    kinds = {parameter.kind for parameter in parameters}
+    names = [parameter.name for parameter in parameters]
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if inspect.Parameter.VAR_KEYWORD in kinds or inspect.Parameter.KEYWORD_ONLY in kinds:
+        return TRL
+    if len(positional) == 3 and len(parameters) == 3:
+        if names[2] == "completion_ids":
+            raise UserError(f"reward {name!r}: ({', '.join(names)}) could be ours (prompts, completions, rows) or "
+                            "TRL's keywords; add **kwargs to be called TRL's way, or rename the third parameter")
+        if "completions" not in names or names[1] == "completions":
+            return POSITIONAL
+    if "completions" in names:
+        return TRL
+    raise UserError(f"reward {name!r} takes ({', '.join(names)}): neither our form (prompts, completions, rows) nor "
+                    "TRL's (completions by keyword, e.g. def reward(completions, **kwargs))")

@@ -24,7 +24,8 @@ def _distributions(model, rollout, temperature: float) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier: str, reward, max_new_tokens: int,
              temperature: float = 1.0, batch_size: int = 64, shard: tuple[int, int] = (0, 1),
-             total=lambda tensor: tensor, gold=None, completions: dict | None = None) -> dict[str, float]:
+             total=lambda tensor: tensor, gold=None, completions: dict | None = None, details: dict | None = None,
+             detail_count: int = 0) -> dict[str, float]:
     """accuracy, mean_reward (over the completions the reward could score), entropy and
     kl_from_reference of greedy completions.
 
@@ -32,7 +33,8 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
     ``batch_size`` prompts (batch b to rank b mod size) and ``total`` adds the sums up, so
     every batch is the one a single process would evaluate. ``gold``: a hidden scorer whose
     mean over the greedy completions is reported as ``gold_reward`` (never trained on).
-    ``completions``: a dict that receives {prompt index: greedy completion} of this rank.
+    ``completions``: a dict that receives {prompt index: greedy completion} of this rank; ``details``, one that
+    receives {index: (completion, reward, correct)} for the first ``detail_count`` prompts (a completion table).
     """
     correct, rewards, entropies, kls, golds = [], [], [], [], []
     rank, size = shard
@@ -40,8 +42,16 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
         batch_prompts = prompts[start : start + batch_size]
         batch_examples = examples[start : start + batch_size]
         rollout = sample(model, tokenizer, batch_prompts, 1, max_new_tokens, greedy=True)
-        correct += [is_correct(verifier, text, example) for text, example in zip(rollout.completions, batch_examples)]
-        rewards += [value for value in reward(batch_prompts, rollout.completions, batch_examples) if value is not None]
+        verdicts = [is_correct(verifier, text, example) for text, example in zip(rollout.completions, batch_examples)]
+        correct += verdicts
+        values = (reward(batch_prompts, rollout.completions, batch_examples, rollout.token_lists())
+                  if getattr(reward, "takes_completion_ids", False)
+                  else reward(batch_prompts, rollout.completions, batch_examples))
+        rewards += [value for value in values if value is not None]
+        if details is not None:
+            details.update({start + i: (text, value, bool(verdict))
+                            for i, (text, value, verdict) in enumerate(zip(rollout.completions, values, verdicts))
+                            if start + i < detail_count})
         if gold is not None:
             golds += gold(batch_prompts, rollout.completions, batch_examples)
         if completions is not None:
@@ -80,22 +90,33 @@ def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 8) -> float:
     return correct / max(len(task.evaluation), 1)
 
 
-def held_out(c, completions: dict | None = None) -> dict:
+def held_out(c, completions: dict | None = None, table: list | None = None) -> dict:
     """Held-out evaluation of a run's components, its batches dealt out to the ranks and the sums added up.
-    With ``completions`` (a dict), it receives every held-out prompt's greedy completion by index."""
-    failure, result, mine = None, None, {}
+    With ``completions`` (a dict), it receives every held-out prompt's greedy completion by index; with
+    ``table`` (a list), the completion table of the first --log-completions prompts (rows of prompt,
+    completion, answer, reward, correct), from the same greedy completions and rewards."""
+    failure, result, mine, details = None, None, {}, {}
     with c.sampling(c.reference):
         try:
             result = evaluate(c.policy, c.reference, c.tokenizer, c.eval_prompts, c.task.evaluation, c.task.verifier,
                               c.reward, c.config.max_new_tokens, c.config.temperature,
                               shard=(c.world.rank, c.world.size), total=c.world.total, gold=c.task.gold,
-                              completions=mine if completions is not None else None)
+                              completions=mine if completions is not None else None,
+                              details=details if table is not None else None,
+                              detail_count=c.config.log_completions)
         except RewardError as error:
             failure = error
     c.world.agree(failure, RewardError)
     if completions is not None:
         for part in c.world.gather_objects(mine):
             completions.update(part)
+    if table is not None:
+        found = {}
+        for part in c.world.gather_objects(details):
+            found.update(part)
+        table += [{"prompt": c.task.evaluation[index].prompt, "completion": text,
+                   "answer": c.task.evaluation[index].answer, "reward": reward, "correct": correct}
+                  for index, (text, reward, correct) in sorted(found.items())]
     return result
 
 
@@ -103,3 +124,4 @@ def win_rate(c, baseline_completions: list[str], new: list[str]) -> float:
     """Held-out win rate of ``new`` greedy completions against the starting policy's, judged both ways round."""
     total, count = judged(c.judge, c.config.judge, c.eval_prompts, c.task.evaluation, new, baseline_completions)
     return total / max(count, 1.0)
+

@@ -14,6 +14,7 @@ from auto_research.engine.run_folder import PREFIX, clear_run_folder
 from auto_research.errors import RewardError, TrainingInterrupted, UserError
 from auto_research.progress import Progress
 from auto_research.train.components import Components, parameter_counts
+from auto_research.config.files import write_resolved_config
 from auto_research.train.evaluation import held_out, win_rate
 from auto_research.train.metrics import MetricsLog
 from auto_research.train.state import LoopState
@@ -63,6 +64,7 @@ class RunLoop:
         if self.c.config.overwrite:
             clear_run_folder(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_resolved_config(self.run_dir / "config.yaml", self.c.config)
         self.run_dir_ready = True
 
     def _append(self, row: dict) -> None:
@@ -122,16 +124,18 @@ class RunLoop:
     def _evaluate_baseline(self) -> None:
         c, state = self.c, self.state
         try:
+            table: list = []
             if c.judge is not None:
                 found: dict = {}
-                state.baseline = held_out(c, found)
+                state.baseline = held_out(c, found, table)
                 state.baseline_completions = [found[index] for index in range(len(c.eval_prompts))]
                 # The judge on the starting policy against itself: a judge that fails fails now, not at the end.
                 state.baseline["win_rate"] = win_rate(c, state.baseline_completions, state.baseline_completions)
             else:
-                state.baseline = held_out(c)
+                state.baseline = held_out(c, table=table)
         except RewardError as error:
             raise _user_error(f"{error} (evaluation before training)", error) from None
+        self._completions(0, table)
         self.log(f"before training: held-out accuracy {state.baseline['accuracy']:.3f}, "
                  f"mean reward {_figure(state.baseline['mean_reward'])}")
 
@@ -187,11 +191,20 @@ class RunLoop:
         try:
             # The last evaluation keeps its greedy completions for the judge's win rate.
             last = c.judge is not None and step == c.config.steps
-            metrics = held_out(c, self.final_completions if last else None)
+            table: list = []
+            metrics = held_out(c, self.final_completions if last else None, table)
         except RewardError as error:
             raise _user_error(f"{error} (held-out evaluation); saved step {step} in {self.save(step)}", error) from None
         state.history.append({"step": float(step), "loss": row["loss"], **metrics})
         self.metrics_log.evaluation(step, metrics)
+        self._completions(step, table)
+
+    def _completions(self, step: int, table: list) -> None:
+        """--log-completions: the evaluation's completion table, to completions.jsonl and report.md."""
+        if not self.c.config.log_completions:
+            return
+        self.state.completions = {"step": step, "rows": table}
+        self.c.world.on_main(lambda: self.metrics_log.completions(step, table))
 
     def _final_completions(self) -> list[str]:
         """The final policy's greedy held-out completions: those of the last evaluation when the loop
@@ -258,4 +271,5 @@ class RunLoop:
                 "parameters": parameter_counts(c),
             },
             "history": state.history,
+            **({"completions": state.completions} if state.completions else {}),
         }

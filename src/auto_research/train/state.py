@@ -29,6 +29,8 @@ class LoopState:
     """The held-out evaluation before training."""
     baseline_completions: list[str] | None = None
     """The starting policy's greedy held-out completions (what the judge's win rate compares against)."""
+    completions: dict | None = None
+    """The last evaluation's completion table, {"step", "rows"} (--log-completions)."""
     totals: dict = field(default_factory=_totals)
     warned_unscored: bool = False
 
@@ -41,7 +43,8 @@ class LoopState:
         the other random states)."""
         return {"algorithm_state": {"moving_average": self.moving_average} if uses_moving_average else {},
                 "history": self.history, "baseline": self.baseline, "updates": self.updates, "totals": self.totals,
-                "critic_updates": self.critic_updates, "baseline_completions": self.baseline_completions}
+                "critic_updates": self.critic_updates, "baseline_completions": self.baseline_completions,
+                "completions": self.completions}
 
     def restore(self, saved: dict) -> None:
         self.step = saved["step"]
@@ -50,3 +53,4 @@ class LoopState:
         self.updates, self.totals = saved["updates"], saved["totals"]
         self.critic_updates = saved.get("critic_updates", 0)
         self.baseline_completions = saved.get("baseline_completions")
+        self.completions = saved.get("completions")

@@ -1,0 +1,86 @@
+"""A reward served elsewhere (``--reward-url http://HOST:PORT/PATH``): a sandbox that runs code, a reward
+model on another machine (OpenRLHF's remote reward URL, verl's sandbox).
+
+One JSON POST per batch of completions::
+
+    {"prompts": [...], "completions": [...], "columns": {"answer": [...], ...}}
+
+answered by a JSON list of one number or null per completion (or ``{"rewards": [...]}``). A request that
+times out, is refused, is dropped or gets a 5xx answer is retried with exponential backoff; one that keeps
+failing, a 4xx, or a malformed answer is a ``RewardError`` (one line; the run keeps its last good
+checkpoint and exits with status 2). A batch larger than ``batch_size`` completions is sent as several
+requests, at most ``concurrency`` in flight at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+from auto_research.errors import RewardError, UserError
+
+
+def check_url(url: str) -> str:
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise UserError(f"--reward-url {url!r}: expected http://HOST:PORT/PATH")
+    return url
+
+
+class RemoteReward:
+    def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5,
+                 concurrency: int = 4, batch_size: int = 256):
+        self.url, self.timeout, self.retries, self.backoff = check_url(url), timeout, retries, backoff
+        self.concurrency, self.batch_size = concurrency, batch_size
+
+    def __call__(self, prompts, completions, examples) -> list[float | None]:
+        rows = [{**example.fields, "answer": example.answer} for example in examples]
+        keys = sorted({key for row in rows for key in row} - {"prompt"})
+        spans = [(start, min(start + self.batch_size, len(completions)))
+                 for start in range(0, len(completions), self.batch_size)]
+
+        def body(start: int, stop: int) -> dict:
+            return {"prompts": list(prompts[start:stop]), "completions": list(completions[start:stop]),
+                    "columns": {key: [row.get(key) for row in rows[start:stop]] for key in keys}}
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(spans)))) as pool:
+            parts = list(pool.map(lambda span: self._post(body(*span), span[1] - span[0]), spans))
+        return [value for part in parts for value in part]
+
+    def _post(self, payload: dict, count: int) -> list:
+        data = json.dumps(payload).encode()
+        failure = "no attempt"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            request = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    text = response.read().decode()
+            except urllib.error.HTTPError as error:
+                failure = f"HTTP {error.code} {error.reason}"
+                if error.code < 500:
+                    break  # the server refused the request itself: retrying sends the same
+                continue
+            except (urllib.error.URLError, OSError, TimeoutError) as error:  # refused, dropped, timed out
+                failure = str(getattr(error, "reason", error)) or type(error).__name__
+                continue
+            return self._parse(text, count)
+        raise RewardError(f"--reward-url {self.url}: {failure} after {attempt + 1} attempt(s) "
+                          f"(timeout {self.timeout:g} s)")
+
+    def _parse(self, text: str, count: int) -> list:
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError:
+            raise RewardError(f"--reward-url {self.url}: the answer is not JSON ({text[:60]!r})") from None
+        if isinstance(values, dict):
+            values = values.get("rewards")
+        if not isinstance(values, list) or len(values) != count:
+            raise RewardError(f"--reward-url {self.url}: expected a list of {count} numbers or nulls, got "
+                              f"{json.dumps(values)[:60]}")
+        return values
