@@ -34,7 +34,7 @@ class Server:
                     self.connection.close()
                     return
                 if behaviour == "slow":
-                    time.sleep(1.5)
+                    time.sleep(5.0)
                 if behaviour == "500":
                     self.send_error(500, "boom")
                     return
@@ -81,7 +81,7 @@ def test_a_batch_is_one_post_with_prompts_completions_and_columns(serve):
 @pytest.mark.parametrize("plan", [("slow", "ok"), ("500", "ok"), ("drop", "ok"), ("500", "drop", "ok")])
 def test_transient_failures_are_retried(serve, plan):
     server = serve(*plan)
-    reward = RemoteReward(server.url, timeout=0.5, retries=3, backoff=0.01)
+    reward = RemoteReward(server.url, timeout=2.0, retries=3, backoff=0.01)
     assert reward(["1+1=", "2+2="], ["22", "4444"], EXAMPLES) == [2.0, 4.0]
     assert len(server.requests) == len(plan)
 

@@ -8,6 +8,7 @@ renamed into place, like any file the user creates.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -80,3 +81,12 @@ def check_writable_directory(path: str | os.PathLike) -> Path:
     if problem:
         raise UserError(f"cannot write to output directory {str(path)!r}: {problem}")
     return path
+
+
+def sha256_of(path: Path) -> str:
+    """The file's sha256, read a megabyte at a time."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as stream:
+        while block := stream.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()

