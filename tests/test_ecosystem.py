@@ -178,3 +178,46 @@ def test_the_run_folder_keeps_its_resolved_config_which_reruns_it(tiny_model_dir
     first, again = (json.loads((tmp_path / name / "rloo-sums-seed7" / "metrics.json").read_text())
                     for name in ("first", "again"))
     assert first["final"] == again["final"] and first["history"] == again["history"]
+
+
+def test_compare_and_rlhf_read_config_files_and_flags_win(tiny_model_dir, sums_jsonl, tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from auto_research.cli import main
+
+    # One file for compare: the generation settings and compare's own keys side by side; the flags win.
+    (tmp_path / "compare.yaml").write_text(f"model: {tiny_model_dir}\ndataset: {sums_jsonl}\nsteps: 2\n"
+                                           "prompts-per-step: 2\nmax-new-tokens: 3\noffline: true\nprogress: false\n"
+                                           "algorithms: rloo,grpo\n")
+    code = main(["compare", "--config", str(tmp_path / "compare.yaml"), "--steps", "1", "--output-dir",
+                 str(tmp_path / "compare")])
+    assert code == 0, capsys.readouterr().err
+    for name in ("rloo", "grpo"):
+        metrics = json.loads((tmp_path / "compare" / f"{name}-sums-seed42" / "metrics.json").read_text())
+        assert metrics["training"]["steps"] == 1  # the flag won over the file's steps: 2
+        assert yaml.safe_load((tmp_path / "compare" / f"{name}-sums-seed42" / "config.yaml").read_text())[
+            "max-new-tokens"] == 3
+    # rlhf reads its own settings from a file: a key of another command's is named, with the nearest of its own.
+    (tmp_path / "rlhf.yaml").write_text("pairs: 8\nreward-model-steps: 5\nstep: 3\n")
+    capsys.readouterr()
+    assert main(["rlhf", "--config", str(tmp_path / "rlhf.yaml"), "--output-dir", str(tmp_path / "rlhf")]) == 2
+    assert capsys.readouterr().err.strip() == (f"auto-research: error: --config {tmp_path / 'rlhf.yaml'}: unknown key "
+                                               "'step'; did you mean steps?")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("learning-rat: 0.1\n", "unknown key 'learning-rat'; did you mean learning-rate?"),
+    ("steps: many\n", "steps must be an integer, got \"many\""),
+    ("temperature: [1.0\n", "not valid YAML at line 2, column 1 (expected ',' or ']', but got '<stream end>')"),
+    ("- steps\n", "expected a mapping of settings (key: value), got list"),
+])
+def test_a_bad_config_file_is_one_line(text, message, tmp_path, capsys):
+    from auto_research.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert main(["post-train", "--config", str(path), "--output-dir", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err.strip() == f"auto-research: error: --config {path}: {message}"
+    assert not (tmp_path / "runs").exists()

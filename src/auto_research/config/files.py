@@ -138,11 +138,16 @@ RUN_CONTROL = ("resume", "overwrite")
 """Keys a resolved config leaves out: they say what to do with an existing folder, not what the run is."""
 
 
+def resolved_settings(config) -> dict:
+    """The settings that say what a run is (its config.yaml, and the config the trackers are given)."""
+    return {key: value for key, value in config_payload(config).items() if key not in RUN_CONTROL}
+
+
 def write_resolved_config(path: str | Path, config) -> Path:
     """The run's settings after the dataset's presets filled the unset ones, as YAML: ``--config <run>/config.yaml``
     runs the same again (flags given beside it win)."""
     import yaml  # noqa: PLC0415
 
-    payload = {key: value for key, value in config_payload(config).items() if key not in RUN_CONTROL}
+    payload = resolved_settings(config)
     header = "# The resolved settings of this run; rerun with: auto-research post-train --config <this file>\n"
     return atomic_write_text(path, header + yaml.safe_dump(payload, sort_keys=False, allow_unicode=True))

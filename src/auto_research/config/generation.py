@@ -6,7 +6,6 @@ before any data is read or any output is written, and imports neither NumPy nor 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -195,7 +194,10 @@ class GenerationConfig:
                            action="store_true")
     overwrite: bool = setting(False, "start afresh where an earlier run is (deletes its checkpoints)", "run",
                               action="store_true")
-    report_to: str = setting("none", "none or tensorboard", "run")
+    report_to: str = setting("none", "experiment trackers, comma-separated: tensorboard, wandb, trackio, mlflow "
+                             "(each an extra: pip install 'auto-research[wandb]'), or none", "run")
+    tracker_project: str = setting("auto-research", "the trackers' project (wandb: unless WANDB_PROJECT is set; "
+                                   "mlflow: the experiment); each run is named after its folder", "run")
     log_completions: int = setting(8, "at every evaluation, the first N held-out prompts with their greedy "
                                       "completions, rewards and verdicts go to completions.jsonl (and report.md "
                                       "shows the last); 0 = none", "run", type=int)
@@ -289,7 +291,6 @@ class GenerationConfig:
                                      ("--loss-aggregation", self.loss_aggregation, LOSS_AGGREGATIONS),
                                      ("--ratio-level", self.ratio_level, ("token", "sequence")),
                                      ("--lr-schedule", self.lr_schedule, SCHEDULES),
-                                     ("--report-to", self.report_to, ("none", "tensorboard")),
                                      ("--verifier", self.verifier, VERIFIERS)):
             check_choice(flag, value, allowed)
         if self.kl_in == "reward" and algorithm.kl != "reward" and self.beta > 0:
@@ -328,8 +329,9 @@ class GenerationConfig:
         for weight in self.reward_weights or ():
             if not math.isfinite(weight):
                 raise UserError(f"--reward-weights must be finite numbers, got {weight}")
-        if self.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-            raise UserError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
+        from auto_research.report.trackers import parse_report_to
+
+        parse_report_to(self.report_to)
         return self
 
     def validate_dataset(self) -> None:

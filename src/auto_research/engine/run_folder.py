@@ -28,7 +28,8 @@ from auto_research.files import atomic_write_json, sha256_of
 PREFIX = "step-"
 MANIFEST = "manifest.json"
 # Settings that may differ between a run and its resumption.
-RESUMABLE_DIFFERENCES = {"resume", "overwrite", "progress", "device", "threads", "output_dir", "report_to"}
+RESUMABLE_DIFFERENCES = {"resume", "overwrite", "progress", "device", "threads", "output_dir", "report_to",
+                         "tracker_project", "log_completions"}
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -107,7 +108,8 @@ def resumable_checkpoint(config, log, world_size: int = 1) -> Path:
     return folder
 
 
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "metrics.json", "report.md", "curves.png", "tensorboard")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "metrics.json", "report.md", "curves.png", "tensorboard",
+               "completions.jsonl")
 
 
 def check_run_folder(config) -> None:

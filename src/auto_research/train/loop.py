@@ -46,9 +46,9 @@ class RunLoop:
     def __init__(self, c: Components, state: LoopState, lock=None, log=print, resumed: bool = False):
         self.c, self.state, self.lock, self.log = c, state, lock, log
         self.run_dir = c.config.run_dir
-        self.metrics_log = MetricsLog(self.run_dir, c.config.report_to)
+        self.metrics_log = MetricsLog(self.run_dir, c.config)
         self.resumed = resumed
-        self.run_dir_ready = resumed
+        self.run_dir_ready = False
         self.stop_signal: int | None = None
         self.final_completions: dict = {}
 
@@ -56,16 +56,19 @@ class RunLoop:
 
     def _open_run_dir(self) -> None:
         """Before every write: the folder is still this run's (``locks.FolderLock.check``); at the first,
-        ``--overwrite`` deletes the earlier run's outputs, once the inputs have proved themselves on a real step."""
+        ``--overwrite`` deletes the earlier run's outputs, once the inputs have proved themselves on a real step,
+        and the trackers start."""
         if self.lock is not None:
             self.lock.check()
         if self.run_dir_ready:
             return
-        if self.c.config.overwrite:
-            clear_run_folder(self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_resolved_config(self.run_dir / "config.yaml", self.c.config)
+        if not self.resumed:
+            if self.c.config.overwrite:
+                clear_run_folder(self.run_dir)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_resolved_config(self.run_dir / "config.yaml", self.c.config)
         self.run_dir_ready = True
+        self.metrics_log.open(self.resumed, self.log)
 
     def _append(self, row: dict) -> None:
         self._open_run_dir()
@@ -109,7 +112,8 @@ class RunLoop:
             if self.lock is not None and self.lock.created is not None:
                 self.lock.remove_created()
             else:
-                (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+                for name in ("metrics.jsonl", "completions.jsonl"):
+                    (self.run_dir / name).unlink(missing_ok=True)
         return _user_error(f"cannot write to {self.run_dir}: {reason} (errno {error.errno}); {kept}", error)
 
     def _request_stop(self, signum, frame) -> None:
@@ -135,6 +139,7 @@ class RunLoop:
                 state.baseline = held_out(c, table=table)
         except RewardError as error:
             raise _user_error(f"{error} (evaluation before training)", error) from None
+        self.c.world.on_main(lambda: self.metrics_log.evaluation(0, state.baseline))
         self._completions(0, table)
         self.log(f"before training: held-out accuracy {state.baseline['accuracy']:.3f}, "
                  f"mean reward {_figure(state.baseline['mean_reward'])}")
@@ -196,7 +201,7 @@ class RunLoop:
         except RewardError as error:
             raise _user_error(f"{error} (held-out evaluation); saved step {step} in {self.save(step)}", error) from None
         state.history.append({"step": float(step), "loss": row["loss"], **metrics})
-        self.metrics_log.evaluation(step, metrics)
+        self.c.world.on_main(lambda: self.metrics_log.evaluation(step, metrics))
         self._completions(step, table)
 
     def _completions(self, step: int, table: list) -> None:

@@ -15,7 +15,6 @@ import torch
 
 from auto_research.algorithms.candidate import groups_without_signal
 from auto_research.files import atomic_write_text
-from auto_research.report.tables import markdown_table
 from auto_research.train.components import Components
 from auto_research.train.experience import Experience
 from auto_research.train.update import Advantages
@@ -81,46 +80,55 @@ COMPLETIONS = "completions.jsonl"
 
 
 class MetricsLog:
-    """metrics.jsonl (one row a step; JSON has no NaN, so a figure that could not be computed is null) and,
-    with --report-to tensorboard, the same scalars for TensorBoard. Rank 0 only."""
+    """metrics.jsonl (one row a step; JSON has no NaN, so a figure that could not be computed is null),
+    completions.jsonl, and the same events for each tracker of --report-to. Rank 0 only.
 
-    def __init__(self, run_dir: Path, report_to: str = "none"):
+    Nothing is written before ``open`` (the run folder's first write, after --overwrite cleared the earlier
+    run): the evaluation before training waits in memory until then."""
+
+    def __init__(self, run_dir: Path, config=None):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.report_to, self.writer = report_to, None
+        self.config, self.trackers, self.pending = config, None, []
 
-    def _tensorboard(self):
-        if self.report_to == "tensorboard" and self.writer is None:
-            # Imported here: tensorboard is an optional dependency, imported only by runs that name it.
-            from torch.utils.tensorboard import SummaryWriter
+    def open(self, resumed: bool, warn=print) -> None:
+        """Start the trackers (``--report-to``) and write what waited."""
+        from auto_research.report.trackers import Trackers, parse_report_to
 
-            self.writer = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"))
-        return self.writer
+        names = parse_report_to(self.config.report_to) if self.config is not None else ()
+        if names:
+            from auto_research.config.files import resolved_settings
+
+            self.trackers = Trackers(names, self.path.parent, self.config.tracker_project,
+                                     resolved_settings(self.config), resumed, warn)
+        pending, self.pending = self.pending, None
+        for method, args in pending:
+            getattr(self, method)(*args)
 
     def append(self, row: dict) -> None:
         clean = {key: value if not isinstance(value, float) or math.isfinite(value) else None for key, value in row.items()}
-        writer = self._tensorboard()
         with self.path.open("a") as stream:
             stream.write(json.dumps(clean, allow_nan=False) + "\n")
-        if writer is not None:
-            for key, value in clean.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    writer.add_scalar(f"train/{key}", value, row["step"])
+        if self.trackers is not None:
+            self.trackers.scalars({f"train/{key}": value for key, value in clean.items()
+                                   if key != "step" and isinstance(value, (int, float))}, row["step"])
 
     def evaluation(self, step: int, metrics: dict) -> None:
-        if self.writer is not None:
-            for key, value in metrics.items():
-                if value is not None:
-                    self.writer.add_scalar(f"eval/{key}", value, step)
+        if self.pending is not None:
+            self.pending.append(("evaluation", (step, metrics)))
+        elif self.trackers is not None:
+            self.trackers.scalars({f"eval/{key}": value for key, value in metrics.items()
+                                   if isinstance(value, (int, float)) and math.isfinite(value)}, step)
 
     def completions(self, step: int, table: list[dict]) -> None:
-        """One evaluation's completion table: a row per prompt in completions.jsonl, and a text table in
-        TensorBoard."""
+        """One evaluation's completion table: a row per prompt in completions.jsonl, and a table for each tracker."""
+        if self.pending is not None:
+            self.pending.append(("completions", (step, table)))
+            return
         with (self.path.parent / COMPLETIONS).open("a") as stream:
             for row in table:
                 stream.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
-        writer = self._tensorboard()
-        if writer is not None and table:
-            writer.add_text("eval/completions", markdown_table(table), step)
+        if self.trackers is not None:
+            self.trackers.table("eval/completions", table, step)
 
     def truncate(self, step: int) -> None:
         """Keep the rows up to ``step`` (a resumed run continues from its checkpoint), completions too."""
@@ -131,5 +139,5 @@ class MetricsLog:
                 atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self.trackers is not None:
+            self.trackers.close()
