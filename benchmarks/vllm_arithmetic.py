@@ -2,6 +2,7 @@
 
     python benchmarks/vllm_arithmetic.py                      # seeds 42,43,44, builtin then vllm
     python benchmarks/vllm_arithmetic.py --seeds 42 --samplers vllm
+    python benchmarks/vllm_arithmetic.py --samplers vllm-server   # auto-research vllm-serve, started here
 
 Each run is ``auto-research post-train --dataset arithmetic-generate --seed S --sampler X`` (600 steps on the
 embedded model, warm-started once and cached). The table gives held-out greedy accuracy before and after,
@@ -17,12 +18,29 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 
-def run(sampler: str, seed: int, folder: Path, threads: int | None) -> dict:
+def start_server(threads: int | None) -> tuple[subprocess.Popen, str]:
+    """``auto-research vllm-serve`` (the embedded model's architecture: the trainer pushes its weights) on a free
+    port, and its address once it says it serves."""
+    command = [sys.executable, "-m", "auto_research", "vllm-serve", "--port", "0", "--offline"]
+    if threads:
+        command += ["--threads", str(threads)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in process.stderr:
+        if line.startswith("serving "):
+            threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()  # keep draining
+            return process, line.split("http://")[1].split()[0]
+    raise SystemExit(f"auto-research vllm-serve did not start (exit {process.wait()})")
+
+
+def run(sampler: str, seed: int, folder: Path, threads: int | None, address: str | None = None) -> dict:
+    engine = ["--sampler", "vllm", "--vllm-mode", "server", "--vllm-server", address] if address else \
+        ["--sampler", sampler]
     command = [sys.executable, "-m", "auto_research", "post-train", "--dataset", "arithmetic-generate",
-               "--seed", str(seed), "--sampler", sampler, "--output-dir", str(folder / sampler), "--no-progress"]
+               "--seed", str(seed), *engine, "--output-dir", str(folder / sampler), "--no-progress"]
     if threads:
         command += ["--threads", str(threads)]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -45,19 +63,23 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for sampler in args.samplers.split(","):
+            server, address = start_server(args.threads) if sampler == "vllm-server" else (None, None)
             for seed in seeds:
-                result = run(sampler, seed, Path(scratch), args.threads)
+                result = run(sampler, seed, Path(scratch), args.threads, address)
                 results.setdefault(sampler, []).append(result)
                 drift = ("" if sampler == "builtin" else
                          f", max |Δlog p| {result['diff_max']:.2e}, mean k3 {result['k3']:.2e}")
                 print(f"{sampler} seed {seed}: {result['before']:.3f} -> {result['after']:.3f} in "
                       f"{result['seconds']:.0f} s{drift}", flush=True)
-    print(f"\n{'sampler':<8} {'before':>7} {'after (mean ± std over ' + str(len(seeds)) + ' seeds)':>34} "
+            if server is not None:
+                server.terminate()
+                server.wait()
+    print(f"\n{'sampler':<12} {'before':>7} {'after (mean ± std over ' + str(len(seeds)) + ' seeds)':>34} "
           f"{'training':>9} {'max |Δlog p|':>13}")
     for sampler, rows in results.items():
         after = [row["after"] for row in rows]
         spread = statistics.stdev(after) if len(after) > 1 else 0.0
-        print(f"{sampler:<8} {rows[0]['before']:>7.3f} {statistics.fmean(after):>26.3f} ± {spread:.3f}    "
+        print(f"{sampler:<12} {rows[0]['before']:>7.3f} {statistics.fmean(after):>26.3f} ± {spread:.3f}    "
               f"{statistics.fmean(row['seconds'] for row in rows):>7.0f} s "
               f"{'(its own)' if sampler == 'builtin' else format(max(row['diff_max'] for row in rows), '.2e'):>13}")
 

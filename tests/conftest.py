@@ -25,6 +25,20 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+def kill_after_checkpoint(args: list[str], env: dict, checkpoint: Path, timeout: float = 240) -> None:
+    """Run ``python -m auto_research ARGS`` and SIGKILL it as soon as ``checkpoint`` exists (a crash mid-run)."""
+    import signal
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "auto_research", *args], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while time.time() < deadline and not checkpoint.is_dir():
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m auto_research`` as a user would, in a separate process."""
     environment = {**os.environ, **(env or {})}

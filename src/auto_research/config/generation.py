@@ -136,9 +136,10 @@ class GenerationConfig:
                                               "activations and KV cache (default 0.3; the trainer needs the rest); "
                                               "on the CPU, the share of host memory for its KV cache (default 0.05)",
                                         "sampling", type=float)
-    vllm_mode: str = setting("colocate", "colocate (one engine in each training process); server is not "
-                                         "implemented yet", "sampling")
-    vllm_server: str | None = setting(None, "HOST:PORT of a vLLM server (--vllm-mode server)", "sampling")
+    vllm_mode: str = setting("colocate", "colocate (one engine in the training process) or server (an engine "
+                                         "of its own, started by auto-research vllm-serve; works under torchrun)",
+                             "sampling")
+    vllm_server: str | None = setting(None, "HOST:PORT of the vLLM server (--vllm-mode server)", "sampling")
     rollout_correction: str | None = setting(None, "correct for the sampler's distribution differing from the "
                                                    "trainer's: none, token-tis, sequence-tis or sequence-mask "
                                                    "(default: sequence-tis for sequence-level estimators such as "
@@ -277,8 +278,16 @@ class GenerationConfig:
             if self.vllm_memory is not None and not (math.isfinite(self.vllm_memory) and 0 < self.vllm_memory <= 1):
                 raise UserError(f"--vllm-memory must be in (0, 1], got {self.vllm_memory}")
             if self.vllm_mode == "server":
-                raise UserError("--vllm-mode server is not implemented yet: use --vllm-mode colocate (one engine in "
-                                "each training process)")
+                if self.vllm_server is None:
+                    raise UserError("--vllm-mode server needs --vllm-server HOST:PORT (start a server with "
+                                    "auto-research vllm-serve --model M --port 8000)")
+                from auto_research.engine.rollout.server import split_address
+
+                split_address(self.vllm_server)
+                if self.vllm_memory is not None:
+                    raise UserError("--vllm-memory is the colocated engine's; give it to auto-research vllm-serve")
+            elif self.vllm_server is not None:
+                raise UserError("--vllm-server is for --vllm-mode server")
         elif self.vllm_server is not None or self.vllm_mode != "colocate":
             raise UserError("--vllm-mode and --vllm-server apply to --sampler vllm only")
         if not (0 < self.top_p <= 1):

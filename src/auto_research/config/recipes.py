@@ -152,3 +152,38 @@ class RLHFConfig:
 
     def seed_list(self) -> list[int]:
         return comma_list("--seeds", self.seeds, int, "seed")
+
+
+@dataclass
+class VLLMServeConfig:
+    """``auto-research vllm-serve``: one vLLM engine behind an HTTP port, for ``--vllm-mode server``."""
+
+    model: str | None = setting(None, "folder, hub id, .gguf or packaged name (the trainer pushes its weights at "
+                                      "its start and after every step, so only the architecture and tokenizer "
+                                      "must match)", default_text="the embedded tiny model")
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on (0: any free one, printed)", type=int)
+    vllm_memory: float | None = setting(None, "on a GPU, the share of its memory vLLM may take; on the CPU, the "
+                                              "share of host memory for its KV cache", default_text="0.3 GPU, 0.05 CPU",
+                                        type=float)
+    max_model_len: int | None = setting(None, "longest prompt + completion served",
+                                        default_text="the model's context, at most 4096", type=int)
+    dtype: str = setting("auto", "auto (bf16 on CUDA, else fp32), bfloat16 or float32")
+    device: str = setting("auto", "auto (CUDA when present) or cpu")
+    seed: int = setting(0, "the engine's seed (each request carries its own seeds)", type=int)
+    threads: int | None = setting(None, "CPU threads torch may use", default_text="one per core", type=int)
+    offline: bool = setting(False, "never download; a hub id is an error", action="store_true")
+
+    def validate(self) -> "VLLMServeConfig":
+        from auto_research.engine.sources import require_vllm
+
+        require_vllm()
+        if not 0 <= self.port < 65536:
+            raise UserError(f"--port must be in 0..65535, got {self.port}")
+        if self.vllm_memory is not None and not (0 < self.vllm_memory <= 1):
+            raise UserError(f"--vllm-memory must be in (0, 1], got {self.vllm_memory}")
+        check_positive_integers(("--max-model-len", self.max_model_len), ("--threads", self.threads))
+        check_device(self.device)
+        if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
+            raise UserError(f"--dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
+        return self

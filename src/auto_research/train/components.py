@@ -133,7 +133,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     compute_dtype = resolve_dtype(config.dtype, device)
     policy, tokenizer = load_policy(model_name, device, torch.float32, config.offline, log=log,
                                     keep_adapter=bool(config.lora_r))
-    if config.sampler == "vllm":
+    if config.sampler == "vllm" and config.vllm_mode == "colocate":
         from auto_research.engine.rollout.vllm import check_servable  # noqa: PLC0415
 
         check_servable(getattr(policy, "get_base_model", lambda: policy)().config, device, model_name)
@@ -189,7 +189,14 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     per_call = config.generation_batch_size or config.micro_batch_size
     chunk = max(1, per_call // config.group_size) if per_call else None
     settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
-    if config.sampler == "vllm":
+    if config.sampler == "vllm" and config.vllm_mode == "server":
+        from auto_research.engine.rollout.server import VLLMServerSampler  # noqa: PLC0415
+
+        components.sampler = VLLMServerSampler(policy, tokenizer, settings, config.vllm_server, model_name, world,
+                                               compute_dtype)
+        log(f"sampling with the vLLM server at {config.vllm_server} (the policy's weights pushed to it in "
+            f"{components.sampler.weight_sync_seconds:.2f} s)")
+    elif config.sampler == "vllm":
         from auto_research.engine.rollout.vllm import VLLMSampler  # noqa: PLC0415 - optional, heavy
 
         longest = max(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) for prompt in train_prompts)

@@ -37,7 +37,7 @@ class Prepared:
 def check_settings(config: GenerationConfig, world_size: int) -> None:
     """The checks that read nothing: settings, the number of processes, the output folder."""
     config.validate()
-    if config.sampler == "vllm":
+    if config.sampler == "vllm" and config.vllm_mode == "colocate":  # a server may live in an environment of its own
         require_vllm()
     check_world(config, world_size)
     check_writable_directory(config.output_dir)

@@ -37,13 +37,14 @@ def head_dim(config) -> int:
     return int(explicit) if explicit else config.hidden_size // config.num_attention_heads
 
 
-def check_servable(config, device: str, model_name: str) -> None:
+def check_servable(config, device: str, model_name: str, where: str = "--sampler vllm",
+                   instead: str = "use --sampler builtin") -> None:
     """A model vLLM cannot serve is refused here, in one line naming the reason, before any engine starts."""
     size = head_dim(config)
     if device == "cpu" and size not in CPU_HEAD_SIZES:
-        raise UserError(f"--sampler vllm: vLLM's CPU attention serves head sizes {', '.join(map(str, CPU_HEAD_SIZES))} "
+        raise UserError(f"{where}: vLLM's CPU attention serves head sizes {', '.join(map(str, CPU_HEAD_SIZES))} "
                         f"only, and {model_name} has {size} ({config.hidden_size} over {config.num_attention_heads} "
-                        "heads); use --sampler builtin")
+                        f"heads); {instead}")
 
 
 def engine_seed(seed: int) -> int:
@@ -76,6 +77,30 @@ def pushed_weights(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tenso
                 tensor = tensor + sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
             name = f"{owner}.{leaf}"
         yield name, tensor.to(dtype)
+
+
+def build_rollout(tokenizer, eos: tuple, pad: int, prompt_ids: list[list[int]], completions: list[list[int]],
+                  logprobs: list[list[float]], group_size: int) -> Rollout:
+    """The Rollout of an engine's token ids and log-probs (colocated or from a server)."""
+    rows, width = len(completions), max(1, max(len(tokens) for tokens in completions))
+    prompt_width = max(len(ids) for ids in prompt_ids)
+    prompt = torch.full((rows, prompt_width), pad, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, prompt_width, dtype=torch.long)
+    completion = torch.full((rows, width), pad, dtype=torch.long)
+    sampled = torch.zeros(rows, width)
+    for row, (tokens, values) in enumerate(zip(completions, logprobs)):
+        ids = prompt_ids[row // group_size]
+        prompt[row, prompt_width - len(ids):] = torch.tensor(ids)
+        prompt_mask[row, prompt_width - len(ids):] = 1
+        completion[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        sampled[row, : len(values)] = torch.tensor(values)
+    mask = completion_mask(completion, eos)
+    # A row cut at max_tokens ends in a token, not padding: the mask keeps every drawn token, none after.
+    lengths = torch.tensor([len(tokens) for tokens in completions])
+    mask = mask * (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    texts = tokenizer.batch_decode(completion * mask + pad * (1 - mask), skip_special_tokens=True)
+    return Rollout(torch.cat([prompt, completion], dim=1), prompt_mask, mask, texts, group_size, sampled * mask,
+                   None, False)
 
 
 def _host_memory() -> int:
@@ -127,60 +152,49 @@ class VLLMSampler:
         if push_weights:
             self.load_weights(model)
 
-    def sampling_params(self, group_size: int, seed: int):
+    def sampling_params(self, group_size: int, seed: int, settings: SamplingSettings | None = None):
         from vllm import SamplingParams  # noqa: PLC0415
 
-        s = self.settings
+        s = settings or self.settings
         return SamplingParams(n=group_size, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
                               min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                               max_tokens=s.max_new_tokens, min_tokens=0, stop_token_ids=list(self.eos),
                               ignore_eos=False, seed=engine_seed(seed), logprobs=0, detokenize=False,
                               skip_special_tokens=True)
 
-    def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int],
+                 settings: SamplingSettings | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """K completions of each prompt (token ids) and vLLM's log-prob of each drawn token, row g·K + k."""
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
         with _process_kept():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids],
-                                        [self.sampling_params(group_size, seed) for seed in seeds], use_tqdm=False)
+                                        [self.sampling_params(group_size, seed, settings) for seed in seeds],
+                                        use_tqdm=False)
         completions, logprobs = [], []
         for output in outputs:
             for sample in sorted(output.outputs, key=lambda one: one.index):
                 tokens = list(sample.token_ids)
                 completions.append(tokens)
                 logprobs.append([step[token].logprob for step, token in zip(sample.logprobs, tokens)])
-        return self._rollout(prompt_ids, completions, logprobs, group_size)
+        return completions, logprobs
 
-    def _rollout(self, prompt_ids, completions, logprobs, group_size: int) -> Rollout:
-        rows, width = len(completions), max(1, max(len(tokens) for tokens in completions))
-        prompt_width = max(len(ids) for ids in prompt_ids)
-        prompt = torch.full((rows, prompt_width), self.pad, dtype=torch.long)
-        prompt_mask = torch.zeros(rows, prompt_width, dtype=torch.long)
-        completion = torch.full((rows, width), self.pad, dtype=torch.long)
-        sampled = torch.zeros(rows, width)
-        for row, (tokens, values) in enumerate(zip(completions, logprobs)):
-            ids = prompt_ids[row // group_size]
-            prompt[row, prompt_width - len(ids):] = torch.tensor(ids)
-            prompt_mask[row, prompt_width - len(ids):] = 1
-            completion[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            sampled[row, : len(values)] = torch.tensor(values)
-        mask = completion_mask(completion, self.eos)
-        # A row cut at max_tokens ends in a token, not padding: the mask keeps every drawn token, none after.
-        lengths = torch.tensor([len(tokens) for tokens in completions])
-        mask = mask * (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
-        texts = self.tokenizer.batch_decode(completion * mask + self.pad * (1 - mask), skip_special_tokens=True)
-        return Rollout(torch.cat([prompt, completion], dim=1), prompt_mask, mask, texts, group_size,
-                       sampled * mask, None, False)
+    def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
+        prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        completions, logprobs = self.generate(prompt_ids, group_size, seeds)
+        return build_rollout(self.tokenizer, self.eos, self.pad, prompt_ids, completions, logprobs, group_size)
 
     def load_weights(self, model) -> None:
         """The policy's current weights into the engine, in place, then its prefix cache emptied (cached
         prompt KV was computed with the old weights)."""
         started = time.perf_counter()
-        with _process_kept():  # in this process, the generator is consumed one tensor at a time
-            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=pushed_weights(model, self.dtype),
-                                                                  is_checkpoint_format=True))
-            self.llm.reset_prefix_cache()
+        self.load_named(pushed_weights(model, self.dtype))
         self.weight_sync_seconds = time.perf_counter() - started
+
+    def load_named(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Every weight (checkpoint names) into the engine in place, then a fresh prefix cache."""
+        with _process_kept():  # in this process, the generator is consumed one tensor at a time
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+            self.llm.reset_prefix_cache()
