@@ -185,6 +185,7 @@ def test_mismatch_stays_at_its_first_step_level_through_training(vllm_model_dir,
 
 
 SLOW = """
+import time
 
 def slow_match(prompts, completions, rows):
     time.sleep(0.5)
