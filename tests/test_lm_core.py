@@ -275,22 +275,22 @@ def test_compare_at_the_generation_level_writes_time_memory_and_plots(tiny_model
     from auto_research.cli import main
 
     code = main(["compare", "--dataset", str(sums_jsonl), "--model", str(tiny_model_dir), "--algorithms",
-                 "rloo,ppo-rlhf", "--seeds", "1,2", "--group-size", "2,4", "--steps", "2", "--prompts-per-step", "2",
+                 "rloo,ppo-rlhf", "--seeds", "1", "--group-size", "2,4", "--steps", "2", "--prompts-per-step", "2",
                  "--max-new-tokens", "3", "--evaluation-examples", "4", "--reward", "match", "--offline",
                  "--device", "cpu", "--output-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
-    summary = json.loads((tmp_path / "classic-post-training-sums-seeds1-2.json").read_text())
+    summary = json.loads((tmp_path / "classic-post-training-sums-seed1.json").read_text())
     assert set(summary["algorithms"]) == {"rloo-k2", "ppo-rlhf-k2", "rloo-k4", "ppo-rlhf-k4"}
     rloo, ppo = summary["algorithms"]["rloo-k4"], summary["algorithms"]["ppo-rlhf-k4"]
-    assert rloo["seeds"] == [1, 2] and rloo["samples"] == 2 * 2 * 4
+    assert rloo["seeds"] == [1] and rloo["samples"] == 2 * 2 * 4
     assert rloo["step_seconds"]["mean"] > 0 and rloo["peak_memory_mb"]["mean"] > 0
     assert "CPU: peak resident memory" in rloo["peak_memory_kind"]
     # PPO trains a critic as large as the policy, plus its scalar head (hidden size 32, and a bias).
     assert ppo["parameters"]["trainable"] == 2 * rloo["parameters"]["trainable"] + 33
-    assert (tmp_path / "k4" / "ppo-rlhf-sums-seed2" / "checkpoints").is_dir()
-    assert "| ppo-rlhf | 4 |" in (tmp_path / "classic-post-training-sums-seeds1-2.md").read_text()
-    assert (tmp_path / "classic-post-training-sums-seeds1-2.png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "k4" / "ppo-rlhf-sums-seed1" / "checkpoints").is_dir()
+    assert "| ppo-rlhf | 4 |" in (tmp_path / "classic-post-training-sums-seed1.md").read_text()
+    assert (tmp_path / "classic-post-training-sums-seed1.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_the_python_api_trains_on_rows_in_memory_with_a_reward_function(tiny_model_dir, tmp_path):

@@ -125,9 +125,12 @@ class World:
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
 
     def stop(self) -> None:
-        if self.distributed:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        """Leave the process group to the process's end (the CLI leaves with ``os._exit``); nothing to do.
+
+        Destroying it races with gloo's run-loop threads. Seen in CI, a rank hung for good:
+        ``ProcessGroupGloo``'s destructor, holding the GIL, joined a worker thread that was still freeing the
+        last all-gather's tensors and waited for the GIL. A later run in the same process reuses the group
+        (``start``). Not a collective either: a rank that failed calls it on its way out."""
 
     # --- collectives (the identity in one process) ---------------------------------
 

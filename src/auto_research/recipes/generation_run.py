@@ -37,9 +37,9 @@ def train_and_report(prepared: Prepared, world: World | None, lock, log) -> dict
             save_merged(components.policy, components.tokenizer, folder)
             log(f"wrote the merged model to {folder}")
         world.barrier()
-    # Every rank leaves the process group together, before rank 0 writes the reports (gloo aborts a rank
-    # whose peer tears its connections down while it is still busy).
-    world.stop()
+    # Every rank is done with collectives, together, before rank 0 writes the reports and the others leave
+    # (gloo aborts a rank whose peer tears its connections down while it is still busy).
+    world.barrier()
     metrics["training"].update(memory.read())
     metrics["training"]["processes"] = world.size
     if not world.main:
