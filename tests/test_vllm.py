@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -168,13 +170,28 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _torchrun(args):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "auto_research", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _final_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(sorted((run_dir / "checkpoints").glob("step-*"))[-1] / "model.safetensors"))
+
+
 @pytest.mark.parametrize("extra", [(), ("--lora-r", "4")], ids=["full", "lora"])
 def test_mismatch_stays_at_its_first_step_level_through_training(vllm_model_dir, sums_jsonl, tmp_path, extra):
     """20 steps at a learning rate that moves the policy (its KL to the start grows): every step's mismatch
     is at the fp32 level of step 1, so the engine had the new weights each time; and the weights' sync is
-    timed in every row."""
-    run = run_cli(*_args(vllm_model_dir, sums_jsonl, tmp_path, "--steps", "20", "--eval-every", "0",
-                         "--checkpoint-every", "0", "--reward", "match", *extra))
+    timed in every row. Full fine-tuning runs again under torchrun, one engine per rank, with DDP and with
+    FSDP2 (gathered one parameter at a time): the same samples as one process, and its final weights."""
+    common = ("--steps", "20", "--eval-every", "0", "--checkpoint-every", "0", "--reward", "match", "--threads", "1",
+              "--micro-batch-size", "4", "--device", "cpu", *extra)
+    run = run_cli(*_args(vllm_model_dir, sums_jsonl, tmp_path, *common))
     assert run.returncode == 0, run.stderr[-3000:]
     rows = _rows(tmp_path / "rloo-sums-seed3")
     assert len(rows) == 20
@@ -182,6 +199,19 @@ def test_mismatch_stays_at_its_first_step_level_through_training(vllm_model_dir,
     assert all(row["rollout_logprob_diff_max"] < 1e-4 for row in rows), [r["rollout_logprob_diff_max"] for r in rows]
     assert all(row["weight_sync_seconds"] > 0 for row in rows)
     assert all(0.99 < row["rollout_weight_mean"] < 1.01 for row in rows)
+    if extra:
+        return
+    expected = _final_weights(tmp_path / "rloo-sums-seed3")
+    for name, mode in (("ddp", ()), ("fsdp", ("--fsdp",))):
+        two = _torchrun(_args(vllm_model_dir, sums_jsonl, tmp_path / name, *common, *mode))
+        assert two.returncode == 0, (name, two.stderr[-3000:])
+        got_rows = _rows(tmp_path / name / "rloo-sums-seed3")
+        assert len(got_rows) == 20
+        assert all(row["rollout_logprob_diff_max"] < 1e-4 for row in got_rows), name
+        for a, b in zip(rows, got_rows):
+            assert a["reward_mean"] == b["reward_mean"] and a["completion_length"] == b["completion_length"], name
+        got = _final_weights(tmp_path / name / "rloo-sums-seed3")
+        assert max(float((got[key] - expected[key]).abs().max()) for key in expected) <= 1e-5, name
 
 
 SLOW = """

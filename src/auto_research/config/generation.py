@@ -130,14 +130,14 @@ class GenerationConfig:
     max_new_tokens: int | None = setting(None, "completion length limit (default: per dataset)", "sampling", type=int)
     prompts_per_step: int | None = setting(None, "prompts (groups) per step; the batch holds prompts × K completions "
                                                  "(default: per dataset)", "sampling", type=int)
-    sampler: str = setting("builtin", "builtin (the training model's own decoding loop) or vllm (a vLLM engine in "
-                                      "this process, weights pushed after every optimizer step)", "sampling")
+    sampler: str = setting("builtin", "builtin (the training model's own decoding loop) or vllm (a vLLM engine, "
+                                      "weights pushed after every optimizer step; see --vllm-mode)", "sampling")
     vllm_memory: float | None = setting(None, "on a GPU, the share of its memory vLLM may take for weights, "
                                               "activations and KV cache (default 0.3; the trainer needs the rest); "
                                               "on the CPU, the share of host memory for its KV cache (default 0.05)",
                                         "sampling", type=float)
-    vllm_mode: str = setting("colocate", "colocate (one engine in the training process) or server (an engine "
-                                         "of its own, started by auto-research vllm-serve; works under torchrun)",
+    vllm_mode: str = setting("colocate", "colocate (one engine in each training process) or server (an engine "
+                                         "of its own for every rank, started by auto-research vllm-serve)",
                              "sampling")
     vllm_server: str | None = setting(None, "HOST:PORT of the vLLM server (--vllm-mode server)", "sampling")
     rollout_correction: str | None = setting(None, "correct for the sampler's distribution differing from the "

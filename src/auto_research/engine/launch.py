@@ -28,11 +28,6 @@ def check_world(config, size: int | None = None) -> None:
     if config.fsdp and size < 2:
         raise UserError("--fsdp shards the models over several processes: launch with "
                         "torchrun --nproc-per-node N -m auto_research post-train … (N >= 2)")
-    if getattr(config, "sampler", "builtin") == "vllm" and getattr(config, "vllm_mode", "colocate") == "colocate" \
-            and size > 1:
-        raise UserError("--sampler vllm --vllm-mode colocate runs one engine in a single training process; under "
-                        "torchrun use --vllm-mode server (one engine for every rank, weights pushed by rank 0 after "
-                        "each step): auto-research vllm-serve --model M, then --vllm-server HOST:PORT")
     parts = size * config.ppo_mini_batches
     if config.prompts_per_step % parts:
         raise UserError(f"--prompts-per-step {config.prompts_per_step} must be a multiple of the number of processes "

@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine, colocated: one ``vllm.LLM`` in the training process, on its device.
+"""vLLM as the rollout engine, colocated: one ``vllm.LLM`` in each training process, on its device.
 
     sampler = VLLMSampler(policy, tokenizer, settings, memory=0.3, dtype=torch.float32, max_model_len=...)
     rollout = sampler.sample(prompts, K, seeds)   # n = K per prompt, a seed per prompt, vLLM's log-probs
@@ -143,11 +143,18 @@ class VLLMSampler:
         # memory, which shares the process, against the share.
         memory_setting = (dict(kv_cache_memory_bytes=int(memory * _host_memory())) if on_cpu
                           else dict(gpu_memory_utilization=memory))
+        # Under torchrun, one engine per rank in the trainer's process group (vLLM's external launcher): each
+        # rank samples its own prompts with its own engine, and pushes its own (identical, or FSDP2-gathered)
+        # weights to it. Every rank builds its engine at the same moment (vLLM makes its groups then).
+        import torch.distributed as dist  # noqa: PLC0415
+
+        launcher = (dict(distributed_executor_backend="external_launcher")
+                    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else {})
         with _process_kept():
             self.llm = LLM(model=self._folder.name, tokenizer=self._folder.name, load_format="dummy",
                            dtype=dtype, enforce_eager=True, generation_config="vllm",
                            logprobs_mode="processed_logprobs", seed=seed, max_model_len=max_model_len,
-                           enable_prefix_caching=True, **memory_setting)
+                           enable_prefix_caching=True, **memory_setting, **launcher)
         self.weight_sync_seconds = 0.0
         if push_weights:
             self.load_weights(model)
