@@ -24,7 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
-from auto_research.errors import UserError
+from auto_research.errors import UserError, one_line
 
 # name → (module to find, PyPI package of the extra)
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
@@ -94,43 +94,39 @@ def _columns(rows: list[dict]) -> tuple[list[str], list[list]]:
     return columns, [[row.get(column) for column in columns] for row in rows]
 
 
-class WandB:
+class _RunWithLog:
+    """wandb's and trackio's shape: a run with ``log(values, step=)`` and ``finish()``, and a ``Table`` type."""
+
+    run = table_type = None
+
+    def scalars(self, values: dict, step: int) -> None:
+        self.run.log(values, step=step)
+
+    def table(self, key: str, rows: list[dict], step: int) -> None:
+        columns, data = _columns(rows)
+        self.run.log({key: self.table_type(columns=columns, data=data)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class WandB(_RunWithLog):
     def __init__(self, run_dir: Path, name: str, project: str, settings: dict, ids: dict):
         import wandb
 
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
-        self.wandb = wandb
+        self.table_type = wandb.Table
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=name, id=ids["id"],
                               resume="allow", dir=str(run_dir), config=settings, reinit="create_new")
 
-    def scalars(self, values: dict, step: int) -> None:
-        self.run.log(values, step=step)
 
-    def table(self, key: str, rows: list[dict], step: int) -> None:
-        columns, data = _columns(rows)
-        self.run.log({key: self.wandb.Table(columns=columns, data=data)}, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class Trackio:
+class Trackio(_RunWithLog):
     def __init__(self, run_dir: Path, name: str, project: str, settings: dict, ids: dict):
         import trackio
 
-        self.trackio = trackio
+        self.table_type = trackio.Table
         self.run = trackio.init(project=project, name=f"{name}-{ids['id']}", config=settings, resume="allow",
                                 auto_log_cpu=False, auto_log_gpu=False)
-
-    def scalars(self, values: dict, step: int) -> None:
-        self.run.log(values, step=step)
-
-    def table(self, key: str, rows: list[dict], step: int) -> None:
-        columns, data = _columns(rows)
-        self.run.log({key: self.trackio.Table(columns=columns, data=data)}, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 class MLflow:
@@ -184,8 +180,7 @@ class Trackers:
                 self.open[name] = OPENERS[name](Path(run_dir), Path(run_dir).name, project, settings, ids)
             except Exception as error:  # noqa: BLE001 — any tracker's failure to start is the same one line
                 self.close()
-                raise UserError(f"--report-to {name}: the tracker did not start ({type(error).__name__}: "
-                                f"{str(error).strip().splitlines()[0] if str(error).strip() else ''})") from None
+                raise UserError(f"--report-to {name}: the tracker did not start ({one_line(error)})") from None
         from auto_research.files import atomic_write_json
 
         atomic_write_json(path, ids)
@@ -195,7 +190,7 @@ class Trackers:
             try:
                 getattr(tracker, method)(*args)
             except Exception as error:  # noqa: BLE001
-                self.warn(f"warning: --report-to {name} failed ({type(error).__name__}: {error}); "
+                self.warn(f"warning: --report-to {name} failed ({one_line(error)}); "
                           "it gets nothing more this run (metrics.jsonl has every figure)")
                 self.open.pop(name)
 

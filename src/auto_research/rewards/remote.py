@@ -15,13 +15,11 @@ requests, at most ``concurrency`` in flight at once.
 from __future__ import annotations
 
 import json
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 from auto_research.errors import RewardError, UserError
+from auto_research.http import RequestFailed, request
 
 
 def check_url(url: str) -> str:
@@ -52,26 +50,13 @@ class RemoteReward:
         return [value for part in parts for value in part]
 
     def _post(self, payload: dict, count: int) -> list:
-        data = json.dumps(payload).encode()
-        failure = "no attempt"
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    text = response.read().decode()
-            except urllib.error.HTTPError as error:
-                failure = f"HTTP {error.code} {error.reason}"
-                if error.code < 500:
-                    break  # the server refused the request itself: retrying sends the same
-                continue
-            except (urllib.error.URLError, OSError, TimeoutError) as error:  # refused, dropped, timed out
-                failure = str(getattr(error, "reason", error)) or type(error).__name__
-                continue
-            return self._parse(text, count)
-        raise RewardError(f"--reward-url {self.url}: {failure} after {attempt + 1} attempt(s) "
-                          f"(timeout {self.timeout:g} s)")
+        try:
+            body = request(self.url, json.dumps(payload).encode(), "application/json", self.timeout, self.retries,
+                           self.backoff)
+        except RequestFailed as failed:
+            raise RewardError(f"--reward-url {self.url}: {failed.failure} after {failed.attempts} attempt(s) "
+                              f"(timeout {self.timeout:g} s)") from None
+        return self._parse(body.decode(), count)
 
     def _parse(self, text: str, count: int) -> list:
         try:

@@ -26,8 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-import urllib.error
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from threading import Lock
 from urllib.parse import parse_qs, urlparse
@@ -37,6 +35,7 @@ import torch
 from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
 from auto_research.engine.rollout.vllm import build_rollout, pushed_weights
 from auto_research.errors import UserError
+from auto_research.http import RequestFailed, request
 
 PART_BYTES = 256 * 2**20
 
@@ -60,14 +59,10 @@ def split_address(address: str, flag: str = "--vllm-server") -> tuple[str, int]:
 # --- the server ---------------------------------------------------------------------------------------
 
 
-def _tensors_from(body: bytes) -> dict[str, torch.Tensor]:
+def make_server(sampler, model_name: str, model_fingerprint: str, host: str, port: int):
+    """An HTTP server in front of one engine (a ``VLLMSampler`` with ``generate`` and ``load_named``)."""
     from safetensors.torch import load  # noqa: PLC0415
 
-    return load(body)
-
-
-def make_server(sampler, model_name: str, model_fingerprint: str, host: str, port: int, log=print):
-    """An HTTP server in front of one engine (a ``VLLMSampler`` with ``generate`` and ``load_named``)."""
     lock, state = Lock(), {"version": 0, "parts": {}}
 
     class Handler(BaseHTTPRequestHandler):
@@ -107,7 +102,7 @@ def make_server(sampler, model_name: str, model_fingerprint: str, host: str, por
                     with lock:
                         if part == 0:
                             state["parts"] = {}
-                        state["parts"].update(_tensors_from(body))
+                        state["parts"].update(load(body))
                         if not last:
                             return self._answer(200, {"received": len(state["parts"])})
                         started = time.perf_counter()
@@ -148,8 +143,7 @@ def serve(config, log=print) -> None:
         f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'}, max_model_len {longest})")
     sampler = VLLMSampler(model, tokenizer, settings, memory, resolve_dtype(config.dtype, device), longest,
                           config.seed)
-    sampler.max_model_len = longest
-    server = make_server(sampler, name, fingerprint(model.config, tokenizer), config.host, config.port, log)
+    server = make_server(sampler, name, fingerprint(model.config, tokenizer), config.host, config.port)
     del model
     log(f"serving {name} on http://{config.host}:{server.server_address[1]} (Ctrl-C stops)")
     try:
@@ -175,41 +169,25 @@ class VLLMServerSampler:
         self.eos = eos_ids(tokenizer, model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
         try:
-            health = self._request("/health", timeout=10.0, retries=1)
-        except UserError as error:
+            health = json.loads(request(self.base + "/health", None, "application/json", 10.0, 1, 0.5))
+        except (RequestFailed, ValueError) as error:
             raise UserError(f"--vllm-server {address}: no vLLM server answers there ({error}); start one with "
                             f"auto-research vllm-serve --model {model_name} --port {port}") from None
         config = model.get_base_model().config if hasattr(model, "peft_config") else model.config
         if health.get("fingerprint") != fingerprint(config, tokenizer):
             raise UserError(f"--vllm-server {address} serves {health.get('model')!r}, another model than --model "
                             f"{model_name} (a different architecture or tokenizer)")
-        self.max_model_len = int(health.get("max_model_len") or 0)
         self.weight_sync_seconds = 0.0
         self.load_weights(model)
 
-    def _request(self, path: str, body: bytes | None = None, content_type: str = "application/json",
-                 timeout: float | None = None, retries: int | None = None) -> dict:
-        failure = "no attempt"
-        for attempt in range((self.retries if retries is None else retries) + 1):
-            if attempt:
-                time.sleep(0.5 * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.base + path, data=body, headers={"Content-Type": content_type})
-            try:
-                with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as error:
-                failure = f"HTTP {error.code}: {error.read().decode(errors='replace')[:200]}"
-                if error.code < 500:
-                    break
-            except (urllib.error.URLError, OSError, TimeoutError) as error:
-                failure = str(getattr(error, "reason", error)) or type(error).__name__
-        raise UserError(f"{failure}")
-
     def _call(self, path: str, body: bytes, content_type: str = "application/json") -> dict:
+        """The server's JSON answer; one line naming the path and the last failure otherwise."""
         try:
-            return self._request(path, body, content_type)
-        except UserError as error:
-            raise UserError(f"--vllm-server {self.address}: {path} failed ({error})") from None
+            answer = request(self.base + path, body, content_type, self.timeout, self.retries, 0.5)
+        except RequestFailed as failed:
+            raise UserError(f"--vllm-server {self.address}: {path} failed ({failed.failure} after {failed.attempts} "
+                            "attempt(s))") from None
+        return json.loads(answer)
 
     def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
         if len(seeds) != len(prompts):

@@ -128,7 +128,7 @@ class VLLMSampler:
         require_vllm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        self.tokenizer, self.settings, self.dtype = tokenizer, settings, dtype
+        self.tokenizer, self.settings, self.dtype, self.max_model_len = tokenizer, settings, dtype, max_model_len
         self.eos = eos_ids(tokenizer, model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
         config = model.get_base_model().config if hasattr(model, "peft_config") else model.config
