@@ -13,36 +13,38 @@ import urllib.request
 class RequestFailed(Exception):
     """The last failure, in a few words, and how many attempts were made."""
 
-    def __init__(self, failure: str, attempts: int):
+    def __init__(self, failure: str, attempts: int, status: int | None = None, detail: str | None = None):
         super().__init__(failure)
         self.failure, self.attempts = failure, attempts
+        self.status, self.detail = status, detail
+        """The last answer's HTTP status and the server's own reason (its JSON ``{"error": ...}``), if any."""
 
 
-def _http_failure(error: urllib.error.HTTPError) -> str:
-    """``HTTP 400 Bad Request``, with the server's own reason when it answered JSON ``{"error": ...}``."""
-    failure = f"HTTP {error.code} {error.reason}"
+def _server_reason(error: urllib.error.HTTPError) -> str | None:
     try:
         detail = json.loads(error.read()).get("error")
     except (ValueError, AttributeError, OSError):
         detail = None
-    return f"{failure}: {str(detail)[:200]}" if detail else failure
+    return None if detail is None else str(detail)
 
 
 def request(url: str, data: bytes | None, content_type: str, timeout: float, retries: int,
-            backoff: float) -> bytes:
+            backoff: float, headers: dict | None = None) -> bytes:
     """The answer's body; ``RequestFailed`` once ``retries`` more attempts have failed too."""
-    failure = "no attempt"
+    failure, status, detail = "no attempt", None, None
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(backoff * 2 ** (attempt - 1))
-        sent = urllib.request.Request(url, data=data, headers={"Content-Type": content_type})
+        sent = urllib.request.Request(url, data=data, headers={"Content-Type": content_type, **(headers or {})})
         try:
             with urllib.request.urlopen(sent, timeout=timeout) as response:
                 return response.read()
         except urllib.error.HTTPError as error:
-            failure = _http_failure(error)
+            status, detail = error.code, _server_reason(error)
+            # ``HTTP 400 Bad Request``, with the server's own reason when it gave one.
+            failure = f"HTTP {error.code} {error.reason}" + (f": {detail[:200]}" if detail else "")
             if error.code < 500:
                 break
         except (urllib.error.URLError, OSError, TimeoutError) as error:  # refused, dropped, timed out
-            failure = str(getattr(error, "reason", error)) or type(error).__name__
-    raise RequestFailed(failure, attempt + 1)
+            failure, status, detail = str(getattr(error, "reason", error)) or type(error).__name__, None, None
+    raise RequestFailed(failure, attempt + 1, status, detail)
