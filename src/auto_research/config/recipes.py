@@ -173,6 +173,14 @@ class VLLMServeConfig:
     seed: int = setting(0, "the engine's seed (each request carries its own seeds)", type=int)
     threads: int | None = setting(None, "CPU threads torch may use", default_text="one per core", type=int)
     offline: bool = setting(False, "never download; a hub id is an error", action="store_true")
+    api_key: str | None = setting(None, "a shared secret every request must carry (Authorization: Bearer KEY); "
+                                        "the trainer reads it from AUTO_RESEARCH_API_KEY",
+                                  default_text="$AUTO_RESEARCH_API_KEY, else none")
+    lease_seconds: float = setting(60.0, "a trainer's lease lapses this long after its last renewal (its pushes "
+                                         "and a heartbeat every quarter of it renew it), freeing the server of a "
+                                         "trainer that died", type=float)
+    read_timeout: float = setting(30.0, "seconds a connection may take to send its request", type=float)
+    max_group_size: int = setting(256, "most completions per prompt one request may ask for", type=int)
 
     def validate(self) -> "VLLMServeConfig":
         from auto_research.engine.sources import require_vllm
@@ -182,7 +190,12 @@ class VLLMServeConfig:
             raise UserError(f"--port must be in 0..65535, got {self.port}")
         if self.vllm_memory is not None and not (0 < self.vllm_memory <= 1):
             raise UserError(f"--vllm-memory must be in (0, 1], got {self.vllm_memory}")
-        check_positive_integers(("--max-model-len", self.max_model_len), ("--threads", self.threads))
+        check_positive_integers(("--max-model-len", self.max_model_len), ("--threads", self.threads),
+                                ("--max-group-size", self.max_group_size))
+        check_positive_finite("--lease-seconds", self.lease_seconds)
+        check_positive_finite("--read-timeout", self.read_timeout)
+        if self.api_key is not None and not self.api_key.strip():
+            raise UserError("--api-key is empty")
         check_device(self.device)
         if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
             raise UserError(f"--dtype must be auto, bfloat16 or float32, got {self.dtype!r}")

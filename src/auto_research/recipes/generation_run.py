@@ -28,9 +28,12 @@ def train_and_report(prepared: Prepared, world: World | None, lock, log) -> dict
     memory = MemoryMeter(config.device)
     components = build_components(prepared, model_for(config, prepared.task, world, log), world, log)
     state = LoopState.fresh(config.seed)
-    if prepared.resume_from is not None:
-        restore(components, state, prepared.resume_from, log)
-    metrics = RunLoop(components, state, lock, log, resumed=prepared.resume_from is not None).run()
+    try:
+        if prepared.resume_from is not None:
+            restore(components, state, prepared.resume_from, log)
+        metrics = RunLoop(components, state, lock, log, resumed=prepared.resume_from is not None).run()
+    finally:
+        components.sampler.close()  # a server's lease is given back, whichever way the run ended
     if config.merge_lora:
         folder = config.run_dir / "merged"
         if world.main:

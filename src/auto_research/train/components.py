@@ -193,7 +193,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
         from auto_research.engine.rollout.server import VLLMServerSampler  # noqa: PLC0415
 
         components.sampler = VLLMServerSampler(policy, tokenizer, settings, config.vllm_server, model_name, world,
-                                               compute_dtype)
+                                               config.run_dir)
         log(f"sampling with the vLLM server at {config.vllm_server} (the policy's weights pushed to it in "
             f"{components.sampler.weight_sync_seconds:.2f} s)")
     elif config.sampler == "vllm":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from auto_research.engine import checkpoint as checkpoints
 from auto_research.engine.run_folder import PREFIX, clear_run_folder
-from auto_research.errors import RewardError, TrainingInterrupted, UserError
+from auto_research.errors import RewardError, RolloutEngineError, TrainingInterrupted, UserError
 from auto_research.progress import Progress
 from auto_research.train.components import Components, parameter_counts
 from auto_research.config.files import write_resolved_config
@@ -161,6 +161,11 @@ class RunLoop:
                     where = (f"saved the last good step ({state.step}) in {self.save(state.step, rng_before)}"
                              if state.step > 0 else "nothing was written")
                     raise _user_error(f"{error}; {where}", error) from None
+                except RolloutEngineError as error:  # a server gone mid-step: the weights may be a step ahead
+                    kept = (f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{last_saved:06d}'}"
+                            " (restart the server, then continue with the same command and --resume)"
+                            if last_saved else "no checkpoint had been saved yet")
+                    raise _user_error(f"{error}; {kept}", error) from None
                 state.step = step
                 c.world.on_main(lambda: self._append(row))
                 postfix = {"reward": _figure(row["reward_mean"]), "kl": f"{row['kl']:.3f}"}

@@ -101,6 +101,9 @@ class Sampler(Protocol):
     def load_weights(self, model) -> None:
         """Take the policy's weights after an optimizer step (before the next ``sample``)."""
 
+    def close(self) -> None:
+        """The run is over (or failed): let go of what the sampler holds outside this process (a server's lease)."""
+
 
 def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
     """One rollout from several sampled separately: prompts left-padded, completions right-padded

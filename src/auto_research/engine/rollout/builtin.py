@@ -167,3 +167,6 @@ class BuiltinSampler:
 
     def load_weights(self, model) -> None:
         pass
+
+    def close(self) -> None:
+        pass

@@ -200,6 +200,9 @@ class VLLMSampler:
         self.load_named(pushed_weights(model, self.dtype))
         self.weight_sync_seconds = time.perf_counter() - started
 
+    def close(self) -> None:
+        pass
+
     def load_named(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Every weight (checkpoint names) into the engine in place, then a fresh prefix cache."""
         with _process_kept():  # in this process, the generator is consumed one tensor at a time
