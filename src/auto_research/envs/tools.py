@@ -1,0 +1,127 @@
+"""Tools: plain Python functions the model may call.
+
+A tool's type hints and docstring (Google style: a description, then ``Args:``) give the JSON schema passed
+to the chat template's ``tools=`` (transformers' ``get_json_schema``, so that every template that takes
+tools reads it). A call is parsed from the model's reply in the tool-call format its template teaches,
+and answered as a ``tool`` message; a tool that raises answers with its error, which the model sees.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from auto_research.envs import load_object
+from auto_research.errors import UserError
+
+SENTINEL_TOOL = "auto_research_probe_tool"
+
+
+def tool_schema(function: Callable, where: str = "--tools") -> dict:
+    """The JSON schema of one tool, or one line saying what it lacks."""
+    from transformers.utils import get_json_schema  # noqa: PLC0415
+
+    try:
+        return get_json_schema(function)
+    except Exception as error:  # noqa: BLE001 - transformers' TypeHintParsingException, DocstringParsingException
+        raise UserError(f"{where}: tool {getattr(function, '__name__', function)!r} cannot be described to the "
+                        f"model: {error}") from None
+
+
+def load_tools(spec: str | None) -> dict[str, Callable]:
+    """``--tools module:fn,module:fn`` → {name: function}, each with a schema (checked now)."""
+    tools: dict[str, Callable] = {}
+    for item in [part.strip() for part in (spec or "").split(",") if part.strip()]:
+        function = load_object(item, "--tools")
+        if not callable(function):
+            raise UserError(f"--tools {item!r} is not a function")
+        tool_schema(function)
+        tools[function.__name__] = function
+    return tools
+
+
+def check_template_takes_tools(tokenizer, schemas: list[dict], model_name: str) -> None:
+    """A chat template that ignores ``tools=`` would hide them from the model: refused in one line."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise UserError(f"--tools: {model_name}'s tokenizer has no chat template, so the model cannot be shown tools")
+    probe = {"type": "function", "function": {"name": SENTINEL_TOOL, "description": "probe",
+                                              "parameters": {"type": "object", "properties": {}}}}
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe] + schemas,
+                                             add_generation_prompt=True, tokenize=False)
+    if SENTINEL_TOOL not in rendered:
+        raise UserError(f"--tools: {model_name}'s chat template has no tool support (it does not show the tools "
+                        "passed to it); use a model whose template takes tools=")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def call_format(tokenizer) -> str:
+    """hermes (``<tool_call>{json}</tool_call>``: Qwen, Hermes, SmolLM3…), mistral (``[TOOL_CALLS] [...]``), or
+    json (a bare ``{"name", "arguments"|"parameters"}`` object: Llama 3), read from the template's text."""
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    return "json"
+
+
+def _as_call(value) -> ToolCall | None:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):  # some formats carry the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return ToolCall(value["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def parse_calls(text: str, form: str) -> tuple[list[ToolCall], int]:
+    """The tool calls in a reply, and how many call-shaped blocks could not be read (each a tool error)."""
+    if form == "hermes":
+        blocks = _HERMES.findall(text)
+    elif form == "mistral":
+        _, marker, rest = text.partition("[TOOL_CALLS]")
+        blocks = [rest.strip()] if marker else []
+    else:
+        start = text.find("{")
+        blocks = [text[start: text.rfind("}") + 1]] if start >= 0 and '"name"' in text else []
+    calls, broken = [], 0
+    for block in blocks:
+        try:
+            value = json.loads(block)
+        except ValueError:
+            broken += 1
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            call = _as_call(item)
+            if call is None:
+                broken += 1
+            else:
+                calls.append(call)
+    return calls, broken
+
+
+def answer(call: ToolCall, tools: dict[str, Callable]) -> tuple[str, bool]:
+    """The tool's answer as text, and whether it was an error (an unknown tool, bad arguments, a raise)."""
+    function = tools.get(call.name)
+    if function is None:
+        return f"error: no tool named {call.name!r} (tools: {', '.join(sorted(tools)) or 'none'})", True
+    try:
+        result = function(**call.arguments)
+    except Exception as error:  # noqa: BLE001 - the model sees its tool's error and may try again
+        text = str(error).strip().splitlines()
+        return f"error: {type(error).__name__}: {text[0] if text else ''}".rstrip(": "), True
+    return (result if isinstance(result, str) else json.dumps(result, default=str)), False

@@ -1,0 +1,180 @@
+"""A multi-turn rollout, token-in/token-out: the model's replies and the environment's messages appended to one
+list of token ids, never re-tokenized.
+
+Re-applying the chat template to a whole conversation and tokenizing it again can give other ids than the
+model drew (a merge across a turn's boundary, a template that rewrites earlier turns); verl reports that this
+broke PPO's convergence (verl #3720, #3960). So each trajectory's ids are built once, by appending:
+
+- the model's tokens exactly as the sampler drew them (loss mask 1, the sampler's log-probs);
+- the environment's or a tool's message as the *text the template adds* for it (the rest of the assistant
+  turn after the model's own end-of-turn token, the new message, the next generation prompt), tokenized on its
+  own (loss mask 0, log-prob 0).
+
+Every trajectory of a batch advances one turn at a time; each turn draws one completion per live trajectory
+from its own seed (the prompt's seed, the trajectory's index in its group and the turn), so which batch or
+process runs a trajectory changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from auto_research.envs import Episode
+from auto_research.envs.tools import answer, call_format, parse_calls
+from auto_research.errors import UserError, one_line
+
+Generate = Callable[[list[list[int]], list[int], object], tuple[list[list[int]], list[list[float]]]]
+"""``generate(prompt_ids, seeds, settings)``: one completion (ids) and its log-probs per prompt, from its seed."""
+
+SENTINEL = "\u2063auto-research-turn\u2063"
+
+
+def turn_seed(seed: int, index: int, turn: int) -> int:
+    """A trajectory's seed at a turn: from its prompt's seed, its index in the group and the turn alone."""
+    return (seed * 6364136223846793005 + index * 1442695040888963407 + turn * 2654435761) % 2**63
+
+
+class Conversation:
+    """Token ids of a conversation's pieces, through the tokenizer's chat template (or plain text without one)."""
+
+    def __init__(self, tokenizer, tools: list[dict] | None, eos: tuple[int, ...]):
+        self.tokenizer, self.tools, self.eos = tokenizer, tools or None, tuple(eos)
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=generation_prompt,
+                                                  tokenize=False)
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        if not self.templated:
+            return self._ids("\n".join(message["content"] for message in messages))
+        return self._ids(self._render(messages, True))
+
+    def continuation(self, history: list[dict], new: list[dict], ended: bool) -> list[int]:
+        """The ids that follow the model's last reply (``history[-1]``) when ``new`` messages answer it: the
+        template's closing of that reply (less the end-of-turn token the model already drew, when it drew one),
+        the new messages and the next generation prompt."""
+        if not self.templated:
+            return self._ids("\n" + "\n".join(message["content"] for message in new) + "\n")
+        before, after = self._render(history, False), self._render(history + new, True)
+        if not after.startswith(before):
+            raise UserError("the chat template renders earlier turns differently once a message is added, so a "
+                            "conversation cannot be extended token by token; use another template")
+        marked = self._render(history[:-1] + [{**history[-1], "content": SENTINEL}], False)
+        closing = marked[marked.rindex(SENTINEL) + len(SENTINEL):] if SENTINEL in marked else ""
+        if ended:
+            drawn = self.tokenizer.decode(list(self.eos[:1]))
+            closing = closing[len(drawn):] if closing.startswith(drawn) else closing
+        return self._ids(closing + after[len(before):])
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    """After the prompt: the model's tokens and the environment's, in the order they came."""
+    loss_mask: list[int] = field(default_factory=list)
+    """1 on the model's tokens, 0 on the environment's and the tools'."""
+    logprobs: list[float] = field(default_factory=list)
+    """The sampler's log-probability of each of the model's tokens; 0 on the others."""
+    messages: list[dict] = field(default_factory=list)
+    reward: float | None = None
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    truncated: bool = False
+    failed: str | None = None
+    """The environment's error, in one line: the trajectory's reward is then None (left out of its baseline)."""
+    live: bool = True
+
+    def append(self, ids: list[int], logprobs: list[float] | None) -> None:
+        self.ids += ids
+        self.loss_mask += [0 if logprobs is None else 1] * len(ids)
+        self.logprobs += [0.0] * len(ids) if logprobs is None else list(logprobs)
+
+
+def run_episodes(generate: Generate, conversation: Conversation, episodes: list[Episode], prompts: list[str],
+                 seeds: list[int], settings, max_turns: int, max_tokens: int) -> list[Trajectory]:
+    """Each episode's trajectory, all advanced together one turn at a time. ``seeds[i]`` is episode i's own seed
+    (``turn_seed`` of its prompt's); ``max_tokens`` bounds what follows the prompt."""
+    form = call_format(conversation.tokenizer)
+    trajectories = []
+    for episode, prompt in zip(episodes, prompts):
+        try:
+            first = episode.first_message(prompt)
+            messages = [{"role": "user", "content": first}]
+            trajectory = Trajectory(conversation.prompt_ids(messages), messages=messages)
+        except UserError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the environment's reset raised: this sample is unscored
+            trajectory = Trajectory(conversation.prompt_ids([{"role": "user", "content": prompt}]),
+                                    messages=[{"role": "user", "content": prompt}], failed=one_line(error), live=False)
+        trajectories.append(trajectory)
+    for turn in range(max_turns):
+        live = [index for index, trajectory in enumerate(trajectories) if trajectory.live]
+        if not live:
+            break
+        completions, logprobs = generate([trajectories[i].prompt_ids + trajectories[i].ids for i in live],
+                                         [turn_seed(seeds[i], 0, turn) for i in live], settings)
+        for i, tokens, values in zip(live, completions, logprobs):
+            _take_turn(trajectories[i], episodes[i], conversation, form, list(tokens), list(values),
+                       last_turn=turn == max_turns - 1, max_tokens=max_tokens)
+    for trajectory, episode in zip(trajectories, episodes):
+        if trajectory.failed is None:
+            try:
+                trajectory.reward = episode.final_reward()
+            except Exception as error:  # noqa: BLE001 - TRL's get_reward raised
+                trajectory.failed = one_line(error)
+    return trajectories
+
+
+def _take_turn(trajectory: Trajectory, episode: Episode, conversation: Conversation, form: str, tokens: list[int],
+               logprobs: list[float], last_turn: bool, max_tokens: int) -> None:
+    room = max_tokens - len(trajectory.ids)
+    tokens, logprobs = tokens[:room], logprobs[:room]
+    trajectory.append(tokens, logprobs)
+    trajectory.turns += 1
+    ended = bool(tokens) and tokens[-1] in conversation.eos
+    text = conversation.tokenizer.decode(tokens, skip_special_tokens=True)
+    trajectory.messages.append({"role": "assistant", "content": text})
+    if not ended and len(trajectory.ids) >= max_tokens:
+        trajectory.truncated, trajectory.live = True, False
+        return
+    calls, broken = parse_calls(text, form) if episode.tools else ([], 0)
+    new = []
+    if calls or broken:
+        trajectory.tool_calls += len(calls) + broken
+        trajectory.tool_errors += broken
+        for call in calls:
+            content, error = answer(call, episode.tools)
+            trajectory.tool_errors += int(error)
+            new.append({"role": "tool", "name": call.name, "content": content})
+        if broken:
+            new.append({"role": "tool", "content": "error: the tool call could not be read as JSON with a name and "
+                                                   "arguments"})
+    elif episode.steps:
+        try:
+            observation, done = episode.step(text)
+        except Exception as error:  # noqa: BLE001 - the environment raised: this sample is left unscored
+            trajectory.failed, trajectory.live = one_line(error), False
+            return
+        if done or observation is None:
+            trajectory.live = False
+            return
+        new.append({"role": "user", "content": observation})
+    else:  # a reply without a tool call ends a tools-only (or TRL-shaped) episode
+        trajectory.live = False
+        return
+    if last_turn:
+        trajectory.truncated, trajectory.live = True, False
+        return
+    following = conversation.continuation(trajectory.messages, new, ended)
+    if len(trajectory.ids) + len(following) >= max_tokens:
+        trajectory.truncated, trajectory.live = True, False
+        return
+    trajectory.append(following, None)
+    trajectory.messages += new
