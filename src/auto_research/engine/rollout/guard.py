@@ -84,6 +84,11 @@ class Leases:
                                    "from the trainer holding it")
             self.renewed = self.clock()
 
+    def holds(self, token: str | None) -> bool:
+        """Whether ``token`` is the live lease (renews nothing)."""
+        with self._lock:
+            return token is not None and self._live() and secrets.compare_digest(str(token), self.token)
+
     def release(self, token: str | None) -> None:
         self.check(token)
         with self._lock:
