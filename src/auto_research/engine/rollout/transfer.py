@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from auto_research.engine.rollout.guard import Refused, WeightPush
+from auto_research.engine.rollout.guard import Refused, WeightPush, all_finite
 from auto_research.errors import RolloutEngineError
 
 SHARED_FOLDER = Path("/dev/shm")
@@ -94,7 +94,11 @@ class SharedBuffer:
         self.path = Path(folder) / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(descriptor, size)  # sparse: memory is taken as the trainer writes
+            # Reserved now: a full /dev/shm (a container's 64 MiB) means HTTP, not a SIGBUS in the trainer mid-write.
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(descriptor, 0, size)
+            else:
+                os.ftruncate(descriptor, size)
             os.pwrite(descriptor, MAGIC + self.nonce.encode(), 0)
             self.buffer = mmap.mmap(descriptor, size)
         except OSError:
@@ -125,7 +129,7 @@ class SharedBuffer:
             raise Refused(400, f"tensor {twice!r} was sent twice in one push")
         WeightPush(self.spec, self.token, tensors=dict.fromkeys(names)).complete()  # Refused naming those missing
         for name, view in self.views.items():
-            if view.is_floating_point() and not bool(torch.isfinite(view).all()):
+            if not all_finite(view):
                 raise Refused(400, f"tensor {name!r} has NaN or infinite values")
         return self.views
 
