@@ -9,9 +9,9 @@ the CPU). With ``--api-key`` (or ``AUTO_RESEARCH_API_KEY``) every request carrie
 - ``GET /health`` → ``{"model", "fingerprint", "weights_version", "max_model_len", "dtype", "vocab_size",
   "max_group_size", "lease"}``. The fingerprint hashes the architecture's shape and the tokenizer's vocabulary:
   a trainer whose ``--model`` differs is refused.
-- ``POST /lease`` with ``{"holder": {"host", "pid", "run"}}`` → ``{"lease", "seconds"}``, or 409 naming the
-  trainer that holds it (``guard.Leases``: one trainer per server). ``/lease/renew`` and ``/lease/release``
-  carry the lease in an ``X-Lease`` header.
+- ``POST /lease`` with ``{"holder": {"host", "pid", "run"}}`` → ``{"lease", "seconds", "shared"}`` (the lease's
+  shared-memory buffer, or null), or 409 naming the trainer that holds it (``guard.Leases``: one per server).
+  ``/lease/renew`` and ``/lease/release`` carry the lease in an ``X-Lease`` header.
 - ``POST /generate`` with ``{"prompt_ids", "group_size", "seeds", "settings"}`` (token ids, so both sides
   tokenize nothing differently; every sampling setting explicit) → ``{"completions", "logprobs",
   "weights_version"}``: vLLM's processed log-probs of the drawn tokens, as colocated. Open to any client (with
