@@ -5,11 +5,13 @@ lease). The same refusals against the real engine, with its draws unchanged, are
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,6 +123,8 @@ def part(**tensors) -> bytes:
     ({"a.weight": torch.zeros(2, 3, dtype=torch.float16)}, "tensor 'a.weight' is float16, the server takes float32"),
     ({"b.weight": torch.tensor([0.0, float("nan"), 1.0, 2.0])}, "tensor 'b.weight' has NaN or infinite values"),
     ({"b.weight": torch.tensor([0.0, float("inf"), 1.0, 2.0])}, "tensor 'b.weight' has NaN or infinite values"),
+    ({"b.weight": torch.tensor([0.0, 1.0, 2.0, -float("inf")])}, "tensor 'b.weight' has NaN or infinite values"),
+    ({"b.weight": torch.tensor([float("nan")] * 4)}, "tensor 'b.weight' has NaN or infinite values"),
 ])
 def test_a_weight_part_is_checked_tensor_by_tensor(tensors, message):
     push = WeightPush(SPEC, "t")
@@ -159,18 +163,28 @@ class FakeEngine:
             [[-0.5] * settings.max_new_tokens for _ in seeds for _ in range(group_size)]
 
     def load_named(self, weights):
-        self.loaded.append(dict(weights))
+        self.loaded.append({name: tensor.clone() for name, tensor in weights})  # vLLM copies into its own, too
+
+
+def start(engine, served, limits) -> tuple:
+    server = make_server(engine, served, "127.0.0.1", 0, limits)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"127.0.0.1:{server.server_address[1]}"
+
+
+def stop(server) -> None:
+    server.shutdown()
+    server.intake.close()
+    server.server_close()
 
 
 @pytest.fixture
-def fake():
+def fake(tmp_path):
     engine = FakeEngine()
-    served = Served("fake", "f" * 16, SPEC, 50, "float32")
-    server = make_server(engine, served, "127.0.0.1", 0, Limits("sesame", 0.6, 2.0, 8))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield engine, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    server, address = start(engine, Served("fake", "f" * 16, SPEC, 50, "float32"),
+                            Limits("sesame", 0.6, 2.0, 8, tmp_path))
+    yield engine, f"http://{address}"
+    stop(server)
 
 
 def read_all(connection) -> str:
@@ -267,3 +281,152 @@ def test_missing_or_oversized_bodies_and_an_engine_failure_are_one_line_answers(
 def test_loopback_is_told_apart_from_wider_addresses():
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("::")
+
+
+# --- weights through shared memory: the trainer's client against the real HTTP server, on one host -------------
+
+
+@pytest.fixture
+def policy(tmp_path, monkeypatch):
+    """The embedded model, a server for its architecture in front of a fake engine (shared buffers in a folder of
+    the test's own), and a way to start a trainer's client against it."""
+    from auto_research.engine.distributed import World
+    from auto_research.engine.rollout.client import VLLMServerSampler
+    from auto_research.engine.rollout.guard import weight_spec
+    from auto_research.engine.rollout.server import fingerprint
+    from auto_research.engine.rollout.vllm import pushed_weights
+    from auto_research.engine.tiny import build_model, build_tokenizer
+
+    monkeypatch.setenv("AUTO_RESEARCH_API_KEY", "sesame")
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0)
+    spec = weight_spec(pushed_weights(model, torch.float32))
+    engine, folder = FakeEngine(), tmp_path / "shm"
+    folder.mkdir()
+    server, address = start(engine, Served("embedded", fingerprint(model.config, tokenizer), spec,
+                                           model.config.vocab_size, "float32"), Limits("sesame", 1.0, 2.0, 8, folder))
+
+    def trainer(shared: bool = True, run: str = "run") -> VLLMServerSampler:
+        return VLLMServerSampler(model, tokenizer, SamplingSettings(4), address, "embedded", World(), tmp_path / run,
+                                 shared=shared)
+
+    def weights() -> dict:
+        return {name: tensor.clone() for name, tensor in pushed_weights(model, torch.float32)}
+
+    def version() -> int:
+        return call(f"http://{address}", "/health")[1]["weights_version"]
+
+    yield {"engine": engine, "model": model, "url": f"http://{address}", "folder": folder, "server": server,
+           "trainer": trainer, "weights": weights, "version": version, "spec": spec}
+    stop(server)
+
+
+def same(got: dict, expected: dict) -> bool:
+    return set(got) == set(expected) and all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def test_a_trainer_on_the_servers_host_pushes_through_shared_memory_what_http_pushes(policy):
+    engine, folder = policy["engine"], policy["folder"]
+    fast = policy["trainer"]()
+    assert fast.transfer == "shared memory" and len(list(folder.iterdir())) == 1
+    assert len(engine.loaded) == 1 and same(engine.loaded[0], policy["weights"]())  # the push at the run's start
+    with torch.no_grad():  # an optimizer step
+        for parameter in policy["model"].parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    fast.load_weights(policy["model"])
+    stepped = policy["weights"]()
+    assert same(engine.loaded[1], stepped) and not same(engine.loaded[1], engine.loaded[0])
+    assert policy["version"]() == 2 and fast.weight_sync_seconds > 0
+    fast.close()
+    assert list(folder.iterdir()) == []  # the lease released: its buffer is gone
+    slow = policy["trainer"](shared=False)
+    assert slow.transfer == "HTTP" and policy["version"]() == 3
+    assert same(engine.loaded[2], stepped)  # HTTP hands the engine the very tensors shared memory did
+    slow.close()
+
+
+def test_a_bad_push_through_shared_memory_is_refused_and_the_engine_keeps_its_weights(policy):
+    from auto_research.errors import RolloutEngineError
+
+    engine, url, model = policy["engine"], policy["url"], policy["model"]
+    trainer = policy["trainer"]()
+    good = policy["weights"]()
+    first = next(model.parameters())
+    kept = first.detach().clone()
+    with torch.no_grad():
+        first.view(-1)[3] = float("inf")
+    with pytest.raises(RolloutEngineError) as caught:
+        trainer.load_weights(model)
+    assert str(caught.value).startswith(f"--vllm-server {url.removeprefix('http://')} refused /weights/shared: tensor ")
+    assert str(caught.value).endswith("has NaN or infinite values") and "\n" not in str(caught.value)
+    assert len(engine.loaded) == 1 and same(engine.loaded[0], good) and policy["version"]() == 1
+    names, lease = sorted(policy["spec"]), {"X-Lease": trainer.lease}
+    nonce = trainer.shared.nonce
+    for body, headers, status, message in (
+            ({"nonce": "0" * 64, "names": names}, lease, 400, "the nonce is not the one in this lease's shared buffer: "
+             "the trainer does not see the server's file (another host?); push the weights over HTTP"),
+            ({"nonce": nonce, "names": names[1:]}, lease, 400,
+             f"the push ended without 1 of the model's tensors: {names[0]!r}"),
+            ({"nonce": nonce, "names": names + ["model.extra.weight"]}, lease, 400,
+             "unknown tensor 'model.extra.weight': the served model has no weight of that name"),
+            ({"nonce": nonce, "names": names + names[:1]}, lease, 400,
+             f"tensor {names[0]!r} was sent twice in one push"),
+            ({"nonce": nonce}, lease, 400, 'a shared push is {"nonce": "...", "names": [every tensor written]}'),
+            ({"nonce": nonce, "names": names}, {}, 409, "this request does not carry the server's lease (it is held by "
+             f"host {socket.gethostname()}, PID {os.getpid()}, run folder {policy['folder'].parent / 'run'}); "
+             "weights are taken only from the trainer holding it")):
+        assert call(url, "/weights/shared", body, headers) == (status, {"error": message})
+    assert len(engine.loaded) == 1 and policy["version"]() == 1  # nothing went in, the version did not move
+    with torch.no_grad():
+        first.copy_(kept)
+    trainer.load_weights(model)  # the next good push goes in
+    assert same(engine.loaded[1], good) and policy["version"]() == 2
+    trainer.close()
+
+
+def test_a_trainer_that_does_not_see_the_servers_buffer_pushes_over_http(policy, monkeypatch, tmp_path):
+    """Another host: the offered path is not there, or a file of that name is another server's."""
+    from auto_research.engine.rollout.transfer import SharedBuffer
+
+    offer = SharedBuffer.offer
+    monkeypatch.setattr(SharedBuffer, "offer", lambda self: {**offer(self), "path": str(tmp_path / "nowhere")})
+    elsewhere = policy["trainer"]()
+    assert elsewhere.transfer == "HTTP" and elsewhere.shared is None and policy["version"]() == 1
+    assert same(policy["engine"].loaded[0], policy["weights"]())
+    elsewhere.close()
+    other = SharedBuffer(policy["spec"], "another server's", tmp_path)
+    monkeypatch.setattr(SharedBuffer, "offer", lambda self: {**offer(self), "path": str(other.path)})
+    namesake = policy["trainer"]()
+    assert namesake.transfer == "HTTP" and policy["version"]() == 2
+    namesake.close()
+    other.close()
+    monkeypatch.setattr(SharedBuffer, "offer", offer)
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)  # /dev/shm too small for the weights: no buffer is offered
+    crowded = policy["trainer"]()
+    assert crowded.transfer == "HTTP" and policy["version"]() == 3 and list(policy["folder"].iterdir()) == []
+    crowded.close()
+
+
+def test_a_buffer_goes_with_its_lease_and_its_server(policy):
+    from auto_research.engine.rollout.transfer import PREFIX, sweep
+
+    folder, url = policy["folder"], policy["url"]
+    holder = policy["trainer"]()
+    lapsed = Path(holder.shared.path)
+    holder._stop.set()  # the holder stops renewing (SIGKILLed): its lease lapses, and its buffer with it
+    time.sleep(1.3)
+    assert call(url, "/lease/renew", {}, {"X-Lease": holder.lease})[0] == 409
+    assert not lapsed.exists()
+    first = policy["trainer"](run="again")
+    resumed = policy["trainer"](run="again")  # --resume of the same run takes the lease, with a fresh buffer
+    assert not Path(first.shared.path).exists() and Path(resumed.shared.path).exists()
+    stop(policy["server"])
+    assert list(folder.iterdir()) == []  # the server stopped: nothing left
+    dead, live = folder / f"{PREFIX}4194305-0a1b", folder / f"{PREFIX}{os.getpid()}-0a1b"
+    dead.write_bytes(b"left by a server SIGKILLed")
+    live.write_bytes(b"a running server's")
+    assert sweep(folder) == [dead] and live.exists()  # what the next server started on the host does

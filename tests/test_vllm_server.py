@@ -189,6 +189,7 @@ def test_one_and_two_processes_sample_from_the_server_with_fresh_weights_every_s
     assert len(rows) == 20 and rows[-1]["kl"] > 10 * max(abs(rows[0]["kl"]), 1e-6)  # the policy moved
     assert all(row["rollout_logprob_diff_max"] < 1e-4 for row in rows), [r["rollout_logprob_diff_max"] for r in rows]
     assert all(row["weight_sync_seconds"] > 0 for row in rows)
+    assert "the policy's weights pushed to it through shared memory in" in one_process["output"]  # same host
     expected = _final(output)
     for name, extra in (("ddp", ()), ("fsdp", ("--fsdp",))):
         two = _torchrun(_args(served_model, sums, tmp_path / name, server, *TWENTY, *extra), cwd=tmp_path)
@@ -260,7 +261,7 @@ def test_every_bad_request_is_a_4xx_line_and_leaves_the_engine_drawing_the_same(
     assert _call(server, "/generate", good, key="wrong")[0] == 401
     status, answer = _call(server, "/lease", {"holder": {"host": "test", "pid": os.getpid(), "run": "bad-requests"}})
     assert status == 200, answer
-    lease = json.loads(answer)["lease"]
+    lease, offer = json.loads(answer)["lease"], json.loads(answer)["shared"]
     tokenizer = build_tokenizer()
     weights = {name: tensor.clone() for name, tensor in pushed_weights(build_model(tokenizer, seed=5, **ARCH),
                                                                        torch.float32)}
@@ -285,7 +286,42 @@ def test_every_bad_request_is_a_4xx_line_and_leaves_the_engine_drawing_the_same(
     status, answer = _call(server, "/weights?part=1&last=1", save({n: weights[n] for n in names[2:]}), lease)
     assert status == 200 and json.loads(answer)["weights_version"] == health["weights_version"] + 1
     assert json.loads(_draw(server))["logprobs"] != json.loads(before)["logprobs"]  # new weights are in
+    _through_shared_memory(server, offer, lease, weights, health["weights_version"] + 1)
     assert _call(server, "/lease/release", {}, lease)[0] == 200
+    assert not Path(offer["path"]).exists()  # the lease's buffer went with it
+
+
+def _through_shared_memory(server, offer, lease, weights, version):
+    """The same weights through the lease's shared buffer draw what the HTTP push drew; a non-finite tensor is
+    refused with the draws unchanged; and the engine copied what it loaded (writing the buffer afterwards changes
+    no draw)."""
+    from auto_research.engine.rollout.transfer import SharedWriter
+
+    def draws() -> tuple:
+        answer = json.loads(_draw(server))
+        return answer["completions"], answer["logprobs"], answer["weights_version"]
+
+    by_http = draws()
+    writer = SharedWriter(offer)
+    for name, tensor in weights.items():
+        writer.write(name, torch.zeros_like(tensor))  # the slots held something else before this push
+        writer.write(name, tensor)
+    writer.names = sorted(weights)
+    status, answer = _call(server, "/weights/shared", writer.commit(), lease)
+    assert status == 200 and json.loads(answer)["weights_version"] == version + 1, answer
+    by_shared = draws()
+    assert by_shared[:2] == by_http[:2] and by_shared[2] == version + 1
+    first = sorted(weights)[0]
+    bad = weights[first].clone()
+    bad.view(-1)[-1] = float("nan")
+    for name, tensor in {**weights, first: bad}.items():
+        writer.write(name, tensor)
+    status, answer = _call(server, "/weights/shared", writer.commit(), lease)
+    assert (status, json.loads(answer)) == (400, {"error": f"tensor {first!r} has NaN or infinite values"})
+    for name, tensor in weights.items():
+        writer.write(name, torch.full_like(tensor, 0.5))  # scribbled, never handed over
+    assert draws() == by_shared  # the same weights and version: vLLM kept copies, not views of the file
+    writer.close()
 
 
 def test_a_dead_trainer_keeps_the_server_until_its_resume_and_a_dead_server_is_resumed_exactly(
@@ -306,6 +342,8 @@ def test_a_dead_trainer_keeps_the_server_until_its_resume_and_a_dead_server_is_r
     deadline = time.time() + 240
     while time.time() < deadline and resumed.poll() is None and not (run / "checkpoints" / "step-000010").is_dir():
         time.sleep(0.02)
+    killed = engine.process.pid
+    assert len(list(Path("/dev/shm").glob(f"auto-research-weights-{killed}-*"))) == 1  # the resumed run's buffer
     engine.kill()
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 2, err[-2000:]
@@ -314,6 +352,7 @@ def test_a_dead_trainer_keeps_the_server_until_its_resume_and_a_dead_server_is_r
         "the server is gone or failing; the last good checkpoint is") in line, line
     assert line.endswith("(restart the server, then continue with the same command and --resume)"), line
     engine.start()  # the same port
+    assert not list(Path("/dev/shm").glob(f"auto-research-weights-{killed}-*"))  # swept by the new server
     again = run_cli(*args, "--resume", cwd=tmp_path, env=ENV)
     assert again.returncode == 0, again.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

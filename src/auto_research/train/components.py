@@ -190,12 +190,12 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     chunk = max(1, per_call // config.group_size) if per_call else None
     settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
     if config.sampler == "vllm" and config.vllm_mode == "server":
-        from auto_research.engine.rollout.server import VLLMServerSampler  # noqa: PLC0415
+        from auto_research.engine.rollout.client import VLLMServerSampler  # noqa: PLC0415
 
         components.sampler = VLLMServerSampler(policy, tokenizer, settings, config.vllm_server, model_name, world,
                                                config.run_dir)
-        log(f"sampling with the vLLM server at {config.vllm_server} (the policy's weights pushed to it in "
-            f"{components.sampler.weight_sync_seconds:.2f} s)")
+        log(f"sampling with the vLLM server at {config.vllm_server} (the policy's weights pushed to it through "
+            f"{components.sampler.transfer} in {components.sampler.weight_sync_seconds:.2f} s)")
     elif config.sampler == "vllm":
         from auto_research.engine.rollout.vllm import VLLMSampler  # noqa: PLC0415 - optional, heavy
 

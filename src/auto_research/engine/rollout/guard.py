@@ -84,6 +84,11 @@ class Leases:
                                    "from the trainer holding it")
             self.renewed = self.clock()
 
+    def holds(self, token: str | None) -> bool:
+        """Whether ``token`` is the live lease (renews nothing)."""
+        with self._lock:
+            return token is not None and self._live() and secrets.compare_digest(str(token), self.token)
+
     def release(self, token: str | None) -> None:
         self.check(token)
         with self._lock:
@@ -185,7 +190,6 @@ class WeightPush:
 
     def add(self, part: int, body: bytes) -> None:
         """Check one part's tensors against the spec and keep them, or ``Refused`` naming the first that fails."""
-        import torch  # noqa: PLC0415
         from safetensors.torch import load  # noqa: PLC0415
 
         if part != self.next_part:
@@ -210,7 +214,7 @@ class WeightPush:
             if str(tensor.dtype).removeprefix("torch.") != dtype:
                 raise Refused(400, f"tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, the server "
                                    f"takes {dtype}")
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if not all_finite(tensor):
                 raise Refused(400, f"tensor {name!r} has NaN or infinite values")
         self.tensors.update(tensors)
         self.bytes += len(body)
@@ -224,6 +228,18 @@ class WeightPush:
                                                                      else "")
             raise Refused(400, f"the push ended without {len(missing)} of the model's tensors: {shown}")
         return self.tensors
+
+
+def all_finite(tensor) -> bool:
+    """No NaN and no ±inf: the smallest and largest values are finite (both carry a NaN through). One pass
+    without a boolean tensor the size of the weights: 0.05–0.2 s on SmolLM2's 0.5 GB on 2 cores, where
+    ``isfinite(t).all()`` took 1.3–1.6 s."""
+    import torch  # noqa: PLC0415
+
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def _itemsize(dtype: str) -> int:

@@ -9,9 +9,9 @@ the CPU). With ``--api-key`` (or ``AUTO_RESEARCH_API_KEY``) every request carrie
 - ``GET /health`` → ``{"model", "fingerprint", "weights_version", "max_model_len", "dtype", "vocab_size",
   "max_group_size", "lease"}``. The fingerprint hashes the architecture's shape and the tokenizer's vocabulary:
   a trainer whose ``--model`` differs is refused.
-- ``POST /lease`` with ``{"holder": {"host", "pid", "run"}}`` → ``{"lease", "seconds"}``, or 409 naming the
-  trainer that holds it (``guard.Leases``: one trainer per server). ``/lease/renew`` and ``/lease/release``
-  carry the lease in an ``X-Lease`` header.
+- ``POST /lease`` with ``{"holder": {"host", "pid", "run"}}`` → ``{"lease", "seconds", "shared"}`` (the lease's
+  shared-memory buffer, or null), or 409 naming the trainer that holds it (``guard.Leases``: one per server).
+  ``/lease/renew`` and ``/lease/release`` carry the lease in an ``X-Lease`` header.
 - ``POST /generate`` with ``{"prompt_ids", "group_size", "seeds", "settings"}`` (token ids, so both sides
   tokenize nothing differently; every sampling setting explicit) → ``{"completions", "logprobs",
   "weights_version"}``: vLLM's processed log-probs of the drawn tokens, as colocated. Open to any client (with
@@ -22,26 +22,27 @@ the CPU). With ``--api-key`` (or ``AUTO_RESEARCH_API_KEY``) every request carrie
   expected tensor is in, the engine reloads them in place and empties its prefix cache →
   ``{"weights_version", "seconds"}``. A push that fails a check is dropped whole and the engine keeps its
   weights: a reload that misses tensors would leave vLLM sampling from unprocessed ones.
+- ``POST /weights/shared`` with the lease and ``{"nonce", "names"}``: the same push through the shared-memory
+  buffer the lease's answer offered (``"shared"``), for a trainer on the server's host (``transfer.py``).
 
 Every refusal is a 4xx with one JSON line ``{"error": ...}`` and leaves the engine as it was; an engine failure
 is a 500 with its one-line cause. Each connection has its own thread and a read timeout, so a client that never
 sends its body blocks nobody; the engine serves one request at a time. Under torchrun every rank sends its own
 prompts (per-request seeds make the draws independent of which rank asks) and rank 0 holds the lease and pushes
 the weights after every optimizer step; every rank learns whether the push went in before anyone samples again.
-Weight transfer is HTTP on the CPU and on GPUs alike here (NCCL between trainer and server is not built: see
-docs/vllm.md).
+Between hosts weights go over HTTP, on the CPU and on GPUs alike (NCCL between trainer and server is not
+built: see docs/vllm.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import ipaddress
 import json
 import os
+import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -51,12 +52,12 @@ from urllib.parse import parse_qs, urlparse
 
 import torch
 
-from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
-from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, Leases, Refused, WeightPush,
-                                                check_generate, describe, weight_spec)
-from auto_research.engine.rollout.vllm import build_rollout, pushed_weights
-from auto_research.errors import RolloutEngineError, UserError, one_line
-from auto_research.http import RequestFailed, request
+from auto_research.engine.rollout import SamplingSettings
+from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, Leases, Refused, check_generate,
+                                                describe, weight_spec)
+from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
+from auto_research.engine.rollout.vllm import pushed_weights
+from auto_research.errors import UserError, one_line
 
 PART_BYTES = 256 * 2**20
 API_KEY_VARIABLE = "AUTO_RESEARCH_API_KEY"
@@ -100,15 +101,18 @@ class Limits:
     lease_seconds: float = 60.0
     read_timeout: float = 30.0
     max_group_size: int = MAX_GROUP_SIZE
+    shared_folder: Path | None = SHARED_FOLDER
+    """Where a lease's shared-memory buffer is made (None: HTTP only)."""
 
 
 def make_server(sampler, served: Served, host: str, port: int, limits: Limits = Limits(), log=None):
     """An HTTP server in front of one engine (a ``VLLMSampler`` with ``generate``, ``load_named`` and
     ``max_model_len``). Each connection has a thread of its own (a slow client blocks nobody else) and a read
     timeout; the engine serves one request at a time."""
-    engine, pushing = Lock(), Lock()
+    engine = Lock()
     leases = Leases(limits.lease_seconds)
-    state = {"version": 0, "push": None}
+    intake = Intake(served.spec, limits.shared_folder)
+    state = {"version": 0}
     say = log or (lambda line: None)
 
     class Handler(BaseHTTPRequestHandler):
@@ -192,6 +196,7 @@ def make_server(sampler, served: Served, host: str, port: int, limits: Limits = 
 
         def _post(self):
             url = urlparse(self.path)
+            intake.prune(leases.holds)  # a lapsed lease's buffer goes
             if url.path == "/generate":
                 prompt_ids, group_size, seeds, settings = check_generate(
                     self._json(), served.vocab_size, sampler.max_model_len, limits.max_group_size)
@@ -204,7 +209,7 @@ def make_server(sampler, served: Served, host: str, port: int, limits: Limits = 
                 holder = claim.get("holder") if isinstance(claim, dict) else None
                 token = leases.claim(holder if isinstance(holder, dict) else {})
                 say(f"lease taken by {describe(leases.holder)}")
-                return 200, {"lease": token, "seconds": limits.lease_seconds}
+                return 200, {"lease": token, "seconds": limits.lease_seconds, "shared": intake.offer(token)}
             if url.path == "/lease/renew":
                 self._body(2**16)
                 leases.check(self.headers.get("X-Lease"))
@@ -213,10 +218,17 @@ def make_server(sampler, served: Served, host: str, port: int, limits: Limits = 
                 self._body(2**16)
                 holder = leases.status().get("holder", {})
                 leases.release(self.headers.get("X-Lease"))
+                intake.prune(leases.holds)
                 say(f"lease released by {describe(holder)}")
                 return 200, {}
             if url.path == "/weights":
                 return self._weights(url)
+            if url.path == "/weights/shared":
+                body = self._json(2**22)
+                token = self.headers.get("X-Lease")
+                leases.check(token)
+                with intake.lock:  # the views are read while the engine reloads: no other push meanwhile
+                    return self._load(intake.take_shared(token, body))
             raise Refused(404, f"no such path {url.path}")
 
         def _weights(self, url):
@@ -228,19 +240,11 @@ def make_server(sampler, served: Served, host: str, port: int, limits: Limits = 
                 part, last = int(query["part"][0]), query.get("last", ["0"])[0] == "1"
             except (KeyError, ValueError):
                 raise Refused(400, "/weights needs ?part=N (0, 1, ...) and last=0 or 1") from None
-            with pushing:
-                push = state["push"]
-                if part == 0 or push is None or push.token != token:
-                    push = state["push"] = WeightPush(served.spec, token)
-                try:
-                    push.add(part, body)
-                    weights = push.complete() if last else None
-                except Refused:
-                    state["push"] = None  # the push in progress is dropped whole; the engine keeps its weights
-                    raise
-                if not last:
-                    return 200, {"received": len(push.tensors)}
-                state["push"] = None
+            weights = intake.part(token, part, last, body)
+            return self._load(weights) if last else (200, {"received": intake.received()})
+
+        def _load(self, weights: dict):
+            """Every checked tensor into the engine, in place; only then does the version move."""
             started = time.perf_counter()
             with engine:
                 sampler.load_named(iter(weights.items()))
@@ -249,7 +253,7 @@ def make_server(sampler, served: Served, host: str, port: int, limits: Limits = 
             return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
 
     server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    server.daemon_threads, server.intake = True, intake
     return server
 
 
@@ -297,134 +301,16 @@ def serve(config, log=print) -> None:
     log(f"serving {name} on http://{config.host}:{server.server_address[1]} "
         f"({'API key required, ' if api_key else ''}a trainer's lease lapses {config.lease_seconds:g} s after its "
         "last renewal; Ctrl-C stops)")
+    signal.signal(signal.SIGTERM, _interrupt)  # a plain kill stops it as Ctrl-C does: its shared buffer goes
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        server.intake.close()
         server.server_close()
 
 
-# --- the trainer's side -------------------------------------------------------------------------------
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
-
-class VLLMServerSampler:
-    """The Sampler seam over a vLLM server (see the module docstring). Rank 0 holds the server's lease for the
-    run's life (renewed by its pushes and a heartbeat) and releases it in ``close``."""
-
-    def __init__(self, model, tokenizer, settings: SamplingSettings, address: str, model_name: str, world,
-                 run_dir, timeout: float = 600.0, retries: int = 3):
-        host, port = split_address(address)
-        self.base, self.address = f"http://{host}:{port}", address
-        self.tokenizer, self.settings, self.world = tokenizer, settings, world
-        self.timeout, self.retries = timeout, retries
-        self.eos = eos_ids(tokenizer, model)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
-        key = os.environ.get(API_KEY_VARIABLE)
-        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        try:
-            health = json.loads(request(self.base + "/health", None, "application/json", 10.0, 1, 0.5,
-                                        self.headers))
-        except RequestFailed as error:
-            if error.status == 401:
-                raise UserError(f"--vllm-server {address} wants an API key: set {API_KEY_VARIABLE} to the key the "
-                                "server was started with") from None
-            raise UserError(f"--vllm-server {address}: no vLLM server answers there ({error}); start one with "
-                            f"auto-research vllm-serve --model {model_name} --port {port}") from None
-        except ValueError:
-            raise UserError(f"--vllm-server {address}: what answers there is not a vLLM server") from None
-        config = model.get_base_model().config if hasattr(model, "peft_config") else model.config
-        if health.get("fingerprint") != fingerprint(config, tokenizer):
-            raise UserError(f"--vllm-server {address} serves {health.get('model')!r}, another model than --model "
-                            f"{model_name} (a different architecture or tokenizer)")
-        self.dtype = getattr(torch, health.get("dtype", "float32"))
-        self.lease, self.lease_seconds, self._stop = None, float(health.get("lease_seconds", 60)), threading.Event()
-        self.world.agree(self._claim(run_dir) if world.main else None)
-        self.weight_sync_seconds = 0.0
-        self.load_weights(model)
-
-    def _claim(self, run_dir) -> UserError | None:
-        """Rank 0 takes the server's lease and starts its heartbeat; the refusal, for every rank to raise."""
-        holder = {"host": socket.gethostname(), "pid": os.getpid(), "run": str(Path(run_dir).resolve())}
-        try:
-            answer = self._call("/lease", json.dumps({"holder": holder}).encode())
-        except UserError as error:
-            return error
-        self.lease, self.lease_seconds = answer["lease"], float(answer["seconds"])
-        threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True).start()
-        return None
-
-    def _heartbeat(self) -> None:
-        """Renew the lease a few times per its lapse time, whatever the step is doing; a lost lease shows at the
-        next push (refused), so this thread only keeps trying."""
-        while not self._stop.wait(self.lease_seconds / 4):
-            with contextlib.suppress(UserError):
-                self._call("/lease/renew", b"{}", retries=0)
-
-    def close(self) -> None:
-        """The run is over: stop the heartbeat and give the lease back (a server that is gone by now needs none)."""
-        self._stop.set()
-        if self.lease is not None:
-            with contextlib.suppress(UserError):
-                self._call("/lease/release", b"{}", retries=0)
-            self.lease = None
-
-    def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None
-              ) -> dict:
-        """The server's JSON answer; one line naming the server, the path and the last failure otherwise."""
-        headers = {**self.headers, **({"X-Lease": self.lease} if self.lease else {})}
-        try:
-            answer = request(self.base + path, body, content_type, self.timeout,
-                             self.retries if retries is None else retries, 0.5, headers)
-        except RequestFailed as failed:
-            if failed.status is not None and failed.status < 500:
-                raise RolloutEngineError(f"--vllm-server {self.address} refused {path.split('?')[0]}: "
-                                         f"{failed.detail or failed.failure}") from None
-            raise RolloutEngineError(f"--vllm-server {self.address}: {path.split('?')[0]} failed ({failed.failure} "
-                                     f"after {failed.attempts} attempt(s)); the server is gone or failing") from None
-        return json.loads(answer)
-
-    def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        s = self.settings
-        answer = self._call("/generate", json.dumps({
-            "prompt_ids": prompt_ids, "group_size": group_size, "seeds": [int(seed) for seed in seeds],
-            "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                         "top_k": s.top_k}}).encode())
-        return build_rollout(self.tokenizer, self.eos, self.pad, prompt_ids, answer["completions"],
-                             answer["logprobs"], group_size)
-
-    def load_weights(self, model) -> None:
-        """Every rank walks the weights (FSDP2 gathers one parameter at a time, in the same order on each);
-        rank 0 sends them in parts under its lease; nobody samples before the server has them, and a failed
-        push stops every rank."""
-        from safetensors.torch import save  # noqa: PLC0415
-
-        started = time.perf_counter()
-        part, size, batch, seen, failure = 0, 0, {}, set(), None
-
-        def send(last: bool) -> None:
-            nonlocal part, size, batch, seen, failure
-            try:
-                self._call(f"/weights?part={part}&last={int(last)}", save(batch), "application/octet-stream")
-            except UserError as error:
-                failure = error
-            part, size, batch, seen = part + 1, 0, {}, set()
-
-        for name, tensor in pushed_weights(model, self.dtype):
-            if not self.world.main or failure is not None:  # every rank still takes part in each gather
-                continue
-            tensor = tensor.detach().to("cpu").contiguous()
-            if tensor.data_ptr() in seen:  # tied weights: safetensors keeps one name per storage
-                tensor = tensor.clone()
-            seen.add(tensor.data_ptr())
-            if size and size + tensor.numel() * tensor.element_size() > PART_BYTES:
-                send(last=False)
-            batch[name] = tensor
-            size += tensor.numel() * tensor.element_size()
-        if self.world.main and failure is None:
-            send(last=True)
-        self.world.agree(failure, RolloutEngineError)
-        self.weight_sync_seconds = time.perf_counter() - started

@@ -1,0 +1,167 @@
+"""The trainer's side of ``--vllm-mode server`` (the protocol: ``server.py``): rank 0 holds the server's lease
+for the run's life and pushes the policy's weights after every optimizer step, through the server's shared-memory
+buffer when it sees it (same host, ``transfer.py``), else over HTTP; every rank samples its own prompts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
+from auto_research.engine.rollout.server import API_KEY_VARIABLE, PART_BYTES, fingerprint, split_address
+from auto_research.engine.rollout.transfer import SharedWriter
+from auto_research.engine.rollout.vllm import build_rollout, pushed_weights
+from auto_research.errors import RolloutEngineError, UserError
+from auto_research.http import RequestFailed, request
+
+
+class VLLMServerSampler:
+    """The Sampler seam over a vLLM server (see the module docstring). Rank 0 holds the server's lease for the
+    run's life (renewed by its pushes and a heartbeat) and releases it in ``close``."""
+
+    def __init__(self, model, tokenizer, settings: SamplingSettings, address: str, model_name: str, world,
+                 run_dir, timeout: float = 600.0, retries: int = 3, shared: bool = True):
+        host, port = split_address(address)
+        self.base, self.address = f"http://{host}:{port}", address
+        self.tokenizer, self.settings, self.world = tokenizer, settings, world
+        self.timeout, self.retries = timeout, retries
+        self.eos = eos_ids(tokenizer, model)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
+        key = os.environ.get(API_KEY_VARIABLE)
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            health = json.loads(request(self.base + "/health", None, "application/json", 10.0, 1, 0.5,
+                                        self.headers))
+        except RequestFailed as error:
+            if error.status == 401:
+                raise UserError(f"--vllm-server {address} wants an API key: set {API_KEY_VARIABLE} to the key the "
+                                "server was started with") from None
+            raise UserError(f"--vllm-server {address}: no vLLM server answers there ({error}); start one with "
+                            f"auto-research vllm-serve --model {model_name} --port {port}") from None
+        except ValueError:
+            raise UserError(f"--vllm-server {address}: what answers there is not a vLLM server") from None
+        config = model.get_base_model().config if hasattr(model, "peft_config") else model.config
+        if health.get("fingerprint") != fingerprint(config, tokenizer):
+            raise UserError(f"--vllm-server {address} serves {health.get('model')!r}, another model than --model "
+                            f"{model_name} (a different architecture or tokenizer)")
+        self.dtype = getattr(torch, health.get("dtype", "float32"))
+        self.lease, self.lease_seconds, self._stop = None, float(health.get("lease_seconds", 60)), threading.Event()
+        self.shared, self.transfer = None, "HTTP"
+        """Rank 0's map of the server's shared buffer when it sees it (same host), else None: HTTP."""
+        self.world.agree(self._claim(run_dir, shared) if world.main else None)
+        self.weight_sync_seconds = 0.0
+        self.load_weights(model)
+
+    def _claim(self, run_dir, shared: bool) -> UserError | None:
+        """Rank 0 takes the server's lease (and maps its shared buffer when it can: same host, same user) and
+        starts its heartbeat; the refusal, for every rank to raise."""
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "run": str(Path(run_dir).resolve())}
+        try:
+            answer = self._call("/lease", json.dumps({"holder": holder}).encode())
+        except UserError as error:
+            return error
+        self.lease, self.lease_seconds = answer["lease"], float(answer["seconds"])
+        if shared and answer.get("shared"):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not this host's file: HTTP
+                self.shared = SharedWriter(answer["shared"])
+                self.transfer = "shared memory"
+        threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True).start()
+        return None
+
+    def _heartbeat(self) -> None:
+        """Renew the lease a few times per its lapse time, whatever the step is doing; a lost lease shows at the
+        next push (refused), so this thread only keeps trying."""
+        while not self._stop.wait(self.lease_seconds / 4):
+            with contextlib.suppress(UserError):
+                self._call("/lease/renew", b"{}", retries=0)
+
+    def close(self) -> None:
+        """The run is over: stop the heartbeat and give the lease back (a server that is gone by now needs none)."""
+        self._stop.set()
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+        if self.lease is not None:
+            with contextlib.suppress(UserError):
+                self._call("/lease/release", b"{}", retries=0)
+            self.lease = None
+
+    def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None
+              ) -> dict:
+        """The server's JSON answer; one line naming the server, the path and the last failure otherwise."""
+        headers = {**self.headers, **({"X-Lease": self.lease} if self.lease else {})}
+        try:
+            answer = request(self.base + path, body, content_type, self.timeout,
+                             self.retries if retries is None else retries, 0.5, headers)
+        except RequestFailed as failed:
+            if failed.status is not None and failed.status < 500:
+                raise RolloutEngineError(f"--vllm-server {self.address} refused {path.split('?')[0]}: "
+                                         f"{failed.detail or failed.failure}") from None
+            raise RolloutEngineError(f"--vllm-server {self.address}: {path.split('?')[0]} failed ({failed.failure} "
+                                     f"after {failed.attempts} attempt(s)); the server is gone or failing") from None
+        return json.loads(answer)
+
+    def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        s = self.settings
+        answer = self._call("/generate", json.dumps({
+            "prompt_ids": prompt_ids, "group_size": group_size, "seeds": [int(seed) for seed in seeds],
+            "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                         "top_k": s.top_k}}).encode())
+        return build_rollout(self.tokenizer, self.eos, self.pad, prompt_ids, answer["completions"],
+                             answer["logprobs"], group_size)
+
+    def load_weights(self, model) -> None:
+        """Every rank walks the weights (FSDP2 gathers one parameter at a time, in the same order on each);
+        rank 0 sends them in parts under its lease; nobody samples before the server has them, and a failed
+        push stops every rank."""
+        from safetensors.torch import save  # noqa: PLC0415
+
+        started = time.perf_counter()
+        part, size, batch, seen, failure = 0, 0, {}, set(), None
+
+        def send(last: bool) -> None:
+            nonlocal part, size, batch, seen, failure
+            try:
+                self._call(f"/weights?part={part}&last={int(last)}", save(batch), "application/octet-stream")
+            except UserError as error:
+                failure = error
+            part, size, batch, seen = part + 1, 0, {}, set()
+
+        for name, tensor in pushed_weights(model, self.dtype):
+            if not self.world.main or failure is not None:  # every rank still takes part in each gather
+                continue
+            if self.shared is not None:  # straight into the server's slot, from wherever the tensor lives
+                try:
+                    self.shared.write(name, tensor)
+                except UserError as error:
+                    failure = error
+                continue
+            tensor = tensor.detach().to("cpu").contiguous()
+            if tensor.data_ptr() in seen:  # tied weights: safetensors keeps one name per storage
+                tensor = tensor.clone()
+            seen.add(tensor.data_ptr())
+            if size and size + tensor.numel() * tensor.element_size() > PART_BYTES:
+                send(last=False)
+            batch[name] = tensor
+            size += tensor.numel() * tensor.element_size()
+        if self.world.main and self.shared is not None:
+            body = self.shared.commit()  # the next push starts afresh, whatever became of this one
+            if failure is None:
+                try:
+                    self._call("/weights/shared", body)
+                except UserError as error:
+                    failure = error
+        elif self.world.main and failure is None:
+            send(last=True)
+        self.world.agree(failure, RolloutEngineError)
+        self.weight_sync_seconds = time.perf_counter() - started

@@ -1,0 +1,246 @@
+"""How a trainer's weights reach a rollout server: over HTTP in checked safetensors parts (any two hosts), or,
+when trainer and server share a host, through a buffer in shared memory that the trainer writes in place.
+
+The shared path. When a trainer takes the server's lease, the server creates a file in ``/dev/shm`` (mode 0600)
+laid out from the model's weight spec: a header holding a random nonce, then one slot per tensor at a fixed
+offset. The lease's answer tells the holder the file's path, the slots and the nonce's SHA-256 (never the nonce
+itself). The trainer maps the file, reads the nonce and checks its hash: if the file cannot be opened (another
+host, another user) or holds another nonce, it pushes over HTTP instead, so the choice is automatic. Otherwise
+after every optimizer step it copies each tensor into its slot (one copy, from wherever the tensor lives) and
+posts ``{"nonce", "names"}`` to ``/weights/shared``: the nonce proves it writes the very file the server reads.
+The server checks the lease, the nonce, that every expected name was written once and nothing else, and that
+every value is finite; only then does the engine reload from views of the file (no copy, no parse), and
+``weights_version`` moves. A failed check leaves the engine with its weights. The file goes when the lease ends
+(released, lapsed, taken by another run) or the server stops; one left by a server that was SIGKILLed is
+removed by the next server started on the host.
+
+The holder writes the buffer only between its pushes (it waits for each answer): the file is the holder's
+own, as its HTTP parts are, and the checks run on what it wrote when it asked for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import mmap
+import os
+import secrets
+import threading
+from contextlib import suppress
+from pathlib import Path
+
+import torch
+
+from auto_research.engine.rollout.guard import Refused, WeightPush, all_finite
+from auto_research.errors import RolloutEngineError
+
+SHARED_FOLDER = Path("/dev/shm")
+PREFIX = "auto-research-weights-"
+MAGIC = b"auto-research weights v1\n"
+HEADER = 4096
+ALIGN = 64
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def layout(spec: dict) -> tuple[list, int]:
+    """``[[name, offset, shape, dtype], ...]`` in name order after the header, each slot aligned; the file's size."""
+    slots, offset = [], HEADER
+    for name in sorted(spec):
+        shape, dtype = spec[name]
+        slots.append([name, offset, list(shape), dtype])
+        offset += -(-math.prod(shape) * ITEMSIZE[dtype] // ALIGN) * ALIGN
+    return slots, offset
+
+
+def _views(buffer: mmap.mmap, slots: list) -> dict:
+    """A tensor over each slot of the mapped file: writing one writes the file."""
+    whole = torch.frombuffer(buffer, dtype=torch.uint8)
+    return {name: whole[offset: offset + math.prod(shape) * ITEMSIZE[dtype]].view(getattr(torch, dtype)).view(shape)
+            for name, offset, shape, dtype in slots}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(folder: Path = SHARED_FOLDER) -> list[Path]:
+    """Remove the buffers of servers that are gone (SIGKILLed: nothing else could clean up); those removed."""
+    removed = []
+    with suppress(OSError):
+        for path in folder.glob(PREFIX + "*"):
+            pid = path.name.removeprefix(PREFIX).split("-")[0]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                with suppress(OSError):
+                    path.unlink()
+                    removed.append(path)
+    return removed
+
+
+class SharedBuffer:
+    """The server's side: one file for one lease."""
+
+    def __init__(self, spec: dict, token: str, folder: Path = SHARED_FOLDER):
+        self.spec, self.token = spec, token
+        self.slots, size = layout(spec)
+        self.nonce = secrets.token_hex(32)
+        self.path = Path(folder) / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # Reserved now: a full /dev/shm (a container's 64 MiB) means HTTP, not a SIGBUS in the trainer mid-write.
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(descriptor, 0, size)
+            else:
+                os.ftruncate(descriptor, size)
+            os.pwrite(descriptor, MAGIC + self.nonce.encode(), 0)
+            self.buffer = mmap.mmap(descriptor, size)
+        except OSError:
+            self.path.unlink()
+            raise
+        finally:
+            os.close(descriptor)
+        self.views = _views(self.buffer, self.slots)
+
+    def offer(self) -> dict:
+        return {"path": str(self.path), "nonce_sha256": hashlib.sha256(self.nonce.encode()).hexdigest(),
+                "slots": self.slots}
+
+    def take(self, body) -> dict:
+        """The written tensors (views of the file) once every check passes, or ``Refused``."""
+        if not isinstance(body, dict) or not isinstance(body.get("nonce"), str) or not isinstance(body.get("names"),
+                                                                                                     list):
+            raise Refused(400, 'a shared push is {"nonce": "...", "names": [every tensor written]}')
+        if not hmac.compare_digest(body["nonce"].encode(), self.nonce.encode()):
+            raise Refused(400, "the nonce is not the one in this lease's shared buffer: the trainer does not see the "
+                               "server's file (another host?); push the weights over HTTP")
+        names = body["names"]
+        for name in names:
+            if name not in self.spec:
+                raise Refused(400, f"unknown tensor {str(name)!r}: the served model has no weight of that name"[:300])
+        if len(set(names)) < len(names):
+            twice = next(name for name in names if names.count(name) > 1)
+            raise Refused(400, f"tensor {twice!r} was sent twice in one push")
+        WeightPush(self.spec, self.token, tensors=dict.fromkeys(names)).complete()  # Refused naming those missing
+        for name, view in self.views.items():
+            if not all_finite(view):
+                raise Refused(400, f"tensor {name!r} has NaN or infinite values")
+        return self.views
+
+    def close(self) -> None:
+        with suppress(OSError):
+            self.path.unlink()
+        self.views = {}
+        with suppress(BufferError):  # a view still held elsewhere: the mapping goes with it
+            self.buffer.close()
+
+
+class Intake:
+    """The server's weight pushes, both paths: the HTTP parts in progress and the shared buffer of the lease."""
+
+    def __init__(self, spec: dict, folder: Path | None = SHARED_FOLDER):
+        self.spec, self.folder = spec, folder
+        self.lock = threading.Lock()
+        self.push: WeightPush | None = None
+        self.shared: SharedBuffer | None = None
+        if folder is not None:
+            sweep(folder)
+
+    def offer(self, token: str) -> dict | None:
+        """A fresh buffer for a new lease (the previous one's goes); None where shared memory is not to be had."""
+        with self.lock:
+            self._close_shared()
+            if self.folder is None or not Path(self.folder).is_dir():
+                return None
+            try:
+                self.shared = SharedBuffer(self.spec, token, self.folder)
+            except OSError:
+                return None
+            return self.shared.offer()
+
+    def part(self, token: str, part: int, last: bool, body: bytes) -> dict | None:
+        """An HTTP part checked and kept; at the last one, every tensor of the push (else None)."""
+        with self.lock:
+            push = self.push
+            if part == 0 or push is None or push.token != token:
+                push = self.push = WeightPush(self.spec, token)
+            try:
+                push.add(part, body)
+                weights = push.complete() if last else None
+            except Refused:
+                self.push = None  # the push in progress is dropped whole; the engine keeps its weights
+                raise
+            if last:
+                self.push = None
+            return weights
+
+    def received(self) -> int:
+        return len(self.push.tensors) if self.push is not None else 0
+
+    def take_shared(self, token: str, body):
+        """The shared buffer's views, checked: to be loaded under ``self.lock`` (held by the caller)."""
+        if self.shared is None or self.shared.token != token:
+            raise Refused(409, "this lease has no shared buffer (the server offers one with each lease, on hosts "
+                               "with /dev/shm); push the weights over HTTP")
+        return self.shared.take(body)
+
+    def prune(self, live) -> None:
+        """Drop the buffer of a lease that is no longer live (``live(token)`` says)."""
+        with self.lock:
+            if self.shared is not None and not live(self.shared.token):
+                self._close_shared()
+
+    def _close_shared(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+
+    def close(self) -> None:
+        with self.lock:
+            self._close_shared()
+
+
+class SharedWriter:
+    """The trainer's side: the server's file mapped, each tensor copied into its slot."""
+
+    def __init__(self, offer: dict):
+        """Raises OSError or ValueError where the file is not the server's (the caller then uses HTTP)."""
+        descriptor = os.open(offer["path"], os.O_RDWR)
+        try:
+            size = os.fstat(descriptor).st_size
+            head = os.pread(descriptor, len(MAGIC) + 64, 0)
+            self.buffer = mmap.mmap(descriptor, size)
+        finally:
+            os.close(descriptor)
+        nonce = head[len(MAGIC):].decode("ascii", "replace")
+        if not head.startswith(MAGIC) or hashlib.sha256(nonce.encode()).hexdigest() != offer["nonce_sha256"]:
+            self.buffer.close()
+            raise ValueError(f"{offer['path']} here is not the server's buffer (another host's file of that name)")
+        self.nonce, self.path = nonce, offer["path"]
+        self.views, self.names = _views(self.buffer, offer["slots"]), []
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        slot = self.views.get(name)
+        if slot is None:
+            raise RolloutEngineError(f"the server's model has no weight {name!r}")
+        if slot.shape != tensor.shape or slot.dtype != tensor.dtype:
+            raise RolloutEngineError(f"tensor {name!r} is {list(tensor.shape)} {tensor.dtype}, the server's slot "
+                                     f"{list(slot.shape)} {slot.dtype}")
+        slot.copy_(tensor.detach())
+        self.names.append(name)
+
+    def commit(self) -> bytes:
+        """The request that hands the written tensors over; a new push starts."""
+        body, self.names = json.dumps({"nonce": self.nonce, "names": self.names}).encode(), []
+        return body
+
+    def close(self) -> None:
+        self.views, self.names = {}, []
+        with suppress(BufferError):
+            self.buffer.close()
