@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-MODES = ("none", "token-tis", "sequence-tis", "sequence-mask")
+from auto_research.algorithms.registry import ROLLOUT_CORRECTIONS as MODES
 
 
 def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, cap: float) -> torch.Tensor:
