@@ -283,3 +283,19 @@ def test_each_variant_takes_finite_steps_that_change_the_policy(tiny_model_dir, 
         assert row["clip_fraction"] > 0
     if "entropy_coef" in overrides:
         assert row["entropy_loss"] < 0
+
+
+def test_the_docs_table_of_knobs_is_the_registrys():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "algorithms.md").read_text()
+    section = text.split("## Every algorithm against its knobs")[1].split("\n\n")[2]
+    rows = {cells[0].strip("` "): [cell.strip() for cell in cells[1:]]
+            for cells in (line.strip("|").split("|") for line in section.splitlines()[2:])}
+    assert list(rows) == list(REGISTRY)
+    for name, (_, loss, aggregation, kl, clip, std, _, _) in rows.items():
+        record = get_algorithm(name)
+        low, high = (float(part) for part in clip.split(" / "))
+        assert (loss, aggregation.split()[0], kl) == (record.policy_loss, record.aggregation,
+                                                      f"{record.kl} ({record.kl_estimator})"), name
+        assert (low, high, std) == (record.clip_low, record.clip_high, record.std or "—"), name
