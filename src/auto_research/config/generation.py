@@ -19,7 +19,7 @@ from auto_research.config.fields import (CANDIDATE_DATASETS, EMBEDDED_MODEL_DATA
                                          check_non_negative_finite, check_non_negative_integers, check_positive_finite,
                                          check_positive_integers, comma_floats, default_dataset_dir, is_data_source,
                                          json_ready, setting)
-from auto_research.config.loss import by_algorithm as _by_algorithm, check_loss, having as _with
+from auto_research.config.loss import by_algorithm, check_loss, having
 from auto_research.errors import UserError
 from auto_research.rewards.verifiers import VERIFIERS
 
@@ -100,19 +100,19 @@ class GenerationConfig:
 
     # --- loss, KL and updates ---
     kl_estimator: str | None = setting(None, f"{', '.join(KL_ESTIMATORS)} (default: the algorithm's, "
-                                       f"{_by_algorithm('kl_estimator', KL_ESTIMATORS)}; moved into the loss by "
+                                       f"{by_algorithm('kl_estimator', KL_ESTIMATORS)}; moved into the loss by "
                                        "--kl-in, k3)", "loss")
     kl_in: str | None = setting(None, "; ".join(f"{placement}: {text} ({', '.join(names_by('kl').get(placement, []))})"
                                                for placement, text in KL_PLACEMENTS.items())
                                 + " (default: the algorithm's)", "loss")
     loss_aggregation: str | None = setting(None, f"{described(AGGREGATIONS)} (default: the algorithm's: "
-                                                 f"{_by_algorithm('aggregation', AGGREGATIONS)})", "loss")
+                                                 f"{by_algorithm('aggregation', AGGREGATIONS)})", "loss")
     updates_per_batch: int = setting(1, "epochs over each rollout batch; > 1 needs a loss with a ratio", "loss",
                                      flag="--ppo-epochs", aliases=("--updates-per-batch",), type=int)
     ppo_mini_batches: int = setting(1, "optimizer steps per epoch, each on whole groups; > 1 needs a loss with a "
                                        "ratio", "loss", type=int)
     policy_loss: str | None = setting(None, f"{described(POLICY_LOSSES)} (default: the algorithm's: "
-                                            f"{_by_algorithm('policy_loss', POLICY_LOSSES)}; with several updates per "
+                                            f"{by_algorithm('policy_loss', POLICY_LOSSES)}; with several updates per "
                                             "batch, clipped-token in place of vanilla)", "loss")
     clip_range: float | None = setting(None, "ε of the clipped ratio on both sides, 1 − ε … 1 + ε (default: the "
                                              "algorithm's; --clip-low and --clip-high set one side each and win)",
@@ -123,7 +123,7 @@ class GenerationConfig:
     clip_high: float | None = setting(None, "ε_high: ratios clipped above at 1 + ε_high, >= 0 (DAPO's clip-higher "
                                             "when above ε_low)", "loss", default_text="--clip-range, else the "
                                       "algorithm's: 0.2; dapo and cispo 0.28; gspo 4e-4", type=float)
-    std: str | None = setting(None, f"the group std of {_with('std')}: {described(STANDARD_DEVIATIONS)}", "loss",
+    std: str | None = setting(None, f"the group std of {having('std')}: {described(STANDARD_DEVIATIONS)}", "loss",
                               default_text="population")
     normalize_advantages: bool = setting(False, "z-score the completions' advantages over the global batch, "
                                          "(A − mean A) / (std A + 1e-4), each completion once (TRL's option for "
@@ -148,7 +148,7 @@ class GenerationConfig:
     critic_model: str | None = setting(None, "initial critic weights (default: --reward-model if given, else the "
                                              "policy)", "critic")
     whiten_advantages: bool = setting(True, "keep the advantages of algorithms that whiten them over the global batch "
-                                      f"({_with('whiten')}) as they are", "loss", flag="--no-whiten-advantages",
+                                      f"({having('whiten')}) as they are", "loss", flag="--no-whiten-advantages",
                                       action="store_false")
 
     # --- sampling ---
@@ -171,7 +171,7 @@ class GenerationConfig:
     rollout_correction: str | None = setting(None, "correct for the sampler's distribution differing from the "
                                                    f"trainer's: {', '.join(ROLLOUT_CORRECTIONS)} (default: the "
                                                    "algorithm's, "
-                                                   f"{_by_algorithm('rollout_correction', ROLLOUT_CORRECTIONS)}; "
+                                                   f"{by_algorithm('rollout_correction', ROLLOUT_CORRECTIONS)}; "
                                                    "the identity with --sampler builtin)", "sampling")
     rollout_correction_cap: float = setting(2.0, "C of the truncated importance weight min(w, C); sequence-mask "
                                                  "drops completions whose weight is above C or below 1/C",
