@@ -127,6 +127,10 @@ def test_dapo_advantages_see_the_overlong_punishment():
     by_hand = [0.904534, 0.904534, -0.301511, -1.507556]
     assert advantages[:, 0].tolist() == pytest.approx(by_hand, abs=1e-5)
     assert torch.equal(advantages, advantages[:, :1] * mask)
+    # --std unbiased reaches the estimator: std √(2.75/3) = 0.957427, A = 0.783349, 0.783349, −0.261116, −1.305582.
+    c.config = GenerationConfig(algorithm="dapo", group_size=4, std="unbiased").filled().validate()
+    unbiased = estimate_advantages(c, experience).advantages
+    assert unbiased[:, 0].tolist() == pytest.approx([0.783349, 0.783349, -0.261116, -1.305582], abs=1e-5)
 
 
 def test_gspo_clips_the_length_normalised_sequence_ratio():
