@@ -11,8 +11,8 @@ points, and each variant's sampled tokens and training time as ratios to RLOO's.
 Goals (issue 25): dapo and dr-grpo each gain >= 5 points over the start at RLOO's budget; gspo and cispo learn.
 With one update per batch (the preset) every ratio is 1 when the loss is computed, so the clip ranges (DAPO's
 clip-higher, GSPO's 3e-4/4e-4, CISPO's) shape nothing here: what differs is the advantage (std or not), the
-aggregation, DAPO's overlong punishment and the KL (in the reward for RLOO, in the loss for dr-grpo, none for
-dapo, gspo and cispo). Dynamic sampling (dapo's record) is not yet honoured.
+aggregation, DAPO's overlong punishment and the KL (in the reward for RLOO, none for the four variants, whose
+papers' objectives have none; a reference still measures it). Dynamic sampling (dapo's record) is not yet honoured.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def test_every_record_names_registered_parts():
     assert (gspo.policy_loss, gspo.aggregation, gspo.clip_low, gspo.clip_high) == (
         "gspo", "sequence-mean-token-mean", 3e-4, 4e-4)
     assert (cispo.policy_loss, cispo.aggregation, cispo.clip_low) == ("cispo", "token-mean", 1.0)
-    assert (dr.advantage, dr.aggregation, dr.std) == ("dr-grpo", "constant", None)
+    assert (dr.advantage, dr.aggregation, dr.std, dr.kl) == ("dr-grpo", "constant", None, "none")
 
 
 def test_the_record_defaults_fill_the_config():

@@ -253,10 +253,10 @@ register(Algorithm(
 # --- the loss variants of 2025 (generation level only) -------------------------------------------------------
 
 register(Algorithm(
-    name="dr-grpo", advantage="dr-grpo", policy_loss="clipped-token", kl="loss", kl_estimator="k3",
-    aggregation="constant", min_group_size=2, rollout_correction="token-tis",
+    name="dr-grpo", advantage="dr-grpo", policy_loss="clipped-token", kl="none", aggregation="constant",
+    min_group_size=2, rollout_correction="token-tis",
     formula="A_i = r_i − mean r (no std); clipped surrogate of ρ_t A_i summed over tokens / (completions × "
-            "max-new-tokens), a constant normaliser (no length bias); KL in the loss (k3) as grpo",
+            "max-new-tokens), a constant normaliser (no length bias); no KL, as the paper's objective",
     citation="Liu et al., 2025, Understanding R1-Zero-Like Training: A Critical Perspective (arXiv 2503.20783)",
 ))
 register(Algorithm(
