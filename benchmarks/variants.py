@@ -32,7 +32,7 @@ ALGORITHMS = ("rloo", "dr-grpo", "dapo", "gspo", "cispo")
 def run(algorithm: str, seed: int, steps: int | None, output: Path) -> dict:
     command = [sys.executable, "-m", "auto_research", "post-train", "--algorithm", algorithm, "--dataset",
                "arithmetic-generate", "--seed", str(seed), "--output-dir", str(output), "--no-progress",
-               "--checkpoint-every", "0", "--threads", os.environ.get("OMP_NUM_THREADS", "1")]
+               "--checkpoint-every", "0", "--overwrite", "--threads", os.environ.get("OMP_NUM_THREADS", "1")]
     if steps is not None:
         command += ["--steps", str(steps), "--eval-every", str(max(1, steps // 4))]
     started = time.perf_counter()
