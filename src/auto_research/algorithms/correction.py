@@ -15,15 +15,13 @@ you off-policy RL training"; Ionides, 2008). The modes, with ``log_ratio`` = log
   ``sequence_mask`` masks above C only, verl's rejection sampling both sides: ours is verl's);
 - ``none``: w = 1.
 
-Weights are constants in the loss (no gradient flows through them). Shapes: (B, T), ``mask`` 1 on the
-completion's tokens.
+The modes' names are listed once, in ``registry.ROLLOUT_CORRECTIONS``. Weights are constants in the loss
+(no gradient flows through them). Shapes: (B, T), ``mask`` 1 on the completion's tokens.
 """
 
 from __future__ import annotations
 
 import torch
-
-MODES = ("none", "token-tis", "sequence-tis", "sequence-mask")
 
 
 def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, cap: float) -> torch.Tensor:

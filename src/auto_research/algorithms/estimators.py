@@ -51,6 +51,8 @@ class AdvantageInputs:
     """The loop's moving-average baseline b (algorithms with a ``moving_average`` decay)."""
     task_rewards: torch.Tensor | None = None
     """(B,) the task's score of each completion, before any KL (0 where unscored)."""
+    std: str = "population"
+    """The GRPO family's group standard deviation: population (÷ K) or unbiased (÷ K − 1)."""
 
 
 # --- group statistics over (G, K), the torch twins of candidate.py ------------------------------------
@@ -64,14 +66,24 @@ def leave_one_out(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid & (count >= 2), advantages, 0.0)
 
 
-def group_normalised(values: torch.Tensor, valid: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
-    """A_i = (v_i − mean v) / (std v + ε), population std over the valid samples (GRPO)."""
+def group_normalised(values: torch.Tensor, valid: torch.Tensor, epsilon: float = 1e-6,
+                     unbiased: bool = False) -> torch.Tensor:
+    """A_i = (v_i − mean v) / (std v + ε) over the valid samples (GRPO): population std (÷ n), or with
+    ``unbiased`` the sample std (÷ n − 1, as verl, OpenRLHF and TRL)."""
     count = valid.sum(-1, keepdim=True)
     safe = count.clamp(min=1)
     mean = torch.where(valid, values, 0.0).sum(-1, keepdim=True) / safe
     centred = torch.where(valid, values - mean, 0.0)
-    std = (centred.square().sum(-1, keepdim=True) / safe).sqrt()
+    std = (centred.square().sum(-1, keepdim=True) / ((count - 1).clamp(min=1) if unbiased else safe)).sqrt()
     return torch.where(valid & (count >= 2), centred / (std + epsilon), 0.0)
+
+
+def group_centred(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """A_i = v_i − mean v over the valid samples, no std (Dr. GRPO); 0 in a group with fewer than 2. It is
+    (K−1)/K times the leave-one-out advantage."""
+    count = valid.sum(-1, keepdim=True)
+    mean = torch.where(valid, values, 0.0).sum(-1, keepdim=True) / count.clamp(min=1)
+    return torch.where(valid & (count >= 2), values - mean, 0.0)
 
 
 def group_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -116,7 +128,15 @@ def rloo(inputs: AdvantageInputs):
 
 @register_advantage("grpo")
 def grpo(inputs: AdvantageInputs):
-    return _sequence(inputs, group_normalised)
+    """GRPO's group-normalised advantage (also DAPO's, GSPO's and CISPO's), by the --std the record allows."""
+    return _sequence(inputs, lambda scores, valid: group_normalised(scores, valid, unbiased=inputs.std == "unbiased"))
+
+
+@register_advantage("dr-grpo")
+def dr_grpo(inputs: AdvantageInputs):
+    """Dr. GRPO (Liu et al., 2025): the group mean subtracted, no division by the group's std (which weights
+    questions by how (in)consistently they are answered)."""
+    return _sequence(inputs, group_centred)
 
 
 @register_advantage("vanilla-pg")
@@ -182,7 +202,30 @@ def reinforce_pp_baseline(inputs: AdvantageInputs):
     return returns, returns
 
 
-# --- normalisation over the global batch (the loop's, never an estimator's) -------------------------------
+# --- reward shaping and normalisation over the global batch (the loop's, never an estimator's) ----------------
+
+
+def overlong_penalty(lengths: torch.Tensor, max_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al., 2025, Eq. 13), added to the reward: 0 for |y| ≤ L_max − L, then
+    falling linearly, −P·(|y| − (L_max − L))/L, to −P at |y| = L_max (the length limit, --max-new-tokens), with L
+    the buffer and P the penalty (DAPO: P = 1). ``lengths``: (B,) each completion's tokens, its EOS included."""
+    over = (lengths.to(torch.float32) - (max_tokens - buffer)).clamp(min=0, max=buffer)
+    return -penalty * over / buffer
+
+
+def normalise_over_batch(advantages: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor, epsilon: float = 1e-4,
+                         total=lambda tensor: tensor) -> torch.Tensor:
+    """--normalize-advantages (TRL's option for RLOO): one value per completion (the mean of its tokens'
+    advantages, which the sequence-level estimators spread evenly), z-scored over the valid completions of the
+    whole global batch, (a_i − mean a) / (std a + ε) with the sample std (÷ n − 1), spread back over its tokens.
+    Each completion counts once, whatever its length. ``total`` sums over processes."""
+    per_sequence = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    weight = valid.to(per_sequence.dtype)
+    count = total(weight.sum())
+    mean = total((per_sequence * weight).sum()) / count.clamp(min=1)
+    variance = total(((per_sequence - mean).square() * weight).sum()) / (count - 1).clamp(min=1)
+    normalised = (per_sequence - mean) / (variance.sqrt() + epsilon) * weight
+    return normalised.unsqueeze(1) * mask
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, epsilon: float = 1e-8, total=lambda tensor: tensor) -> torch.Tensor:

@@ -11,12 +11,23 @@ from typing import Callable
 
 import torch
 
+from auto_research.algorithms.registry import AGGREGATIONS
+from auto_research.algorithms.registry import POLICY_LOSSES as REGISTERED_NAMES
+
 POLICY_LOSSES: dict[str, Callable] = {}
+"""name → function(LossInputs) → (B, T) per-token loss terms; the names are ``registry.POLICY_LOSSES``."""
+RATIOS: dict[str, Callable] = {}
+"""name → function(LossInputs) → (B, T) the ratio the loss clips, per token (for the clip fraction)."""
 
 
-def register_policy_loss(name: str):
+def register_policy_loss(name: str, ratio: Callable | None = None):
+    if name not in REGISTERED_NAMES:
+        raise ValueError(f"policy loss {name!r} is not listed in algorithms/registry.py's POLICY_LOSSES")
+
     def decorate(function):
         POLICY_LOSSES[name] = function
+        if ratio is not None:
+            RATIOS[name] = ratio
         return function
 
     return decorate
@@ -31,7 +42,10 @@ class LossInputs:
     advantages: torch.Tensor
     """(B, T), detached."""
     mask: torch.Tensor
-    clip_range: float = 0.2
+    clip_low: float = 0.2
+    """ε_low: ratios are clipped below at 1 − ε_low."""
+    clip_high: float = 0.2
+    """ε_high: ratios are clipped above at 1 + ε_high (DAPO's clip-higher when larger than ε_low)."""
 
 
 @register_policy_loss("vanilla")
@@ -40,32 +54,77 @@ def vanilla_loss(inputs: LossInputs) -> torch.Tensor:
     return -inputs.advantages * inputs.logprobs * inputs.mask
 
 
-def _clipped(ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float) -> torch.Tensor:
+def _clipped(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """−min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A): PPO's pessimistic surrogate, negated."""
     unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_range, 1.0 + clip_range) * advantages
+    clipped = ratio.clamp(1.0 - low, 1.0 + high) * advantages
     return -torch.minimum(unclipped, clipped)
 
 
-@register_policy_loss("clipped-token")
+def token_ratio(inputs: LossInputs) -> torch.Tensor:
+    """ρ_t = π(y_t)/π_old(y_t)."""
+    return torch.exp(inputs.logprobs - inputs.old_logprobs)
+
+
+def _sequence_log_ratio(inputs: LossInputs) -> torch.Tensor:
+    return ((inputs.logprobs - inputs.old_logprobs) * inputs.mask).sum(-1, keepdim=True)
+
+
+def sequence_ratio(inputs: LossInputs) -> torch.Tensor:
+    """ρ_i = π(y_i|x)/π_old(y_i|x) = exp(Σ_t log ρ_t), on every token of completion i."""
+    return torch.exp(_sequence_log_ratio(inputs)).expand_as(inputs.mask)
+
+
+def length_normalised_ratio(inputs: LossInputs) -> torch.Tensor:
+    """GSPO's s_i = (π(y_i|x)/π_old(y_i|x))^(1/|y_i|) = exp(mean_t log ρ_t), on every token of completion i."""
+    lengths = inputs.mask.sum(-1, keepdim=True).clamp(min=1)
+    return torch.exp(_sequence_log_ratio(inputs) / lengths).expand_as(inputs.mask)
+
+
+@register_policy_loss("clipped-token", ratio=token_ratio)
 def clipped_token(inputs: LossInputs) -> torch.Tensor:
-    """PPO's clipped surrogate with a ratio per token, ρ_t = π(y_t)/π_old(y_t) (PPO, GRPO, TRL)."""
-    ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)
-    return _clipped(ratio, inputs.advantages, inputs.clip_range) * inputs.mask
+    """PPO's clipped surrogate with a ratio per token, ρ_t = π(y_t)/π_old(y_t) (PPO, GRPO, DAPO, TRL)."""
+    return _clipped(token_ratio(inputs), inputs.advantages, inputs.clip_low, inputs.clip_high) * inputs.mask
 
 
-@register_policy_loss("clipped-sequence")
+@register_policy_loss("clipped-sequence", ratio=sequence_ratio)
 def clipped_sequence(inputs: LossInputs) -> torch.Tensor:
     """The clipped surrogate with one ratio per completion, ρ_i = π(y_i|x)/π_old(y_i|x)
-    (the candidate level's form; GSPO-style). The term sits on the last token."""
-    log_ratio = ((inputs.logprobs - inputs.old_logprobs) * inputs.mask).sum(-1, keepdim=True)
+    (the candidate level's form). The term sits on the last token."""
     advantage = (inputs.advantages * inputs.mask).sum(-1, keepdim=True) / inputs.mask.sum(-1, keepdim=True).clamp(min=1)
-    per_sequence = _clipped(torch.exp(log_ratio), advantage, inputs.clip_range)
+    per_sequence = _clipped(torch.exp(_sequence_log_ratio(inputs)), advantage, inputs.clip_low, inputs.clip_high)
     return per_sequence * last_token(inputs.mask)
 
 
-def policy_loss_name(policy_loss: str, ratio_level: str, several_updates: bool) -> str:
-    """The registered loss a step uses: the record's, clipped whenever a batch serves several updates."""
-    return f"clipped-{ratio_level}" if policy_loss == "clipped" or several_updates else "vanilla"
+@register_policy_loss("gspo", ratio=length_normalised_ratio)
+def gspo(inputs: LossInputs) -> torch.Tensor:
+    """GSPO (Zheng et al., 2025): −min(s_i A, clip(s_i, 1 − ε_low, 1 + ε_high) A) with the length-normalised
+    sequence ratio s_i, written per token as GSPO-token does: s_i,t = sg(s_i)·π(y_t)/sg(π(y_t)) has the value s_i
+    and the gradient s_i ∇log π(y_t). Averaged over the completion's tokens (the record's
+    sequence-mean-token-mean) that is GSPO's gradient, s_i A_i · 1/|y_i| Σ_t ∇log π(y_t), unclipped; 0 clipped.
+    The clip decision is the sequence's: every token of a completion shares s_i."""
+    s = length_normalised_ratio(inputs).detach()
+    per_token = s * torch.exp(inputs.logprobs - inputs.logprobs.detach())
+    return _clipped(per_token, inputs.advantages, inputs.clip_low, inputs.clip_high) * inputs.mask
+
+
+@register_policy_loss("cispo", ratio=token_ratio)
+def cispo(inputs: LossInputs) -> torch.Tensor:
+    """CISPO (MiniMax-M1, 2025): −sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) · A_t · log π(y_t). The weight is a
+    constant, so a token whose ratio left the range keeps its gradient, scaled by the clipped weight (PPO's
+    surrogate gives it none)."""
+    weight = token_ratio(inputs).detach().clamp(1.0 - inputs.clip_low, 1.0 + inputs.clip_high)
+    return -weight * inputs.advantages * inputs.logprobs * inputs.mask
+
+
+def clip_fraction(name: str, inputs: LossInputs) -> torch.Tensor:
+    """(B, T) 1 on the tokens whose ratio (the one ``name`` clips) is outside [1 − ε_low, 1 + ε_high]; 0 for a
+    loss with no ratio."""
+    if name not in RATIOS:
+        return torch.zeros_like(inputs.mask)
+    ratio = RATIOS[name](inputs).detach()
+    outside = (ratio < 1.0 - inputs.clip_low) | (ratio > 1.0 + inputs.clip_high)
+    return outside.to(inputs.mask.dtype) * inputs.mask
 
 
 def last_token(mask: torch.Tensor) -> torch.Tensor:
@@ -83,19 +142,17 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     return 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
 
 
-AGGREGATIONS = ("sequence", "token-mean", "sequence-mean-token-mean")
-
-
 def aggregate(terms: torch.Tensor, mask: torch.Tensor, mode: str, sequences: float, tokens: float,
-              groups: float, per_group_sum: bool = False) -> torch.Tensor:
-    """One scalar from per-token loss terms, normalised by the *global* counts given.
+              groups: float, per_group_sum: bool = False, max_tokens: float | None = None) -> torch.Tensor:
+    """One scalar from per-token loss terms, normalised by the *global* counts given (``registry.AGGREGATIONS``).
 
     The counts are those of the whole batch (all micro-batches, later all
     processes), so that summing the shares of micro-batches gives the batch's
     loss exactly. ``sequence``: Σ over tokens and completions / completions (the
     paper: each completion is one action; ``per_group_sum`` divides by groups
     instead, RAFT's sum over the best-of-K); ``token-mean``: / all tokens;
-    ``sequence-mean-token-mean``: each completion's token mean, averaged.
+    ``sequence-mean-token-mean``: each completion's token mean, averaged;
+    ``constant``: / (completions × ``max_tokens``), Dr. GRPO's constant normaliser (the generation budget).
     """
     if mode == "sequence":
         return (terms * mask).sum() / (groups if per_group_sum else sequences)
@@ -103,4 +160,8 @@ def aggregate(terms: torch.Tensor, mask: torch.Tensor, mode: str, sequences: flo
         return (terms * mask).sum() / tokens
     if mode == "sequence-mean-token-mean":
         return ((terms * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / sequences
-    raise ValueError(f"unknown aggregation {mode!r}")
+    if mode == "constant":
+        if max_tokens is None:
+            raise ValueError("the constant aggregation needs max_tokens (the completion length limit)")
+        return (terms * mask).sum() / (sequences * max_tokens)
+    raise ValueError(f"unknown aggregation {mode!r}; choose one of {', '.join(AGGREGATIONS)}")

@@ -1,13 +1,15 @@
 """One record per algorithm, for both levels: everything the trainer needs to know about it.
 
-A record names its advantage estimator and policy loss by their registered keys (verl's pattern: the
-functions register themselves in ``estimators.py`` and ``losses.py``), says where the KL penalty goes,
-what it needs (a critic, a greedy baseline), how its advantages are normalised, and holds its
-candidate-level NumPy twin. The trainer reads these fields and never asks for an algorithm's name, so
-adding a variant is one estimator function and one record here.
+A record names its advantage estimator, policy loss and loss aggregation by their registered keys (verl's
+pattern: the functions register themselves in ``estimators.py`` and ``losses.py`` under the names listed
+here), says where the KL penalty goes and with which estimator, what it needs (a critic, a greedy baseline),
+how its advantages are normalised, its clip range and its other defaults, and holds its candidate-level
+NumPy twin. The trainer reads these fields and never asks for an algorithm's name, so adding a variant is
+one estimator (or loss) function and one record here.
 
 This module imports neither NumPy nor torch: ``--help`` lists the names, and configs validate
-against the records, before anything heavy is loaded.
+against the records, before anything heavy is loaded. The lists of choices below are the only ones: the
+flags' help texts and checks are made from them, and tests check that the torch modules register each name.
 """
 
 from __future__ import annotations
@@ -15,6 +17,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from auto_research.errors import UserError
+
+# --- the choices, each listed once -----------------------------------------------------------------------
+
+POLICY_LOSSES = {
+    "vanilla": "−A·log π, REINFORCE (the gradient at ratio 1 only: one update per batch)",
+    "clipped-token": "PPO's clipped surrogate, a ratio per token (PPO, GRPO, DAPO, TRL)",
+    "clipped-sequence": "the clipped surrogate of the completion's ratio π(y|x)/π_old(y|x)",
+    "gspo": "the clipped surrogate of the length-normalised ratio (π(y|x)/π_old(y|x))^(1/|y|) (GSPO)",
+    "cispo": "sg(clip(ρ_t))·A·log π per token: clipped tokens keep their gradient (CISPO)",
+}
+RATIO_FREE_LOSSES = ("vanilla",)
+"""Losses that are the policy gradient only at the sampling weights (ratio 1): a batch reused for several
+updates needs one with a ratio."""
+AGGREGATIONS = {
+    "sequence": "Σ over tokens / completions (each completion one action; the paper's)",
+    "token-mean": "/ all tokens of the batch (DAPO)",
+    "sequence-mean-token-mean": "each completion's token mean, averaged (GRPO's paper, GSPO)",
+    "constant": "Σ over tokens / (completions × --max-new-tokens) (Dr. GRPO)",
+}
+KL_PLACEMENTS = {
+    "reward": "−β·KL shapes the reward",
+    "loss": "β·KL added to the loss",
+    "none": "no penalty; a reference, if β > 0, still measures the KL",
+}
+KL_ESTIMATORS = ("k1", "k2", "k3")
+ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-tis", "sequence-mask")
+STANDARD_DEVIATIONS = {
+    "population": "divide by K, this project's default",
+    "unbiased": "divide by K − 1, as verl, OpenRLHF and TRL: advantages 1/1.155 as large at K = 4",
+}
+
+
+def described(choices: dict) -> str:
+    """``a (what a does), b (…)``: a help text made from a list of choices."""
+    return ", ".join(f"{name} ({text})" for name, text in choices.items())
 
 
 @dataclass(frozen=True)
@@ -42,7 +79,7 @@ class Algorithm:
     advantage: str
     """Key in ``algorithms.estimators.ADVANTAGE_ESTIMATORS``: per-token rewards → per-token advantages."""
     policy_loss: str
-    """vanilla: −A·log π; clipped: PPO's clipped surrogate (also used whenever a batch serves several updates)."""
+    """Key in ``POLICY_LOSSES`` (registered in ``algorithms/losses.py``): the default of --policy-loss."""
     kl: str
     """Where the KL penalty goes at the generation level by default (--kl-in): reward shapes the reward
     (only these algorithms may take it there), loss adds β·KL to the loss, none (a reference may still
@@ -50,6 +87,20 @@ class Algorithm:
     formula: str
     """One line for the docs."""
     citation: str
+    kl_estimator: str = "k1"
+    """The default --kl-estimator where the record puts the KL (``kl_estimator_for``)."""
+    aggregation: str = "sequence"
+    """Key in ``AGGREGATIONS``: the default --loss-aggregation."""
+    reused_batch_loss: str = "clipped-token"
+    """The loss when a batch serves several updates (--ppo-epochs, --ppo-mini-batches) and the record's own is
+    ratio-free (``RATIO_FREE_LOSSES``)."""
+    clip_low: float = 0.2
+    """ε_low: the ratio is clipped below at 1 − ε_low (the default of --clip-low)."""
+    clip_high: float = 0.2
+    """ε_high: clipped above at 1 + ε_high (--clip-high)."""
+    std: str | None = None
+    """The GRPO family's group standard deviation (a key of ``STANDARD_DEVIATIONS``, the default of --std);
+    None: the advantage divides by no standard deviation, and --std is refused."""
     needs_critic: bool = False
     """A learned value model V(s_t) (PPO): loaded, trained and checkpointed beside the policy."""
     needs_greedy: bool = False
@@ -63,13 +114,33 @@ class Algorithm:
     """Decay of a baseline kept by the loop across steps (REINFORCE): passed to the estimator, then updated
     from this step's globally reduced mean score."""
     min_group_size: int = 1
+    """Smallest K the estimator is defined for (2 when the baseline uses the other samples)."""
     rollout_correction: str = "sequence-tis"
     """The default --rollout-correction when another engine samples (--sampler vllm): sequence-tis for an
     estimator whose action is the whole completion (one weight π/μ of the completion, as its gradient
-    A_i · ∇log π(y_i|x) is a per-sequence expectation), token-tis for token-level estimators (PPO's per-token
-    ratios and GAE)."""
-    """Smallest K the estimator is defined for (2 when the baseline uses the other samples)."""
+    A_i · ∇log π(y_i|x) is a per-sequence expectation), token-tis for token-level estimators and losses (PPO's
+    per-token ratios and GAE, the GRPO family's token-level surrogates)."""
+    overlong_buffer_fraction: float = 0.0
+    """DAPO's soft overlong punishment by default: the buffer L as a fraction of --max-new-tokens (DAPO: 4,096
+    of 20,480 tokens, 0.2), rounded down; 0 leaves it off (--overlong-buffer sets it)."""
+    dynamic_sampling: bool = False
+    """Groups whose K scores are all equal are dropped and refilled (DAPO). Recorded as the algorithm's default,
+    but not yet honoured: the mechanism (--dynamic-sampling, issue 25's item 1) has not landed, so every group
+    is trained on, those without signal included (their advantages are 0; under token-mean their tokens still
+    count in the denominator)."""
     candidate: CandidateTwin | None = None
+
+    def kl_estimator_for(self, placement: str) -> str:
+        """The KL estimator by default for a placement: the record's where it puts the KL itself; moved into the
+        loss, k3 (k1's expected gradient as a loss term is zero), elsewhere k1 (the paper's)."""
+        if placement == self.kl:
+            return self.kl_estimator
+        return "k3" if placement == "loss" else "k1"
+
+    def loss_for(self, several_updates: bool) -> str:
+        """The record's policy loss, or its ``reused_batch_loss`` when a batch serves several updates and its own
+        loss needs ratio 1."""
+        return self.reused_batch_loss if several_updates and self.policy_loss in RATIO_FREE_LOSSES else self.policy_loss
 
 
 REGISTRY: dict[str, Algorithm] = {}
@@ -78,6 +149,12 @@ REGISTRY: dict[str, Algorithm] = {}
 def register(algorithm: Algorithm) -> Algorithm:
     if algorithm.name in REGISTRY:
         raise ValueError(f"algorithm {algorithm.name!r} is registered twice")
+    for key, choices in ((algorithm.policy_loss, POLICY_LOSSES), (algorithm.reused_batch_loss, POLICY_LOSSES),
+                         (algorithm.aggregation, AGGREGATIONS), (algorithm.kl, KL_PLACEMENTS),
+                         (algorithm.kl_estimator, KL_ESTIMATORS), (algorithm.rollout_correction, ROLLOUT_CORRECTIONS),
+                         (algorithm.std, (None, *STANDARD_DEVIATIONS))):
+        if key not in choices:
+            raise ValueError(f"algorithm {algorithm.name!r} names {key!r}, which is not one of {', '.join(map(str, choices))}")
     REGISTRY[algorithm.name] = algorithm
     return algorithm
 
@@ -87,6 +164,14 @@ def get_algorithm(name: str) -> Algorithm:
         return REGISTRY[name]
     except KeyError:
         raise UserError(f"unknown algorithm {name!r}; choose one of: {', '.join(REGISTRY)}") from None
+
+
+def names_by(attribute: str) -> dict:
+    """value of a record field → the algorithms that have it, in registry order (for help texts and docs)."""
+    grouped: dict = {}
+    for name, algorithm in REGISTRY.items():
+        grouped.setdefault(getattr(algorithm, attribute), []).append(name)
+    return grouped
 
 
 def candidate_algorithms() -> list[str]:
@@ -111,7 +196,7 @@ register(Algorithm(
     candidate=CandidateTwin("rloo", "policy-gradient", "reward", "policy"),
 ))
 register(Algorithm(
-    name="ppo-rlhf", advantage="gae", policy_loss="clipped", kl="reward", needs_critic=True, whiten=True,
+    name="ppo-rlhf", advantage="gae", policy_loss="clipped-token", kl="reward", needs_critic=True, whiten=True,
     rollout_correction="token-tis",
     min_group_size=2,
     formula="GAE per token on r_t = score·[t = last] − β·kl_t, V a learned critic; advantages whitened over the "
@@ -120,9 +205,9 @@ register(Algorithm(
     candidate=CandidateTwin("ppo", "clipped", "loss", "rollout"),
 ))
 register(Algorithm(
-    name="grpo", advantage="grpo", policy_loss="clipped", kl="loss", min_group_size=2,
-    rollout_correction="token-tis",
-    formula="A_i = (r_i − mean r) / (std r + 1e−6); clipped surrogate of ρ_i A_i; KL penalty in the loss",
+    name="grpo", advantage="grpo", policy_loss="clipped-token", kl="loss", kl_estimator="k3", std="population",
+    min_group_size=2, rollout_correction="token-tis",
+    formula="A_i = (r_i − mean r) / (std r + 1e−6); clipped surrogate of ρ_t A_i; KL penalty in the loss (k3)",
     citation="Shao et al., 2024 (arXiv 2402.03300)",
     candidate=CandidateTwin("grpo", "clipped", "loss", "rollout"),
 ))
@@ -151,16 +236,49 @@ register(Algorithm(
     candidate=CandidateTwin("raft", "policy-gradient", "none", "policy", reduction="sum"),
 ))
 register(Algorithm(
-    name="reinforce-pp", advantage="reinforce-pp", policy_loss="clipped", kl="reward", whiten=True,
+    name="reinforce-pp", advantage="reinforce-pp", policy_loss="clipped-token", kl="reward", whiten=True,
     rollout_correction="token-tis",
     formula="A_t = whiten(G_t) over the global batch, G_t = Σ_{s≥t} r_s, r_s = score·[s = last] − β·kl_s; "
             "clipped surrogate",
     citation="Hu et al., 2025 (arXiv 2501.03262)",
 ))
 register(Algorithm(
-    name="reinforce-pp-baseline", advantage="reinforce-pp-baseline", policy_loss="clipped", kl="reward", whiten=True,
+    name="reinforce-pp-baseline", advantage="reinforce-pp-baseline", policy_loss="clipped-token", kl="reward", whiten=True,
     rollout_correction="token-tis",
     min_group_size=2,
     formula="as reinforce-pp, with the group's mean score subtracted from each score first",
     citation="Hu et al., 2025 (arXiv 2501.03262); OpenRLHF's reinforce_baseline",
+))
+
+# --- the loss variants of 2025 (generation level only) -------------------------------------------------------
+
+register(Algorithm(
+    name="dr-grpo", advantage="dr-grpo", policy_loss="clipped-token", kl="none", aggregation="constant",
+    min_group_size=2, rollout_correction="token-tis",
+    formula="A_i = r_i − mean r (no std); clipped surrogate of ρ_t A_i summed over tokens / (completions × "
+            "max-new-tokens), a constant normaliser (no length bias); no KL, as the paper's objective",
+    citation="Liu et al., 2025, Understanding R1-Zero-Like Training: A Critical Perspective (arXiv 2503.20783)",
+))
+register(Algorithm(
+    name="dapo", advantage="grpo", policy_loss="clipped-token", kl="none", std="population",
+    aggregation="token-mean", clip_low=0.2, clip_high=0.28, overlong_buffer_fraction=0.2, dynamic_sampling=True,
+    min_group_size=2, rollout_correction="token-tis",
+    formula="A_i = (r_i − mean r) / (std r + 1e−6) on r plus the soft overlong penalty; clipped surrogate with "
+            "clip-higher (ε_low 0.2, ε_high 0.28), token-mean; no KL; dynamic sampling (not yet honoured)",
+    citation="Yu et al., 2025, DAPO: An Open-Source LLM Reinforcement Learning System at Scale (arXiv 2503.14476)",
+))
+register(Algorithm(
+    name="gspo", advantage="grpo", policy_loss="gspo", kl="none", std="population",
+    aggregation="sequence-mean-token-mean", clip_low=3e-4, clip_high=4e-4, min_group_size=2,
+    formula="s_i = (π(y_i|x)/π_old(y_i|x))^(1/|y_i|); 1/G Σ_i min(s_i A_i, clip(s_i, 1 − 3e−4, 1 + 4e−4) A_i), "
+            "A_i as grpo; no KL",
+    citation="Zheng et al., 2025, Group Sequence Policy Optimization (arXiv 2507.18071)",
+))
+register(Algorithm(
+    name="cispo", advantage="grpo", policy_loss="cispo", kl="none", std="population", aggregation="token-mean",
+    clip_low=1.0, clip_high=0.28, min_group_size=2, rollout_correction="token-tis",
+    formula="Σ_i Σ_t sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) A_i log π(y_t) / Σ_i |y_i|, A_i as grpo; no lower "
+            "bound (ε_low 1), ε_high 0.28; no KL",
+    citation="MiniMax, 2025, MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention "
+             "(arXiv 2506.13585)",
 ))

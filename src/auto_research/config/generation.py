@@ -10,22 +10,22 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from auto_research.algorithms.registry import REGISTRY, check_group_size, get_algorithm
+from auto_research.algorithms.registry import (AGGREGATIONS, KL_ESTIMATORS, KL_PLACEMENTS, POLICY_LOSSES, REGISTRY,
+                                               ROLLOUT_CORRECTIONS, STANDARD_DEVIATIONS, check_group_size, described,
+                                               get_algorithm, names_by)
 from auto_research.config.fields import (CANDIDATE_DATASETS, EMBEDDED_MODEL_DATASETS, GENERATION_DATASETS,
                                          HUB_DATASET, IN_MEMORY, PREFERENCE_DATASETS, check_choice, check_device,
                                          check_generation_dataset,
                                          check_non_negative_finite, check_non_negative_integers, check_positive_finite,
                                          check_positive_integers, comma_floats, default_dataset_dir, is_data_source,
                                          json_ready, setting)
+from auto_research.config.loss import by_algorithm, check_loss, having
 from auto_research.errors import UserError
 from auto_research.rewards.verifiers import VERIFIERS
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_PLACEMENTS = ("reward", "loss", "none")
-LOSS_AGGREGATIONS = ("sequence", "token-mean", "sequence-mean-token-mean")
 SCHEDULES = ("constant", "cosine")
 SAMPLERS = ("builtin", "vllm")
-ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-tis", "sequence-mask")
+
 
 # Per-dataset defaults for settings the user leaves unset. arithmetic-generate's
 # were chosen so that its CPU demo learns within minutes (see README, "CPU demo").
@@ -99,19 +99,47 @@ class GenerationConfig:
                                 "P(a better): held-out win rate against the starting policy, both orders", "rewards")
 
     # --- loss, KL and updates ---
-    kl_estimator: str | None = setting(None, "k1 (default in the reward, the paper), k2 or k3 (default in the loss)",
-                                       "loss")
-    kl_in: str | None = setting(None, "reward (rloo, reinforce, vanilla-pg, ppo-rlhf: the shaped reward), loss (grpo) "
-                                      "or none (remax, raft) (default: the algorithm's)", "loss")
-    loss_aggregation: str = setting("sequence", "sequence (the whole response is one action), token-mean or "
-                                                "sequence-mean-token-mean", "loss")
-    updates_per_batch: int = setting(1, "epochs over each rollout batch; > 1 uses clipped ratios", "loss",
+    kl_estimator: str | None = setting(None, f"{', '.join(KL_ESTIMATORS)} (default: the algorithm's, "
+                                       f"{by_algorithm('kl_estimator', KL_ESTIMATORS)}; moved into the loss by "
+                                       "--kl-in, k3)", "loss")
+    kl_in: str | None = setting(None, "; ".join(f"{placement}: {text} ({', '.join(names_by('kl').get(placement, []))})"
+                                               for placement, text in KL_PLACEMENTS.items())
+                                + " (default: the algorithm's)", "loss")
+    loss_aggregation: str | None = setting(None, f"{described(AGGREGATIONS)} (default: the algorithm's: "
+                                                 f"{by_algorithm('aggregation', AGGREGATIONS)})", "loss")
+    updates_per_batch: int = setting(1, "epochs over each rollout batch; > 1 needs a loss with a ratio", "loss",
                                      flag="--ppo-epochs", aliases=("--updates-per-batch",), type=int)
-    ppo_mini_batches: int = setting(1, "optimizer steps per epoch, each on whole groups; > 1 uses clipped ratios",
-                                    "loss", type=int)
-    ratio_level: str = setting("token", "importance ratio of the clipped surrogate: token (PPO, GRPO, TRL) or "
-                                        "sequence", "loss")
-    clip_range: float = setting(0.2, "ε of the clipped ratio", "loss", type=float)
+    ppo_mini_batches: int = setting(1, "optimizer steps per epoch, each on whole groups; > 1 needs a loss with a "
+                                       "ratio", "loss", type=int)
+    policy_loss: str | None = setting(None, f"{described(POLICY_LOSSES)} (default: the algorithm's: "
+                                            f"{by_algorithm('policy_loss', POLICY_LOSSES)}; with several updates per "
+                                            "batch, clipped-token in place of vanilla)", "loss")
+    clip_range: float | None = setting(None, "ε of the clipped ratio on both sides, 1 − ε … 1 + ε (default: the "
+                                             "algorithm's; --clip-low and --clip-high set one side each and win)",
+                                       "loss", type=float)
+    clip_low: float | None = setting(None, "ε_low: ratios clipped below at 1 − ε_low, in [0, 1] (1: no lower bound, "
+                                           "CISPO)", "loss", default_text="--clip-range, else the algorithm's: "
+                                     "0.2; gspo 3e-4; cispo 1", type=float)
+    clip_high: float | None = setting(None, "ε_high: ratios clipped above at 1 + ε_high, >= 0 (DAPO's clip-higher "
+                                            "when above ε_low)", "loss", default_text="--clip-range, else the "
+                                      "algorithm's: 0.2; dapo and cispo 0.28; gspo 4e-4", type=float)
+    std: str | None = setting(None, f"the group std of {having('std')}: {described(STANDARD_DEVIATIONS)}", "loss",
+                              default_text="population")
+    normalize_advantages: bool = setting(False, "z-score the completions' advantages over the global batch, "
+                                         "(A − mean A) / (std A + 1e-4), each completion once (TRL's option for "
+                                         "RLOO); not for the algorithms that already whiten", "loss",
+                                         action="store_true")
+    mask_truncated: bool = setting(False, "leave completions that hit --max-new-tokens without ending out of the "
+                                          "loss (DAPO's overlong filtering; TRL's mask_truncated_completions); they "
+                                          "still count in their group's baseline", "loss", action="store_true")
+    overlong_buffer: int | None = setting(None, "L of DAPO's soft overlong punishment, added to the reward: 0 up "
+                                                "to --max-new-tokens − L tokens, then falling linearly to "
+                                                "−--overlong-penalty at the limit; 0 = off", "loss",
+                                          default_text="dapo: --max-new-tokens // 5, others 0", type=int)
+    overlong_penalty: float | None = setting(None, "P, the overlong punishment at the length limit (needs "
+                                                   "--overlong-buffer)", "loss", default_text="1.0 (DAPO)", type=float)
+    entropy_coef: float = setting(0.0, "weight of the entropy bonus: the loss minus this × the policy's entropy, "
+                                       "aggregated as the loss", "loss", type=float)
 
     # --- critic (ppo-rlhf) ---
     gae_lambda: float = setting(1.0, "λ of GAE (the RLOO paper's best for PPO; TRL uses 0.95)", "critic", type=float)
@@ -120,7 +148,7 @@ class GenerationConfig:
     critic_model: str | None = setting(None, "initial critic weights (default: --reward-model if given, else the "
                                              "policy)", "critic")
     whiten_advantages: bool = setting(True, "keep the advantages of algorithms that whiten them over the global batch "
-                                      "(ppo-rlhf's GAE) as they are", "loss", flag="--no-whiten-advantages",
+                                      f"({having('whiten')}) as they are", "loss", flag="--no-whiten-advantages",
                                       action="store_false")
 
     # --- sampling ---
@@ -141,10 +169,10 @@ class GenerationConfig:
                              "sampling")
     vllm_server: str | None = setting(None, "HOST:PORT of the vLLM server (--vllm-mode server)", "sampling")
     rollout_correction: str | None = setting(None, "correct for the sampler's distribution differing from the "
-                                                   "trainer's: none, token-tis, sequence-tis or sequence-mask "
-                                                   "(default: sequence-tis for sequence-level estimators such as "
-                                                   "RLOO, token-tis for token-level ones such as PPO; the identity "
-                                                   "with --sampler builtin)", "sampling")
+                                                   f"trainer's: {', '.join(ROLLOUT_CORRECTIONS)} (default: the "
+                                                   "algorithm's, "
+                                                   f"{by_algorithm('rollout_correction', ROLLOUT_CORRECTIONS)}; "
+                                                   "the identity with --sampler builtin)", "sampling")
     rollout_correction_cap: float = setting(2.0, "C of the truncated importance weight min(w, C); sequence-mask "
                                                  "drops completions whose weight is above C or below 1/C",
                                             "sampling", type=float)
@@ -217,20 +245,40 @@ class GenerationConfig:
     def run_dir(self) -> Path:
         return Path(self.output_dir) / f"{self.algorithm}-{self.dataset_name}-seed{self.seed}"
 
+    @property
+    def policy_loss_in_use(self) -> str:
+        """--policy-loss, else the record's loss for this many updates per batch (``Algorithm.loss_for``): resolved
+        here, not filled, since a copy of a filled config may change the updates per batch."""
+        several = self.updates_per_batch > 1 or self.ppo_mini_batches > 1
+        return self.policy_loss or get_algorithm(self.algorithm).loss_for(several)
+
     def filled(self) -> "GenerationConfig":
-        """A copy with the dataset's presets in place of unset (None) settings, and the algorithm's KL placement."""
+        """A copy with the dataset's presets in place of unset (None) settings, and the algorithm record's defaults
+        (KL placement and estimator, aggregation, clip range, std, correction, overlong buffer)."""
         preset = GENERATION_PRESETS[self.dataset if self.dataset in GENERATION_PRESETS else "jsonl"]
         values = {key: value for key, value in preset.items() if getattr(self, key) is None}
         filled = replace(self, **values)
+        record = get_algorithm(self.algorithm)
         if filled.eval_every is None:
             filled.eval_every = max(1, filled.steps // 10)
         if filled.kl_in is None:
-            filled.kl_in = get_algorithm(self.algorithm).kl
-        if filled.rollout_correction is None:
-            filled.rollout_correction = get_algorithm(self.algorithm).rollout_correction
+            filled.kl_in = record.kl
         if filled.kl_estimator is None:
-            # k1's expected gradient as a loss term is zero: GRPO's paper uses k3 there.
-            filled.kl_estimator = "k1" if filled.kl_in != "loss" else "k3"
+            filled.kl_estimator = record.kl_estimator_for(filled.kl_in)
+        if filled.loss_aggregation is None:
+            filled.loss_aggregation = record.aggregation
+        if filled.clip_low is None:
+            filled.clip_low = record.clip_low if filled.clip_range is None else filled.clip_range
+        if filled.clip_high is None:
+            filled.clip_high = record.clip_high if filled.clip_range is None else filled.clip_range
+        if filled.std is None:
+            filled.std = record.std
+        if filled.rollout_correction is None:
+            filled.rollout_correction = record.rollout_correction
+        if filled.overlong_buffer is None and isinstance(filled.max_new_tokens, int):
+            filled.overlong_buffer = int(record.overlong_buffer_fraction * filled.max_new_tokens)
+        if filled.overlong_penalty is None and filled.overlong_buffer:
+            filled.overlong_penalty = 1.0
         return filled
 
     def validate(self) -> "GenerationConfig":
@@ -292,14 +340,9 @@ class GenerationConfig:
             raise UserError("--vllm-mode and --vllm-server apply to --sampler vllm only")
         if not (0 < self.top_p <= 1):
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if not (0 <= self.clip_range < 1):
-            raise UserError(f"--clip-range must be in [0, 1), got {self.clip_range}")
         check_non_negative_finite("--weight-decay", self.weight_decay)
-        for flag, value, allowed in (("--kl-estimator", self.kl_estimator, KL_ESTIMATORS),
-                                     ("--kl-in", self.kl_in, KL_PLACEMENTS),
-                                     ("--loss-aggregation", self.loss_aggregation, LOSS_AGGREGATIONS),
-                                     ("--ratio-level", self.ratio_level, ("token", "sequence")),
-                                     ("--lr-schedule", self.lr_schedule, SCHEDULES),
+        check_loss(self, algorithm)
+        for flag, value, allowed in (("--lr-schedule", self.lr_schedule, SCHEDULES),
                                      ("--verifier", self.verifier, VERIFIERS)):
             check_choice(flag, value, allowed)
         if self.kl_in == "reward" and algorithm.kl != "reward" and self.beta > 0:

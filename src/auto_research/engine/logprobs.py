@@ -129,11 +129,13 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     group_size: int = 1,
+    entropy_gradient: bool = False,
 ):
     """log π(y_t | x, y_<t) for each completion token, shape (B, C); 0 where masked.
 
     Logits are divided by the sampling temperature, so the policy trained is the one that sampled.
-    With ``with_entropy`` also returns the per-token entropy of that distribution (no gradient).
+    With ``with_entropy`` also returns the per-token entropy of that distribution (with its gradient when
+    ``entropy_gradient``: the entropy bonus, --entropy-coef; else none).
 
     Where the model's output layer is a plain linear map (Llama, Qwen, Mistral, SmolLM …), its input is
     taken at the completion positions and the logits are made, used and dropped a chunk of positions at
@@ -146,22 +148,25 @@ def token_logprobs(
     mask = completion_mask.bool()
     if hidden is None:
         return _from_logits(completion_logits(model, sequences, prompt_mask, completion_mask, temperature), targets,
-                            mask, with_entropy)
+                            mask, with_entropy, entropy_gradient)
     chosen = torch.zeros(mask.shape, dtype=torch.float32, device=sequences.device)
     kept_hidden, kept_targets = hidden[mask], targets[mask]
     chosen = chosen.masked_scatter(mask, chunked_logprobs(kept_hidden, weight, kept_targets, temperature))
     if not with_entropy:
         return chosen
     entropy = torch.zeros(mask.shape, dtype=torch.float32, device=sequences.device)
+    if entropy_gradient:
+        return chosen, entropy.masked_scatter(mask, _ChunkedEntropy.apply(kept_hidden, weight, temperature))
     return chosen, entropy.masked_scatter(mask, chunked_entropy(kept_hidden.detach(), weight.detach(), temperature))
 
 
-def _from_logits(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, with_entropy: bool):
+def _from_logits(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, with_entropy: bool,
+                 entropy_gradient: bool = False):
     normaliser = torch.logsumexp(logits, dim=-1)
     chosen = (logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser) * mask
     if not with_entropy:
         return chosen
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_gradient and torch.is_grad_enabled()):
         log_p = logits - normaliser.unsqueeze(-1)
         entropy = -(log_p.exp() * log_p).sum(-1) * mask
     return chosen, entropy
@@ -278,6 +283,36 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
                      temperature: float = 1.0) -> torch.Tensor:
     """(N,) log-probabilities of ``targets`` under softmax(hidden · weightᵀ / T), never all N logits at once."""
     return _ChunkedLogProbs.apply(hidden, weight, targets, temperature)
+
+
+class _ChunkedEntropy(torch.autograd.Function):
+    """H = −Σ_v p_v log p_v of softmax(h Wᵀ / T) for N rows, a chunk at a time, with its gradient: the backward
+    makes each chunk's logits again, dH/dz_v = −p_v (log p_v + H), so no (N, V) tensor outlives its chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, temperature):
+        ctx.save_for_backward(hidden, weight)
+        ctx.temperature = temperature
+        return chunked_entropy(hidden, weight, temperature)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight = ctx.saved_tensors
+        compute = hidden.dtype
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        w = weight.to(compute)
+        for start, stop in _chunks(hidden.shape[0], weight.shape[0]):
+            log_p = torch.log_softmax(_logits(hidden[start:stop], weight, ctx.temperature), dim=-1)
+            p = log_p.exp()
+            entropy = -(p * log_p).sum(-1, keepdim=True)
+            grad = (-p * (log_p + entropy) * (grad_out[start:stop] / ctx.temperature)[:, None]).to(compute)
+            if grad_hidden is not None:
+                grad_hidden[start:stop] = grad @ w
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ hidden[start:stop]).float()
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None
 
 
 @torch.no_grad()

@@ -266,7 +266,7 @@ class RunLoop:
                 "loss_aggregation": config.loss_aggregation,
                 "updates_per_batch": config.updates_per_batch,
                 "ppo_mini_batches": config.ppo_mini_batches,
-                "ratio_level": config.ratio_level,
+                "policy_loss": config.policy_loss_in_use,
                 "dtype": str(c.compute_dtype).replace("torch.", ""),
                 "temperature": config.temperature,
                 "max_new_tokens": config.max_new_tokens,

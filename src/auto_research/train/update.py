@@ -9,11 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from auto_research.algorithms.estimators import ADVANTAGE_ESTIMATORS, AdvantageInputs, sequence_scores, whiten
-from auto_research.algorithms.losses import (POLICY_LOSSES, LossInputs, aggregate, clipped_value_loss, last_token,
-                                             policy_loss_name)
+from auto_research.algorithms.estimators import (ADVANTAGE_ESTIMATORS, AdvantageInputs, normalise_over_batch,
+                                                 overlong_penalty, sequence_scores, whiten)
+from auto_research.algorithms.losses import (POLICY_LOSSES, LossInputs, aggregate, clip_fraction, clipped_value_loss,
+                                             last_token)
 from auto_research.config.generation import GenerationConfig
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
+from auto_research.engine.rollout import Rollout, eos_ids
 from auto_research.train.components import Components
 from auto_research.train.experience import Experience, widen
 
@@ -29,18 +31,42 @@ class Advantages:
 
 
 def estimate_advantages(c: Components, experience: Experience, baseline: float = 0.0) -> Advantages:
-    """Per-token rewards (the task reward on the last token, −β·kl on every token when the KL shapes the
-    reward) → the record's estimator → whitening over every rank's tokens when the record asks for it."""
+    """Per-token rewards (the task reward, plus DAPO's overlong penalty when --overlong-buffer is on, on the last
+    token; −β·kl on every token when the KL shapes the reward) → the record's estimator → whitening over every
+    rank's tokens when the record asks for it, or --normalize-advantages' z-score over the completions."""
     config, mask, scores = c.config, experience.mask, experience.scores
-    token_rewards = last_token(mask) * scores.rewards.unsqueeze(1)
+    rewards = scores.rewards
+    if config.overlong_buffer:
+        penalty = overlong_penalty(mask.sum(1), config.max_new_tokens, config.overlong_buffer, config.overlong_penalty)
+        rewards = torch.where(scores.scored, rewards + penalty, rewards)
+    token_rewards = last_token(mask) * rewards.unsqueeze(1)
     if config.kl_in == "reward":
         token_rewards = token_rewards - config.beta * experience.kl
     inputs = AdvantageInputs(token_rewards, mask, config.group_size, scores.scored, scores.greedy_rewards,
-                             experience.values, 1.0, config.gae_lambda, baseline, scores.rewards)
+                             experience.values, 1.0, config.gae_lambda, baseline, rewards, config.std or "population")
     advantages, returns = ADVANTAGE_ESTIMATORS[c.algorithm.advantage](inputs)
     if c.algorithm.whiten and config.whiten_advantages:
         advantages = whiten(advantages, mask * scores.scored.float().unsqueeze(1), total=c.world.total)
+    if config.normalize_advantages:
+        advantages = normalise_over_batch(advantages, mask, scores.scored, total=c.world.total)
     return Advantages(advantages, returns, inputs)
+
+
+def truncated(rollout: Rollout, max_new_tokens: int, eos: list[int]) -> torch.Tensor:
+    """(B,) bool: the completion hit the length limit without ending (its last token is no EOS)."""
+    lengths = rollout.completion_mask.sum(1).long()
+    last = rollout.completion_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    return (lengths >= max_new_tokens) & ~torch.isin(last, torch.tensor(eos, dtype=last.dtype))
+
+
+def loss_mask(c: Components, experience: Experience) -> torch.Tensor:
+    """(B, T) the tokens the actor's loss counts: every completion token, less the truncated completions' with
+    --mask-truncated (they stay in their groups' baselines, computed before)."""
+    mask = experience.mask
+    if not c.config.mask_truncated:
+        return mask
+    cut = truncated(experience.rollout, c.config.max_new_tokens, eos_ids(c.tokenizer, c.policy))
+    return mask * (~cut).to(mask.dtype).unsqueeze(1)
 
 
 def moving_average_after(inputs: AdvantageInputs, baseline: float, decay: float, total=lambda tensor: tensor) -> float:
@@ -90,28 +116,32 @@ def optimizer_step(c: Components, model, optimizer, update: int) -> float:
 
 
 def update_actor(c: Components, experience: Experience, advantages: Advantages, updates: int) -> dict:
-    """Epochs × mini-batches × micro-batches of the record's policy loss (plus the KL term in the loss).
-    ``updates``: optimizer steps taken before (the schedule's position); returns the figures and their count."""
-    config, mask, world = c.config, experience.mask, c.world
-    clipped_name = policy_loss_name(c.algorithm.policy_loss, config.ratio_level,
-                                    config.updates_per_batch > 1 or config.ppo_mini_batches > 1)
-    loss_function, clipped = POLICY_LOSSES[clipped_name], clipped_name != "vanilla"
-    totals = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0, "grad_norm": 0.0, "clip_fraction": 0.0}
+    """Epochs × mini-batches × micro-batches of the policy loss (--policy-loss, the record's by default), plus the
+    KL term in the loss and the entropy bonus. ``updates``: optimizer steps taken before (the schedule's
+    position); returns the figures and their count."""
+    config, world = c.config, c.world
+    mask = loss_mask(c, experience)
+    loss_function = POLICY_LOSSES[config.policy_loss_in_use]
+    totals = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0, "entropy_loss": 0.0, "grad_norm": 0.0,
+              "clip_fraction": 0.0}
     width, all_tokens = mask.shape[1], float(world.total(mask.sum()).clamp(min=1))
+    entropy_bonus = config.entropy_coef > 0
     for _ in range(config.updates_per_batch):
         for rows in _mini_batches(c, mask.shape[0]):
             # Global counts of this optimizer step (over every rank): micro-batch shares sum to its exact loss.
             # DDP and FSDP average gradients over ranks, hence the loss × N.
             sequences = (rows.stop - rows.start) * world.size
             counts = dict(sequences=float(sequences), tokens=float(world.total(mask[rows].sum()).clamp(min=1)),
-                          groups=float(sequences // config.group_size))
+                          groups=float(sequences // config.group_size), max_tokens=float(config.max_new_tokens))
             for part, chunk in _accumulating(c, experience, rows, c.train_policy):
                 with c.autocast():
-                    logprobs = widen(token_logprobs(c.train_policy, chunk.sequences, chunk.prompt_mask,
-                                                    chunk.completion_mask, config.temperature,
-                                                    group_size=config.group_size), width)
+                    output = token_logprobs(c.train_policy, chunk.sequences, chunk.prompt_mask, chunk.completion_mask,
+                                            config.temperature, with_entropy=entropy_bonus,
+                                            group_size=config.group_size, entropy_gradient=entropy_bonus)
+                logprobs, entropy = output if entropy_bonus else (output, None)
+                logprobs = widen(logprobs, width)
                 inputs = LossInputs(logprobs, experience.old_logprobs[part], advantages.advantages[part], mask[part],
-                                    config.clip_range)
+                                    config.clip_low, config.clip_high)
                 terms = loss_function(inputs)
                 if experience.rollout_weights is not None:  # another engine sampled: π/μ, truncated
                     terms = terms * experience.rollout_weights[part]
@@ -123,20 +153,24 @@ def update_actor(c: Components, experience: Experience, advantages: Advantages, 
                     kl_loss = config.beta * aggregate(kl, mask[part], config.loss_aggregation, **counts)
                     loss = loss + kl_loss
                     totals["kl_loss"] += float(kl_loss.detach())
+                if entropy_bonus:
+                    entropy_loss = -config.entropy_coef * aggregate(widen(entropy, width), mask[part],
+                                                                    config.loss_aggregation, **counts)
+                    loss = loss + entropy_loss
+                    totals["entropy_loss"] += float(entropy_loss.detach())
                 (loss * world.size if world.distributed else loss).backward()
                 totals["loss"] += float(loss.detach())
                 totals["pg_loss"] += float(pg.detach())
-                if clipped:
-                    ratio = torch.exp(logprobs.detach() - experience.old_logprobs[part])
-                    outside = ((ratio - 1).abs() > config.clip_range).float() * mask[part]
-                    totals["clip_fraction"] += float(outside.sum()) / all_tokens
+                totals["clip_fraction"] += float(clip_fraction(config.policy_loss_in_use, inputs).sum()) / all_tokens
             totals["grad_norm"] = optimizer_step(c, c.policy, c.optimizer, updates)
             updates += 1
     # Losses are reported per optimizer step (averaged, summed over ranks); the gradient norm is the last step's.
-    keys = ("loss", "pg_loss", "kl_loss", "clip_fraction")
+    keys = ("loss", "pg_loss", "kl_loss", "entropy_loss", "clip_fraction")
     summed = world.total(torch.tensor([totals[key] for key in keys], dtype=torch.float64))
     for key, value in zip(keys, summed.tolist()):
         totals[key] = value / c.updates_per_step
+    if not entropy_bonus:
+        del totals["entropy_loss"]
     return totals
 
 
