@@ -7,7 +7,8 @@ optimizer step.
     sampler.load_weights(policy)                     # a no-op for the builtin loop
 
 The builtin loop (``builtin.py``) samples from the training model itself. Another engine (vLLM, an
-asynchronous producer) implements the same two methods and returns the same ``Rollout``.
+asynchronous producer) implements the same two methods and returns the same ``Rollout``; ``remote.py`` holds
+what every such engine needs (the weights to push, the Rollout of its token ids and log-probs).
 """
 
 from __future__ import annotations

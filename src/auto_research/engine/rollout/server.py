@@ -33,7 +33,7 @@ from urllib.parse import parse_qs, urlparse
 import torch
 
 from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
-from auto_research.engine.rollout.vllm import build_rollout, pushed_weights
+from auto_research.engine.rollout.remote import build_rollout, pushed_weights
 from auto_research.errors import UserError
 from auto_research.http import RequestFailed, request
 
