@@ -18,6 +18,7 @@ from auto_research.algorithms.correction import importance_weights, mismatch
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
 from auto_research.engine.rollout import Rollout, prompt_seed
 from auto_research.engine.rollout.builtin import sample
+from auto_research.engine.samplers import sampler_record
 from auto_research.errors import RewardError
 from auto_research.train.components import Components
 
@@ -163,7 +164,7 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores) -> Experie
         kl = torch.zeros_like(old_logprobs)
     values = no_grad_forward(c, c.critic, rollout, completion_values) * mask if c.critic is not None else None
     weights = drift = None
-    if c.config.sampler != "builtin" and rollout.sampler_logprobs is not None:
+    if not sampler_record(c.config).is_the_trainer and rollout.sampler_logprobs is not None:
         # Another engine sampled: how far its log-probs are from the trainer's, and the weights that correct it.
         weights = importance_weights(old_logprobs - rollout.sampler_logprobs, mask, c.config.rollout_correction,
                                      c.config.rollout_correction_cap)

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from auto_research.engine.samplers import sampler_record
 from auto_research.train.components import Components
 from auto_research.train.experience import build_experience, draw_batch, score
 from auto_research.train.metrics import step_metrics
@@ -49,7 +50,7 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
     with timed("weight_sync"):
         c.sampler.load_weights(c.policy)
     row = step_metrics(c, step, experience, advantages, actor, critic, time.perf_counter() - started, state.totals)
-    if c.config.sampler != "builtin":
+    if sampler_record(c.config).pushes_weights:
         row["weight_sync_seconds"] = seconds["weight_sync"]
     return {**row, **{f"time_{phase}": value for phase, value in seconds.items()}}
 
