@@ -135,11 +135,13 @@ class GenerationConfig:
     vllm_memory: float | None = setting(None, "on a GPU, the share of its memory vLLM may take for weights, "
                                               "activations and KV cache (default 0.3; the trainer needs the rest); "
                                               "on the CPU, the share of host memory for its KV cache (default 0.05)",
-                                        "sampling", type=float)
-    vllm_mode: str = setting("colocate", "colocate (one engine in each training process) or server (an engine "
-                                         "of its own for every rank, started by auto-research vllm-serve)",
-                             "sampling")
-    vllm_server: str | None = setting(None, "HOST:PORT of the vLLM server (--vllm-mode server)", "sampling")
+                                        "sampling", flag="--rollout-memory", aliases=("--vllm-memory",), type=float)
+    vllm_mode: str = setting("colocate", "where the rollout engine runs: colocate (one engine in each training "
+                                         "process) or server (an engine of its own for every rank, started by "
+                                         "auto-research vllm-serve)", "sampling", flag="--rollout-mode",
+                             aliases=("--vllm-mode",))
+    vllm_server: str | None = setting(None, "HOST:PORT of the rollout server (--rollout-mode server)", "sampling",
+                                      flag="--rollout-server", aliases=("--vllm-server",))
     rollout_correction: str | None = setting(None, "correct for the sampler's distribution differing from the "
                                                    "trainer's: none, token-tis, sequence-tis or sequence-mask "
                                                    "(default: sequence-tis for sequence-level estimators such as "
