@@ -56,6 +56,8 @@ class Components:
     train_prompts: list[str]
     """The task's training prompts as the model sees them (through the chat template)."""
     eval_prompts: list[str]
+    rollouts: object | None = None
+    """The rollout side (train/rollouts.py), started at the first step or when a run resumes."""
 
     def autocast(self):
         """bf16 compute over float32 master weights when --dtype bfloat16; nothing otherwise."""
@@ -183,14 +185,21 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     components = Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
                             train_policy, optimizer, reference, critic, train_critic, critic_optimizer, None, reward,
                             prepared.judge, train_prompts, eval_prompts)
-    # Sampling runs in chunks of --generation-batch-size (else --micro-batch-size) completions: the same chunks
-    # on 1 or N processes, hence the same floating-point numbers.
-    per_call = config.generation_batch_size or config.micro_batch_size
-    chunk = max(1, per_call // config.group_size) if per_call else None
-    settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
-    components.sampler = record.build(SamplerNeeds(config, policy, tokenizer, settings, chunk, components.sampling,
-                                                   model_name, world, compute_dtype, device, train_prompts, log))
+    components.sampler = record.build(SamplerNeeds(config, policy, tokenizer, sampling_settings(config),
+                                                   chunk_prompts(config), components.sampling, model_name, world,
+                                                   compute_dtype, device, train_prompts, log))
     return components
+
+
+def sampling_settings(config: GenerationConfig) -> SamplingSettings:
+    return SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
+
+
+def chunk_prompts(config: GenerationConfig) -> int | None:
+    """Sampling runs in chunks of --generation-batch-size (else --micro-batch-size) completions: the same chunks
+    on 1 or N processes, hence the same floating-point numbers."""
+    per_call = config.generation_batch_size or config.micro_batch_size
+    return max(1, per_call // config.group_size) if per_call else None
 
 
 def parameter_counts(c: Components) -> dict:

@@ -185,6 +185,8 @@ class RunLoop:
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
+            if c.rollouts is not None:
+                c.rollouts.close()
             bar.close()
             self.metrics_log.close()
         if state.totals["unscored_samples"]:
