@@ -147,6 +147,10 @@ class GenerationConfig:
                                                    "(default: sequence-tis for sequence-level estimators such as "
                                                    "RLOO, token-tis for token-level ones such as PPO; the identity "
                                                    "with --sampler builtin)", "sampling")
+    max_staleness: int = setting(0, "K: train on batches drawn by weights up to K steps older than the policy being "
+                                    "updated, the rollout side sampling in a thread of its own while the trainer "
+                                    "trains (step s is drawn by weights version max(0, s − 1 − K)); 0 = sample, then "
+                                    "train (docs/async.md)", "sampling", type=int)
     rollout_correction_cap: float = setting(2.0, "C of the truncated importance weight min(w, C); sequence-mask "
                                                  "drops completions whose weight is above C or below 1/C",
                                             "sampling", type=float)
@@ -292,6 +296,7 @@ class GenerationConfig:
                 raise UserError("--vllm-server is for --vllm-mode server")
         elif self.vllm_server is not None or self.vllm_mode != "colocate":
             raise UserError("--vllm-mode and --vllm-server apply to --sampler vllm only")
+        self._check_staleness()
         if not (0 < self.top_p <= 1):
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.clip_range < 1):
@@ -344,6 +349,25 @@ class GenerationConfig:
 
         parse_report_to(self.report_to)
         return self
+
+    def _check_staleness(self) -> None:
+        from auto_research.engine.samplers import SAMPLERS, sampler_name, sampler_record
+
+        K = self.max_staleness
+        if K < 0:
+            raise UserError(f"--max-staleness must be >= 0 (0: sample, then train), got {K}")
+        if not K:
+            return
+        if not sampler_record(self).runs_apart:
+            apart = [name for name, record in SAMPLERS.items() if record.runs_apart]
+            raise UserError(f"--max-staleness {K}: the {sampler_name(self)} sampler cannot run apart from the trainer; "
+                            f"samplers that can: {', '.join(apart)} (or --max-staleness 0)")
+        if self.steps is not None and K >= self.steps:
+            raise UserError(f"--max-staleness {K} must be below --steps {self.steps} (step s trains on a batch drawn "
+                            f"by the weights of step s − 1 − K)")
+        if self.fsdp:
+            raise UserError(f"--max-staleness {K} with --fsdp is not built (the rollout side's copy of the weights "
+                            "would gather every shard); use DDP (without --fsdp) or --max-staleness 0")
 
     def validate_dataset(self) -> None:
         check_generation_dataset(self.dataset)

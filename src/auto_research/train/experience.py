@@ -106,7 +106,8 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
     those of the policy (the ratio of the one update is 1), computed as it sampled, by these very weights
     (``version``, the policy after that many steps: rows drawn by older weights need the forward).
 
-    The sampler's log-probs are the behaviour policy μ. When another engine sampled, each token's loss term is weighted by the truncated π_old/μ (--rollout-correction),
+    The sampler's log-probs are the behaviour policy μ. When another engine sampled, or older weights did
+    (--max-staleness ≥ 1), each token's loss term is weighted by the truncated π_old/μ (--rollout-correction),
     π_old being the weights at the start of this update: for the clipped losses (PPO, GRPO, REINFORCE++) that is
     the decoupled objective's proximal policy (the ratio is clipped against π_old, the weight corrects π_old
     to μ); for the whole-completion estimators (RLOO …) π_old is the policy whose gradient is taken."""
@@ -135,8 +136,8 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
 
 
 def corrected(config) -> bool:
-    """Whether μ may differ from π_old: another engine samples."""
-    return not sampler_record(config).is_the_trainer
+    """Whether μ may differ from π_old: another engine samples, or older weights (--max-staleness ≥ 1)."""
+    return not sampler_record(config).is_the_trainer or config.max_staleness > 0
 
 
 def sampled_is_the_policy(c: Components, rollout: Rollout, version: int | None = None) -> bool:

@@ -47,6 +47,9 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
             world_size: int = 1) -> Prepared:
     """Every check of a run that needs no torch; reads the run folder (lock it first), writes nothing."""
     check_settings(config, world_size)
+    if config.max_staleness and config.rollout_correction == "none":
+        log(f"warning: --max-staleness {config.max_staleness} with --rollout-correction none: batches drawn by older "
+            "weights are trained on as if the current policy had drawn them (uncorrected; docs/async.md)")
     run_folder.check_run_folder(config)
     resume_from = run_folder.resumable_checkpoint(config, log, world_size) if config.resume else None
     for source, flag in ((config.model, "--model"), (config.reward_model, "--reward-model"),

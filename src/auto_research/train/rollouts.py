@@ -2,14 +2,14 @@
 policy version that drew it, handed to the trainer side (experience → advantages → update → publish weights)
 through a bounded queue.
 
-    rollouts = start_rollouts(c, state)   # Synchronous: the queue of depth 0
+    rollouts = start_rollouts(c, state)   # Synchronous (--max-staleness 0) or InFlight (in_flight.py)
     drawn = rollouts.take(step)           # the step's frozen batch (waits for it)
     scores = agreed_scores(world, drawn, step)
     ...                                   # experience, advantages, update
     rollouts.publish(step, c.policy)      # weights version ``step`` (after ``step`` steps)
 
 The schedule is fixed: step s's batch is drawn by weights version ``drawing_version(s, K)`` = max(0, s − 1 − K),
-where version v is the policy after v steps (K = 0 here). K = 0 is the synchronous step, a queue of depth 0: the batch is
+where version v is the policy after v steps. K = 0 is today's synchronous step, a queue of depth 0: the batch is
 drawn when the trainer asks for it, with the weights it is about to update. Nothing here runs a collective: the
 rollout side may live in a thread of its own, and every rank's agreement (a failed reward, the counts) is the
 trainer's, in ``agreed_scores``.
@@ -157,3 +157,37 @@ class Synchronous:
 
     def close(self) -> None:
         pass
+
+
+# --- batches in flight, in a checkpoint (safetensors and JSON: nothing unpickled) ------------------------------
+
+_TENSORS = ("sequences", "prompt_mask", "completion_mask", "sampler_logprobs", "sampler_entropy", "policy_versions")
+
+
+def to_files(batches: list[Drawn]) -> tuple[dict, list]:
+    """This rank's batches in flight as tensors (keyed ``i/name``) and plain values."""
+    tensors, plain = {}, []
+    for index, drawn in enumerate(batches):
+        for name in _TENSORS:
+            value = getattr(drawn.rollout, name)
+            if value is not None:
+                tensors[f"{index}/{name}"] = value.detach().clone().contiguous()
+        plain.append({"step": drawn.step, "indices": drawn.batch.indices, "seeds": drawn.batch.seeds,
+                      "completions": drawn.rollout.completions, "group_size": drawn.rollout.group_size,
+                      "trained_distribution": drawn.rollout.trained_distribution, "rewards": drawn.rewards,
+                      "greedy_rewards": drawn.greedy_rewards, "failure": drawn.failure,
+                      "numpy_after": drawn.numpy_after, "seconds": drawn.seconds})
+    return tensors, plain
+
+
+def from_files(source: RolloutSource, tensors: dict, plain: list) -> list[Drawn]:
+    batches = []
+    for index, saved in enumerate(plain):
+        parts = {name: tensors.get(f"{index}/{name}") for name in _TENSORS}
+        rollout = Rollout(parts["sequences"], parts["prompt_mask"], parts["completion_mask"], saved["completions"],
+                          saved["group_size"], parts["sampler_logprobs"], parts["sampler_entropy"],
+                          saved["trained_distribution"], parts["policy_versions"])
+        batches.append(Drawn(saved["step"], batch_of(source, saved["indices"], saved["seeds"]), rollout,
+                             saved["rewards"], saved["greedy_rewards"], saved["failure"], saved["numpy_after"],
+                             saved["seconds"]))
+    return batches
