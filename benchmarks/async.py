@@ -12,7 +12,10 @@ K = 0, 1, 2, so that a machine whose load changes treats them alike; the first -
 not timed. From the K = 0 runs' own phases: t_sample (drawing + sampling + scoring a batch) and t_train (the
 rest of a step); overlap can at best turn t_sample + t_train into max(t_sample, t_train), so the goal for K = 1
 is a speedup ≥ 0.9 × (t_sample + t_train) / max(t_sample, t_train). Idle fractions: the trainer's time waiting
-for a batch, and the rollout side's waiting for weights, over the timed wall time.
+for a batch, and the rollout side's waiting for weights, over the timed wall time. Each thread's CPU seconds and
+seconds spent runnable but waiting for a CPU (Linux's schedstat) say how much of a slowdown is other work on
+the machine: the rest of a thread's wall time is asleep (waiting for a batch, for weights, or for Python's
+global interpreter lock).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,14 +55,25 @@ def random_model(folder: Path, shape: str) -> str:
     return str(folder)
 
 
+def scheduled(thread_id: int | None) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of a thread so far (Linux's schedstat); a thread
+    waiting for the GIL or for a batch is asleep, in neither."""
+    if thread_id is None:
+        return 0.0, 0.0
+    on_cpu, waiting, _ = Path(f"/proc/self/task/{thread_id}/schedstat").read_text().split()
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
 def one_run(options, K: int, model: str | None, output: Path) -> dict:
-    """One run at --max-staleness K: its timed steps' wall time and rows."""
+    """One run at --max-staleness K: its timed steps' wall time, rows, and each thread's CPU and run-queue time.
+    The run is configured K + 1 steps longer than it is stepped, so that its rollout thread is still alive (waiting
+    for weights) when it is measured."""
     from auto_research.config.generation import GenerationConfig
     from auto_research.train.in_flight import start_rollouts
     from auto_research.train.trainer import Trainer
 
     os.sched_setaffinity(0, options.trainer_cores)  # the main thread: the trainer
-    config = GenerationConfig(dataset="arithmetic-generate", model=model, steps=options.steps, max_staleness=K,
+    config = GenerationConfig(dataset="arithmetic-generate", model=model, steps=options.steps + K + 1, max_staleness=K,
                               seed=options.seed, threads=1, device="cpu", output_dir=output, progress=False,
                               prompts_per_step=options.prompts_per_step, group_size=options.group_size,
                               max_new_tokens=options.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
@@ -67,15 +82,19 @@ def one_run(options, K: int, model: str | None, output: Path) -> dict:
     if K:
         start_rollouts(trainer.components, trainer.state, cpus=options.sampler_cores)
     rows, started = [], None
+    threads = [threading.get_native_id(), trainer.components.rollouts.thread.native_id if K else None]
     try:
         for step in range(1, options.steps + 1):
             if step == options.warmup + 1:
-                started = time.perf_counter()
+                started, before = time.perf_counter(), [scheduled(thread) for thread in threads]
             rows.append(trainer.step(step))
         wall = time.perf_counter() - started
+        after = [scheduled(thread) for thread in threads]
     finally:
         trainer.close()
-    return {"wall": wall, "rows": rows[options.warmup:]}
+    (cpu, queued), (sampler_cpu, sampler_queued) = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(before, after)]
+    return {"wall": wall, "rows": rows[options.warmup:], "trainer_cpu": cpu, "trainer_queued": queued,
+            "sampler_cpu": sampler_cpu, "sampler_queued": sampler_queued}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -87,7 +106,9 @@ def summary(runs: list[dict]) -> dict:
     return {"steps_per_minute": 60 * steps / wall, "t_sample": sample,
             "t_train": statistics.fmean(row["step_seconds"] - row["time_waiting_for_rollouts"] for row in rows),
             "trainer_idle": waiting / wall, "sampler_idle": sum(row["time_sampler_idle"] for row in rows) / wall,
-            "staleness_max": max(row["staleness_max"] for row in rows), "steps": steps}
+            "staleness_max": max(row["staleness_max"] for row in rows), "steps": steps,
+            **{key: sum(run[key] for run in runs) / steps
+               for key in ("trainer_cpu", "trainer_queued", "sampler_cpu", "sampler_queued")}}
 
 
 def main() -> None:
@@ -126,11 +147,16 @@ def main() -> None:
           f"≤ {options.max_new_tokens} tokens; {options.rounds} rounds × {options.steps - options.warmup} timed steps")
     print(f"K=0 phases: t_sample {base['t_sample']:.3f} s, t_train {base['t_train']:.3f} s; overlap bound "
           f"{bound:.2f}×, goal 0.9 × bound = {0.9 * bound:.2f}×")
-    print("| K | steps/min | speedup vs K=0 | trainer idle | rollout side idle | staleness max |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| K | steps/min | speedup vs K=0 | trainer idle | rollout side idle | staleness max | per step: trainer CPU "
+          "s (waiting for a CPU s) | rollout thread CPU s (waiting for a CPU s) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for K, figure in figures.items():
         print(f"| {K} | {figure['steps_per_minute']:.1f} | {figure['steps_per_minute'] / base['steps_per_minute']:.2f}× "
-              f"| {figure['trainer_idle']:.1%} | {figure['sampler_idle']:.1%} | {figure['staleness_max']} |")
+              f"| {figure['trainer_idle']:.1%} | {figure['sampler_idle']:.1%} | {figure['staleness_max']} "
+              f"| {figure['trainer_cpu']:.3f} ({figure['trainer_queued']:.3f}) "
+              f"| {figure['sampler_cpu']:.3f} ({figure['sampler_queued']:.3f}) |")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end (other work on the machine delays both threads: the "
+          "columns in brackets)")
     if options.json:
         options.json.write_text(json.dumps({"bound": bound, "figures": figures}, indent=1))
 
