@@ -97,7 +97,8 @@ def no_grad_forward(c: Components, model, rollout: Rollout, function, **options)
     return torch.cat(outputs)
 
 
-def build_experience(c: Components, rollout: Rollout, scores: Scores, version: int | None = None) -> Experience:
+def build_experience(c: Components, rollout: Rollout, scores: Scores, version: int | None = None,
+                     reference_logprobs: torch.Tensor | None = None) -> Experience:
     """log π_ref of every completion token (when a reference is held), then log π of the policy that sampled
     (the ratios' denominator and the KL) with its entropy, and the critic's values: no-grad forwards.
 
@@ -113,8 +114,7 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
     to μ); for the whole-completion estimators (RLOO …) π_old is the policy whose gradient is taken."""
     temperature = c.config.temperature
     mask = rollout.completion_mask.float()
-    reference_logprobs = None
-    if c.reference is not None:
+    if reference_logprobs is None and c.reference is not None:  # (the rollout side may have computed them)
         reference_logprobs = no_grad_forward(c, c.reference, rollout, token_logprobs, temperature=temperature)
     if sampled_is_the_policy(c, rollout, version):
         old_logprobs, entropy = rollout.sampler_logprobs, rollout.sampler_entropy

@@ -1,6 +1,10 @@
 """Rollouts in flight (--max-staleness K ≥ 1): the rollout side in a thread of its own, with its own copy of the
 policy's weights, drawing step s's batch with weights version max(0, s − 1 − K) while the trainer trains.
 
+The rollout side also computes the frozen reference's log-probs of each batch (with a copy of the reference,
+when it is a model of its own), which a synchronous step computes in the trainer's experience phase: a stale
+batch costs the trainer a forward of its own policy for π_old instead.
+
 The schedule is fixed, so two runs with one seed train on the same batches whatever the threads' timing: the
 producer *waits* for the version a batch needs (it never draws with newer weights, and no batch is dropped), and
 the trainer waits for the batch it needs. At most K + 1 batches are ever drawn ahead of the trainer, and the
@@ -20,8 +24,10 @@ import os
 import threading
 import time
 
+from auto_research.engine.logprobs import token_logprobs
 from auto_research.engine.rollout.builtin import BuiltinSampler, sample
 from auto_research.train.components import Components, chunk_prompts, sampling_settings
+from auto_research.train.experience import no_grad_forward
 from auto_research.train.rollouts import Drawn, RolloutSource, Synchronous, drawing_version, produce
 from auto_research.train.state import LoopState
 
@@ -115,15 +121,21 @@ class InFlight:
                 self.condition.notify_all()
 
 
-def rollout_source(c: Components, sampler, model, context) -> RolloutSource:
+def rollout_source(c: Components, sampler, model, context, reference=None) -> RolloutSource:
+    """What the rollout side needs of a run; ``reference``: a frozen reference of its own, whose log-probs it
+    then computes (in the micro-batches the trainer would use, so the numbers are the trainer's)."""
     config, world = c.config, c.world
-    greedy = None
+    greedy = reference_logprobs = None
     if c.algorithm.needs_greedy:
         def greedy(prompts):
             with context():
                 return sample(model, c.tokenizer, prompts, 1, config.max_new_tokens, greedy=True)
+    if reference is not None:
+        def reference_logprobs(rollout):
+            return no_grad_forward(c, reference, rollout, token_logprobs, temperature=config.temperature)
     return RolloutSource(c.train_prompts, c.task.train, config.seed, config.prompts_per_step, config.group_size,
-                         lambda picks: world.share(picks, config.ppo_mini_batches), sampler, c.reward, greedy)
+                         lambda picks: world.share(picks, config.ppo_mini_batches), sampler, c.reward, greedy,
+                         reference_logprobs)
 
 
 def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpus: set[int] | None = None):
@@ -134,6 +146,9 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
         return c.rollouts
     model = copy.deepcopy(c.policy).requires_grad_(False)
     sampler = BuiltinSampler(model, c.tokenizer, sampling_settings(config), chunk_prompts(config), c.autocast)
-    c.rollouts = InFlight(rollout_source(c, sampler, model, c.autocast), model, state.rng, config.max_staleness,
-                          config.steps, state.step, c.policy, list(saved), cpus)
+    # A frozen reference model (not LoRA's, which is the policy with its adapters off) is copied once: its
+    # forward then runs on the rollout side, beside the trainer's, which has the stale batch's π_old to compute.
+    reference = copy.deepcopy(c.reference) if c.reference is not None and not config.lora_r else None
+    c.rollouts = InFlight(rollout_source(c, sampler, model, c.autocast, reference), model, state.rng,
+                          config.max_staleness, config.steps, state.step, c.policy, list(saved), cpus)
     return c.rollouts

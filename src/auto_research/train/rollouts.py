@@ -51,6 +51,9 @@ class RolloutSource:
     reward: Callable
     greedy: Callable[[list[str]], Rollout] | None = None
     """One greedy completion per prompt (ReMax's baseline), from the weights that sample."""
+    reference: Callable[[Rollout], torch.Tensor] | None = None
+    """log π_ref of the completion tokens, when the rollout side computes them (the reference is frozen: in
+    flight, its forward runs beside the trainer's work instead of in it); None: the trainer does."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,9 @@ class Drawn:
     numpy_after: dict
     """The prompt generator's state after this batch was drawn (what a checkpoint saves)."""
     seconds: dict
-    """sample, score, idle (the rollout side waiting for weights before drawing it)."""
+    """sample, score (with the reference's forward, when here), idle (waiting for weights before drawing it)."""
+    reference_logprobs: torch.Tensor | None = None
+    """(B, T) log π_ref of the completion tokens (``RolloutSource.reference``), or None."""
 
 
 def draw_batch(source: RolloutSource, rng: np.random.Generator, step: int) -> Batch:
@@ -101,8 +106,9 @@ def produce(source: RolloutSource, rng: np.random.Generator, step: int, version:
         greedy_rewards = source.reward(batch.prompts, greedy.completions, batch.examples) if greedy else None
     except RewardError as error:
         failure = str(error)
+    reference = source.reference(rollout) if source.reference is not None and failure is None else None
     seconds = {"sample": sampled - started + loading, "score": time.perf_counter() - sampled, "idle": idle}
-    return Drawn(step, batch, rollout, rewards, greedy_rewards, failure, numpy_after, seconds)
+    return Drawn(step, batch, rollout, rewards, greedy_rewards, failure, numpy_after, seconds, reference)
 
 
 def agreed_scores(world, drawn: Drawn, step: int, group_size: int) -> Scores:
@@ -172,6 +178,8 @@ def to_files(batches: list[Drawn]) -> tuple[dict, list]:
             value = getattr(drawn.rollout, name)
             if value is not None:
                 tensors[f"{index}/{name}"] = value.detach().clone().contiguous()
+        if drawn.reference_logprobs is not None:
+            tensors[f"{index}/reference_logprobs"] = drawn.reference_logprobs.detach().clone().contiguous()
         plain.append({"step": drawn.step, "indices": drawn.batch.indices, "seeds": drawn.batch.seeds,
                       "completions": drawn.rollout.completions, "group_size": drawn.rollout.group_size,
                       "trained_distribution": drawn.rollout.trained_distribution, "rewards": drawn.rewards,
@@ -189,5 +197,5 @@ def from_files(source: RolloutSource, tensors: dict, plain: list) -> list[Drawn]
                           saved["trained_distribution"], parts["policy_versions"])
         batches.append(Drawn(saved["step"], batch_of(source, saved["indices"], saved["seeds"]), rollout,
                              saved["rewards"], saved["greedy_rewards"], saved["failure"], saved["numpy_after"],
-                             saved["seconds"]))
+                             saved["seconds"], tensors.get(f"{index}/reference_logprobs")))
     return batches

@@ -34,7 +34,7 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
         scores = agreed_scores(c.world, drawn, step, c.config.group_size)
     _warn_unscored(state, scores, step, log)
     with timed("experience"):
-        experience = build_experience(c, drawn.rollout, scores, version=step - 1)
+        experience = build_experience(c, drawn.rollout, scores, step - 1, drawn.reference_logprobs)
     with timed("advantages"):
         advantages = estimate_advantages(c, experience, state.moving_average)
         if c.algorithm.moving_average is not None:  # the loop's baseline moves after the advantages used it
