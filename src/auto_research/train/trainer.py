@@ -31,7 +31,8 @@ class Trainer:
         return cls(components, LoopState.fresh(config.seed), log)
 
     def sample(self, step: int) -> Rollout:
-        """The rollout a step would train on: its prompts drawn from the loop's generator, then sampled."""
+        """The rollout a step would train on: its prompts drawn from the loop's generator, then sampled (with
+        --max-staleness 0; in flight, the rollout side's thread owns the generator)."""
         c = self.components
         batch = draw_batch(rollout_source(c, c.sampler, c.policy, c.sampling), self.state.rng, step)
         return c.sampler.sample(batch.prompts, c.config.group_size, batch.seeds)
