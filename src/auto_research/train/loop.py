@@ -48,6 +48,10 @@ def restore(c: Components, state: LoopState, folder: Path, log) -> None:
             prefix = f"{c.world.rank}/"
             mine = {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
             batches = from_files(rollout_source(c, c.sampler, c.policy, c.sampling), mine, plain[c.world.rank])
+        needed = min(c.config.max_staleness, c.config.steps - state.step)
+        if len(batches) != needed:  # their weights are gone: without them the rollout side would wait forever
+            raise UserError(f"--resume: {folder} holds {len(batches)} batches in flight, and --max-staleness "
+                            f"{c.config.max_staleness} needs {needed} there; resume from another checkpoint")
         start_rollouts(c, state, batches)
     c.world.on_main(lambda: MetricsLog(c.config.run_dir).truncate(state.step))
     log(f"resumed from {folder} (step {state.step})")
