@@ -193,3 +193,50 @@ def test_a_stale_batch_gets_the_trainers_log_probs_and_the_correction(tiny_model
     current = build_experience(c, replace(rollout, policy_versions=torch.ones(8, dtype=torch.long)), scores, version=1)
     assert torch.equal(current.old_logprobs, rollout.sampler_logprobs)
     assert torch.equal(current.rollout_weights, mask)
+
+
+def test_the_producer_draws_each_step_with_its_scheduled_weights_and_hands_on_its_failure():
+    """InFlight alone, with a sampler that reads which weights it holds: step s is drawn by version
+    max(0, s − 1 − K) however the threads are timed, never more than K + 1 steps ahead; an error in the rollout
+    thread is raised where the trainer waits."""
+    import time
+
+    import numpy as np
+
+    from auto_research.engine.rollout import Rollout
+    from auto_research.train.in_flight import InFlight
+    from auto_research.train.rollouts import RolloutSource
+
+    policy, copy = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+    drawn_with, published = {}, [0]
+
+    class Sampler:
+        def sample(self, prompts, group_size, seeds):
+            step = len(drawn_with) + 1
+            if step == 6:
+                raise RuntimeError("the engine broke")
+            drawn_with[step] = (int(copy.weight.item()), published[0])
+            rows = len(prompts) * group_size
+            return Rollout(torch.zeros(rows, 2, dtype=torch.long), torch.ones(rows, 1, dtype=torch.long),
+                           torch.ones(rows, 1, dtype=torch.long), [""] * rows, group_size)
+
+    source = RolloutSource(["a", "b", "c"], [None] * 3, 0, 2, 2, lambda picks: picks, Sampler(),
+                           lambda prompts, completions, examples, tokens: [1.0] * len(completions))
+    with torch.no_grad():
+        policy.weight.fill_(0)
+    K = 2
+    rollouts = InFlight(source, copy, np.random.default_rng(0), K, 7, 0, policy)
+    for step in range(1, 6):
+        time.sleep(0.05 if step % 2 else 0.0)  # the trainer's speed varies; the schedule does not
+        drawn = rollouts.take(step)
+        assert drawn.rollout.policy_versions.tolist() == [max(0, step - 1 - K)] * 4
+        with torch.no_grad():
+            policy.weight.fill_(step)
+        published[0] = step
+        rollouts.publish(step, policy)
+    # The weights each batch was drawn with, and how many versions the trainer had published by then.
+    assert {step: version for step, (version, _) in drawn_with.items()} == {1: 0, 2: 0, 3: 0, 4: 1, 5: 2}
+    assert all(step - 1 - K <= published_then <= step - 1 for step, (_, published_then) in drawn_with.items())
+    with pytest.raises(RuntimeError, match="the engine broke"):
+        rollouts.take(6)
+    rollouts.close()
