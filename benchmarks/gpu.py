@@ -4,6 +4,7 @@ utilisation and peak memory, for full fine-tuning and LoRA, in one process and u
     python benchmarks/gpu.py                    # CUDA: a ~0.5B Qwen2-shaped model; CPU: a tiny one
     python benchmarks/gpu.py --size tiny --steps 2 --variants full,lora   # what the tests run
     python benchmarks/gpu.py --sampler builtin,vllm  # on a GPU: vLLM against the builtin loop (tokens/s, weight sync)
+    python benchmarks/gpu.py --max-staleness 1       # rollouts in flight: steps per minute, idle fractions
 
 Nothing is downloaded: the model is randomly initialised in the shape of Qwen2.5-0.5B (24 layers,
 hidden 896, 151,936-token vocabulary, tied embeddings) or, with ``--size tiny``, a 2-layer one with
@@ -84,7 +85,7 @@ def child(options) -> None:
                               dtype="bfloat16" if cuda else "float32", chat_template=False, eval_every=0,
                               checkpoint_every=0, evaluation_examples=1, micro_batch_size=options.micro_batch,
                               lora_r=options.lora_r or None, fsdp=options.fsdp, sampler=options.sampler,
-                              vllm_memory=options.vllm_memory)
+                              vllm_memory=options.vllm_memory, max_staleness=options.max_staleness)
     trainer = Trainer.build(config, log=lambda text: None, rows=rows,
                             reward_functions=[("length", lambda p, completions, r: [float(len(c)) for c in completions])])
     if cuda:
@@ -94,6 +95,7 @@ def child(options) -> None:
         started = time.perf_counter()
         rows_seen.append(trainer.step(step))
         steps.append(time.perf_counter() - started)
+    trainer.close()
     c = trainer.components
     world = c.world
     parameters = sum(p.numel() for p in c.policy.parameters())
@@ -110,6 +112,8 @@ def child(options) -> None:
     result = {"steps": steps[1:], "collect": [row["time_sample"] for row in rows_seen[1:]],
               "update": [row["time_update_actor"] for row in rows_seen[1:]],
               "weight_sync": [row.get("weight_sync_seconds", 0.0) for row in rows_seen[1:]],
+              "waiting": [row["time_waiting_for_rollouts"] for row in rows_seen[1:]],
+              "sampler_idle": [row["time_sampler_idle"] for row in rows_seen[1:]],
               "mismatch": max((row.get("rollout_logprob_diff_max", 0.0) for row in rows_seen), default=0.0),
               "generated": [row["completion_length"] * options.prompts * 4 for row in rows_seen[1:]],
               "prompt_tokens": prompt_tokens * options.prompts * 4, "parameters": parameters, "peak_mb": peak,
@@ -142,7 +146,7 @@ def run(folder: Path, options, lora: bool, processes: int) -> dict | None:
     arguments = ["--child", "--folder", str(folder), "--steps", str(options.steps), "--prompts", str(options.prompts),
                  "--new-tokens", str(options.new_tokens), "--micro-batch", str(options.micro_batch),
                  "--lora-r", str(options.lora_r if lora else 0), *(["--fsdp"] if options.fsdp and processes > 1 else []),
-                 "--sampler", options.sampler,
+                 "--sampler", options.sampler, "--max-staleness", str(options.max_staleness),
                  *(["--vllm-memory", str(options.vllm_memory)] if options.vllm_memory else [])]
     if processes > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
@@ -171,6 +175,10 @@ def report(name: str, result: dict, options) -> None:
     print(f"  {name:22s} step {step:7.3f} s | generation {generation:9.0f} tok/s | training {training:9.0f} tok/s | "
           f"MFU {mfu:>6s} | peak memory {result['peak_mb']:8.0f} MB/process | training state "
           f"{result['held']['total'] / 2**20:7.1f} MB | trainable {result['trainable']:,}")
+    total = sum(result["steps"])
+    print(f"  {'':22s} --max-staleness {options.max_staleness}: {60 * len(result['steps']) / total:.1f} steps/min | "
+          f"trainer idle {sum(result['waiting']) / total:.1%} | rollout side idle "
+          f"{sum(result['sampler_idle']) / total:.1%}")
     if options.sampler == "vllm":
         sync = statistics.median(result["weight_sync"])
         print(f"  {'':22s} weight sync {sync:.3f} s ({sync / step:.1%} of the step) | max |Δlog p| "
@@ -190,6 +198,8 @@ def main() -> None:
     parser.add_argument("--sampler", default="builtin", help="builtin, vllm, or builtin,vllm (one after the other; "
                                                              "vllm in one process only)")
     parser.add_argument("--vllm-memory", type=float, default=None, help="default: the trainer's (0.3 GPU, 0.05 CPU)")
+    parser.add_argument("--max-staleness", type=int, default=0, help="K: rollouts in flight (builtin sampler; "
+                        "docs/async.md); steps per minute and both sides' idle fractions are reported")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     options = parser.parse_args()

@@ -294,7 +294,7 @@ def policy(tmp_path, monkeypatch):
     from auto_research.engine.rollout.client import VLLMServerSampler
     from auto_research.engine.rollout.guard import weight_spec
     from auto_research.engine.rollout.server import fingerprint
-    from auto_research.engine.rollout.vllm import pushed_weights
+    from auto_research.engine.rollout.remote import pushed_weights
     from auto_research.engine.tiny import build_model, build_tokenizer
 
     monkeypatch.setenv("AUTO_RESEARCH_API_KEY", "sesame")

@@ -241,7 +241,7 @@ def _draw(address) -> bytes:
 def test_every_bad_request_is_a_4xx_line_and_leaves_the_engine_drawing_the_same(server, one_process):
     """Each bad request against the real engine: a 4xx and one JSON line naming the fault; afterwards the same
     seeded draw, byte for byte, and the same weights_version. Then a good push still goes in."""
-    from auto_research.engine.rollout.vllm import pushed_weights
+    from auto_research.engine.rollout.remote import pushed_weights
 
     health = json.loads(_call(server, "/health")[1])
     vocab, longest = health["vocab_size"], health["max_model_len"]

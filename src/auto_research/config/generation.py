@@ -163,16 +163,22 @@ class GenerationConfig:
     vllm_memory: float | None = setting(None, "on a GPU, the share of its memory vLLM may take for weights, "
                                               "activations and KV cache (default 0.3; the trainer needs the rest); "
                                               "on the CPU, the share of host memory for its KV cache (default 0.05)",
-                                        "sampling", type=float)
-    vllm_mode: str = setting("colocate", "colocate (one engine in each training process) or server (an engine "
-                                         "of its own for every rank, started by auto-research vllm-serve)",
-                             "sampling")
-    vllm_server: str | None = setting(None, "HOST:PORT of the vLLM server (--vllm-mode server)", "sampling")
+                                        "sampling", flag="--rollout-memory", aliases=("--vllm-memory",), type=float)
+    vllm_mode: str = setting("colocate", "where the rollout engine runs: colocate (one engine in each training "
+                                         "process) or server (an engine of its own for every rank, started by "
+                                         "auto-research vllm-serve)", "sampling", flag="--rollout-mode",
+                             aliases=("--vllm-mode",))
+    vllm_server: str | None = setting(None, "HOST:PORT of the rollout server (--rollout-mode server)", "sampling",
+                                      flag="--rollout-server", aliases=("--vllm-server",))
     rollout_correction: str | None = setting(None, "correct for the sampler's distribution differing from the "
                                                    f"trainer's: {', '.join(ROLLOUT_CORRECTIONS)} (default: the "
                                                    "algorithm's, "
                                                    f"{by_algorithm('rollout_correction', ROLLOUT_CORRECTIONS)}; "
                                                    "the identity with --sampler builtin)", "sampling")
+    max_staleness: int = setting(0, "K: train on batches drawn by weights up to K steps older than the policy being "
+                                    "updated, the rollout side sampling in a thread of its own while the trainer "
+                                    "trains (step s is drawn by weights version max(0, s − 1 − K)); 0 = sample, then "
+                                    "train (docs/async.md)", "sampling", type=int)
     rollout_correction_cap: float = setting(2.0, "C of the truncated importance weight min(w, C); sequence-mask "
                                                  "drops completions whose weight is above C or below 1/C",
                                             "sampling", type=float)
@@ -338,6 +344,7 @@ class GenerationConfig:
                 raise UserError("--vllm-server is for --vllm-mode server")
         elif self.vllm_server is not None or self.vllm_mode != "colocate":
             raise UserError("--vllm-mode and --vllm-server apply to --sampler vllm only")
+        self._check_staleness()
         if not (0 < self.top_p <= 1):
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
         check_non_negative_finite("--weight-decay", self.weight_decay)
@@ -385,6 +392,25 @@ class GenerationConfig:
 
         parse_report_to(self.report_to)
         return self
+
+    def _check_staleness(self) -> None:
+        from auto_research.engine.samplers import SAMPLERS, sampler_name, sampler_record
+
+        K = self.max_staleness
+        if K < 0:
+            raise UserError(f"--max-staleness must be >= 0 (0: sample, then train), got {K}")
+        if not K:
+            return
+        if not sampler_record(self).runs_apart:
+            apart = [name for name, record in SAMPLERS.items() if record.runs_apart]
+            raise UserError(f"--max-staleness {K}: the {sampler_name(self)} sampler cannot run apart from the trainer; "
+                            f"samplers that can: {', '.join(apart)} (or --max-staleness 0)")
+        if self.steps is not None and K >= self.steps:
+            raise UserError(f"--max-staleness {K} must be below --steps {self.steps} (step s trains on a batch drawn "
+                            f"by the weights of step s − 1 − K)")
+        if self.fsdp:
+            raise UserError(f"--max-staleness {K} with --fsdp is not built (the rollout side's copy of the weights "
+                            "would gather every shard); use DDP (without --fsdp) or --max-staleness 0")
 
     def validate_dataset(self) -> None:
         check_generation_dataset(self.dataset)

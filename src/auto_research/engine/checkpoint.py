@@ -77,9 +77,10 @@ def _save_model(model, folder: Path, state: dict | None, optimizer_state: dict) 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, rng: dict, trainer_state: dict,
                     keep: int, critic=None, critic_optimizer_state: dict | None = None, model_state: dict | None = None,
-                    critic_state: dict | None = None) -> Path:
+                    critic_state: dict | None = None, in_flight: tuple[dict, list] | None = None) -> Path:
     """Write one checkpoint (rank 0 only). ``model_state``: the whole weights when the model holds
-    shards (FSDP); ``optimizer_state``: the whole optimizer state keyed by parameter name."""
+    shards (FSDP); ``optimizer_state``: the whole optimizer state keyed by parameter name; ``in_flight``: the
+    batches drawn ahead of the trainer (--max-staleness ≥ 1), as tensors and plain values."""
     root = Path(run_dir) / "checkpoints"
     if root.exists() and not root.is_dir():
         raise UserError(f"{root} is not a folder any more (something replaced it while the run was live): stopped "
@@ -94,7 +95,12 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
             (staging / "critic").mkdir()
             _save_model(critic, staging / "critic", critic_state, critic_optimizer_state)
         save_file({key: value.contiguous() for key, value in rng["tensors"].items()}, str(staging / "rng.safetensors"))
-        atomic_write_json(staging / "trainer_state.json", {**trainer_state, "step": step, "numpy_rng": rng["numpy"]})
+        extra = {}
+        if in_flight is not None:
+            save_file(in_flight[0], str(staging / IN_FLIGHT))
+            extra = {"in_flight": in_flight[1]}
+        atomic_write_json(staging / "trainer_state.json", {**trainer_state, "step": step, "numpy_rng": rng["numpy"],
+                                                           **extra})
         write_manifest(staging)
         make_tree_shareable(staging)
         if target.exists():
@@ -111,6 +117,15 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
     for old in checkpoint_dirs(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+IN_FLIGHT = "in_flight.safetensors"
+
+
+def read_in_flight(folder: Path) -> tuple[dict, list] | None:
+    """The batches in flight a checkpoint holds (tensors, plain values), None when it holds none."""
+    plain = json.loads((folder / "trainer_state.json").read_text()).get("in_flight")
+    return None if plain is None else (load_file(str(folder / IN_FLIGHT)), plain)
 
 
 def load_weights(folder: Path, model) -> None:

@@ -49,8 +49,10 @@ def comparison_plot(path: Path, histories: dict[str, list[list[dict]]], title: s
 
 
 def training_curves_plot(path: Path, rows: list[dict], metrics: dict) -> Path:
-    """PNG: per-step reward and KL, and held-out accuracy at each evaluation."""
-    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    """PNG: per-step reward and KL, held-out accuracy at each evaluation, and the staleness of each step's batch
+    (versions between the weights that drew it and the policy it updated; --max-staleness)."""
+    staleness = any("staleness_max" in row for row in rows)
+    figure, axes = plt.subplots(1, 4 if staleness else 3, figsize=(18 if staleness else 14, 4))
     steps = [row["step"] for row in rows]
     axes[0].plot(steps, [math.nan if row["reward_mean"] is None else row["reward_mean"] for row in rows], linewidth=0.8)
     axes[0].set_ylabel("mean reward of samples")
@@ -59,6 +61,12 @@ def training_curves_plot(path: Path, rows: list[dict], metrics: dict) -> Path:
     evaluations = [{"step": 0.0, **metrics["baseline"]}, *metrics["history"]]
     axes[2].plot([row["step"] for row in evaluations], [row["accuracy"] for row in evaluations], marker="o", color="tab:green")
     axes[2].set_ylabel("held-out greedy accuracy")
+    if staleness:
+        for key, style in (("staleness_max", "-"), ("staleness_mean", "--")):
+            axes[3].plot(steps, [row.get(key, math.nan) for row in rows], style, linewidth=0.8, color="tab:purple",
+                         label=key.replace("_", " "))
+        axes[3].set_ylabel("staleness of the batch (weights versions)")
+        axes[3].legend(fontsize=8)
     for axis in axes:
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)

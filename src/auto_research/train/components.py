@@ -24,7 +24,7 @@ from auto_research.engine.distributed import World, decoder_layers
 from auto_research.engine.models import (context_length, format_prompt, load_critic, load_policy, resolve_device,
                                          resolve_dtype)
 from auto_research.engine.rollout import Sampler, SamplingSettings
-from auto_research.engine.rollout.builtin import BuiltinSampler
+from auto_research.engine.samplers import SamplerNeeds, sampler_record
 from auto_research.errors import UserError
 from auto_research.rewards.combine import CombinedReward, build_reward
 from auto_research.train.prepare import Prepared
@@ -56,6 +56,8 @@ class Components:
     train_prompts: list[str]
     """The task's training prompts as the model sees them (through the chat template)."""
     eval_prompts: list[str]
+    rollouts: object | None = None
+    """The rollout side (train/rollouts.py), started at the first step or when a run resumes."""
 
     def autocast(self):
         """bf16 compute over float32 master weights when --dtype bfloat16; nothing otherwise."""
@@ -133,10 +135,9 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     compute_dtype = resolve_dtype(config.dtype, device)
     policy, tokenizer = load_policy(model_name, device, torch.float32, config.offline, log=log,
                                     keep_adapter=bool(config.lora_r))
-    if config.sampler == "vllm" and config.vllm_mode == "colocate":
-        from auto_research.engine.rollout.vllm import check_servable  # noqa: PLC0415
-
-        check_servable(getattr(policy, "get_base_model", lambda: policy)().config, device, model_name)
+    record = sampler_record(config)
+    if record.check_model is not None:
+        record.check_model(getattr(policy, "get_base_model", lambda: policy)().config, device, model_name)
     if config.checkpoint_mlp:
         checkpoint_mlps(policy)
     if config.gradient_checkpointing:
@@ -184,30 +185,21 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     components = Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
                             train_policy, optimizer, reference, critic, train_critic, critic_optimizer, None, reward,
                             prepared.judge, train_prompts, eval_prompts)
-    # Sampling runs in chunks of --generation-batch-size (else --micro-batch-size) completions: the same chunks
-    # on 1 or N processes, hence the same floating-point numbers.
-    per_call = config.generation_batch_size or config.micro_batch_size
-    chunk = max(1, per_call // config.group_size) if per_call else None
-    settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
-    if config.sampler == "vllm" and config.vllm_mode == "server":
-        from auto_research.engine.rollout.client import VLLMServerSampler  # noqa: PLC0415
-
-        components.sampler = VLLMServerSampler(policy, tokenizer, settings, config.vllm_server, model_name, world,
-                                               config.run_dir)
-        log(f"sampling with the vLLM server at {config.vllm_server} (the policy's weights pushed to it through "
-            f"{components.sampler.transfer} in {components.sampler.weight_sync_seconds:.2f} s)")
-    elif config.sampler == "vllm":
-        from auto_research.engine.rollout.vllm import VLLMSampler  # noqa: PLC0415 - optional, heavy
-
-        longest = max(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) for prompt in train_prompts)
-        memory = config.vllm_memory or (0.05 if device == "cpu" else 0.3)
-        log(f"starting a colocated vLLM engine ({memory:g} of the "
-            f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'})")
-        components.sampler = VLLMSampler(policy, tokenizer, settings, memory, compute_dtype,
-                                         longest + config.max_new_tokens, config.seed)
-    else:
-        components.sampler = BuiltinSampler(policy, tokenizer, settings, chunk, components.sampling)
+    components.sampler = record.build(SamplerNeeds(config, policy, tokenizer, sampling_settings(config),
+                                                   chunk_prompts(config), components.sampling, model_name, world,
+                                                   compute_dtype, device, train_prompts, log))
     return components
+
+
+def sampling_settings(config: GenerationConfig) -> SamplingSettings:
+    return SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
+
+
+def chunk_prompts(config: GenerationConfig) -> int | None:
+    """Sampling runs in chunks of --generation-batch-size (else --micro-batch-size) completions: the same chunks
+    on 1 or N processes, hence the same floating-point numbers."""
+    per_call = config.generation_batch_size or config.micro_batch_size
+    return max(1, per_call // config.group_size) if per_call else None
 
 
 def parameter_counts(c: Components) -> dict:

@@ -1,24 +1,21 @@
-"""The phases before the update, each handing a frozen value to the next:
+"""The trainer's first phase, and the values the rollout side hands it (rollouts.py draws, samples, scores):
 
-    batch      = draw_batch(c, rng, step)               # the step's prompts (this rank's share) and seeds
-    rollout    = c.sampler.sample(batch.prompts, K, batch.seeds)
-    scores     = score(c, batch, rollout, step)          # rewards, None-masked; NaN stops the run
-    experience = build_experience(c, rollout, scores)    # log π_old, log π_ref, entropy, values, KL
+    drawn      = rollouts.take(step)                      # Batch, Rollout (with policy versions), rewards
+    scores     = agreed_scores(world, drawn, step, K)     # rewards, None-masked, agreed over ranks
+    experience = build_experience(c, rollout, scores, version)  # log π_old, log π_ref, entropy, values, KL
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from auto_research.data.types import Example
 from auto_research.algorithms.correction import importance_weights, mismatch
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
-from auto_research.engine.rollout import Rollout, prompt_seed
-from auto_research.engine.rollout.builtin import sample
-from auto_research.errors import RewardError
+from auto_research.engine.rollout import Rollout
+from auto_research.engine.samplers import sampler_record
 from auto_research.train.components import Components
 
 
@@ -73,46 +70,6 @@ class Experience:
         return self.rollout.completion_mask.float()
 
 
-def draw_batch(c: Components, rng: np.random.Generator, step: int) -> Batch:
-    """Distinct prompts, the same on every rank (one generator), and this rank's share of them."""
-    picks = rng.choice(len(c.task.train), size=c.config.prompts_per_step, replace=False)
-    picks = [int(index) for index in c.world.share(list(picks), c.config.ppo_mini_batches)]
-    return Batch(picks, [c.train_prompts[i] for i in picks], [c.task.train[i] for i in picks],
-                 [prompt_seed(c.config.seed, step, index) for index in picks])
-
-
-def score(c: Components, batch: Batch, rollout: Rollout, step: int) -> Scores:
-    """Task rewards of every completion (and of the greedy ones, for an algorithm that needs them).
-
-    A reward that fails on one rank stops every rank (each would otherwise wait for the others); a step
-    in which no completion could be scored is an error.
-    """
-    K = c.config.group_size
-    prompts = [prompt for prompt in batch.prompts for _ in range(K)]
-    examples = [example for example in batch.examples for _ in range(K)]
-    greedy = None
-    if c.algorithm.needs_greedy:
-        with c.sampling():
-            greedy = sample(c.policy, c.tokenizer, batch.prompts, 1, c.config.max_new_tokens, greedy=True)
-    failure, values, greedy_values = None, None, None
-    try:
-        values = c.reward(prompts, rollout.completions, examples, rollout.token_lists())
-        greedy_values = c.reward(batch.prompts, greedy.completions, batch.examples) if greedy else None
-    except RewardError as error:
-        failure = error
-    c.world.agree(failure, RewardError)
-    scored = torch.tensor([value is not None for value in values])
-    rewards = torch.tensor([0.0 if value is None else value for value in values])
-    unscored, total = (int(x) for x in c.world.total(torch.tensor([int((~scored).sum()), len(values)])))
-    if unscored == total:
-        raise RewardError(f"no sample of step {step} could be scored: the reward returned None for all {unscored} "
-                          "completions")
-    greedy_rewards = None
-    if greedy_values is not None:
-        greedy_rewards = torch.tensor([0.0 if v is None else v for v in greedy_values]).repeat_interleave(K)
-    return Scores(rewards, scored, greedy_rewards, unscored, total)
-
-
 def widen(values: torch.Tensor, width: int) -> torch.Tensor:
     """(b, c) → (b, width), zeros on the right: a trimmed micro-batch's output at the batch's width."""
     return torch.nn.functional.pad(values, (0, width - values.shape[1])) if values.shape[1] < width else values
@@ -140,19 +97,26 @@ def no_grad_forward(c: Components, model, rollout: Rollout, function, **options)
     return torch.cat(outputs)
 
 
-def build_experience(c: Components, rollout: Rollout, scores: Scores) -> Experience:
+def build_experience(c: Components, rollout: Rollout, scores: Scores, version: int | None = None,
+                     reference_logprobs: torch.Tensor | None = None) -> Experience:
     """log π_ref of every completion token (when a reference is held), then log π of the policy that sampled
     (the ratios' denominator and the KL) with its entropy, and the critic's values: no-grad forwards.
 
     The policy's forward is skipped when the step is on-policy (one update per batch) and the sampler drew
     from the training weights' own, unfiltered distribution in float32: its log-probs and entropies are then
-    those of the policy (the ratio of the one update is 1), computed as it sampled."""
+    those of the policy (the ratio of the one update is 1), computed as it sampled, by these very weights
+    (``version``, the policy after that many steps: rows drawn by older weights need the forward).
+
+    The sampler's log-probs are the behaviour policy μ. When another engine sampled, or older weights did
+    (--max-staleness ≥ 1), each token's loss term is weighted by the truncated π_old/μ (--rollout-correction),
+    π_old being the weights at the start of this update: for the clipped losses (PPO, GRPO, REINFORCE++) that is
+    the decoupled objective's proximal policy (the ratio is clipped against π_old, the weight corrects π_old
+    to μ); for the whole-completion estimators (RLOO …) π_old is the policy whose gradient is taken."""
     temperature = c.config.temperature
     mask = rollout.completion_mask.float()
-    reference_logprobs = None
-    if c.reference is not None:
+    if reference_logprobs is None and c.reference is not None:  # (the rollout side may have computed them)
         reference_logprobs = no_grad_forward(c, c.reference, rollout, token_logprobs, temperature=temperature)
-    if sampled_is_the_policy(c, rollout):
+    if sampled_is_the_policy(c, rollout, version):
         old_logprobs, entropy = rollout.sampler_logprobs, rollout.sampler_entropy
     else:
         old_logprobs, entropy = no_grad_forward(c, c.policy, rollout, token_logprobs, temperature=temperature,
@@ -163,16 +127,23 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores) -> Experie
         kl = torch.zeros_like(old_logprobs)
     values = no_grad_forward(c, c.critic, rollout, completion_values) * mask if c.critic is not None else None
     weights = drift = None
-    if c.config.sampler != "builtin" and rollout.sampler_logprobs is not None:
-        # Another engine sampled: how far its log-probs are from the trainer's, and the weights that correct it.
+    if corrected(c.config) and rollout.sampler_logprobs is not None:
+        # Another engine or older weights sampled: how far μ is from π_old, and the weights that correct it.
         weights = importance_weights(old_logprobs - rollout.sampler_logprobs, mask, c.config.rollout_correction,
                                      c.config.rollout_correction_cap)
         drift = mismatch(old_logprobs, rollout.sampler_logprobs, mask)
     return Experience(rollout, scores, old_logprobs, entropy, kl, reference_logprobs, values, weights, drift)
 
 
-def sampled_is_the_policy(c: Components, rollout: Rollout) -> bool:
+def corrected(config) -> bool:
+    """Whether μ may differ from π_old: another engine samples, or older weights (--max-staleness ≥ 1)."""
+    return not sampler_record(config).is_the_trainer or config.max_staleness > 0
+
+
+def sampled_is_the_policy(c: Components, rollout: Rollout, version: int | None = None) -> bool:
     """Whether the rollout's own log-probs serve as the old policy's (see ``build_experience``)."""
-    return (rollout.trained_distribution and rollout.sampler_logprobs is not None
+    current = (rollout.policy_versions is None or version is None
+               or bool((rollout.policy_versions == version).all()))
+    return (current and rollout.trained_distribution and rollout.sampler_logprobs is not None
             and rollout.sampler_entropy is not None and c.updates_per_step == 1
             and c.compute_dtype == torch.float32)

@@ -16,7 +16,9 @@ from auto_research.progress import Progress
 from auto_research.train.components import Components, parameter_counts
 from auto_research.config.files import write_resolved_config
 from auto_research.train.evaluation import held_out, win_rate
+from auto_research.train.in_flight import rollout_source, start_rollouts
 from auto_research.train.metrics import MetricsLog
+from auto_research.train.rollouts import from_files, to_files
 from auto_research.train.state import LoopState
 from auto_research.train.step import rl_step
 
@@ -33,11 +35,24 @@ def _figure(value: float | None) -> str:
 
 
 def restore(c: Components, state: LoopState, folder: Path, log) -> None:
-    """Continue from a checkpoint: the loop's state, every random state, and metrics.jsonl cut back to it.
-    (The weights and optimizer states went in when the components were built.)"""
+    """Continue from a checkpoint: the loop's state, every random state, the batches in flight, and metrics.jsonl
+    cut back to it. (The weights and optimizer states went in when the components were built.)"""
     saved, rng = checkpoints.read_trainer_state(folder)
     checkpoints.restore_rng(rng, state.rng)
     state.restore(saved)
+    in_flight = checkpoints.read_in_flight(folder)
+    if c.config.max_staleness:
+        batches = []
+        if in_flight is not None:  # this rank's: tensors keyed rank/index/name
+            tensors, plain = in_flight
+            prefix = f"{c.world.rank}/"
+            mine = {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
+            batches = from_files(rollout_source(c, c.sampler, c.policy, c.sampling), mine, plain[c.world.rank])
+        needed = min(c.config.max_staleness, c.config.steps - state.step)
+        if len(batches) != needed:  # their weights are gone: without them the rollout side would wait forever
+            raise UserError(f"--resume: {folder} holds {len(batches)} batches in flight, and --max-staleness "
+                            f"{c.config.max_staleness} needs {needed} there; resume from another checkpoint")
+        start_rollouts(c, state, batches)
     c.world.on_main(lambda: MetricsLog(c.config.run_dir).truncate(state.step))
     log(f"resumed from {folder} (step {state.step})")
 
@@ -88,13 +103,18 @@ class RunLoop:
         if c.critic is not None:
             critic_state = world.full_state(c.critic)
             critic_optimizer_state = world.optimizer_state(c.train_critic, c.critic_optimizer)
-        rng = rng or checkpoints.capture_rng(self.state.rng)
+        rng, in_flight = rng or checkpoints.capture_rng(self.state.rng), None
+        if c.config.max_staleness and c.rollouts is not None:  # the batches drawn ahead, every rank's
+            batches, rng["numpy"] = c.rollouts.checkpoint(step)
+            shares = world.gather_objects(to_files(batches))
+            in_flight = ({f"{rank}/{key}": value for rank, (tensors, _) in enumerate(shares)
+                          for key, value in tensors.items()}, [plain for _, plain in shares])
 
         def write():
             self._open_run_dir()
             return checkpoints.save_checkpoint(self.run_dir, step, c.policy, c.tokenizer, optimizer_state, rng,
                                                self.trainer_state(), c.config.keep_checkpoints, c.critic,
-                                               critic_optimizer_state, model_state, critic_state)
+                                               critic_optimizer_state, model_state, critic_state, in_flight)
 
         world.on_main(write)
         return self.run_dir / "checkpoints" / f"{PREFIX}{step:06d}"
@@ -154,12 +174,15 @@ class RunLoop:
         last_saved = state.step if self.resumed else None
         try:
             for step in range(state.step + 1, config.steps + 1):
-                rng_before = checkpoints.capture_rng(state.rng)
+                # In flight, the generator runs ahead in the rollout side's thread: a failed step saves nothing
+                # (the batches after the last good step were drawn by weights no longer held).
+                rng_before = None if config.max_staleness else checkpoints.capture_rng(state.rng)
                 try:
                     row = rl_step(c, state, step, self.log)
                 except RewardError as error:
                     where = (f"saved the last good step ({state.step}) in {self.save(state.step, rng_before)}"
-                             if state.step > 0 else "nothing was written")
+                             if state.step > 0 and rng_before is not None else
+                             "kept the last checkpoint" if state.step > 0 else "nothing was written")
                     raise _user_error(f"{error}; {where}", error) from None
                 except RolloutEngineError as error:  # a server gone mid-step: the weights may be a step ahead
                     kept = (f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{last_saved:06d}'}"
@@ -190,6 +213,8 @@ class RunLoop:
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
+            if c.rollouts is not None:
+                c.rollouts.close()
             bar.close()
             self.metrics_log.close()
         if state.totals["unscored_samples"]:

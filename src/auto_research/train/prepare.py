@@ -16,7 +16,8 @@ from auto_research.data.tasks import load_task
 from auto_research.data.types import Task
 from auto_research.engine import run_folder
 from auto_research.engine.launch import check_world
-from auto_research.engine.sources import check_model_source, require_vllm
+from auto_research.engine.samplers import sampler_record
+from auto_research.engine.sources import check_model_source
 from auto_research.errors import UserError
 from auto_research.files import check_writable_directory
 from auto_research.rewards.gold import load_judge
@@ -37,8 +38,7 @@ class Prepared:
 def check_settings(config: GenerationConfig, world_size: int) -> None:
     """The checks that read nothing: settings, the number of processes, the output folder."""
     config.validate()
-    if config.sampler == "vllm" and config.vllm_mode == "colocate":  # a server may live in an environment of its own
-        require_vllm()
+    sampler_record(config).check_settings()
     check_world(config, world_size)
     check_writable_directory(config.output_dir)
 
@@ -47,6 +47,9 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
             world_size: int = 1) -> Prepared:
     """Every check of a run that needs no torch; reads the run folder (lock it first), writes nothing."""
     check_settings(config, world_size)
+    if config.max_staleness and config.rollout_correction == "none":
+        log(f"warning: --max-staleness {config.max_staleness} with --rollout-correction none: batches drawn by older "
+            "weights are trained on as if the current policy had drawn them (uncorrected; docs/async.md)")
     run_folder.check_run_folder(config)
     resume_from = run_folder.resumable_checkpoint(config, log, world_size) if config.resume else None
     for source, flag in ((config.model, "--model"), (config.reward_model, "--reward-model"),

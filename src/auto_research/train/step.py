@@ -1,8 +1,10 @@
 """One RL step at the generation level, as phases that hand frozen values on. Touches no disk.
 
-RLOO (the default) is the paper's: r̃_i = r_i − β Σ_t kl_t, the leave-one-out baseline, loss
-−1/(groups·K) Σ_i A_i Σ_t log π(y_i,t). Which estimator, loss and normalisation a step uses comes from
-the algorithm's record (algorithms/registry.py). Each phase is timed (``time_<phase>`` in the row).
+The rollout side (rollouts.py: draw prompts → sample → score) hands the step a frozen batch; the trainer side
+(experience → advantages → update → publish weights) trains on it. RLOO (the default) is the paper's:
+r̃_i = r_i − β Σ_t kl_t, the leave-one-out baseline, loss −1/(groups·K) Σ_i A_i Σ_t log π(y_i,t). Which
+estimator, loss and normalisation a step uses comes from the algorithm's record (algorithms/registry.py). Each
+phase is timed (``time_<phase>`` in the row).
 """
 
 from __future__ import annotations
@@ -12,28 +14,27 @@ import time
 
 import torch
 
+from auto_research.engine.samplers import sampler_record
 from auto_research.train.components import Components
-from auto_research.train.experience import build_experience, draw_batch, score
+from auto_research.train.experience import build_experience
+from auto_research.train.in_flight import start_rollouts
 from auto_research.train.metrics import step_metrics
+from auto_research.train.rollouts import agreed_scores, rollout_figures
 from auto_research.train.state import LoopState
 from auto_research.train.update import estimate_advantages, moving_average_after, update_actor, update_critic
 
 
 def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
-    """sample → score → experience → advantages → update; returns the step's row of metrics."""
+    """take the batch → agree on its scores → experience → advantages → update → publish; the step's row."""
     started, seconds = time.perf_counter(), {}
-    timed = _timer(c, seconds)
-    with timed("sample"):
-        batch = draw_batch(c, state.rng, step)
-        rollout = c.sampler.sample(batch.prompts, c.config.group_size, batch.seeds)
+    timed, rollouts = _timer(c, seconds), c.rollouts or start_rollouts(c, state)
+    with timed("waiting_for_rollouts"):  # at --max-staleness 0, the trainer idles while the batch is drawn
+        drawn = rollouts.take(step)
     with timed("score"):
-        scores = score(c, batch, rollout, step)
-    if scores.unscored and not state.warned_unscored:
-        state.warned_unscored = True
-        log(f"warning: the reward returned None for {scores.unscored} of {scores.samples} samples at step {step}; "
-            "they are left out of their groups' baselines (counted in unscored_samples; warned once per run)")
+        scores = agreed_scores(c.world, drawn, step, c.config.group_size)
+    _warn_unscored(state, scores, step, log)
     with timed("experience"):
-        experience = build_experience(c, rollout, scores)
+        experience = build_experience(c, drawn.rollout, scores, step - 1, drawn.reference_logprobs)
     with timed("advantages"):
         advantages = estimate_advantages(c, experience, state.moving_average)
         if c.algorithm.moving_average is not None:  # the loop's baseline moves after the advantages used it
@@ -47,11 +48,19 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
         if c.critic is not None:
             state.critic_updates += c.updates_per_step
     with timed("weight_sync"):
-        c.sampler.load_weights(c.policy)
+        rollouts.publish(step, c.policy)
     row = step_metrics(c, step, experience, advantages, actor, critic, time.perf_counter() - started, state.totals)
-    if c.config.sampler != "builtin":
+    if sampler_record(c.config).pushes_weights:
         row["weight_sync_seconds"] = seconds["weight_sync"]
-    return {**row, **{f"time_{phase}": value for phase, value in seconds.items()}}
+    seconds["score"] += drawn.seconds["score"]
+    return {**row, **rollout_figures(c.world, drawn, step), **{f"time_{phase}": value for phase, value in seconds.items()}}
+
+
+def _warn_unscored(state: LoopState, scores, step: int, log) -> None:
+    if scores.unscored and not state.warned_unscored:
+        state.warned_unscored = True
+        log(f"warning: the reward returned None for {scores.unscored} of {scores.samples} samples at step {step}; "
+            "they are left out of their groups' baselines (counted in unscored_samples; warned once per run)")
 
 
 def _timer(c: Components, seconds: dict):

@@ -9,8 +9,9 @@ from auto_research.engine.distributed import World
 from auto_research.engine.rollout import Rollout
 from auto_research.train.components import Components, build_components
 from auto_research.train.evaluation import held_out
-from auto_research.train.experience import draw_batch
+from auto_research.train.in_flight import rollout_source
 from auto_research.train.prepare import prepare
+from auto_research.train.rollouts import draw_batch
 from auto_research.train.state import LoopState
 from auto_research.train.step import rl_step
 from auto_research.train.warm_start import model_for
@@ -30,12 +31,19 @@ class Trainer:
         return cls(components, LoopState.fresh(config.seed), log)
 
     def sample(self, step: int) -> Rollout:
-        """The rollout a step would train on: its prompts drawn from the loop's generator, then sampled."""
-        batch = draw_batch(self.components, self.state.rng, step)
-        return self.components.sampler.sample(batch.prompts, self.components.config.group_size, batch.seeds)
+        """The rollout a step would train on: its prompts drawn from the loop's generator, then sampled (with
+        --max-staleness 0; in flight, the rollout side's thread owns the generator)."""
+        c = self.components
+        batch = draw_batch(rollout_source(c, c.sampler, c.policy, c.sampling), self.state.rng, step)
+        return c.sampler.sample(batch.prompts, c.config.group_size, batch.seeds)
 
     def step(self, step: int) -> dict:
         return rl_step(self.components, self.state, step, self.log)
 
     def evaluate(self, completions: dict | None = None) -> dict:
         return held_out(self.components, completions)
+
+    def close(self) -> None:
+        """Stop the rollout side's thread (--max-staleness ≥ 1)."""
+        if self.components.rollouts is not None:
+            self.components.rollouts.close()

@@ -7,7 +7,8 @@ optimizer step.
     sampler.load_weights(policy)                     # a no-op for the builtin loop
 
 The builtin loop (``builtin.py``) samples from the training model itself. Another engine (vLLM, an
-asynchronous producer) implements the same two methods and returns the same ``Rollout``.
+asynchronous producer) implements the same two methods and returns the same ``Rollout``; ``remote.py`` holds
+what every such engine needs (the weights to push, the Rollout of its token ids and log-probs).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class Rollout:
     trained_distribution: bool = False
     """The sampler drew from the training model's own distribution, unfiltered (the builtin loop with no top-k
     or top-p): its log-probs are the policy's, so with one update per batch no forward need recompute them."""
+    policy_versions: torch.Tensor | None = None
+    """(B,) the weights version that drew each row (the policy after that many steps); None: the current one."""
 
     @property
     def prompt_length(self) -> int:
@@ -87,8 +90,9 @@ class Rollout:
             prompt_mask, completion_mask = prompt_mask[:, first:], completion_mask[:, :width]
             logprobs = None if logprobs is None else logprobs[:, :width]
             entropy = None if entropy is None else entropy[:, :width]
+        versions = None if self.policy_versions is None else self.policy_versions[start:stop]
         return Rollout(sequences, prompt_mask, completion_mask, self.completions[start:stop], self.group_size, logprobs,
-                       entropy, self.trained_distribution)
+                       entropy, self.trained_distribution, versions)
 
 
 class Sampler(Protocol):
@@ -129,7 +133,9 @@ def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
                    [text for r in rollouts for text in r.completions], rollouts[0].group_size,
                    torch.cat(logprobs) if len(logprobs) == len(rollouts) else None,
                    torch.cat(entropies) if len(entropies) == len(rollouts) else None,
-                   all(r.trained_distribution for r in rollouts))
+                   all(r.trained_distribution for r in rollouts),
+                   torch.cat([r.policy_versions for r in rollouts])
+                   if all(r.policy_versions is not None for r in rollouts) else None)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:

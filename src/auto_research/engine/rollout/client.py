@@ -17,7 +17,7 @@ import torch
 from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
 from auto_research.engine.rollout.server import API_KEY_VARIABLE, PART_BYTES, fingerprint, split_address
 from auto_research.engine.rollout.transfer import SharedWriter
-from auto_research.engine.rollout.vllm import build_rollout, pushed_weights
+from auto_research.engine.rollout.remote import build_rollout, pushed_weights
 from auto_research.errors import RolloutEngineError, UserError
 from auto_research.http import RequestFailed, request
 

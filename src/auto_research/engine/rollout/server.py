@@ -56,7 +56,7 @@ from auto_research.engine.rollout import SamplingSettings
 from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, Leases, Refused, check_generate,
                                                 describe, weight_spec)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
-from auto_research.engine.rollout.vllm import pushed_weights
+from auto_research.engine.rollout.remote import pushed_weights
 from auto_research.errors import UserError, one_line
 
 PART_BYTES = 256 * 2**20

@@ -24,7 +24,8 @@ from typing import Iterator
 
 import torch
 
-from auto_research.engine.rollout import Rollout, SamplingSettings, completion_mask, eos_ids
+from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
+from auto_research.engine.rollout.remote import build_rollout, pushed_weights
 from auto_research.engine.sources import require_vllm
 from auto_research.errors import UserError
 
@@ -50,57 +51,6 @@ def check_servable(config, device: str, model_name: str, where: str = "--sampler
 def engine_seed(seed: int) -> int:
     """A prompt's seed in the range vLLM's generators take (its K children use seed + k)."""
     return seed % (2**31 - 2**16)
-
-
-def pushed_weights(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's weights under the checkpoint names vLLM loads, one tensor at a time: LoRA adapters merged
-    into their base weights (W + s·B·A, what the policy computes), FSDP2 shards gathered one parameter at a time
-    (every rank takes part in each gather, in the same order)."""
-    lora_modules = {}
-    if hasattr(model, "peft_config"):
-        base = model.get_base_model()
-        lora_modules = {name: module for name, module in base.named_modules()
-                        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
-        model = base
-    # Tied weights under both names (lm_head too): vLLM's in-place reload re-processes a layer (on the CPU it
-    # repacks linear weights) only once every weight it expects has arrived.
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if ".lora_" in name:
-            continue
-        tensor = parameter.detach()
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        if ".base_layer." in name:
-            owner, _, leaf = name.rpartition(".base_layer.")
-            module = lora_modules.get(owner)
-            if module is not None and leaf == "weight":
-                tensor = tensor + sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
-            name = f"{owner}.{leaf}"
-        yield name, tensor.to(dtype)
-
-
-def build_rollout(tokenizer, eos: tuple, pad: int, prompt_ids: list[list[int]], completions: list[list[int]],
-                  logprobs: list[list[float]], group_size: int) -> Rollout:
-    """The Rollout of an engine's token ids and log-probs (colocated or from a server)."""
-    rows, width = len(completions), max(1, max(len(tokens) for tokens in completions))
-    prompt_width = max(len(ids) for ids in prompt_ids)
-    prompt = torch.full((rows, prompt_width), pad, dtype=torch.long)
-    prompt_mask = torch.zeros(rows, prompt_width, dtype=torch.long)
-    completion = torch.full((rows, width), pad, dtype=torch.long)
-    sampled = torch.zeros(rows, width)
-    for row, (tokens, values) in enumerate(zip(completions, logprobs)):
-        ids = prompt_ids[row // group_size]
-        prompt[row, prompt_width - len(ids):] = torch.tensor(ids)
-        prompt_mask[row, prompt_width - len(ids):] = 1
-        completion[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        sampled[row, : len(values)] = torch.tensor(values)
-    mask = completion_mask(completion, eos)
-    # A row cut at max_tokens ends in a token, not padding: the mask keeps every drawn token, none after.
-    lengths = torch.tensor([len(tokens) for tokens in completions])
-    mask = mask * (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
-    texts = tokenizer.batch_decode(completion * mask + pad * (1 - mask), skip_special_tokens=True)
-    return Rollout(torch.cat([prompt, completion], dim=1), prompt_mask, mask, texts, group_size, sampled * mask,
-                   None, False)
 
 
 def _host_memory() -> int:

@@ -1,0 +1,117 @@
+"""The rollout engines a run can sample with, by name: one record each, so that no phase of a run compares
+``--sampler`` strings. Light: an engine is imported only when its record builds one.
+
+    record = sampler_record(config)          # builtin, vllm (colocated) or vllm-server
+    record.check_settings()                  # before torch: the engine is installed
+    sampler = record.build(needs)            # the Sampler (engine/rollout/__init__.py)
+
+A record says what the trainer needs to know of its engine: whether it draws with the trainer's own weights
+and kernels (then there is no sampler/trainer mismatch to measure or correct), whether it can run apart from
+the trainer while it trains (``--max-staleness`` ≥ 1), and whether it holds weights pushed to it after every
+optimizer step (``weight_sync_seconds``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from auto_research.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplerNeeds:
+    """What building an engine may use (each factory takes what it needs of it)."""
+
+    config: Any
+    policy: Any
+    tokenizer: Any
+    settings: Any
+    """SamplingSettings."""
+    chunk_prompts: int | None
+    context: Callable
+    """Around sampling from the training model (autocast, FSDP's whole parameters)."""
+    model_name: str
+    world: Any
+    compute_dtype: Any
+    device: str
+    train_prompts: list[str]
+    log: Callable = print
+
+
+@dataclass(frozen=True)
+class SamplerRecord:
+    name: str
+    build: Callable[[SamplerNeeds], Any]
+    check_settings: Callable[[], None] = lambda: None
+    """Before torch: the engine can be imported (one line saying how to install it otherwise)."""
+    check_model: Callable[[Any, str, str], None] | None = None
+    """(model config, device, model name): a model the engine cannot serve is refused in one line."""
+    is_the_trainer: bool = False
+    """Draws with the trainer's own weights and kernels: its log-probs are π's, nothing to measure or correct."""
+    runs_apart: bool = False
+    """Can sample while the trainer trains, with weights of its own (``--max-staleness`` ≥ 1)."""
+    pushes_weights: bool = False
+    """Holds a copy of the weights, pushed after every optimizer step (timed as ``weight_sync_seconds``)."""
+
+
+def _builtin(needs: SamplerNeeds):
+    from auto_research.engine.rollout.builtin import BuiltinSampler  # noqa: PLC0415
+
+    return BuiltinSampler(needs.policy, needs.tokenizer, needs.settings, needs.chunk_prompts, needs.context)
+
+
+def _vllm(needs: SamplerNeeds):
+    from auto_research.engine.rollout.vllm import VLLMSampler  # noqa: PLC0415 - optional, heavy
+
+    config, tokenizer, device = needs.config, needs.tokenizer, needs.device
+    longest = max(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) for prompt in needs.train_prompts)
+    memory = config.vllm_memory or (0.05 if device == "cpu" else 0.3)
+    needs.log(f"starting a colocated vLLM engine ({memory:g} of the "
+              f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'})")
+    return VLLMSampler(needs.policy, tokenizer, needs.settings, memory, needs.compute_dtype,
+                       longest + config.max_new_tokens, config.seed)
+
+
+def _vllm_server(needs: SamplerNeeds):
+    from auto_research.engine.rollout.client import VLLMServerSampler  # noqa: PLC0415
+
+    address = needs.config.vllm_server
+    sampler = VLLMServerSampler(needs.policy, needs.tokenizer, needs.settings, address, needs.model_name,
+                                needs.world, needs.config.run_dir)
+    needs.log(f"sampling with the vLLM server at {address} (the policy's weights pushed to it through "
+              f"{sampler.transfer} in {sampler.weight_sync_seconds:.2f} s)")
+    return sampler
+
+
+def _require_vllm() -> None:
+    from auto_research.engine.sources import require_vllm  # noqa: PLC0415
+
+    require_vllm()
+
+
+def _check_servable(model_config, device: str, model_name: str) -> None:
+    from auto_research.engine.rollout.vllm import check_servable  # noqa: PLC0415 - imports no vLLM
+
+    check_servable(model_config, device, model_name)
+
+
+SAMPLERS: dict[str, SamplerRecord] = {
+    "builtin": SamplerRecord("builtin", _builtin, is_the_trainer=True, runs_apart=True),
+    "vllm": SamplerRecord("vllm", _vllm, _require_vllm, _check_servable, pushes_weights=True),
+    # A server may live in an environment of its own: the trainer needs no vLLM.
+    "vllm-server": SamplerRecord("vllm-server", _vllm_server, pushes_weights=True),
+}
+
+
+def sampler_name(config) -> str:
+    """The registry's key for a run's --sampler and --rollout-mode."""
+    return config.sampler if config.vllm_mode == "colocate" else f"{config.sampler}-{config.vllm_mode}"
+
+
+def sampler_record(config) -> SamplerRecord:
+    name = sampler_name(config)
+    if name not in SAMPLERS:
+        raise UserError(f"--sampler {config.sampler} --rollout-mode {config.vllm_mode}: no such rollout engine "
+                        f"(there are {', '.join(SAMPLERS)})")
+    return SAMPLERS[name]

@@ -1,0 +1,154 @@
+"""Rollouts in flight (--max-staleness K ≥ 1): the rollout side in a thread of its own, with its own copy of the
+policy's weights, drawing step s's batch with weights version max(0, s − 1 − K) while the trainer trains.
+
+The rollout side also computes the frozen reference's log-probs of each batch (with a copy of the reference,
+when it is a model of its own), which a synchronous step computes in the trainer's experience phase: a stale
+batch costs the trainer a forward of its own policy for π_old instead.
+
+The schedule is fixed, so two runs with one seed train on the same batches whatever the threads' timing: the
+producer *waits* for the version a batch needs (it never draws with newer weights, and no batch is dropped), and
+the trainer waits for the batch it needs. At most K + 1 batches are ever drawn ahead of the trainer, and the
+producer holds at most K + 1 versions of the weights (a copy each, the newest the trainer published). The
+builtin sampler runs apart this way; the thread runs no collective (each rank has its own producer; the
+agreement over ranks is the trainer's, ``rollouts.agreed_scores``).
+
+A checkpoint after step s holds the batches of steps s + 1 … s + K (drawn by versions that a resumed run no
+longer has) and the prompt generator's state after the last of them; a resumed run starts its producer at
+step s + K + 1 with the checkpoint's weights, version s: SIGKILL and --resume end with the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+
+from auto_research.engine.logprobs import token_logprobs
+from auto_research.engine.rollout.builtin import BuiltinSampler, sample
+from auto_research.train.components import Components, chunk_prompts, sampling_settings
+from auto_research.train.experience import no_grad_forward
+from auto_research.train.rollouts import Drawn, RolloutSource, Synchronous, drawing_version, produce
+from auto_research.train.state import LoopState
+
+
+class InFlight:
+    """The rollout side in a thread: ``take``, ``publish``, ``checkpoint`` and ``close`` as ``Synchronous``'s."""
+
+    def __init__(self, source: RolloutSource, model, rng, max_staleness: int, last_step: int, version: int, policy,
+                 saved: list[Drawn] = (), cpus: set[int] | None = None):
+        self.source, self.model, self.rng = source, model, rng
+        self.max_staleness, self.last_step, self.cpus = max_staleness, last_step, cpus
+        self.condition = threading.Condition()
+        self.ready = {drawn.step: drawn for drawn in saved}
+        self.snapshots: dict[int, dict] = {}
+        self.loaded: int | None = None
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.first_step = version + 1 + len(saved)
+        self.numpy_after = saved[-1].numpy_after if saved else rng.bit_generator.state
+        self.publish(version, policy)
+        self.thread = threading.Thread(target=self._run, name="auto-research-rollouts", daemon=True)
+        self.thread.start()
+
+    # --- the trainer's side ---------------------------------------------------------------------------------
+
+    def take(self, step: int) -> Drawn:
+        with self.condition:
+            while step not in self.ready and self.error is None:
+                self.condition.wait()
+            if step not in self.ready:
+                raise self.error
+            return self.ready.pop(step)
+
+    def publish(self, version: int, policy) -> None:
+        """A copy of the weights of ``version`` for the producer, unless no batch left to draw needs it."""
+        if version > drawing_version(self.last_step, self.max_staleness):
+            return
+        snapshot = {name: tensor.detach().clone() for name, tensor in policy.state_dict().items()}
+        with self.condition:
+            self.snapshots[version] = snapshot
+            self.condition.notify_all()
+
+    def checkpoint(self, step: int) -> tuple[list[Drawn], dict]:
+        """The batches of steps step + 1 … step + K (waited for: their weights are published) and the prompt
+        generator's state after the last of them."""
+        last = min(step + self.max_staleness, self.last_step)
+        with self.condition:
+            while any(s not in self.ready for s in range(step + 1, last + 1)) and self.error is None:
+                self.condition.wait()
+            if self.error is not None:
+                raise self.error
+            batches = [self.ready[s] for s in range(step + 1, last + 1)]
+            return batches, batches[-1].numpy_after if batches else self.numpy_after
+
+    def close(self) -> None:
+        with self.condition:
+            self.stopping = True
+            self.condition.notify_all()
+        self.thread.join(timeout=60)
+
+    # --- the producer's side ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self.cpus:
+                os.sched_setaffinity(0, self.cpus)  # this thread only
+            for step in range(self.first_step, self.last_step + 1):
+                version = drawing_version(step, self.max_staleness)
+                waiting = time.perf_counter()
+                with self.condition:
+                    while version not in self.snapshots and not self.stopping:
+                        self.condition.wait()
+                    if self.stopping:
+                        return
+                    snapshot = self.snapshots[version]
+                    for older in [v for v in self.snapshots if v < version]:
+                        del self.snapshots[older]
+                idle = time.perf_counter() - waiting
+                loading = time.perf_counter()
+                if self.loaded != version:
+                    self.model.load_state_dict(snapshot)
+                    self.loaded = version
+                drawn = produce(self.source, self.rng, step, version, idle, time.perf_counter() - loading)
+                with self.condition:
+                    self.ready[step] = drawn
+                    self.numpy_after = drawn.numpy_after
+                    self.condition.notify_all()
+        except BaseException as error:  # handed to the trainer, raised where it waits
+            with self.condition:
+                self.error = error
+                self.condition.notify_all()
+
+
+def rollout_source(c: Components, sampler, model, context, reference=None) -> RolloutSource:
+    """What the rollout side needs of a run; ``reference``: a frozen reference of its own, whose log-probs it
+    then computes (in the micro-batches the trainer would use, so the numbers are the trainer's)."""
+    config, world = c.config, c.world
+    greedy = reference_logprobs = None
+    if c.algorithm.needs_greedy:
+        def greedy(prompts):
+            with context():
+                return sample(model, c.tokenizer, prompts, 1, config.max_new_tokens, greedy=True)
+    if reference is not None:
+        def reference_logprobs(rollout):
+            return no_grad_forward(c, reference, rollout, token_logprobs, temperature=config.temperature)
+    return RolloutSource(c.train_prompts, c.task.train, config.seed, config.prompts_per_step, config.group_size,
+                         lambda picks: world.share(picks, config.ppo_mini_batches), sampler, c.reward, greedy,
+                         reference_logprobs)
+
+
+def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpus: set[int] | None = None):
+    """The rollout side of a run at its current step: synchronous, or in flight with a copy of the weights."""
+    config = c.config
+    if not config.max_staleness:
+        c.rollouts = Synchronous(rollout_source(c, c.sampler, c.policy, c.sampling), state.rng, state.step)
+        return c.rollouts
+    model = copy.deepcopy(c.policy).requires_grad_(False)
+    sampler = BuiltinSampler(model, c.tokenizer, sampling_settings(config), chunk_prompts(config), c.autocast)
+    # A frozen reference model (not LoRA's, which is the policy with its adapters off) is copied once: its
+    # forward then runs on the rollout side, beside the trainer's, which has the stale batch's π_old to compute.
+    reference = copy.deepcopy(c.reference) if c.reference is not None and not config.lora_r else None
+    c.rollouts = InFlight(rollout_source(c, sampler, model, c.autocast, reference), model, state.rng,
+                          config.max_staleness, config.steps, state.step, c.policy, list(saved), cpus)
+    return c.rollouts

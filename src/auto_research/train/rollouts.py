@@ -1,0 +1,201 @@
+"""The rollout side of a run: draw prompts → sample → score, one frozen batch per step, each row tagged with the
+policy version that drew it, handed to the trainer side (experience → advantages → update → publish weights)
+through a bounded queue.
+
+    rollouts = start_rollouts(c, state)   # Synchronous (--max-staleness 0) or InFlight (in_flight.py)
+    drawn = rollouts.take(step)           # the step's frozen batch (waits for it)
+    scores = agreed_scores(world, drawn, step)
+    ...                                   # experience, advantages, update
+    rollouts.publish(step, c.policy)      # weights version ``step`` (after ``step`` steps)
+
+The schedule is fixed: step s's batch is drawn by weights version ``drawing_version(s, K)`` = max(0, s − 1 − K),
+where version v is the policy after v steps. K = 0 is today's synchronous step, a queue of depth 0: the batch is
+drawn when the trainer asks for it, with the weights it is about to update. Nothing here runs a collective: the
+rollout side may live in a thread of its own, and every rank's agreement (a failed reward, the counts) is the
+trainer's, in ``agreed_scores``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+import torch
+
+from auto_research.data.types import Example
+from auto_research.engine.rollout import Rollout, Sampler, prompt_seed
+from auto_research.errors import RewardError
+from auto_research.train.experience import Batch, Scores
+
+
+def drawing_version(step: int, max_staleness: int) -> int:
+    """The weights version that draws step ``step``'s batch (steps count from 1, versions from 0)."""
+    return max(0, step - 1 - max_staleness)
+
+
+@dataclass(frozen=True)
+class RolloutSource:
+    """What the rollout side needs, and nothing of the trainer's."""
+
+    prompts: list[str]
+    """The training prompts as the model sees them."""
+    examples: list[Example]
+    seed: int
+    prompts_per_step: int
+    group_size: int
+    share: Callable[[list], list]
+    """This rank's share of a step's prompts (whole mini-batches; no collective)."""
+    sampler: Sampler
+    reward: Callable
+    greedy: Callable[[list[str]], Rollout] | None = None
+    """One greedy completion per prompt (ReMax's baseline), from the weights that sample."""
+    reference: Callable[[Rollout], torch.Tensor] | None = None
+    """log π_ref of the completion tokens, when the rollout side computes them (the reference is frozen: in
+    flight, its forward runs beside the trainer's work instead of in it); None: the trainer does."""
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One step's frozen batch as the rollout side hands it over: sampled and scored on this rank."""
+
+    step: int
+    batch: Batch
+    rollout: Rollout
+    """With ``policy_versions``: the weights version that drew each row."""
+    rewards: list | None
+    """This rank's task rewards, None where the reward could not score (None when it failed)."""
+    greedy_rewards: list | None
+    failure: str | None
+    """The reward's error (RewardError's message), raised on every rank by ``agreed_scores``."""
+    numpy_after: dict
+    """The prompt generator's state after this batch was drawn (what a checkpoint saves)."""
+    seconds: dict
+    """sample, score (with the reference's forward, when here), idle (waiting for weights before drawing it)."""
+    reference_logprobs: torch.Tensor | None = None
+    """(B, T) log π_ref of the completion tokens (``RolloutSource.reference``), or None."""
+
+
+def draw_batch(source: RolloutSource, rng: np.random.Generator, step: int) -> Batch:
+    """Distinct prompts, the same on every rank (one generator), and this rank's share of them."""
+    picks = rng.choice(len(source.prompts), size=source.prompts_per_step, replace=False)
+    picks = [int(index) for index in source.share(list(picks))]
+    return batch_of(source, picks, [prompt_seed(source.seed, step, index) for index in picks])
+
+
+def batch_of(source: RolloutSource, indices: list[int], seeds: list[int]) -> Batch:
+    return Batch(indices, [source.prompts[i] for i in indices], [source.examples[i] for i in indices], seeds)
+
+
+def produce(source: RolloutSource, rng: np.random.Generator, step: int, version: int, idle: float = 0.0,
+            loading: float = 0.0) -> Drawn:
+    """Draw step ``step``'s prompts, sample them with the weights of ``version``, score them (this rank's)."""
+    started = time.perf_counter()
+    batch = draw_batch(source, rng, step)
+    numpy_after = rng.bit_generator.state
+    rollout = source.sampler.sample(batch.prompts, source.group_size, batch.seeds)
+    rollout = replace(rollout, policy_versions=torch.full((rollout.sequences.shape[0],), version, dtype=torch.long))
+    sampled = time.perf_counter()
+    K = source.group_size
+    greedy = source.greedy(batch.prompts) if source.greedy is not None else None
+    rewards = greedy_rewards = failure = None
+    try:
+        rewards = source.reward([p for p in batch.prompts for _ in range(K)], rollout.completions,
+                                [e for e in batch.examples for _ in range(K)], rollout.token_lists())
+        greedy_rewards = source.reward(batch.prompts, greedy.completions, batch.examples) if greedy else None
+    except RewardError as error:
+        failure = str(error)
+    reference = source.reference(rollout) if source.reference is not None and failure is None else None
+    seconds = {"sample": sampled - started + loading, "score": time.perf_counter() - sampled, "idle": idle}
+    return Drawn(step, batch, rollout, rewards, greedy_rewards, failure, numpy_after, seconds, reference)
+
+
+def agreed_scores(world, drawn: Drawn, step: int, group_size: int) -> Scores:
+    """The rollout's task rewards, agreed over every rank: a reward that failed on one rank stops every rank
+    (each would otherwise wait for the others); a step in which no completion could be scored is an error."""
+    world.agree(RewardError(drawn.failure) if drawn.failure is not None else None, RewardError)
+    values = drawn.rewards
+    scored = torch.tensor([value is not None for value in values])
+    rewards = torch.tensor([0.0 if value is None else value for value in values])
+    unscored, total = (int(x) for x in world.total(torch.tensor([int((~scored).sum()), len(values)])))
+    if unscored == total:
+        raise RewardError(f"no sample of step {step} could be scored: the reward returned None for all {unscored} "
+                          "completions")
+    greedy_rewards = None
+    if drawn.greedy_rewards is not None:
+        greedy_rewards = torch.tensor([0.0 if v is None else v for v in drawn.greedy_rewards]).repeat_interleave(
+            group_size)
+    return Scores(rewards, scored, greedy_rewards, unscored, total)
+
+
+def rollout_figures(world, drawn: Drawn, step: int) -> dict:
+    """Staleness (versions between the weights that drew a sample and the policy it updates, version step − 1)
+    over every rank's samples, and the rollout side's own times for this batch."""
+    staleness = world.gather(((step - 1) - drawn.rollout.policy_versions).double())
+    return {"staleness_mean": float(staleness.mean()), "staleness_max": int(staleness.max()),
+            "time_sample": drawn.seconds["sample"], "time_sampler_idle": drawn.seconds["idle"]}
+
+
+class Synchronous:
+    """The queue of depth 0 (--max-staleness 0): the batch is drawn when the trainer asks for it, with the weights
+    it is about to update; ``publish`` hands the sampler the new weights (a no-op for the builtin loop)."""
+
+    max_staleness = 0
+
+    def __init__(self, source: RolloutSource, rng: np.random.Generator, version: int):
+        self.source, self.rng = source, rng
+        self.idle_since = None
+
+    def take(self, step: int) -> Drawn:
+        # The sampler idles from the end of one batch until the trainer asks for the next.
+        idle = 0.0 if self.idle_since is None else time.perf_counter() - self.idle_since
+        drawn = produce(self.source, self.rng, step, step - 1, idle)
+        self.idle_since = time.perf_counter()
+        return drawn
+
+    def publish(self, version: int, policy) -> None:
+        self.source.sampler.load_weights(policy)
+
+    def checkpoint(self, step: int) -> tuple[list[Drawn], dict]:
+        """The batches in flight after ``step`` (none here) and the prompt generator's state after the last."""
+        return [], self.rng.bit_generator.state
+
+    def close(self) -> None:
+        pass
+
+
+# --- batches in flight, in a checkpoint (safetensors and JSON: nothing unpickled) ------------------------------
+
+_TENSORS = ("sequences", "prompt_mask", "completion_mask", "sampler_logprobs", "sampler_entropy", "policy_versions")
+
+
+def to_files(batches: list[Drawn]) -> tuple[dict, list]:
+    """This rank's batches in flight as tensors (keyed ``i/name``) and plain values."""
+    tensors, plain = {}, []
+    for index, drawn in enumerate(batches):
+        for name in _TENSORS:
+            value = getattr(drawn.rollout, name)
+            if value is not None:
+                tensors[f"{index}/{name}"] = value.detach().clone().contiguous()
+        if drawn.reference_logprobs is not None:
+            tensors[f"{index}/reference_logprobs"] = drawn.reference_logprobs.detach().clone().contiguous()
+        plain.append({"step": drawn.step, "indices": drawn.batch.indices, "seeds": drawn.batch.seeds,
+                      "completions": drawn.rollout.completions, "group_size": drawn.rollout.group_size,
+                      "trained_distribution": drawn.rollout.trained_distribution, "rewards": drawn.rewards,
+                      "greedy_rewards": drawn.greedy_rewards, "failure": drawn.failure,
+                      "numpy_after": drawn.numpy_after, "seconds": drawn.seconds})
+    return tensors, plain
+
+
+def from_files(source: RolloutSource, tensors: dict, plain: list) -> list[Drawn]:
+    batches = []
+    for index, saved in enumerate(plain):
+        parts = {name: tensors.get(f"{index}/{name}") for name in _TENSORS}
+        rollout = Rollout(parts["sequences"], parts["prompt_mask"], parts["completion_mask"], saved["completions"],
+                          saved["group_size"], parts["sampler_logprobs"], parts["sampler_entropy"],
+                          saved["trained_distribution"], parts["policy_versions"])
+        batches.append(Drawn(saved["step"], batch_of(source, saved["indices"], saved["seeds"]), rollout,
+                             saved["rewards"], saved["greedy_rewards"], saved["failure"], saved["numpy_after"],
+                             saved["seconds"], tensors.get(f"{index}/reference_logprobs")))
+    return batches
