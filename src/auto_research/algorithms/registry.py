@@ -124,10 +124,8 @@ class Algorithm:
     """DAPO's soft overlong punishment by default: the buffer L as a fraction of --max-new-tokens (DAPO: 4,096
     of 20,480 tokens, 0.2), rounded down; 0 leaves it off (--overlong-buffer sets it)."""
     dynamic_sampling: bool = False
-    """Groups whose K scores are all equal are dropped and refilled (DAPO). Recorded as the algorithm's default,
-    but not yet honoured: the mechanism (--dynamic-sampling, issue 25's item 1) has not landed, so every group
-    is trained on, those without signal included (their advantages are 0; under token-mean their tokens still
-    count in the denominator)."""
+    """The default of --dynamic-sampling: groups whose K scores are all equal are dropped and their slots
+    refilled with fresh prompts before the step trains (DAPO; train/dynamic.py)."""
     candidate: CandidateTwin | None = None
 
     def kl_estimator_for(self, placement: str) -> str:
@@ -264,7 +262,7 @@ register(Algorithm(
     aggregation="token-mean", clip_low=0.2, clip_high=0.28, overlong_buffer_fraction=0.2, dynamic_sampling=True,
     min_group_size=2, rollout_correction="token-tis",
     formula="A_i = (r_i − mean r) / (std r + 1e−6) on r plus the soft overlong penalty; clipped surrogate with "
-            "clip-higher (ε_low 0.2, ε_high 0.28), token-mean; no KL; dynamic sampling (not yet honoured)",
+            "clip-higher (ε_low 0.2, ε_high 0.28), token-mean; no KL; dynamic sampling",
     citation="Yu et al., 2025, DAPO: An Open-Source LLM Reinforcement Learning System at Scale (arXiv 2503.14476)",
 ))
 register(Algorithm(

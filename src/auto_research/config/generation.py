@@ -6,6 +6,7 @@ before any data is read or any output is written, and imports neither NumPy nor 
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -179,6 +180,13 @@ class GenerationConfig:
                                     "updated, the rollout side sampling in a thread of its own while the trainer "
                                     "trains (step s is drawn by weights version max(0, s − 1 − K)); 0 = sample, then "
                                     "train (docs/async.md)", "sampling", type=int)
+    dynamic_sampling: bool | None = setting(None, "drop groups whose K scores are all equal (no signal) and refill "
+                                                  "their slots with fresh prompts, up to --max-refills times each, "
+                                                  "before the step trains (DAPO; default: the algorithm's, on for "
+                                                  "dapo)", "sampling", action=argparse.BooleanOptionalAction)
+    max_refills: int = setting(4, "with --dynamic-sampling, the most fresh prompts one slot may try; a slot still "
+                                  "without signal trains on its first group (trained_no_signal_fraction)",
+                               "sampling", type=int)
     rollout_correction_cap: float = setting(2.0, "C of the truncated importance weight min(w, C); sequence-mask "
                                                  "drops completions whose weight is above C or below 1/C",
                                             "sampling", type=float)
@@ -283,6 +291,8 @@ class GenerationConfig:
             filled.rollout_correction = record.rollout_correction
         if filled.overlong_buffer is None and isinstance(filled.max_new_tokens, int):
             filled.overlong_buffer = int(record.overlong_buffer_fraction * filled.max_new_tokens)
+        if filled.dynamic_sampling is None:
+            filled.dynamic_sampling = record.dynamic_sampling
         if filled.overlong_penalty is None and filled.overlong_buffer:
             filled.overlong_penalty = 1.0
         return filled
@@ -345,6 +355,11 @@ class GenerationConfig:
         elif self.vllm_server is not None or self.vllm_mode != "colocate":
             raise UserError("--vllm-mode and --vllm-server apply to --sampler vllm only")
         self._check_staleness()
+        if self.max_refills < 0:
+            raise UserError(f"--max-refills must be >= 0, got {self.max_refills}")
+        if self.dynamic_sampling and algorithm.needs_greedy:
+            raise UserError(f"--dynamic-sampling with {self.algorithm} is not built (a refilled prompt would need its "
+                            "greedy baseline too)")
         if not (0 < self.top_p <= 1):
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
         check_non_negative_finite("--weight-decay", self.weight_decay)

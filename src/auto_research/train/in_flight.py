@@ -135,7 +135,8 @@ def rollout_source(c: Components, sampler, model, context, reference=None) -> Ro
             return no_grad_forward(c, reference, rollout, token_logprobs, temperature=config.temperature)
     return RolloutSource(c.train_prompts, c.task.train, config.seed, config.prompts_per_step, config.group_size,
                          lambda picks: world.share(picks, config.ppo_mini_batches), sampler, c.reward, greedy,
-                         reference_logprobs)
+                         reference_logprobs, config.max_refills if config.dynamic_sampling else None,
+                         c.tokenizer.pad_token_id or 0)
 
 
 def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpus: set[int] | None = None):

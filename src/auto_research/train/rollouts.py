@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from auto_research.data.types import Example
-from auto_research.engine.rollout import Rollout, Sampler, prompt_seed
+from auto_research.engine.rollout import Rollout, Sampler, concatenate, prompt_seed
 from auto_research.errors import RewardError
+from auto_research.train.dynamic import REFILL_SEED_OFFSET, fill, has_signal, refill_index
 from auto_research.train.experience import Batch, Scores
 
 
@@ -54,6 +55,9 @@ class RolloutSource:
     reference: Callable[[Rollout], torch.Tensor] | None = None
     """log π_ref of the completion tokens, when the rollout side computes them (the reference is frozen: in
     flight, its forward runs beside the trainer's work instead of in it); None: the trainer does."""
+    max_refills: int | None = None
+    """Dynamic sampling (``dynamic.py``): refills a slot without signal may take; None: off."""
+    pad_token_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,9 @@ class Drawn:
     """sample, score (with the reference's forward, when here), idle (waiting for weights before drawing it)."""
     reference_logprobs: torch.Tensor | None = None
     """(B, T) log π_ref of the completion tokens (``RolloutSource.reference``), or None."""
+    counts: dict | None = None
+    """This rank's groups sampled, those without signal among them, refills and those trained without signal
+    (dynamic sampling; ``signal_counts`` without it)."""
 
 
 def draw_batch(source: RolloutSource, rng: np.random.Generator, step: int) -> Batch:
@@ -106,9 +113,54 @@ def produce(source: RolloutSource, rng: np.random.Generator, step: int, version:
         greedy_rewards = source.reward(batch.prompts, greedy.completions, batch.examples) if greedy else None
     except RewardError as error:
         failure = str(error)
+    counts = signal_counts(rewards, K) if failure is None else None
+    if source.max_refills is not None and failure is None:
+        try:
+            batch, rollout, rewards, counts = refill(source, step, batch, rollout, rewards)
+        except RewardError as error:
+            failure = str(error)
+        rollout = replace(rollout, policy_versions=torch.full((rollout.sequences.shape[0],), version,
+                                                              dtype=torch.long))
     reference = source.reference(rollout) if source.reference is not None and failure is None else None
     seconds = {"sample": sampled - started + loading, "score": time.perf_counter() - sampled, "idle": idle}
-    return Drawn(step, batch, rollout, rewards, greedy_rewards, failure, numpy_after, seconds, reference)
+    return Drawn(step, batch, rollout, rewards, greedy_rewards, failure, numpy_after, seconds, reference, counts)
+
+
+def signal_counts(rewards: list, group_size: int, refills: int = 0, trained_no_signal: int | None = None) -> dict:
+    groups = [rewards[start: start + group_size] for start in range(0, len(rewards), group_size)]
+    no_signal = sum(not has_signal(group) for group in groups)
+    return {"groups_sampled": len(groups), "no_signal_sampled": no_signal, "refills": refills,
+            "trained_no_signal": no_signal if trained_no_signal is None else trained_no_signal}
+
+
+def refill(source: RolloutSource, step: int, batch: Batch, rollout: Rollout, rewards: list):
+    """Dynamic sampling (``dynamic.py``): each of this rank's slots whose group has no signal is refilled until
+    one has, at most ``max_refills`` times; the batch, rollout and rewards the step trains on, and the counts."""
+    K = source.group_size
+    slots = source.share(list(range(source.prompts_per_step)))
+    rounds = {0: (batch, rollout, rewards)}
+
+    def sample_round(number: int, tries: list[tuple[int, int]]) -> list[list]:
+        seeds = [prompt_seed(source.seed, step, REFILL_SEED_OFFSET * number + slot) for slot, _ in tries]
+        drawn = batch_of(source, [index for _, index in tries], seeds)
+        sampled = source.sampler.sample(drawn.prompts, K, drawn.seeds)
+        scores = source.reward([p for p in drawn.prompts for _ in range(K)], sampled.completions,
+                               [e for e in drawn.examples for _ in range(K)], sampled.token_lists())
+        rounds[number] = (drawn, sampled, scores)
+        return [scores[start: start + K] for start in range(0, len(scores), K)]
+
+    filled = fill(slots, [rewards[i * K: (i + 1) * K] for i in range(len(slots))], sample_round, source.max_refills,
+                  lambda slot, number: refill_index(source.seed, step, slot, number, len(source.prompts)))
+    counts = {"groups_sampled": filled.groups_sampled, "no_signal_sampled": filled.no_signal_sampled,
+              "refills": filled.refills, "trained_no_signal": filled.trained_no_signal}
+    if not filled.refills:
+        return batch, rollout, rewards, counts
+    parts = [(rounds[number], position) for number, position in filled.chosen]
+    chosen = Batch([b.indices[i] for (b, _, _), i in parts], [b.prompts[i] for (b, _, _), i in parts],
+                   [b.examples[i] for (b, _, _), i in parts], [b.seeds[i] for (b, _, _), i in parts])
+    pieces = concatenate([r.rows(i * K, (i + 1) * K) for (_, r, _), i in parts], source.pad_token_id)
+    scores = [value for (_, _, s), i in parts for value in s[i * K: (i + 1) * K]]
+    return chosen, pieces, scores, counts
 
 
 def agreed_scores(world, drawn: Drawn, step: int, group_size: int) -> Scores:
@@ -129,12 +181,22 @@ def agreed_scores(world, drawn: Drawn, step: int, group_size: int) -> Scores:
     return Scores(rewards, scored, greedy_rewards, unscored, total)
 
 
-def rollout_figures(world, drawn: Drawn, step: int) -> dict:
+def rollout_figures(world, drawn: Drawn, step: int, dynamic: bool = False) -> dict:
     """Staleness (versions between the weights that drew a sample and the policy it updates, version step − 1)
-    over every rank's samples, and the rollout side's own times for this batch."""
+    over every rank's samples, the rollout side's own times for this batch, and the groups without signal
+    among those sampled (before dynamic sampling's filter; with it, also those trained on, refills and prompts
+    sampled), over every rank."""
     staleness = world.gather(((step - 1) - drawn.rollout.policy_versions).double())
-    return {"staleness_mean": float(staleness.mean()), "staleness_max": int(staleness.max()),
-            "time_sample": drawn.seconds["sample"], "time_sampler_idle": drawn.seconds["idle"]}
+    counts = drawn.counts or {"groups_sampled": 0, "no_signal_sampled": 0, "refills": 0, "trained_no_signal": 0}
+    sampled, no_signal, refills, trained = (int(x) for x in world.total(torch.tensor(
+        [counts["groups_sampled"], counts["no_signal_sampled"], counts["refills"], counts["trained_no_signal"]])))
+    figures = {"staleness_mean": float(staleness.mean()), "staleness_max": int(staleness.max()),
+               "time_sample": drawn.seconds["sample"], "time_sampler_idle": drawn.seconds["idle"],
+               "no_signal_fraction": no_signal / max(sampled, 1)}
+    if dynamic:
+        figures.update(trained_no_signal_fraction=trained / max(sampled - refills, 1), refills=refills,
+                       prompts_sampled=sampled)
+    return figures
 
 
 class Synchronous:
@@ -184,7 +246,7 @@ def to_files(batches: list[Drawn]) -> tuple[dict, list]:
                       "completions": drawn.rollout.completions, "group_size": drawn.rollout.group_size,
                       "trained_distribution": drawn.rollout.trained_distribution, "rewards": drawn.rewards,
                       "greedy_rewards": drawn.greedy_rewards, "failure": drawn.failure,
-                      "numpy_after": drawn.numpy_after, "seconds": drawn.seconds})
+                      "numpy_after": drawn.numpy_after, "seconds": drawn.seconds, "counts": drawn.counts})
     return tensors, plain
 
 
@@ -197,5 +259,5 @@ def from_files(source: RolloutSource, tensors: dict, plain: list) -> list[Drawn]
                           saved["trained_distribution"], parts["policy_versions"])
         batches.append(Drawn(saved["step"], batch_of(source, saved["indices"], saved["seeds"]), rollout,
                              saved["rewards"], saved["greedy_rewards"], saved["failure"], saved["numpy_after"],
-                             saved["seconds"], tensors.get(f"{index}/reference_logprobs")))
+                             saved["seconds"], tensors.get(f"{index}/reference_logprobs"), saved.get("counts")))
     return batches

@@ -53,7 +53,8 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
     if sampler_record(c.config).pushes_weights:
         row["weight_sync_seconds"] = seconds["weight_sync"]
     seconds["score"] += drawn.seconds["score"]
-    return {**row, **rollout_figures(c.world, drawn, step), **{f"time_{phase}": value for phase, value in seconds.items()}}
+    figures = rollout_figures(c.world, drawn, step, c.config.dynamic_sampling)
+    return {**row, **figures, **{f"time_{phase}": value for phase, value in seconds.items()}}
 
 
 def _warn_unscored(state: LoopState, scores, step: int, log) -> None:

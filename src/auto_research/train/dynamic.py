@@ -1,0 +1,71 @@
+"""Dynamic sampling (DAPO's, Yu et al. 2025, §3.2): a group whose K scores are all equal carries no task signal
+(its leave-one-out or group-normalised advantage is zero but for the KL), so it is dropped and its slot refilled
+with a fresh prompt, up to ``--max-refills`` times, before the step trains.
+
+Each of a step's ``--prompts-per-step`` slots fills itself: slot j's refill r is a prompt drawn by a generator
+of its own, seeded by (run seed, step, j, r), and sampled with a seed of its own. So the batch a step trains on
+does not depend on how many processes share the slots, no process waits for another's scores (the rollout side
+runs no collective), and every process trains on the same number of groups: under torchrun the work per rank
+is equal in training, and only the sampling of refills can differ (the slowest rank sets the pace). A slot
+still without signal after its last refill keeps its first group: that shortfall is counted
+(``trained_no_signal_fraction``). The main prompt generator is not touched by refills: a checkpoint's state is
+the same with dynamic sampling on or off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+REFILL_SEED_OFFSET = 1_000_003
+"""Refill r of slot j samples with ``prompt_seed(seed, step, OFFSET·r + j)``: apart from every dataset index."""
+
+
+def has_signal(scores: list) -> bool:
+    """A group's K scores (None where unscored) carry signal when at least two scored values differ."""
+    values = [value for value in scores if value is not None]
+    return len(values) >= 2 and max(values) != min(values)
+
+
+def refill_index(seed: int, step: int, slot: int, refill: int, prompts: int) -> int:
+    """The dataset index slot ``slot`` tries at its ``refill``-th refill of step ``step``."""
+    return int(np.random.default_rng([seed, step, slot, refill]).integers(prompts))
+
+
+@dataclass(frozen=True)
+class Filled:
+    """Which group fills each of this rank's slots, and the step's counts on this rank."""
+
+    chosen: list[tuple[int, int]]
+    """(round, position in that round's batch) of each slot's group, in slot order."""
+    groups_sampled: int
+    no_signal_sampled: int
+    refills: int
+    trained_no_signal: int
+
+
+def fill(slots: list[int], first_scores: list[list], sample_round, max_refills: int, draw_index) -> Filled:
+    """Fill every slot with a group that has signal, if one turns up within ``max_refills`` refills.
+
+    ``first_scores[i]`` are slot ``slots[i]``'s K scores from the step's first batch; ``draw_index(slot, r)`` the
+    dataset index slot tries at refill r; ``sample_round(r, [(slot, index), ...])`` samples and scores those
+    prompts (one group each) and returns their groups' scores in that order."""
+    chosen = [(0, position) for position in range(len(slots))]
+    waiting = [position for position, scores in enumerate(first_scores) if not has_signal(scores)]
+    groups, no_signal, refills = len(slots), len(waiting), 0
+    for refill in range(1, max_refills + 1):
+        if not waiting:
+            break
+        tries = [(slots[position], draw_index(slots[position], refill)) for position in waiting]
+        scores = sample_round(refill, tries)
+        groups, refills = groups + len(tries), refills + len(tries)
+        still = []
+        for order, (position, group) in enumerate(zip(waiting, scores)):
+            if has_signal(group):
+                chosen[position] = (refill, order)
+            else:
+                no_signal += 1
+                still.append(position)
+        waiting = still
+    return Filled(chosen, groups, no_signal, refills, len(waiting))
