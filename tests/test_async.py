@@ -63,11 +63,13 @@ def test_bad_staleness_is_one_line_and_exit_2_before_any_work(tiny_model_dir, su
 
     assert error("--max-staleness", "-1") == "--max-staleness must be >= 0 (0: sample, then train), got -1"
     assert error("--max-staleness", "1", "--sampler", "vllm") == (
-        "--max-staleness 1: the vllm sampler cannot run apart from the trainer; samplers that can: builtin "
-        "(or --max-staleness 0)")
+        "--max-staleness 1: the vllm sampler cannot run apart from the trainer; samplers that can: builtin, "
+        "vllm-server (or --max-staleness 0)")
     # The engine-neutral flags reach the same settings as the vLLM-named ones.
     assert error("--max-staleness", "2", "--sampler", "vllm", "--rollout-mode", "server", "--rollout-server",
-                 "127.0.0.1:9").startswith("--max-staleness 2: the vllm-server sampler cannot run apart")
+                 "127.0.0.1:9", "--algorithm", "remax") == (
+        "--max-staleness 2 with remax and a rollout server is not built (its greedy baseline would sample from the "
+        "weights being trained)")
     assert error("--max-staleness", "6") == ("--max-staleness 6 must be below --steps 6 (step s trains on a batch "
                                              "drawn by the weights of step s − 1 − K)")
     assert error("--max-staleness", "1", "--fsdp").startswith("--max-staleness 1 with --fsdp is not built")

@@ -5,6 +5,7 @@ trainer's refusals (no server, another model, bad settings) in one line."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import signal
@@ -322,6 +323,22 @@ def _through_shared_memory(server, offer, lease, weights, version):
         writer.write(name, torch.full_like(tensor, 0.5))  # scribbled, never handed over
     assert draws() == by_shared  # the same weights and version: vLLM kept copies, not views of the file
     writer.close()
+
+
+def test_a_run_in_flight_samples_from_the_server_one_version_behind(served_model, sums, tmp_path, server,
+                                                                    one_process):
+    """--max-staleness 1 against the server: step s is drawn by version s − 2 (the server is pushed version v
+    once the batch v drew is drawn), so staleness is 0 at step 1 and 1 after; the mismatch between the
+    trainer's π_old and the server's μ then also holds one step of learning, and the correction's weights
+    stay in (0, C]."""
+    run = run_cli(*_args(served_model, sums, tmp_path / "k1", server, "--steps", "8", "--checkpoint-every", "0",
+                         "--reward", "match", "--max-staleness", "1"), cwd=tmp_path, env=ENV)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = _rows(tmp_path / "k1")
+    assert [row["staleness_max"] for row in rows] == [0] + [1] * 7
+    assert all(math.isfinite(row["rollout_logprob_diff_max"]) and 0 < row["rollout_weight_mean"] <= 2.0
+               for row in rows)
+    assert rows[0]["rollout_logprob_diff_max"] < 1e-4  # step 1: the weights the server holds are π_old's
 
 
 def test_a_dead_trainer_keeps_the_server_until_its_resume_and_a_dead_server_is_resumed_exactly(

@@ -423,6 +423,9 @@ class GenerationConfig:
         if self.steps is not None and K >= self.steps:
             raise UserError(f"--max-staleness {K} must be below --steps {self.steps} (step s trains on a batch drawn "
                             f"by the weights of step s − 1 − K)")
+        if sampler_record(self).pushes_weights and get_algorithm(self.algorithm).needs_greedy:
+            raise UserError(f"--max-staleness {K} with {self.algorithm} and a rollout server is not built (its greedy "
+                            "baseline would sample from the weights being trained)")
         if self.fsdp:
             raise UserError(f"--max-staleness {K} with --fsdp is not built (the rollout side's copy of the weights "
                             "would gather every shard); use DDP (without --fsdp) or --max-staleness 0")

@@ -100,7 +100,7 @@ SAMPLERS: dict[str, SamplerRecord] = {
     "builtin": SamplerRecord("builtin", _builtin, is_the_trainer=True, runs_apart=True),
     "vllm": SamplerRecord("vllm", _vllm, _require_vllm, _check_servable, pushes_weights=True),
     # A server may live in an environment of its own: the trainer needs no vLLM.
-    "vllm-server": SamplerRecord("vllm-server", _vllm_server, pushes_weights=True),
+    "vllm-server": SamplerRecord("vllm-server", _vllm_server, runs_apart=True, pushes_weights=True),
 }
 
 

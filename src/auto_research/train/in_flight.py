@@ -26,6 +26,7 @@ import time
 
 from auto_research.engine.logprobs import token_logprobs
 from auto_research.engine.rollout.builtin import BuiltinSampler, sample
+from auto_research.engine.samplers import sampler_record
 from auto_research.train.components import Components, chunk_prompts, sampling_settings
 from auto_research.train.experience import no_grad_forward
 from auto_research.train.rollouts import Drawn, RolloutSource, Synchronous, drawing_version, produce
@@ -36,18 +37,22 @@ class InFlight:
     """The rollout side in a thread: ``take``, ``publish``, ``checkpoint`` and ``close`` as ``Synchronous``'s."""
 
     def __init__(self, source: RolloutSource, model, rng, max_staleness: int, last_step: int, version: int, policy,
-                 saved: list[Drawn] = (), cpus: set[int] | None = None):
-        self.source, self.model, self.rng = source, model, rng
+                 saved: list[Drawn] = (), cpus: set[int] | None = None, remote=None):
+        self.source, self.model, self.rng, self.remote = source, model, rng, remote
         self.max_staleness, self.last_step, self.cpus = max_staleness, last_step, cpus
         self.condition = threading.Condition()
         self.ready = {drawn.step: drawn for drawn in saved}
-        self.snapshots: dict[int, dict] = {}
+        self.snapshots: dict[int, dict | None] = {}
         self.loaded: int | None = None
         self.error: BaseException | None = None
         self.stopping = False
         self.first_step = version + 1 + len(saved)
+        self.drawn_through = self.first_step - 1
         self.numpy_after = saved[-1].numpy_after if saved else rng.bit_generator.state
-        self.publish(version, policy)
+        if remote is None:
+            self.publish(version, policy)
+        else:  # the engine was given these weights when the run started (or resumed)
+            self.snapshots[version] = None
         self.thread = threading.Thread(target=self._run, name="auto-research-rollouts", daemon=True)
         self.thread.start()
 
@@ -65,9 +70,27 @@ class InFlight:
         """A copy of the weights of ``version`` for the producer, unless no batch left to draw needs it."""
         if version > drawing_version(self.last_step, self.max_staleness):
             return
+        if self.remote is not None:
+            return self._push(version, policy)
         snapshot = {name: tensor.detach().clone() for name, tensor in policy.state_dict().items()}
         with self.condition:
             self.snapshots[version] = snapshot
+            self.condition.notify_all()
+
+    def _push(self, version: int, policy) -> None:
+        """A remote engine (a rollout server) holds one version at a time: version v goes in once every batch
+        drawn by v − 1 is drawn (the last is step v + K), then the producer may draw with it. The trainer pushes
+        (every rank takes part, as at K = 0) while the producer waits; the engine samples step v + K + 1 while
+        the trainer trains."""
+        last_by_previous = min(version + self.max_staleness, self.last_step)
+        with self.condition:
+            while self.drawn_through < last_by_previous and self.error is None:
+                self.condition.wait()
+            if self.error is not None:
+                raise self.error
+        self.remote.load_weights(policy)
+        with self.condition:
+            self.snapshots[version] = None
             self.condition.notify_all()
 
     def checkpoint(self, step: int) -> tuple[list[Drawn], dict]:
@@ -107,12 +130,13 @@ class InFlight:
                         del self.snapshots[older]
                 idle = time.perf_counter() - waiting
                 loading = time.perf_counter()
-                if self.loaded != version:
+                if self.loaded != version and snapshot is not None:
                     self.model.load_state_dict(snapshot)
                     self.loaded = version
                 drawn = produce(self.source, self.rng, step, version, idle, time.perf_counter() - loading)
                 with self.condition:
                     self.ready[step] = drawn
+                    self.drawn_through = step
                     self.numpy_after = drawn.numpy_after
                     self.condition.notify_all()
         except BaseException as error:  # handed to the trainer, raised where it waits
@@ -145,11 +169,15 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
     if not config.max_staleness:
         c.rollouts = Synchronous(rollout_source(c, c.sampler, c.policy, c.sampling), state.rng, state.step)
         return c.rollouts
-    model = copy.deepcopy(c.policy).requires_grad_(False)
-    sampler = BuiltinSampler(model, c.tokenizer, sampling_settings(config), chunk_prompts(config), c.autocast)
     # A frozen reference model (not LoRA's, which is the policy with its adapters off) is copied once: its
     # forward then runs on the rollout side, beside the trainer's, which has the stale batch's π_old to compute.
     reference = copy.deepcopy(c.reference) if c.reference is not None and not config.lora_r else None
+    if sampler_record(config).pushes_weights:  # a rollout server: its own weights, pushed version by version
+        c.rollouts = InFlight(rollout_source(c, c.sampler, None, c.autocast, reference), None, state.rng,
+                              config.max_staleness, config.steps, state.step, c.policy, list(saved), cpus, c.sampler)
+        return c.rollouts
+    model = copy.deepcopy(c.policy).requires_grad_(False)
+    sampler = BuiltinSampler(model, c.tokenizer, sampling_settings(config), chunk_prompts(config), c.autocast)
     c.rollouts = InFlight(rollout_source(c, sampler, model, c.autocast, reference), model, state.rng,
                           config.max_staleness, config.steps, state.step, c.policy, list(saved), cpus)
     return c.rollouts
