@@ -18,22 +18,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
-
-def start_server(threads: int | None) -> tuple[subprocess.Popen, str]:
-    """``auto-research vllm-serve`` (the embedded model's architecture: the trainer pushes its weights) on a free
-    port, and its address once it says it serves."""
-    command = [sys.executable, "-m", "auto_research", "vllm-serve", "--port", "0", "--offline"]
-    if threads:
-        command += ["--threads", str(threads)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for line in process.stderr:
-        if line.startswith("serving "):
-            threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()  # keep draining
-            return process, line.split("http://")[1].split()[0]
-    raise SystemExit(f"auto-research vllm-serve did not start (exit {process.wait()})")
+from servers import start_server
 
 
 def run(sampler: str, seed: int, folder: Path, threads: int | None, address: str | None = None) -> dict:
@@ -63,7 +50,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for sampler in args.samplers.split(","):
-            server, address = start_server(args.threads) if sampler == "vllm-server" else (None, None)
+            server, address = start_server(threads=args.threads) if sampler == "vllm-server" else (None, None)
             for seed in seeds:
                 result = run(sampler, seed, Path(scratch), args.threads, address)
                 results.setdefault(sampler, []).append(result)

@@ -18,23 +18,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-
-def start_server(model: str | None, threads: int) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "auto_research", "vllm-serve", "--port", "0", "--offline", "--vllm-memory", "0.02",
-               "--threads", str(threads), *(["--model", model] if model else [])]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for line in process.stderr:
-        if line.startswith("serving "):
-            threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()  # keep draining
-            return process, line.split("http://")[1].split()[0]
-    raise SystemExit(f"auto-research vllm-serve did not start (exit {process.wait()})")
+from servers import start_server
 
 
 def load(name: str):
@@ -86,7 +74,7 @@ def main() -> None:
     settings = SamplingSettings(max_new_tokens=8)
     print(f"{args.model}: {size:.0f} MiB of fp32 weights, {args.rounds} rounds, {args.threads} threads, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
-    process, address = start_server(folder, args.threads)
+    process, address = start_server(folder, args.threads, 0.02)
     try:
         from auto_research.engine.models import context_length
 

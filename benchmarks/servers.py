@@ -1,0 +1,22 @@
+"""``auto-research vllm-serve`` for a benchmark: started on a free port, its address once it says it serves."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+
+def start_server(model: str | None = None, threads: int | None = None,
+                 memory: float | None = None) -> tuple[subprocess.Popen, str]:
+    """Without ``model``, the embedded model's architecture (the trainer pushes its weights)."""
+    command = [sys.executable, "-m", "auto_research", "vllm-serve", "--port", "0", "--offline"]
+    command += ["--model", model] if model else []
+    command += ["--threads", str(threads)] if threads else []
+    command += ["--vllm-memory", str(memory)] if memory else []
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in process.stderr:
+        if line.startswith("serving "):
+            threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()  # keep draining
+            return process, line.split("http://")[1].split()[0]
+    raise SystemExit(f"auto-research vllm-serve did not start (exit {process.wait()})")
