@@ -163,3 +163,29 @@ def test_dynamic_sampling_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp_
     assert error("--max-refills", "-1") == "--max-refills must be >= 0, got -1"
     assert error("--algorithm", "remax") == ("--dynamic-sampling with remax is not built (a refilled prompt would need "
                                              "its greedy baseline too)")
+
+
+def test_two_processes_refill_the_same_slots_as_one(tiny_model_dir, sums_jsonl, tmp_path):
+    """Each slot refills itself from its own seeds: 2 processes under DDP draw, refill and train on what 1 does."""
+    import subprocess
+    import sys
+
+    (tmp_path / "ds_rewards.py").write_text(REWARDS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    args = _args(tiny_model_dir, sums_jsonl, tmp_path / "one", "--steps", "3", "--micro-batch-size", "4")
+    one = run_cli(*args, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two_args = [a if a != str(tmp_path / "one") else str(tmp_path / "two") for a in args]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                          "auto_research", *two_args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    rows_one, rows_two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert sum(row["refills"] for row in rows_one) > 0
+    for a, b in zip(rows_one, rows_two):
+        assert (a["refills"], a["prompts_sampled"], a["no_signal_fraction"], a["reward_mean"]) == (
+            b["refills"], b["prompts_sampled"], b["no_signal_fraction"], b["reward_mean"])
+    final = {name: load_file(str(tmp_path / name / "rloo-sums-seed42" / "checkpoints" / "step-000003" /
+                                 "model.safetensors")) for name in ("one", "two")}
+    assert max(float((final["two"][k] - final["one"][k]).abs().max()) for k in final["one"]) <= 1e-5
