@@ -53,7 +53,7 @@ class Server:
     def start(self) -> str:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "auto_research", "vllm-serve", "--model", str(self.model), "--port", str(self.port),
-             "--vllm-memory", "0.02", "--offline", "--read-timeout", "3"],
+             "--vllm-memory", "0.02", "--offline", "--read-timeout", "3", "--lease-seconds", "600"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in self.process.stderr], daemon=True).start()
@@ -156,7 +156,7 @@ def one_process(served_model, sums, tmp_path_factory, server):
                               *_args(served_model, sums, folder / "one", server, *TWENTY)],
                              cwd=folder, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(_metrics_of(folder / "one", first), first)  # a step is done: it holds the lease
-    first.send_signal(signal.SIGSTOP)  # it holds the lease and sends nothing, however long the second takes
+    first.send_signal(signal.SIGSTOP)  # it holds the lease (600 s) and sends nothing while the second starts
     try:
         second = run_cli(*_args(served_model, sums, folder / "two", server, *TWENTY), cwd=folder, env=ENV)
     finally:

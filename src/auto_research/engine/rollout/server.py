@@ -105,12 +105,13 @@ class Limits:
     """Where a lease's shared-memory buffer is made (None: HTTP only)."""
 
 
-def make_server(sampler, served: Served, host: str, port: int, limits: Limits = Limits(), log=None):
+def make_server(sampler, served: Served, host: str, port: int, limits: Limits = Limits(), log=None,
+                clock=time.monotonic):
     """An HTTP server in front of one engine (a ``VLLMSampler`` with ``generate``, ``load_named`` and
     ``max_model_len``). Each connection has a thread of its own (a slow client blocks nobody else) and a read
-    timeout; the engine serves one request at a time."""
+    timeout; the engine serves one request at a time. ``clock`` times the leases (tests move it by hand)."""
     engine = Lock()
-    leases = Leases(limits.lease_seconds)
+    leases = Leases(limits.lease_seconds, clock)
     intake = Intake(served.spec, limits.shared_folder)
     state = {"version": 0}
     say = log or (lambda line: None)
