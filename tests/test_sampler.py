@@ -36,6 +36,21 @@ def test_samples_of_a_prompt_do_not_depend_on_its_batch(tiny):
     assert prompt_seed(42, 3, 7) != prompt_seed(42, 7, 3) != prompt_seed(43, 3, 7)
 
 
+
+def test_prompts_given_as_token_ids_draw_what_their_texts_draw(tiny):
+    """Token ids go in as they are (a multi-turn history is never re-tokenized): the same draws, ids and
+    log-probs as the texts they encode."""
+    model, tokenizer = tiny
+    prompts = ["1+2=", "Q: what is 33+4?"]
+    seeds = [prompt_seed(1, 2, index) for index in range(2)]
+    ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
+    from_texts = sample(model, tokenizer, prompts, 3, 8, temperature=1.1, seeds=seeds)
+    from_ids = sample(model, tokenizer, ids, 3, 8, temperature=1.1, seeds=seeds)
+    assert torch.equal(from_ids.sequences, from_texts.sequences)
+    assert torch.equal(from_ids.prompt_mask, from_texts.prompt_mask)
+    assert torch.equal(from_ids.sampler_logprobs, from_texts.sampler_logprobs)
+    assert from_ids.completions == from_texts.completions
+
 def test_first_token_frequencies_match_the_trained_distribution(tiny):
     """40000 draws of the first token against softmax(logits / T) from the training forward."""
     model, tokenizer = tiny

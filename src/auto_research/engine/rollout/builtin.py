@@ -17,7 +17,19 @@ from auto_research.engine.logprobs import cache_argument, cache_of
 from auto_research.engine.rollout import Rollout, SamplingSettings, completion_mask, concatenate, eos_ids
 
 
-def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(tokenizer, prompts: list[str] | list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as texts (tokenized here, no special tokens added) or as token ids (taken as they are, never
+    re-tokenized), left-padded into (ids, attention mask)."""
+    if prompts and not isinstance(prompts[0], str):
+        width = max(len(ids) for ids in prompts)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attention = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            if ids:
+                input_ids[row, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
+                attention[row, width - len(ids):] = 1
+        return input_ids.to(device), attention.to(device)
     batch = tokenizer(prompts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
     return batch["input_ids"].to(device), batch["attention_mask"].to(device)
 
@@ -76,7 +88,7 @@ def _prefill(model, input_ids, attention, repeats: int):
 def sample(
     model,
     tokenizer,
-    prompts: list[str],
+    prompts: list[str] | list[list[int]],
     group_size: int,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -86,9 +98,9 @@ def sample(
     seeds: list[int] | None = None,
 ) -> Rollout:
     """K samples for each prompt (or one greedy completion each when ``greedy``), with the sampler's
-    log-probabilities of the drawn tokens and the entropy of each token's distribution. Each prompt is
-    prefilled once and its KV cache shared by its K samples. Without ``seeds`` the uniforms come from
-    torch's global generator."""
+    log-probabilities of the drawn tokens and the entropy of each token's distribution. Prompts are texts or
+    token ids (``encode_prompts``). Each prompt is prefilled once and its KV cache shared by its K samples.
+    Without ``seeds`` the uniforms come from torch's global generator."""
     device = next(model.parameters()).device
     prompt_ids, prompt_attention = encode_prompts(tokenizer, prompts, device)
     repeats = 1 if greedy else group_size
