@@ -67,7 +67,8 @@ class Experience:
 
     @property
     def mask(self) -> torch.Tensor:
-        return self.rollout.completion_mask.float()
+        """(B, T) the model's own tokens (a multi-turn trajectory's environment and tool tokens are 0)."""
+        return self.rollout.trained_mask.float()
 
 
 def widen(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -113,7 +114,7 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
     the decoupled objective's proximal policy (the ratio is clipped against π_old, the weight corrects π_old
     to μ); for the whole-completion estimators (RLOO …) π_old is the policy whose gradient is taken."""
     temperature = c.config.temperature
-    mask = rollout.completion_mask.float()
+    mask = rollout.trained_mask.float()
     if reference_logprobs is None and c.reference is not None:  # (the rollout side may have computed them)
         reference_logprobs = no_grad_forward(c, c.reference, rollout, token_logprobs, temperature=temperature)
     if sampled_is_the_policy(c, rollout, version):

@@ -229,7 +229,8 @@ class Synchronous:
 
 # --- batches in flight, in a checkpoint (safetensors and JSON: nothing unpickled) ------------------------------
 
-_TENSORS = ("sequences", "prompt_mask", "completion_mask", "sampler_logprobs", "sampler_entropy", "policy_versions")
+_TENSORS = ("sequences", "prompt_mask", "completion_mask", "sampler_logprobs", "sampler_entropy", "policy_versions",
+            "loss_mask")
 
 
 def to_files(batches: list[Drawn]) -> tuple[dict, list]:
@@ -246,7 +247,8 @@ def to_files(batches: list[Drawn]) -> tuple[dict, list]:
                       "completions": drawn.rollout.completions, "group_size": drawn.rollout.group_size,
                       "trained_distribution": drawn.rollout.trained_distribution, "rewards": drawn.rewards,
                       "greedy_rewards": drawn.greedy_rewards, "failure": drawn.failure,
-                      "numpy_after": drawn.numpy_after, "seconds": drawn.seconds, "counts": drawn.counts})
+                      "numpy_after": drawn.numpy_after, "seconds": drawn.seconds, "counts": drawn.counts,
+                      "episodes": drawn.rollout.episodes})
     return tensors, plain
 
 
@@ -256,7 +258,8 @@ def from_files(source: RolloutSource, tensors: dict, plain: list) -> list[Drawn]
         parts = {name: tensors.get(f"{index}/{name}") for name in _TENSORS}
         rollout = Rollout(parts["sequences"], parts["prompt_mask"], parts["completion_mask"], saved["completions"],
                           saved["group_size"], parts["sampler_logprobs"], parts["sampler_entropy"],
-                          saved["trained_distribution"], parts["policy_versions"])
+                          saved["trained_distribution"], parts["policy_versions"], parts["loss_mask"],
+                          saved.get("episodes"))
         batches.append(Drawn(saved["step"], batch_of(source, saved["indices"], saved["seeds"]), rollout,
                              saved["rewards"], saved["greedy_rewards"], saved["failure"], saved["numpy_after"],
                              saved["seconds"], tensors.get(f"{index}/reference_logprobs"), saved.get("counts")))

@@ -54,6 +54,8 @@ def estimate_advantages(c: Components, experience: Experience, baseline: float =
 
 def truncated(rollout: Rollout, max_new_tokens: int, eos: list[int]) -> torch.Tensor:
     """(B,) bool: the completion hit the length limit without ending (its last token is no EOS)."""
+    if rollout.episodes is not None:  # a multi-turn trajectory: at --max-turns or its length limit
+        return torch.tensor([bool(row["truncated"]) for row in rollout.episodes])
     lengths = rollout.completion_mask.sum(1).long()
     last = rollout.completion_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
     return (lengths >= max_new_tokens) & ~torch.isin(last, torch.tensor(eos, dtype=last.dtype))

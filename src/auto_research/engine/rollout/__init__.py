@@ -54,6 +54,17 @@ class Rollout:
     or top-p): its log-probs are the policy's, so with one update per batch no forward need recompute them."""
     policy_versions: torch.Tensor | None = None
     """(B,) the weights version that drew each row (the policy after that many steps); None: the current one."""
+    loss_mask: torch.Tensor | None = None
+    """(B, C) multi-turn trajectories (envs/): 1 on the model's own tokens, 0 on the environment's and the tools'
+    inside the completion span (``completion_mask``); None: every completion token is the model's."""
+    episodes: list[dict] | None = None
+    """Multi-turn trajectories: one dict per row (turns, tool_calls, tool_errors, truncated, reward of the
+    environment, failed, the final reply the reward functions score); None for single-turn rollouts."""
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """(B, C) the tokens that log-probs, KL, entropy and the loss count: the model's own."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def prompt_length(self) -> int:
@@ -80,6 +91,7 @@ class Rollout:
                                                    self.completion_mask[start:stop])
         logprobs = None if self.sampler_logprobs is None else self.sampler_logprobs[start:stop]
         entropy = None if self.sampler_entropy is None else self.sampler_entropy[start:stop]
+        owned = None if self.loss_mask is None else self.loss_mask[start:stop]
         if trim and sequences.shape[0]:
             used_prompt = prompt_mask.any(0).nonzero()
             first = int(used_prompt[0]) if used_prompt.numel() else prompt_mask.shape[1] - 1
@@ -90,9 +102,11 @@ class Rollout:
             prompt_mask, completion_mask = prompt_mask[:, first:], completion_mask[:, :width]
             logprobs = None if logprobs is None else logprobs[:, :width]
             entropy = None if entropy is None else entropy[:, :width]
+            owned = None if owned is None else owned[:, :width]
         versions = None if self.policy_versions is None else self.policy_versions[start:stop]
+        episodes = None if self.episodes is None else self.episodes[start:stop]
         return Rollout(sequences, prompt_mask, completion_mask, self.completions[start:stop], self.group_size, logprobs,
-                       entropy, self.trained_distribution, versions)
+                       entropy, self.trained_distribution, versions, owned, episodes)
 
 
 class Sampler(Protocol):
@@ -116,7 +130,7 @@ def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         return rollouts[0]
     prompt_width = max(r.prompt_length for r in rollouts)
     completion_width = max(r.completion_mask.shape[1] for r in rollouts)
-    sequences, prompt_masks, completion_masks, logprobs, entropies = [], [], [], [], []
+    sequences, prompt_masks, completion_masks, logprobs, entropies, owned = [], [], [], [], [], []
     for r in rollouts:
         left = prompt_width - r.prompt_length
         right = completion_width - r.completion_mask.shape[1]
@@ -129,13 +143,18 @@ def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
             logprobs.append(torch.nn.functional.pad(r.sampler_logprobs, (0, right)))
         if r.sampler_entropy is not None:
             entropies.append(torch.nn.functional.pad(r.sampler_entropy, (0, right)))
+        if r.loss_mask is not None:
+            owned.append(torch.nn.functional.pad(r.loss_mask, (0, right)))
     return Rollout(torch.cat(sequences), torch.cat(prompt_masks), torch.cat(completion_masks),
                    [text for r in rollouts for text in r.completions], rollouts[0].group_size,
                    torch.cat(logprobs) if len(logprobs) == len(rollouts) else None,
                    torch.cat(entropies) if len(entropies) == len(rollouts) else None,
                    all(r.trained_distribution for r in rollouts),
                    torch.cat([r.policy_versions for r in rollouts])
-                   if all(r.policy_versions is not None for r in rollouts) else None)
+                   if all(r.policy_versions is not None for r in rollouts) else None,
+                   torch.cat(owned) if len(owned) == len(rollouts) else None,
+                   [row for r in rollouts for row in r.episodes] if all(r.episodes is not None for r in rollouts)
+                   else None)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
