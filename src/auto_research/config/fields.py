@@ -35,6 +35,7 @@ SECTIONS = {
     "loss": "loss, KL and updates",
     "critic": "critic (ppo-rlhf)",
     "sampling": "sampling",
+    "environment": "multi-turn environments and tools",
     "optimisation": "optimisation",
     "scaling": "several processes (torchrun) and LoRA",
     "run": "evaluation, checkpoints and the run",

@@ -20,6 +20,7 @@ from auto_research.config.fields import (CANDIDATE_DATASETS, EMBEDDED_MODEL_DATA
                                          check_non_negative_finite, check_non_negative_integers, check_positive_finite,
                                          check_positive_integers, comma_floats, default_dataset_dir, is_data_source,
                                          json_ready, setting)
+from auto_research.config.environment import EnvironmentSettings
 from auto_research.config.loss import by_algorithm, check_loss, having
 from auto_research.errors import UserError
 from auto_research.rewards.verifiers import VERIFIERS
@@ -47,7 +48,7 @@ GENERATION_PRESETS = {
 
 
 @dataclass
-class GenerationConfig:
+class GenerationConfig(EnvironmentSettings):
     """One generation-level run: RL on a causal LM (the paper's setting).
 
     The fields are grouped in sections (``SECTIONS``); each one's metadata holds the
@@ -311,6 +312,7 @@ class GenerationConfig:
             raise UserError(f"--group-size {self.group_size}: the generation level samples K >= 2 completions per "
                             "prompt (leave-one-out is undefined for K = 1)")
         check_group_size(algorithm, self.group_size)
+        self.check_environment(algorithm.needs_greedy)
         check_non_negative_finite("--beta", self.beta)
         check_positive_integers(("--max-new-tokens", self.max_new_tokens), ("--steps", self.steps),
                                 ("--prompts-per-step", self.prompts_per_step), ("--ppo-epochs", self.updates_per_batch),

@@ -70,7 +70,7 @@ def _vllm(needs: SamplerNeeds):
     needs.log(f"starting a colocated vLLM engine ({memory:g} of the "
               f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'})")
     return VLLMSampler(needs.policy, tokenizer, needs.settings, memory, needs.compute_dtype,
-                       longest + config.max_new_tokens, config.seed)
+                       longest + config.engine_tokens(), config.seed)
 
 
 def _vllm_server(needs: SamplerNeeds):

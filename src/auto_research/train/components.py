@@ -58,6 +58,8 @@ class Components:
     eval_prompts: list[str]
     rollouts: object | None = None
     """The rollout side (train/rollouts.py), started at the first step or when a run resumes."""
+    episodes: object | None = None
+    """Multi-turn trajectories with --environment/--tools (envs.rollout.EpisodeRunner), else None."""
 
     def autocast(self):
         """bf16 compute over float32 master weights when --dtype bfloat16; nothing otherwise."""
@@ -188,6 +190,14 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     components.sampler = record.build(SamplerNeeds(config, policy, tokenizer, sampling_settings(config),
                                                    chunk_prompts(config), components.sampling, model_name, world,
                                                    compute_dtype, device, train_prompts, log))
+    if prepared.environment is not None or prepared.tools:
+        from auto_research.engine.rollout import eos_ids  # noqa: PLC0415
+        from auto_research.envs.rollout import row_of, runner_for  # noqa: PLC0415
+
+        components.episodes = runner_for(config, prepared.environment, prepared.tools or {}, tokenizer,
+                                         eos_ids(tokenizer, policy), components.sampler, model_name,
+                                         row_of(task.train[0]), algorithm.needs_greedy,
+                                         bool(prepared.rewards or config.reward_model) or prepared.environment is None)
     return components
 
 

@@ -11,6 +11,7 @@ import torch
 
 from auto_research.engine.logprobs import completion_logits
 from auto_research.engine.rollout.builtin import sample
+from auto_research.envs.rollout import episode_rewards
 from auto_research.errors import RewardError
 from auto_research.rewards.gold import win_rate as judged
 from auto_research.rewards.verifiers import is_correct
@@ -25,7 +26,7 @@ def _distributions(model, rollout, temperature: float) -> torch.Tensor:
 def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier: str, reward, max_new_tokens: int,
              temperature: float = 1.0, batch_size: int = 64, shard: tuple[int, int] = (0, 1),
              total=lambda tensor: tensor, gold=None, completions: dict | None = None, details: dict | None = None,
-             detail_count: int = 0) -> dict[str, float]:
+             detail_count: int = 0, episodes=None) -> dict[str, float]:
     """accuracy, mean_reward (over the completions the reward could score), entropy and
     kl_from_reference of greedy completions.
 
@@ -35,18 +36,28 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
     mean over the greedy completions is reported as ``gold_reward`` (never trained on).
     ``completions``: a dict that receives {prompt index: greedy completion} of this rank; ``details``, one that
     receives {index: (completion, reward, correct)} for the first ``detail_count`` prompts (a completion table).
+    ``episodes`` (envs.rollout.EpisodeRunner): greedy multi-turn trajectories instead, the verifier and the
+    reward functions on the final reply, the table showing the whole conversation, ``turns_mean`` added.
     """
-    correct, rewards, entropies, kls, golds = [], [], [], [], []
+    correct, rewards, entropies, kls, golds, turns = [], [], [], [], [], []
     rank, size = shard
     for start in range(rank * batch_size, len(prompts), batch_size * size):
         batch_prompts = prompts[start : start + batch_size]
         batch_examples = examples[start : start + batch_size]
-        rollout = sample(model, tokenizer, batch_prompts, 1, max_new_tokens, greedy=True)
-        verdicts = [is_correct(verifier, text, example) for text, example in zip(rollout.completions, batch_examples)]
+        if episodes is None:
+            rollout = sample(model, tokenizer, batch_prompts, 1, max_new_tokens, greedy=True)
+        else:
+            rollout = episodes.greedy(model, batch_examples)
+            turns += [row["turns"] for row in rollout.episodes]
+        replies = rollout.completions if episodes is None else [row["reply"] for row in rollout.episodes]
+        verdicts = [is_correct(verifier, text, example) for text, example in zip(replies, batch_examples)]
         correct += verdicts
-        values = (reward(batch_prompts, rollout.completions, batch_examples, rollout.token_lists())
-                  if getattr(reward, "takes_completion_ids", False)
-                  else reward(batch_prompts, rollout.completions, batch_examples))
+        if episodes is not None:
+            values = episode_rewards(reward, batch_prompts, rollout, batch_examples, episodes.scores_replies)
+        elif getattr(reward, "takes_completion_ids", False):
+            values = reward(batch_prompts, rollout.completions, batch_examples, rollout.token_lists())
+        else:
+            values = reward(batch_prompts, rollout.completions, batch_examples)
         rewards += [value for value in values if value is not None]
         if details is not None:
             details.update({start + i: (text, value, bool(verdict))
@@ -56,7 +67,7 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
             golds += gold(batch_prompts, rollout.completions, batch_examples)
         if completions is not None:
             completions.update({start + i: text for i, text in enumerate(rollout.completions)})
-        mask = rollout.completion_mask.float()
+        mask = rollout.trained_mask.float()
         log_p = _distributions(model, rollout, temperature)
         entropies += (-(log_p.exp() * log_p).sum(-1) * mask).sum(-1).tolist()
         if reference is None:
@@ -65,10 +76,12 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
             log_q = _distributions(reference, rollout, temperature)
             kls += ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum(-1).tolist()
     count = max(len(prompts), 1)
-    sums = total(torch.tensor([sum(correct), sum(rewards), len(rewards), sum(entropies), sum(kls), sum(golds)],
-                              dtype=torch.float64))
-    correct_count, reward_sum, scored, entropy_sum, kl_sum, gold_sum = sums.tolist()
+    sums = total(torch.tensor([sum(correct), sum(rewards), len(rewards), sum(entropies), sum(kls), sum(golds),
+                               sum(turns)], dtype=torch.float64))
+    correct_count, reward_sum, scored, entropy_sum, kl_sum, gold_sum, turn_sum = sums.tolist()
     extra = {"gold_reward": gold_sum / count} if gold is not None else {}
+    if episodes is not None:
+        extra["turns_mean"] = turn_sum / count
     return {
         **extra,
         "accuracy": correct_count / count,
@@ -103,7 +116,7 @@ def held_out(c, completions: dict | None = None, table: list | None = None) -> d
                               shard=(c.world.rank, c.world.size), total=c.world.total, gold=c.task.gold,
                               completions=mine if completions is not None else None,
                               details=details if table is not None else None,
-                              detail_count=c.config.log_completions)
+                              detail_count=c.config.log_completions, episodes=c.episodes)
         except RewardError as error:
             failure = error
     c.world.agree(failure, RewardError)

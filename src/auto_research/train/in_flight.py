@@ -20,6 +20,7 @@ step s + K + 1 with the checkpoint's weights, version s: SIGKILL and --resume en
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import threading
 import time
@@ -160,7 +161,8 @@ def rollout_source(c: Components, sampler, model, context, reference=None) -> Ro
     return RolloutSource(c.train_prompts, c.task.train, config.seed, config.prompts_per_step, config.group_size,
                          lambda picks: world.share(picks, config.ppo_mini_batches), sampler, c.reward, greedy,
                          reference_logprobs, config.max_refills if config.dynamic_sampling else None,
-                         c.tokenizer.pad_token_id or 0)
+                         c.tokenizer.pad_token_id or 0,
+                         None if c.episodes is None else dataclasses.replace(c.episodes, generate=sampler.generate_ids))
 
 
 def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpus: set[int] | None = None):

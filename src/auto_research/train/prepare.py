@@ -33,6 +33,10 @@ class Prepared:
     rewards: list[tuple[str, Callable, bool]]
     """The named reward components, user callables already imported (rewards/loading.py)."""
     judge: Callable | None
+    environment: object | None = None
+    """--environment's factory, checked on a training row (envs.EnvironmentFactory), or None."""
+    tools: dict | None = None
+    """--tools' functions by name, each with a schema."""
 
 
 def check_settings(config: GenerationConfig, world_size: int) -> None:
@@ -44,7 +48,7 @@ def check_settings(config: GenerationConfig, world_size: int) -> None:
 
 
 def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None, reward_functions=(),
-            world_size: int = 1) -> Prepared:
+            world_size: int = 1, environment=None, tools=()) -> Prepared:
     """Every check of a run that needs no torch; reads the run folder (lock it first), writes nothing."""
     check_settings(config, world_size)
     if config.max_staleness and config.rollout_correction == "none":
@@ -63,4 +67,10 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
         raise UserError(f"--prompts-per-step {config.prompts_per_step}: a step draws distinct prompts, and "
                         f"{task.name} has {len(task.train)} training prompts")
     judge = load_judge(config.judge, task) if config.judge else None
-    return Prepared(config, task, resume_from, rewards, judge)
+    factory, functions = None, {}
+    if config.multi_turn or environment is not None or tools:
+        from auto_research.envs.rollout import load_environment, row_of  # noqa: PLC0415 - user code, on demand
+
+        factory, functions = load_environment(environment or config.environment, list(tools) + [config.tools or ""],
+                                              row_of(task.train[0]))
+    return Prepared(config, task, resume_from, rewards, judge, factory, functions)

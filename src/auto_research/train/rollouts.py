@@ -58,6 +58,8 @@ class RolloutSource:
     max_refills: int | None = None
     """Dynamic sampling (``dynamic.py``): refills a slot without signal may take; None: off."""
     pad_token_id: int = 0
+    episodes: object | None = None
+    """Multi-turn trajectories (envs.rollout.EpisodeRunner over this source's sampler), or None: one completion."""
 
 
 @dataclass(frozen=True)
@@ -101,15 +103,14 @@ def produce(source: RolloutSource, rng: np.random.Generator, step: int, version:
     started = time.perf_counter()
     batch = draw_batch(source, rng, step)
     numpy_after = rng.bit_generator.state
-    rollout = source.sampler.sample(batch.prompts, source.group_size, batch.seeds)
+    rollout = sample_batch(source, batch)
     rollout = replace(rollout, policy_versions=torch.full((rollout.sequences.shape[0],), version, dtype=torch.long))
     sampled = time.perf_counter()
     K = source.group_size
     greedy = source.greedy(batch.prompts) if source.greedy is not None else None
     rewards = greedy_rewards = failure = None
     try:
-        rewards = source.reward([p for p in batch.prompts for _ in range(K)], rollout.completions,
-                                [e for e in batch.examples for _ in range(K)], rollout.token_lists())
+        rewards = score(source, batch, rollout)
         greedy_rewards = source.reward(batch.prompts, greedy.completions, batch.examples) if greedy else None
     except RewardError as error:
         failure = str(error)
@@ -124,6 +125,25 @@ def produce(source: RolloutSource, rng: np.random.Generator, step: int, version:
     reference = source.reference(rollout) if source.reference is not None and failure is None else None
     seconds = {"sample": sampled - started + loading, "score": time.perf_counter() - sampled, "idle": idle}
     return Drawn(step, batch, rollout, rewards, greedy_rewards, failure, numpy_after, seconds, reference, counts)
+
+
+def sample_batch(source: RolloutSource, batch: Batch) -> Rollout:
+    """K completions of each prompt, or K multi-turn trajectories with an environment or tools."""
+    if source.episodes is not None:
+        return source.episodes.sample(batch.examples, source.group_size, batch.seeds)
+    return source.sampler.sample(batch.prompts, source.group_size, batch.seeds)
+
+
+def score(source: RolloutSource, batch: Batch, rollout: Rollout) -> list:
+    """Each sample's task reward (None: unscored); a trajectory's is its environment's plus the reward
+    functions' on its final reply (``envs.rollout.episode_rewards``)."""
+    K = source.group_size
+    prompts, examples = [p for p in batch.prompts for _ in range(K)], [e for e in batch.examples for _ in range(K)]
+    if rollout.episodes is not None:
+        from auto_research.envs.rollout import episode_rewards  # noqa: PLC0415
+
+        return episode_rewards(source.reward, prompts, rollout, examples, source.episodes.scores_replies)
+    return source.reward(prompts, rollout.completions, examples, rollout.token_lists())
 
 
 def signal_counts(rewards: list, group_size: int, refills: int = 0, trained_no_signal: int | None = None) -> dict:
@@ -143,9 +163,8 @@ def refill(source: RolloutSource, step: int, batch: Batch, rollout: Rollout, rew
     def sample_round(number: int, tries: list[tuple[int, int]]) -> list[list]:
         seeds = [prompt_seed(source.seed, step, REFILL_SEED_OFFSET * number + slot) for slot, _ in tries]
         drawn = batch_of(source, [index for _, index in tries], seeds)
-        sampled = source.sampler.sample(drawn.prompts, K, drawn.seeds)
-        scores = source.reward([p for p in drawn.prompts for _ in range(K)], sampled.completions,
-                               [e for e in drawn.examples for _ in range(K)], sampled.token_lists())
+        sampled = sample_batch(source, drawn)
+        scores = score(source, drawn, sampled)
         rounds[number] = (drawn, sampled, scores)
         return [scores[start: start + K] for start in range(0, len(scores), K)]
 
@@ -193,6 +212,10 @@ def rollout_figures(world, drawn: Drawn, step: int, dynamic: bool = False) -> di
     figures = {"staleness_mean": float(staleness.mean()), "staleness_max": int(staleness.max()),
                "time_sample": drawn.seconds["sample"], "time_sampler_idle": drawn.seconds["idle"],
                "no_signal_fraction": no_signal / max(sampled, 1)}
+    if drawn.rollout.episodes is not None:
+        from auto_research.envs.rollout import episode_figures  # noqa: PLC0415
+
+        figures.update(episode_figures(world, drawn.rollout))
     if dynamic:
         figures.update(trained_no_signal_fraction=trained / max(sampled - refills, 1), refills=refills,
                        prompts_sampled=sampled)

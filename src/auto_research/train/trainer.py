@@ -11,7 +11,7 @@ from auto_research.train.components import Components, build_components
 from auto_research.train.evaluation import held_out
 from auto_research.train.in_flight import rollout_source
 from auto_research.train.prepare import prepare
-from auto_research.train.rollouts import draw_batch
+from auto_research.train.rollouts import draw_batch, sample_batch
 from auto_research.train.state import LoopState
 from auto_research.train.step import rl_step
 from auto_research.train.warm_start import model_for
@@ -23,10 +23,11 @@ class Trainer:
 
     @classmethod
     def build(cls, config: GenerationConfig, log=print, rows: list[dict] | None = None, reward_functions=(),
-              world: World | None = None) -> "Trainer":
+              world: World | None = None, environment=None, tools=()) -> "Trainer":
+        """``environment``/``tools``: a factory and functions from Python (as --environment and --tools)."""
         config = config.filled()
         world = world or World.from_environment(config.fsdp)
-        prepared = prepare(config, log, rows, reward_functions, world.size)
+        prepared = prepare(config, log, rows, reward_functions, world.size, environment, tools)
         components = build_components(prepared, model_for(config, prepared.task, world, log), world, log)
         return cls(components, LoopState.fresh(config.seed), log)
 
@@ -34,8 +35,8 @@ class Trainer:
         """The rollout a step would train on: its prompts drawn from the loop's generator, then sampled (with
         --max-staleness 0; in flight, the rollout side's thread owns the generator)."""
         c = self.components
-        batch = draw_batch(rollout_source(c, c.sampler, c.policy, c.sampling), self.state.rng, step)
-        return c.sampler.sample(batch.prompts, c.config.group_size, batch.seeds)
+        source = rollout_source(c, c.sampler, c.policy, c.sampling)
+        return sample_batch(source, draw_batch(source, self.state.rng, step))
 
     def step(self, step: int) -> dict:
         return rl_step(self.components, self.state, step, self.log)

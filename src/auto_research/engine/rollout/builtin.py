@@ -177,6 +177,22 @@ class BuiltinSampler:
                             seeds=seeds[start: start + chunk]) for start in range(0, len(prompts), chunk)]
         return concatenate(parts, self.tokenizer.pad_token_id)
 
+    def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
+                     ) -> tuple[list[list[int]], list[list[float]]]:
+        """One completion per prompt given as token ids (a multi-turn history, never re-tokenized): its ids up to
+        and including its EOS, and the sampler's log-prob of each (``envs.trajectory.run_episodes``)."""
+        s = settings or self.settings
+        chunk = self.chunk_prompts or len(prompt_ids)
+        completions, logprobs = [], []
+        with self.context():
+            for start in range(0, len(prompt_ids), chunk):
+                rollout = sample(self.model, self.tokenizer, prompt_ids[start: start + chunk], 1, s.max_new_tokens,
+                                 s.temperature, s.top_p, s.top_k, seeds=seeds[start: start + chunk])
+                tokens = rollout.token_lists()
+                completions += tokens
+                logprobs += [row[: len(ids)] for row, ids in zip(rollout.sampler_logprobs.tolist(), tokens)]
+        return completions, logprobs
+
     def load_weights(self, model) -> None:
         pass
 

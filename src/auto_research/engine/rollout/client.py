@@ -120,6 +120,17 @@ class VLLMServerSampler:
         return build_rollout(self.tokenizer, self.eos, self.pad, prompt_ids, answer["completions"],
                              answer["logprobs"], group_size)
 
+    def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
+                     ) -> tuple[list[list[int]], list[list[float]]]:
+        """One completion per prompt of token ids, as the server drew them (``envs.trajectory.run_episodes``)."""
+        s = settings or self.settings
+        answer = self._call("/generate", json.dumps({
+            "prompt_ids": [list(map(int, ids)) for ids in prompt_ids], "group_size": 1,
+            "seeds": [int(seed) for seed in seeds], "settings": {"max_new_tokens": s.max_new_tokens,
+                                                                 "temperature": s.temperature, "top_p": s.top_p,
+                                                                 "top_k": s.top_k}}).encode())
+        return answer["completions"], answer["logprobs"]
+
     def load_weights(self, model) -> None:
         """Every rank walks the weights (FSDP2 gathers one parameter at a time, in the same order on each);
         rank 0 sends them in parts under its lease; nobody samples before the server has them, and a failed

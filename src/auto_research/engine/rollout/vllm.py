@@ -138,6 +138,11 @@ class VLLMSampler:
                 logprobs.append([step[token].logprob for step, token in zip(sample.logprobs, tokens)])
         return completions, logprobs
 
+    def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
+                     ) -> tuple[list[list[int]], list[list[float]]]:
+        """One completion per prompt of token ids (``envs.trajectory.run_episodes``)."""
+        return self.generate(prompt_ids, 1, seeds, settings)
+
     def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
         prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
         completions, logprobs = self.generate(prompt_ids, group_size, seeds)

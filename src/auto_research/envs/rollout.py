@@ -1,0 +1,198 @@
+"""Multi-turn rollouts as the trainer's ``Rollout``: K trajectories per prompt, each talking to its own
+environment (and tools) for up to --max-turns turns, through any sampler that generates from token ids.
+
+    runner = EpisodeRunner(sampler.generate_ids, tokenizer, factory, tools, settings, max_turns, max_tokens, eos)
+    rollout = runner.sample(examples, K, seeds)   # sequences = prompt + every turn; loss_mask on the model's tokens
+
+A row's completion span (``completion_mask``) is the whole trajectory after the prompt; its ``loss_mask`` is 1 on
+the model's own tokens only, and its sampler log-probs are the sampler's on those tokens (0 elsewhere). The
+table text of a row is the whole conversation; the reward functions score the final reply (``episodes[i]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from auto_research.data.types import Example
+from auto_research.engine.rollout import Rollout, SamplingSettings
+from auto_research.envs import EnvironmentFactory, Episode, _takes_no_argument
+from auto_research.envs.tools import load_tools, tool_schema
+from auto_research.envs.trajectory import Conversation, Generate, Trajectory, run_episodes, turn_seed
+from auto_research.errors import UserError
+
+
+def load_environment(environment, tools, sample_row: dict) -> tuple[EnvironmentFactory | None, dict[str, Callable]]:
+    """``--environment`` and ``--tools`` (specs, or from Python a factory and functions), checked now: the factory
+    is found and makes, from a dataset row, an object of either shape; each tool has a schema."""
+    factory = None
+    if isinstance(environment, str):
+        factory = EnvironmentFactory.load(environment, sample_row)
+    elif environment is not None:
+        factory = EnvironmentFactory(environment, getattr(environment, "__name__", "environment"))
+        factory.trl = _takes_no_argument(environment)
+        factory.episode(sample_row)
+    loaded: dict[str, Callable] = {}
+    for item in ([tools] if isinstance(tools, str) else list(tools or ())):
+        if isinstance(item, str):
+            loaded.update(load_tools(item))
+        else:
+            tool_schema(item)
+            loaded[item.__name__] = item
+    return factory, loaded
+
+
+def runner_for(config, factory: EnvironmentFactory | None, tools: dict[str, Callable], tokenizer, eos: list[int],
+               sampler, model_name: str, sample_row: dict, needs_greedy: bool, scores_replies: bool
+               ) -> "EpisodeRunner | None":
+    """The run's multi-turn runner over ``sampler.generate_ids``, or None without an environment or tools;
+    a chat template that would hide the tools is refused here, before any work."""
+    from auto_research.envs.tools import check_template_takes_tools  # noqa: PLC0415
+
+    if factory is None and not tools:
+        return None
+    if needs_greedy:
+        raise UserError(f"--environment/--tools with {config.algorithm} is not built (its greedy baseline is one "
+                        "single-turn completion)")
+    shown = factory.episode(sample_row, tools).tools if factory is not None else tools
+    if shown:
+        check_template_takes_tools(tokenizer, [tool_schema(function) for function in shown.values()], model_name)
+    settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    return EpisodeRunner(sampler.generate_ids, tokenizer, factory, tools, settings, config.max_turns,
+                         config.trajectory_tokens(True), tuple(eos), pad, scores_replies)
+
+
+def row_of(example: Example) -> dict:
+    """The dataset row an environment is made from: its fields, with ``prompt`` and ``answer``."""
+    return {**example.fields, "prompt": example.prompt, "answer": example.answer}
+
+
+class _Unmade(Episode):
+    """An episode whose factory raised: its trajectory is left unscored (the error is its ``failed``)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(None, {})
+        self.error = error
+
+    def first_message(self, prompt: str) -> str:
+        raise self.error
+
+
+@dataclass
+class EpisodeRunner:
+    generate: Generate
+    """``generate(prompt_ids, seeds, settings)``: one completion (ids, log-probs) per prompt (``generate_ids``)."""
+    tokenizer: object
+    factory: EnvironmentFactory | None
+    tools: dict[str, Callable] = field(default_factory=dict)
+    settings: SamplingSettings = SamplingSettings(64)
+    max_turns: int = 4
+    max_tokens: int = 256
+    """The most tokens after the prompt (the model's and the environment's)."""
+    eos: tuple[int, ...] = ()
+    pad: int = 0
+    scores_replies: bool = True
+    """Whether the reward functions score the final reply (else the environment's rewards alone count)."""
+
+    def episode(self, row: dict) -> Episode:
+        if self.factory is None:
+            return Episode(None, row, dict(self.tools))
+        try:
+            return self.factory.episode(row, self.tools)
+        except UserError:
+            raise
+        except Exception as error:  # noqa: BLE001 - make_env(row) raised: this sample is unscored
+            return _Unmade(error)
+
+    def trajectories(self, examples: list[Example], group_size: int, seeds: list[int]) -> list[Trajectory]:
+        """K trajectories per example; trajectory k of prompt i draws from ``turn_seed(seeds[i], k, 0)`` alone."""
+        episodes = [self.episode(row_of(example)) for example in examples for _ in range(group_size)]
+        tools = {name: f for e in episodes for name, f in e.tools.items()}
+        schemas = [tool_schema(function) for function in tools.values()] or None
+        conversation = Conversation(self.tokenizer, schemas, self.eos)
+        prompts = [example.prompt for example in examples for _ in range(group_size)]
+        own = [turn_seed(seed, k, 0) for seed in seeds for k in range(group_size)]
+        return run_episodes(self.generate, conversation, episodes, prompts, own, self.settings, self.max_turns,
+                            self.max_tokens)
+
+    def greedy(self, model, examples: list[Example]) -> Rollout:
+        """One greedy trajectory per example from ``model`` (held-out evaluation), whatever the run's sampler."""
+        from auto_research.engine.rollout.builtin import sample  # noqa: PLC0415
+
+        def generate(prompt_ids, seeds, settings):
+            tokens = sample(model, self.tokenizer, prompt_ids, 1, settings.max_new_tokens, greedy=True).token_lists()
+            return tokens, [[0.0] * len(ids) for ids in tokens]
+
+        return replace(self, generate=generate).sample(examples, 1, [0] * len(examples))
+
+    def sample(self, examples: list[Example], group_size: int, seeds: list[int]) -> Rollout:
+        return trajectory_rollout(self.tokenizer, self.trajectories(examples, group_size, seeds), group_size,
+                                  self.pad)
+
+
+def trajectory_rollout(tokenizer, trajectories: list[Trajectory], group_size: int, pad: int) -> Rollout:
+    """The Rollout of finished trajectories: prompts left-padded, each trajectory's ids right-padded."""
+    rows = len(trajectories)
+    prompt_width = max(len(t.prompt_ids) for t in trajectories)
+    width = max(1, max(len(t.ids) for t in trajectories))
+    prompt = torch.full((rows, prompt_width), pad, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, prompt_width, dtype=torch.long)
+    completion = torch.full((rows, width), pad, dtype=torch.long)
+    span = torch.zeros(rows, width, dtype=torch.long)
+    owned = torch.zeros(rows, width, dtype=torch.long)
+    logprobs = torch.zeros(rows, width)
+    for row, t in enumerate(trajectories):
+        if t.prompt_ids:
+            prompt[row, prompt_width - len(t.prompt_ids):] = torch.tensor(t.prompt_ids, dtype=torch.long)
+            prompt_mask[row, prompt_width - len(t.prompt_ids):] = 1
+        if t.ids:
+            completion[row, : len(t.ids)] = torch.tensor(t.ids, dtype=torch.long)
+            span[row, : len(t.ids)] = 1
+            owned[row, : len(t.ids)] = torch.tensor(t.loss_mask, dtype=torch.long)
+            logprobs[row, : len(t.ids)] = torch.tensor(t.logprobs, dtype=torch.float32)
+    texts = [tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajectories]
+    episodes = [{"turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
+                 "truncated": t.truncated, "environment_reward": t.reward, "failed": t.failed,
+                 "reply": _final_reply(t)} for t in trajectories]
+    return Rollout(torch.cat([prompt, completion], dim=1), prompt_mask, span, texts, group_size, logprobs * owned,
+                   None, False, None, owned, episodes)
+
+
+def _final_reply(trajectory: Trajectory) -> str:
+    replies = [m["content"] for m in trajectory.messages if m["role"] == "assistant"]
+    return replies[-1] if replies else ""
+
+
+def episode_rewards(reward: Callable, prompts: list[str], rollout: Rollout, examples: list[Example],
+                    scores_replies: bool = True) -> list:
+    """Each trajectory's reward: the environment's rewards summed, plus the reward functions on its final reply
+    (when ``scores_replies``); None when the environment raised, or when nothing scored it."""
+    replies = [row["reply"] for row in rollout.episodes]
+    scored = reward(prompts, replies, examples, rollout.token_lists()) if scores_replies else [None] * len(replies)
+    rewards = []
+    for row, value in zip(rollout.episodes, scored):
+        if row["failed"] is not None or (scores_replies and value is None):
+            rewards.append(None)
+        elif row["environment_reward"] is None and value is None:
+            rewards.append(None)
+        else:
+            rewards.append((row["environment_reward"] or 0.0) + (value or 0.0))
+    return rewards
+
+
+def episode_figures(world, rollout: Rollout) -> dict:
+    """turns_mean, tool_calls_mean, tool_errors (a count) and truncated_fraction over every rank's trajectories,
+    and the environment's failures (counted in the unscored samples too)."""
+    rows = rollout.episodes or []
+    sums = world.total(torch.tensor([float(len(rows)), float(sum(r["turns"] for r in rows)),
+                                     float(sum(r["tool_calls"] for r in rows)),
+                                     float(sum(r["tool_errors"] for r in rows)),
+                                     float(sum(bool(r["truncated"]) for r in rows)),
+                                     float(sum(r["failed"] is not None for r in rows))], dtype=torch.float64))
+    count, turns, calls, errors, cut, failed = sums.tolist()
+    count = max(count, 1.0)
+    return {"turns_mean": turns / count, "tool_calls_mean": calls / count, "tool_errors": int(errors),
+            "truncated_fraction": cut / count, "environment_errors": int(failed)}
