@@ -128,11 +128,15 @@ def clip_fraction(name: str, inputs: LossInputs) -> torch.Tensor:
 
 
 def last_token(mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) one-hot on each row's last completion token."""
-    lengths = mask.sum(-1).long()
+    """(B, T) one-hot on each row's last completion token: the last position the mask keeps (a multi-turn
+    trajectory's mask has gaps where the environment spoke)."""
     onehot = torch.zeros_like(mask)
-    rows = lengths > 0
-    onehot[rows, (lengths[rows] - 1)] = 1.0
+    if not mask.shape[-1]:
+        return onehot
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).max(-1).values
+    rows = last >= 0
+    onehot[rows, last[rows]] = 1.0
     return onehot
 
 
