@@ -365,3 +365,54 @@ def test_bad_environments_and_tools_are_one_line_and_exit_2_before_any_work(tiny
     assert error("--environment", "sums_game:make_env", "--algorithm", "remax") == (
         "--environment/--tools with remax is not built (its greedy baseline is one single-turn completion)")
     assert not list((tmp_path / "out").glob("*/metrics.jsonl"))  # nothing was trained or written
+
+
+CHATML_WITH_TOOLS = (
+    "{%- if tools %}tools:{%- for tool in tools %} {{ tool.function.name }}{%- endfor %} <tool_call>\n{% endif %}"
+    "{%- for message in messages %}{{ message.role }}: {{ message.content }}</s>\n{% endfor %}"
+    "{%- if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_tools_in_training_answer_calls_and_the_task_s_verifier_scores_the_final_reply(tiny_model_dir, sums_jsonl,
+                                                                                       tmp_path, game):
+    """--tools alone (from Python): a call is answered as a tool message (masked), a reply without a call ends the
+    trajectory, and the task's verifier (match) scores the final reply."""
+    from sums_game import add
+
+    model = tmp_path / "templated"
+    shutil.copytree(tiny_model_dir, model)
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": CHATML_WITH_TOOLS}))
+    config = GenerationConfig(model=str(model), dataset=str(sums_jsonl), output_dir=tmp_path, steps=2,
+                              prompts_per_step=1, group_size=2, max_new_tokens=3, max_turns=3,
+                              max_trajectory_tokens=200, evaluation_examples=4, progress=False, offline=True, seed=3,
+                              device="cpu").filled().validate()
+    trainer = Trainer.build(config, log=lambda text: None, tools=[add])
+    c = trainer.components
+    source = rollout_source(c, c.sampler, c.policy, c.sampling)
+    batch = draw_batch(source, copy.deepcopy(trainer.state.rng), 1)
+    [seed], [example] = batch.seeds, batch.examples
+    a, b = (int(x) for x in example.prompt.rstrip("=").split("+"))
+    call = '<tool_call>{"name": "add", "arguments": {"a": %d, "b": %d}}</tool_call>' % (a, b)
+    # Trajectory 0 calls the tool, then answers with its result; trajectory 1 answers "x" at once.
+    replies = {turn_seed(turn_seed(seed, 0, 0), 0, 0): call, turn_seed(turn_seed(seed, 0, 0), 0, 1): str(a + b),
+               turn_seed(turn_seed(seed, 1, 0), 0, 0): "x"}
+    eos = c.tokenizer.eos_token_id
+
+    def generate(prompt_ids, seeds, settings):
+        tokens = [c.tokenizer(replies[s], add_special_tokens=False)["input_ids"] + [eos] for s in seeds]
+        return tokens, [[-0.5] * len(ids) for ids in tokens]
+
+    c.sampler.generate_ids = generate
+    drawn = produce(rollout_source(c, c.sampler, c.policy, c.sampling), trainer.state.rng, 1, 0)
+    assert drawn.rewards == [1.0, 0.0]  # match on the final reply
+    assert [(row["turns"], row["tool_calls"], row["tool_errors"]) for row in drawn.rollout.episodes] == [(2, 1, 0),
+                                                                                                       (1, 0, 0)]
+    ids = lambda text: c.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    answer = ids(call) + [eos] + ids(f"\ntool: {a + b}</s>\nassistant: ") + ids(str(a + b)) + [eos]
+    row = drawn.rollout.completion_ids[0][drawn.rollout.completion_mask[0].bool()].tolist()
+    assert row == answer
+    assert drawn.rollout.loss_mask[0][: len(row)].tolist() == ([1] * (len(ids(call)) + 1)
+                                                             + [0] * len(ids(f"\ntool: {a + b}</s>\nassistant: "))
+                                                             + [1] * (len(ids(str(a + b))) + 1))
+    assert "tool: " + str(a + b) in drawn.rollout.completions[0]  # the table shows the whole conversation

@@ -29,7 +29,7 @@ from auto_research.errors import UserError
 
 def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable | Sequence[Callable] | None = None,
                config: GenerationConfig | None = None, name: str = "rows", log: Callable[[str], None] = print,
-               **settings) -> dict:
+               environment: Callable | None = None, tools: Sequence[Callable] = (), **settings) -> dict:
     """Train with RL on a causal LM and return the run's metrics.
 
     ``dataset``: ``arithmetic-generate``, ``gsm8k-generate``, a ``.jsonl`` path, or a list
@@ -39,6 +39,8 @@ def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable 
     ``reward(prompts, completions, rows)`` and returning a float or None per completion;
     they add to ``config.reward`` and ``config.reward_model``. ``settings`` override
     fields of ``config`` (``GenerationConfig``'s fields, the flags' names with underscores).
+    ``environment`` (``make_env(row)``) and ``tools`` (functions): multi-turn rollouts, as --environment and
+    --tools (docs/environments.md).
     """
     # Imported here: ``import auto_research`` stays light, and the run's checks come before torch's import.
     from auto_research.recipes.post_train import post_train_generation
@@ -54,4 +56,5 @@ def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable 
     named = [(getattr(function, "__name__", f"reward{index}"), function) for index, function in enumerate(functions)]
     if not all(callable(function) for _, function in named):
         raise UserError("reward: give a function, or a list of functions, called as reward(prompts, completions, rows)")
-    return post_train_generation(config, log=log, rows=rows, reward_functions=named)["runs"][0]
+    return post_train_generation(config, log=log, rows=rows, reward_functions=named, environment=environment,
+                                 tools=tools)["runs"][0]
