@@ -85,7 +85,7 @@ def demonstration_trajectories(tokenizer, count: int, seed: int):
                         list(range(count)), SamplingSettings(2), 9, 125)
 
 
-def warm_start(seed: int, folder: Path, demonstrations: int = 2000, steps: int = 200, batch_size: int = 32) -> dict:
+def warm_start(seed: int, folder: Path, demonstrations: int = 2000, steps: int = 150, batch_size: int = 32) -> dict:
     """The tiny model, fine-tuned on feedback-blind games (loss on the model's tokens only)."""
     from auto_research.engine.tiny import build_model, build_tokenizer
 
@@ -131,7 +131,7 @@ def main() -> None:
         print(f"warm start: {record['seconds']:.0f} s, final loss {record['loss']:.3f}", flush=True)
         data = rows(600, arguments.seed + 1) + [{"prompt": PROMPT, "answer": str(s)} for s in range(1, 10)] * 5
         config = GenerationConfig(model=str(scratch / "start"), output_dir=str(scratch / "runs"), steps=arguments.steps,
-                                  prompts_per_step=8, group_size=8, max_new_tokens=2, max_turns=9,
+                                  prompts_per_step=4, group_size=16, max_new_tokens=2, max_turns=9,
                                   max_trajectory_tokens=125, learning_rate=1e-3, temperature=1.0, beta=0.0,
                                   evaluation_examples=45, eval_every=max(arguments.steps // 5, 1), progress=False,
                                   offline=True, seed=arguments.seed, device="cpu", threads=2, warmup_steps=10)
@@ -147,6 +147,8 @@ def main() -> None:
               f"evaluations): held-out greedy turns to solve {before:.2f} -> {after:.2f} "
               f"({100 * (after - before) / before:+.0f}%), solved {metrics['baseline']['accuracy']:.2f} -> "
               f"{metrics['final']['accuracy']:.2f}")
+        print("held-out turns_mean: " + ", ".join(f"{int(row['step'])}: {row['turns_mean']:.2f}"
+                                                  for row in metrics["history"]))
         print("training turns_mean: " + ", ".join(f"{row['step']}: {row['turns_mean']:.2f}" for row in curve[::every]))
 
 

@@ -255,7 +255,7 @@ class RunLoop:
         c, state, config = self.c, self.state, self.c.config
         if state.history and state.history[-1]["step"] == config.steps:
             final = {key: state.history[-1][key] for key in ("accuracy", "mean_reward", "entropy", "kl_from_reference",
-                                                             "gold_reward") if key in state.history[-1]}
+                                                             "gold_reward", "turns_mean") if key in state.history[-1]}
         else:
             try:
                 final = held_out(c)
