@@ -331,29 +331,14 @@ class GenerationConfig:
             if value is not None:
                 check_positive_finite(flag, value)
         check_choice("--sampler", self.sampler, SAMPLERS)
-        check_choice("--vllm-mode", self.vllm_mode, ("colocate", "server"))
         if self.rollout_correction is not None:
             check_choice("--rollout-correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         check_positive_finite("--rollout-correction-cap", self.rollout_correction_cap)
         if self.rollout_correction_cap < 1:
             raise UserError(f"--rollout-correction-cap must be >= 1 (a weight truncated below 1 down-weights every "
                             f"sample), got {self.rollout_correction_cap}")
-        if self.sampler == "vllm":
-            if self.vllm_memory is not None and not (math.isfinite(self.vllm_memory) and 0 < self.vllm_memory <= 1):
-                raise UserError(f"--vllm-memory must be in (0, 1], got {self.vllm_memory}")
-            if self.vllm_mode == "server":
-                if self.vllm_server is None:
-                    raise UserError("--vllm-mode server needs --vllm-server HOST:PORT (start a server with "
-                                    "auto-research vllm-serve --model M --port 8000)")
-                from auto_research.engine.rollout.server import split_address
-
-                split_address(self.vllm_server)
-                if self.vllm_memory is not None:
-                    raise UserError("--vllm-memory is the colocated engine's; give it to auto-research vllm-serve")
-            elif self.vllm_server is not None:
-                raise UserError("--vllm-server is for --vllm-mode server")
-        elif self.vllm_server is not None or self.vllm_mode != "colocate":
-            raise UserError("--vllm-mode and --vllm-server apply to --sampler vllm only")
+        check_choice("--rollout-mode", self.vllm_mode, ("colocate", "server"))
+        self._check_rollout_engine()
         self._check_staleness()
         if self.max_refills < 0:
             raise UserError(f"--max-refills must be >= 0, got {self.max_refills}")
@@ -407,6 +392,24 @@ class GenerationConfig:
 
         parse_report_to(self.report_to)
         return self
+
+    def _check_rollout_engine(self) -> None:
+        if self.vllm_memory is not None:
+            if not (math.isfinite(self.vllm_memory) and 0 < self.vllm_memory <= 1):
+                raise UserError(f"--rollout-memory must be in (0, 1], got {self.vllm_memory}")
+            if self.vllm_mode == "server":
+                raise UserError("--rollout-memory is the colocated engine's; give it to auto-research rollout-serve")
+            if self.sampler != "vllm":
+                raise UserError("--rollout-memory is vLLM's (--sampler vllm)")
+        if self.vllm_mode == "server":
+            if self.vllm_server is None:
+                raise UserError(f"--rollout-mode server needs --rollout-server HOST:PORT (start a server with "
+                                f"auto-research rollout-serve --engine {self.sampler} --model M --port 8000)")
+            from auto_research.engine.rollout.server import split_address
+
+            split_address(self.vllm_server)
+        elif self.vllm_server is not None:
+            raise UserError("--rollout-server is for --rollout-mode server")
 
     def _check_staleness(self) -> None:
         from auto_research.engine.samplers import SAMPLERS, sampler_name, sampler_record

@@ -73,7 +73,7 @@ def fingerprint(config, tokenizer) -> str:
     return hashlib.sha256(json.dumps([shape, vocabulary], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def split_address(address: str, flag: str = "--vllm-server") -> tuple[str, int]:
+def split_address(address: str, flag: str = "--rollout-server") -> tuple[str, int]:
     host, _, port = str(address).rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"{flag} {address!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
@@ -267,9 +267,9 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(config, log=print) -> None:
-    """``auto-research vllm-serve``: load the model, start the engine, answer until interrupted."""
+    """``auto-research rollout-serve``: load the model, start the engine (vLLM or the builtin sampler), answer
+    until interrupted."""
     from auto_research.engine.models import context_length, load_policy, resolve_device, resolve_dtype
-    from auto_research.engine.rollout.vllm import VLLMSampler, check_servable
 
     api_key = config.api_key or os.environ.get(API_KEY_VARIABLE) or None
     if api_key is None and not is_loopback(config.host):
@@ -286,14 +286,26 @@ def serve(config, log=print) -> None:
     else:
         model, tokenizer = load_policy(config.model, device, torch.float32, config.offline, log=log)
         name = config.model
-    check_servable(model.config, device, name, "vllm-serve", "serve it from a GPU, or train with --sampler builtin")
-    memory = config.vllm_memory or (0.05 if device == "cpu" else 0.3)
     longest = config.max_model_len or min(context_length(model) or 4096, 4096)
-    dtype = resolve_dtype(config.dtype, device)
-    settings = SamplingSettings(max_new_tokens=16)
-    log(f"starting a vLLM engine for {name} ({memory:g} of the "
-        f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'}, max_model_len {longest})")
-    sampler = VLLMSampler(model, tokenizer, settings, memory, dtype, longest, config.seed)
+    if config.engine == "builtin":
+        from auto_research.engine.rollout.builtin import BuiltinEngine
+
+        # fp32, the trainer's own kernels: its draws are the builtin sampler's in the trainer's process.
+        dtype = torch.float32
+        log(f"starting the builtin sampler for {name} on {device} (max_model_len {longest})")
+        sampler = BuiltinEngine(model.to(device), tokenizer)
+        sampler.max_model_len = min(sampler.max_model_len, longest)
+    else:
+        from auto_research.engine.rollout.vllm import VLLMSampler, check_servable
+
+        check_servable(model.config, device, name, "rollout-serve",
+                       "serve it from a GPU, with --engine builtin, or train with --sampler builtin")
+        memory = config.vllm_memory or (0.05 if device == "cpu" else 0.3)
+        dtype = resolve_dtype(config.dtype, device)
+        log(f"starting a vLLM engine for {name} ({memory:g} of the "
+            f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'}, max_model_len {longest})")
+        sampler = VLLMSampler(model, tokenizer, SamplingSettings(max_new_tokens=16), memory, dtype, longest,
+                              config.seed)
     served = Served(name, fingerprint(model.config, tokenizer), weight_spec(pushed_weights(model, dtype)),
                     int(model.config.vocab_size), str(dtype).removeprefix("torch."))
     limits = Limits(api_key, config.lease_seconds, config.read_timeout, config.max_group_size)

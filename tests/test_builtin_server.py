@@ -1,0 +1,108 @@
+"""The builtin sampler as a rollout server (``rollout-serve --engine builtin``, ``--sampler builtin --rollout-mode
+server``): a CPU-only run's rollout side in a process of its own. No vLLM is needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from auto_research.engine.rollout import SamplingSettings, prompt_seed
+from auto_research.engine.rollout.builtin import BuiltinEngine, sample
+from auto_research.engine.tiny import build_model, build_tokenizer
+
+PROMPTS = ["1+2=", "Q: what is 33+4?", "x", "7*8="]
+
+
+def test_the_server_draws_what_the_trainers_own_sampler_draws_from_the_pushed_weights(tmp_path, monkeypatch):
+    """The trainer's weights (not the server's initial ones) pushed through the real HTTP server, then one draw:
+    the same token ids and log-probs as ``sample`` in the trainer's process, bit for bit, in requests of 3 prompts."""
+    from auto_research.engine.distributed import World
+    from auto_research.engine.rollout.client import ServerSampler
+    from auto_research.engine.rollout.guard import weight_spec
+    from auto_research.engine.rollout.remote import pushed_weights
+    from auto_research.engine.rollout.server import Limits, Served, fingerprint, make_server
+
+    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
+    tokenizer = build_tokenizer()
+    served_model, trained = build_model(tokenizer, seed=0), build_model(tokenizer, seed=1)
+    engine = BuiltinEngine(served_model, tokenizer)
+    served = Served("embedded", fingerprint(served_model.config, tokenizer),
+                    weight_spec(pushed_weights(served_model, torch.float32)), served_model.config.vocab_size, "float32")
+    server = make_server(engine, served, "127.0.0.1", 0, Limits(shared_folder=None))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    settings = SamplingSettings(max_new_tokens=8, temperature=1.2, top_p=0.95, top_k=20)
+    try:
+        client = ServerSampler(trained, tokenizer, settings, f"127.0.0.1:{server.server_address[1]}", "embedded",
+                               World(), tmp_path / "run", engine="builtin", chunk_prompts=3)
+        seeds = [prompt_seed(5, 1, index) for index in range(len(PROMPTS))]
+        drawn = client.sample(PROMPTS, 3, seeds)
+        client.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert client.transfer == "HTTP" and engine.parameters["lm_head.weight"].data_ptr()  # pushed, not shared
+    assert all(torch.equal(engine.parameters[name], tensor) for name, tensor in trained.named_parameters())
+    parts = [sample(trained, tokenizer, PROMPTS[start: start + 3], 3, 8, 1.2, 0.95, 20, seeds=seeds[start: start + 3])
+             for start in (0, 3)]
+    expected = [row for part in parts for row in part.token_lists()]
+    assert drawn.token_lists() == expected
+    expected_logprobs = [value for part in parts for row, mask in zip(part.sampler_logprobs, part.completion_mask)
+                         for value in row[mask.bool()].tolist()]
+    assert drawn.sampler_logprobs[drawn.completion_mask.bool()].tolist() == expected_logprobs
+    assert not drawn.trained_distribution  # another process's forward: the trainer computes π_old itself
+
+
+def metrics(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_k1_against_a_builtin_server_trains_on_the_batches_the_in_process_thread_draws(tmp_path):
+    """--max-staleness 1 with the rollout side in a server process and with it in a thread: the fixed schedule
+    makes them draw the same batches from the same versions of the weights (same rewards at every step), and
+    train to the same weights up to the two processes' kernels (the server's log-probs are μ, not π_old)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("AUTO_RESEARCH_API_KEY", None)
+    server = subprocess.Popen([sys.executable, "-m", "auto_research", "rollout-serve", "--engine", "builtin",
+                               "--offline", "--port", "0", "--threads", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in server.stderr], daemon=True).start()
+    try:
+        address, deadline = None, time.time() + 120
+        while address is None and time.time() < deadline and server.poll() is None:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line.startswith("serving "):
+                address = line.split("http://")[1].split()[0]
+        assert address, "the builtin rollout server did not start"
+        # The embedded model warm-started on arithmetic (cached by the first test that needs it): rewards vary.
+        common = ["post-train", "--dataset", "arithmetic-generate", "--steps", "4", "--prompts-per-step", "8",
+                  "--offline", "--no-progress", "--max-staleness", "1", "--eval-every", "0", "--threads", "1",
+                  "--evaluation-examples", "8"]
+        runs = {}
+        for name, extra in (("thread", []), ("server", ["--rollout-mode", "server", "--rollout-server", address])):
+            done = subprocess.run([sys.executable, "-m", "auto_research", *common, *extra, "--output-dir",
+                                   str(tmp_path / name)], env=env, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr[-2000:]
+            runs[name] = metrics(next((tmp_path / name).iterdir()))
+    finally:
+        server.kill()
+        server.wait()
+    thread, served = runs["thread"], runs["server"]
+    assert [row["staleness_max"] for row in served] == [0, 1, 1, 1]
+    assert [row["reward_mean"] for row in served] == [row["reward_mean"] for row in thread]
+    assert [row["weight_sync_seconds"] > 0 for row in served] == [True] * 4
+    for mine, theirs in zip(served, thread):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-4)
+        assert mine["rollout_logprob_diff_mean"] == pytest.approx(theirs["rollout_logprob_diff_mean"], abs=1e-4)
+    assert served[-1]["rollout_logprob_diff_mean"] > 1e-3  # the weights moved: one version of staleness shows
