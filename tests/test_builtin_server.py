@@ -21,34 +21,51 @@ from auto_research.engine.tiny import build_model, build_tokenizer
 PROMPTS = ["1+2=", "Q: what is 33+4?", "x", "7*8="]
 
 
-def test_the_server_draws_what_the_trainers_own_sampler_draws_from_the_pushed_weights(tmp_path, monkeypatch):
-    """The trainer's weights (not the server's initial ones) pushed through the real HTTP server, then one draw:
-    the same token ids and log-probs as ``sample`` in the trainer's process, bit for bit, in requests of 3 prompts."""
-    from auto_research.engine.distributed import World
-    from auto_research.engine.rollout.client import ServerSampler
+@pytest.fixture
+def builtin_server(monkeypatch):
+    """A builtin engine (the embedded architecture, seed 0) behind the real HTTP server, in this process."""
     from auto_research.engine.rollout.guard import weight_spec
     from auto_research.engine.rollout.remote import pushed_weights
     from auto_research.engine.rollout.server import Limits, Served, fingerprint, make_server
 
     monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
     tokenizer = build_tokenizer()
-    served_model, trained = build_model(tokenizer, seed=0), build_model(tokenizer, seed=1)
+    served_model = build_model(tokenizer, seed=0)
     engine = BuiltinEngine(served_model, tokenizer)
     served = Served("embedded", fingerprint(served_model.config, tokenizer),
                     weight_spec(pushed_weights(served_model, torch.float32)), served_model.config.vocab_size, "float32")
     server = make_server(engine, served, "127.0.0.1", 0, Limits(shared_folder=None))
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield engine, f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def lease_held(address: str) -> bool:
+    from urllib.request import urlopen
+
+    with urlopen(f"http://{address}/health", timeout=10) as answer:
+        return json.loads(answer.read())["lease"]["held"]
+
+
+def test_the_server_draws_what_the_trainers_own_sampler_draws_from_the_pushed_weights(builtin_server, tmp_path):
+    """The trainer's weights (not the server's initial ones) pushed through the real HTTP server, then one draw:
+    the same token ids and log-probs as ``sample`` in the trainer's process, bit for bit, in requests of 3 prompts."""
+    from auto_research.engine.distributed import World
+    from auto_research.engine.rollout.client import ServerSampler
+
+    engine, address = builtin_server
+    tokenizer = build_tokenizer()
+    trained = build_model(tokenizer, seed=1)
     settings = SamplingSettings(max_new_tokens=8, temperature=1.2, top_p=0.95, top_k=20)
-    try:
-        client = ServerSampler(trained, tokenizer, settings, f"127.0.0.1:{server.server_address[1]}", "embedded",
-                               World(), tmp_path / "run", engine="builtin", chunk_prompts=3)
-        seeds = [prompt_seed(5, 1, index) for index in range(len(PROMPTS))]
-        drawn = client.sample(PROMPTS, 3, seeds)
-        client.close()
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert client.transfer == "HTTP" and engine.parameters["lm_head.weight"].data_ptr()  # pushed, not shared
+    client = ServerSampler(trained, tokenizer, settings, address, "embedded", World(), tmp_path / "run",
+                           engine="builtin", chunk_prompts=3)
+    seeds = [prompt_seed(5, 1, index) for index in range(len(PROMPTS))]
+    drawn = client.sample(PROMPTS, 3, seeds)
+    assert lease_held(address)
+    client.close()
+    assert not lease_held(address)
+    assert client.transfer == "HTTP"  # this server offers no shared buffer
     assert all(torch.equal(engine.parameters[name], tensor) for name, tensor in trained.named_parameters())
     parts = [sample(trained, tokenizer, PROMPTS[start: start + 3], 3, 8, 1.2, 0.95, 20, seeds=seeds[start: start + 3])
              for start in (0, 3)]
@@ -106,3 +123,19 @@ def test_k1_against_a_builtin_server_trains_on_the_batches_the_in_process_thread
         assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-4)
         assert mine["rollout_logprob_diff_mean"] == pytest.approx(theirs["rollout_logprob_diff_mean"], abs=1e-4)
     assert served[-1]["rollout_logprob_diff_mean"] > 1e-3  # the weights moved: one version of staleness shows
+
+
+def test_a_trainer_built_from_python_gives_the_servers_lease_back_when_closed(builtin_server, tmp_path):
+    """``Trainer.close`` closes the sampler too: the next run (here, a second Trainer) may take the server."""
+    from auto_research.config.generation import GenerationConfig
+    from auto_research.train.trainer import Trainer
+
+    _, address = builtin_server
+    for run in ("first", "second"):
+        config = GenerationConfig(dataset="arithmetic-generate", steps=2, prompts_per_step=4, eval_every=0,
+                                  evaluation_examples=4, offline=True, progress=False, output_dir=tmp_path / run,
+                                  sampler="builtin", vllm_mode="server", vllm_server=address)
+        trainer = Trainer.build(config, log=lambda line: None)
+        assert trainer.step(1)["weight_sync_seconds"] > 0 and lease_held(address)
+        trainer.close()
+        assert not lease_held(address)
