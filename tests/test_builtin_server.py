@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -81,41 +79,29 @@ def metrics(folder) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_k1_against_a_builtin_server_trains_on_the_batches_the_in_process_thread_draws(tmp_path):
-    """--max-staleness 1 with the rollout side in a server process and with it in a thread: the fixed schedule
-    makes them draw the same batches from the same versions of the weights (same rewards at every step), and
-    train to the same weights up to the two processes' kernels (the server's log-probs are μ, not π_old)."""
+def test_k1_in_a_rollout_process_trains_on_the_batches_the_in_process_thread_draws(tmp_path):
+    """--max-staleness 1 with the rollout side in a process the run starts (--rollout-mode process: the builtin
+    rollout server on a core of its own) and with it in a thread: the fixed schedule makes them draw the same
+    batches from the same versions of the weights (the same rewards at every step), and train to the same
+    weights up to the two processes' kernels (the server's log-probs are μ, not π_old). The process is gone
+    once the run is."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("AUTO_RESEARCH_API_KEY", None)
-    server = subprocess.Popen([sys.executable, "-m", "auto_research", "rollout-serve", "--engine", "builtin",
-                               "--offline", "--port", "0", "--threads", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in server.stderr], daemon=True).start()
-    try:
-        address, deadline = None, time.time() + 120
-        while address is None and time.time() < deadline and server.poll() is None:
-            try:
-                line = lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            if line.startswith("serving "):
-                address = line.split("http://")[1].split()[0]
-        assert address, "the builtin rollout server did not start"
-        # The embedded model warm-started on arithmetic (cached by the first test that needs it): rewards vary.
-        common = ["post-train", "--dataset", "arithmetic-generate", "--steps", "4", "--prompts-per-step", "8",
-                  "--offline", "--no-progress", "--max-staleness", "1", "--eval-every", "0", "--threads", "1",
-                  "--evaluation-examples", "8"]
-        runs = {}
-        for name, extra in (("thread", []), ("server", ["--rollout-mode", "server", "--rollout-server", address])):
-            done = subprocess.run([sys.executable, "-m", "auto_research", *common, *extra, "--output-dir",
-                                   str(tmp_path / name)], env=env, capture_output=True, text=True, timeout=300)
-            assert done.returncode == 0, done.stderr[-2000:]
-            runs[name] = metrics(next((tmp_path / name).iterdir()))
-    finally:
-        server.kill()
-        server.wait()
-    thread, served = runs["thread"], runs["server"]
+    # The embedded model warm-started on arithmetic (cached by the first test that needs it): rewards vary.
+    common = ["post-train", "--dataset", "arithmetic-generate", "--steps", "4", "--prompts-per-step", "8",
+              "--offline", "--no-progress", "--max-staleness", "1", "--eval-every", "0", "--threads", "1",
+              "--evaluation-examples", "8"]
+    runs = {}
+    for name, extra in (("thread", []), ("process", ["--rollout-mode", "process"])):
+        done = subprocess.run([sys.executable, "-m", "auto_research", *common, *extra, "--output-dir",
+                               str(tmp_path / name)], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[name] = metrics(next((tmp_path / name).iterdir()))
+    last_core = max(os.sched_getaffinity(0))
+    assert f"sampling with a builtin rollout process on CPU(s) [{last_core}]" in done.stderr
+    started_by_a_run = "rollout-serve --engine builtin --host 127.0.0.1 --port 0"
+    assert started_by_a_run not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    thread, served = runs["thread"], runs["process"]
     assert [row["staleness_max"] for row in served] == [0, 1, 1, 1]
     assert [row["reward_mean"] for row in served] == [row["reward_mean"] for row in thread]
     assert [row["weight_sync_seconds"] > 0 for row in served] == [True] * 4
@@ -123,6 +109,29 @@ def test_k1_against_a_builtin_server_trains_on_the_batches_the_in_process_thread
         assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-4)
         assert mine["rollout_logprob_diff_mean"] == pytest.approx(theirs["rollout_logprob_diff_mean"], abs=1e-4)
     assert served[-1]["rollout_logprob_diff_mean"] > 1e-3  # the weights moved: one version of staleness shows
+
+
+def test_rollout_process_refusals_are_one_line(capsys):
+    from auto_research.cli import main
+
+    def error(*extra) -> str:
+        assert main(["post-train", "--dataset", "arithmetic-generate", "--steps", "2", *extra]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0].removeprefix("auto-research: error: ")
+
+    cores = sorted(os.sched_getaffinity(0))
+    assert error("--rollout-mode", "process", "--sampler", "vllm") == (
+        "--rollout-mode process starts the builtin sampler's server; for vLLM start auto-research rollout-serve "
+        "and use --rollout-mode server")
+    assert error("--rollout-mode", "process", "--rollout-cores", "1-x") == (
+        "--rollout-cores '1-x': expected CPU numbers or ranges, e.g. 1 or 2-3")
+    assert error("--rollout-mode", "process", "--rollout-cores", "4096") == (
+        f"--rollout-cores '4096': this process may run on CPUs {cores} only")
+    spelled = ",".join(map(str, cores))
+    assert error("--rollout-mode", "process", "--rollout-cores", spelled) == (
+        f"--rollout-cores {spelled!r} takes every CPU this process may use; leave the trainer one")
+    assert error("--rollout-cores", str(cores[0])) == "--rollout-cores is for --rollout-mode process"
 
 
 def test_a_trainer_built_from_python_gives_the_servers_lease_back_when_closed(builtin_server, tmp_path):

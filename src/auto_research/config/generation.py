@@ -21,6 +21,7 @@ from auto_research.config.fields import (CANDIDATE_DATASETS, EMBEDDED_MODEL_DATA
                                          check_positive_integers, comma_floats, default_dataset_dir, is_data_source,
                                          json_ready, setting)
 from auto_research.config.loss import by_algorithm, check_loss, having
+from auto_research.config.rollout import check_rollout_engine, check_staleness
 from auto_research.errors import UserError
 from auto_research.rewards.verifiers import VERIFIERS
 
@@ -165,12 +166,16 @@ class GenerationConfig:
                                               "activations and KV cache (default 0.3; the trainer needs the rest); "
                                               "on the CPU, the share of host memory for its KV cache (default 0.05)",
                                         "sampling", flag="--rollout-memory", aliases=("--vllm-memory",), type=float)
-    vllm_mode: str = setting("colocate", "where the rollout engine runs: colocate (one engine in each training "
-                                         "process) or server (an engine of its own for every rank, started by "
-                                         "auto-research vllm-serve)", "sampling", flag="--rollout-mode",
+    vllm_mode: str = setting("colocate", "where the rollout engine runs: colocate (in each training process), "
+                                         "server (an engine of its own, started by auto-research rollout-serve; "
+                                         "see --rollout-server) or process (--sampler builtin: that server started "
+                                         "by the run itself, on --rollout-cores)", "sampling", flag="--rollout-mode",
                              aliases=("--vllm-mode",))
     vllm_server: str | None = setting(None, "HOST:PORT of the rollout server (--rollout-mode server)", "sampling",
                                       flag="--rollout-server", aliases=("--vllm-server",))
+    rollout_cores: str | None = setting(None, "CPUs of the rollout process (--rollout-mode process), e.g. 1 or 2-3; "
+                                              "the trainer keeps the others", "sampling",
+                                        default_text="the last core")
     rollout_correction: str | None = setting(None, "correct for the sampler's distribution differing from the "
                                                    f"trainer's: {', '.join(ROLLOUT_CORRECTIONS)} (default: the "
                                                    "algorithm's, "
@@ -337,9 +342,9 @@ class GenerationConfig:
         if self.rollout_correction_cap < 1:
             raise UserError(f"--rollout-correction-cap must be >= 1 (a weight truncated below 1 down-weights every "
                             f"sample), got {self.rollout_correction_cap}")
-        check_choice("--rollout-mode", self.vllm_mode, ("colocate", "server"))
-        self._check_rollout_engine()
-        self._check_staleness()
+        check_choice("--rollout-mode", self.vllm_mode, ("colocate", "server", "process"))
+        check_rollout_engine(self)
+        check_staleness(self)
         if self.max_refills < 0:
             raise UserError(f"--max-refills must be >= 0, got {self.max_refills}")
         if self.dynamic_sampling and algorithm.needs_greedy:
@@ -392,46 +397,6 @@ class GenerationConfig:
 
         parse_report_to(self.report_to)
         return self
-
-    def _check_rollout_engine(self) -> None:
-        if self.vllm_memory is not None:
-            if not (math.isfinite(self.vllm_memory) and 0 < self.vllm_memory <= 1):
-                raise UserError(f"--rollout-memory must be in (0, 1], got {self.vllm_memory}")
-            if self.vllm_mode == "server":
-                raise UserError("--rollout-memory is the colocated engine's; give it to auto-research rollout-serve")
-            if self.sampler != "vllm":
-                raise UserError("--rollout-memory is vLLM's (--sampler vllm)")
-        if self.vllm_mode == "server":
-            if self.vllm_server is None:
-                raise UserError(f"--rollout-mode server needs --rollout-server HOST:PORT (start a server with "
-                                f"auto-research rollout-serve --engine {self.sampler} --model M --port 8000)")
-            from auto_research.engine.rollout.server import split_address
-
-            split_address(self.vllm_server)
-        elif self.vllm_server is not None:
-            raise UserError("--rollout-server is for --rollout-mode server")
-
-    def _check_staleness(self) -> None:
-        from auto_research.engine.samplers import SAMPLERS, sampler_name, sampler_record
-
-        K = self.max_staleness
-        if K < 0:
-            raise UserError(f"--max-staleness must be >= 0 (0: sample, then train), got {K}")
-        if not K:
-            return
-        if not sampler_record(self).runs_apart:
-            apart = [name for name, record in SAMPLERS.items() if record.runs_apart]
-            raise UserError(f"--max-staleness {K}: the {sampler_name(self)} sampler cannot run apart from the trainer; "
-                            f"samplers that can: {', '.join(apart)} (or --max-staleness 0)")
-        if self.steps is not None and K >= self.steps:
-            raise UserError(f"--max-staleness {K} must be below --steps {self.steps} (step s trains on a batch drawn "
-                            f"by the weights of step s − 1 − K)")
-        if sampler_record(self).pushes_weights and get_algorithm(self.algorithm).needs_greedy:
-            raise UserError(f"--max-staleness {K} with {self.algorithm} and a rollout server is not built (its greedy "
-                            "baseline would sample from the weights being trained)")
-        if self.fsdp:
-            raise UserError(f"--max-staleness {K} with --fsdp is not built (the rollout side's copy of the weights "
-                            "would gather every shard); use DDP (without --fsdp) or --max-staleness 0")
 
     def validate_dataset(self) -> None:
         check_generation_dataset(self.dataset)

@@ -1,7 +1,7 @@
 """The rollout engines a run can sample with, by name: one record each, so that no phase of a run compares
 ``--sampler`` strings. Light: an engine is imported only when its record builds one.
 
-    record = sampler_record(config)          # builtin, vllm (colocated), vllm-server or builtin-server
+    record = sampler_record(config)          # builtin, vllm (colocated), vllm-server, builtin-server, ...
     record.check_settings()                  # before torch: the engine is installed
     sampler = record.build(needs)            # the Sampler (engine/rollout/__init__.py)
 
@@ -13,6 +13,7 @@ optimizer step (``weight_sync_seconds``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -88,6 +89,17 @@ def _server(engine: str):
     return build
 
 
+def _builtin_process(needs: SamplerNeeds):
+    from auto_research.config.fields import parse_cores  # noqa: PLC0415
+    from auto_research.engine.rollout.process import RolloutProcess  # noqa: PLC0415
+
+    cores = parse_cores(needs.config.rollout_cores, set(os.sched_getaffinity(0)))
+    sampler = RolloutProcess(needs, cores)
+    needs.log(f"sampling with a builtin rollout process on CPU(s) {sorted(cores)}, the trainer on "
+              f"{sorted(sampler.trainer_cores)} (the policy's weights pushed to it through {sampler.transfer})")
+    return sampler
+
+
 def _require_vllm() -> None:
     from auto_research.engine.sources import require_vllm  # noqa: PLC0415
 
@@ -108,6 +120,8 @@ SAMPLERS: dict[str, SamplerRecord] = {
     # The builtin sampler in a process of its own (auto-research rollout-serve --engine builtin): its draws are
     # the in-process sampler's, from weights pushed to it, without sharing the trainer's interpreter lock.
     "builtin-server": SamplerRecord("builtin-server", _server("builtin"), runs_apart=True, pushes_weights=True),
+    # The same server, started and stopped by the run itself on cores of its own (--rollout-mode process).
+    "builtin-process": SamplerRecord("builtin-process", _builtin_process, runs_apart=True, pushes_weights=True),
 }
 
 

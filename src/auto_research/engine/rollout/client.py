@@ -27,18 +27,19 @@ class ServerSampler:
     """The Sampler seam over a rollout server (see the module docstring). Rank 0 holds the server's lease for the
     run's life (renewed by its pushes and a heartbeat) and releases it in ``close``. ``chunk_prompts``: prompts
     per request (the builtin engine's batches then have the shapes of the trainer's own sampler on any number of
-    ranks); ``engine``: the server's engine, for the line that says how to start one."""
+    ranks); ``engine``: the server's engine, for the line that says how to start one; ``api_key``: the server's key
+    (default: ``AUTO_RESEARCH_API_KEY``)."""
 
     def __init__(self, model, tokenizer, settings: SamplingSettings, address: str, model_name: str, world,
                  run_dir, timeout: float = 600.0, retries: int = 3, shared: bool = True, engine: str = "vllm",
-                 chunk_prompts: int | None = None):
+                 chunk_prompts: int | None = None, api_key: str | None = None):
         host, port = split_address(address)
         self.base, self.address = f"http://{host}:{port}", address
         self.tokenizer, self.settings, self.world = tokenizer, settings, world
         self.timeout, self.retries, self.chunk_prompts = timeout, retries, chunk_prompts
         self.eos = eos_ids(tokenizer, model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
-        key = os.environ.get(API_KEY_VARIABLE)
+        key = api_key or os.environ.get(API_KEY_VARIABLE)
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
             health = json.loads(request(self.base + "/health", None, "application/json", 10.0, 1, 0.5,
