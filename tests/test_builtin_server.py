@@ -19,24 +19,33 @@ from auto_research.engine.tiny import build_model, build_tokenizer
 PROMPTS = ["1+2=", "Q: what is 33+4?", "x", "7*8="]
 
 
-@pytest.fixture
-def builtin_server(monkeypatch):
+def start_builtin_server(port: int = 0):
     """A builtin engine (the embedded architecture, seed 0) behind the real HTTP server, in this process."""
     from auto_research.engine.rollout.guard import weight_spec
     from auto_research.engine.rollout.remote import pushed_weights
     from auto_research.engine.rollout.server import Limits, Served, fingerprint, make_server
 
-    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
     tokenizer = build_tokenizer()
     served_model = build_model(tokenizer, seed=0)
     engine = BuiltinEngine(served_model, tokenizer)
     served = Served("embedded", fingerprint(served_model.config, tokenizer),
                     weight_spec(pushed_weights(served_model, torch.float32)), served_model.config.vocab_size, "float32")
-    server = make_server(engine, served, "127.0.0.1", 0, Limits(shared_folder=None))
+    server = make_server(engine, served, "127.0.0.1", port, Limits(shared_folder=None))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield engine, f"127.0.0.1:{server.server_address[1]}"
+    return server, engine
+
+
+def stop(server) -> None:
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture
+def builtin_server(monkeypatch):
+    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
+    server, engine = start_builtin_server()
+    yield engine, f"127.0.0.1:{server.server_address[1]}"
+    stop(server)
 
 
 def lease_held(address: str) -> bool:
@@ -132,6 +141,33 @@ def test_rollout_process_refusals_are_one_line(capsys):
     assert error("--rollout-mode", "process", "--rollout-cores", spelled) == (
         f"--rollout-cores {spelled!r} takes every CPU this process may use; leave the trainer one")
     assert error("--rollout-cores", str(cores[0])) == "--rollout-cores is for --rollout-mode process"
+
+
+def test_a_server_restarted_under_a_run_is_refused_before_its_samples_are_trained_on(monkeypatch, tmp_path):
+    """The server dies and comes back on the same port (a supervisor) between a push and the next draw: it would
+    sample from its initial weights; the trainer's client refuses the answer, naming the restart."""
+    from auto_research.engine.distributed import World
+    from auto_research.engine.rollout.client import ServerSampler
+    from auto_research.errors import RolloutEngineError
+
+    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
+    server, _ = start_builtin_server()
+    port = server.server_address[1]
+    tokenizer = build_tokenizer()
+    client = ServerSampler(build_model(tokenizer, seed=1), tokenizer, SamplingSettings(4), f"127.0.0.1:{port}",
+                           "embedded", World(), tmp_path / "run", engine="builtin")
+    seeds = [prompt_seed(5, 1, index) for index in range(len(PROMPTS))]
+    assert len(client.sample(PROMPTS, 2, seeds).completions) == 8  # version 1, this run's
+    stop(server)
+    server, _ = start_builtin_server(port)
+    try:
+        with pytest.raises(RolloutEngineError) as caught:
+            client.sample(PROMPTS, 2, seeds)
+        assert str(caught.value) == (f"--rollout-server 127.0.0.1:{port} restarted since this run pushed its weights "
+                                     "(its samples would come from another policy)")
+        client.close()
+    finally:
+        stop(server)
 
 
 def test_a_trainer_built_from_python_gives_the_servers_lease_back_when_closed(builtin_server, tmp_path):

@@ -62,6 +62,8 @@ class ServerSampler:
         """Rank 0's map of the server's shared buffer when it sees it (same host), else None: HTTP."""
         self.world.agree(self._claim(run_dir, shared) if world.main else None)
         self.weight_sync_seconds = 0.0
+        # Every draw must come from the weights this run pushed: the server's life and its version after them.
+        self.instance, self.version = health.get("instance"), int(health.get("weights_version", 0))
         self.load_weights(model)
 
     def _claim(self, run_dir, shared: bool) -> UserError | None:
@@ -132,9 +134,21 @@ class ServerSampler:
                 "seeds": [int(seed) for seed in seeds[start: start + chunk]],
                 "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                              "top_k": s.top_k}}).encode())
+            self._check_drawn_by_this_run(answer)
             completions += answer["completions"]
             logprobs += answer["logprobs"]
         return completions, logprobs
+
+    def _check_drawn_by_this_run(self, answer: dict) -> None:
+        """A server restarted since the last push (a supervisor, an operator) would sample from its initial weights
+        and a trainer would train on another policy's samples: refused by the server's instance and version."""
+        if answer.get("instance") != self.instance:
+            raise RolloutEngineError(f"--rollout-server {self.address} restarted since this run pushed its weights "
+                                     "(its samples would come from another policy)")
+        if answer.get("weights_version") != self.version:
+            raise RolloutEngineError(f"--rollout-server {self.address} samples with weights version "
+                                     f"{answer.get('weights_version')}, not {self.version}, the one this run pushed "
+                                     "last (another process changed them)")
 
     def load_weights(self, model) -> None:
         """Every rank walks the weights (FSDP2 gathers one parameter at a time, in the same order on each);
@@ -180,4 +194,5 @@ class ServerSampler:
         elif self.world.main and failure is None:
             send(last=True)
         self.world.agree(failure, RolloutEngineError)
+        self.version += 1  # the push went in on rank 0 (every rank knows: agree raised otherwise)
         self.weight_sync_seconds = time.perf_counter() - started

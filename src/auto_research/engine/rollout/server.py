@@ -6,16 +6,17 @@
 The protocol, all on one HTTP port (our own: vLLM's OpenAI server has no in-place weight push that works on
 the CPU). With ``--api-key`` (or ``AUTO_RESEARCH_API_KEY``) every request carries ``Authorization: Bearer KEY``.
 
-- ``GET /health`` → ``{"model", "fingerprint", "weights_version", "max_model_len", "dtype", "vocab_size",
-  "max_group_size", "lease"}``. The fingerprint hashes the architecture's shape and the tokenizer's vocabulary:
+- ``GET /health`` → ``{"model", "fingerprint", "weights_version", "instance", "max_model_len", "dtype",
+  "vocab_size", "max_group_size", "lease"}`` (``instance``: random, one per server start). The fingerprint hashes the architecture's shape and the tokenizer's vocabulary:
   a trainer whose ``--model`` differs is refused.
 - ``POST /lease`` with ``{"holder": {"host", "pid", "run"}}`` → ``{"lease", "seconds", "shared"}`` (the lease's
   shared-memory buffer, or null), or 409 naming the trainer that holds it (``guard.Leases``: one per server).
   ``/lease/renew`` and ``/lease/release`` carry the lease in an ``X-Lease`` header.
 - ``POST /generate`` with ``{"prompt_ids", "group_size", "seeds", "settings"}`` (token ids, so both sides
   tokenize nothing differently; every sampling setting explicit) → ``{"completions", "logprobs",
-  "weights_version"}``: vLLM's processed log-probs of the drawn tokens, as colocated. Open to any client (with
-  the key): drawing samples changes nothing.
+  "weights_version", "instance"}``: the engine's processed log-probs of the drawn tokens, as colocated; the
+  trainer checks the version and the instance against what it pushed. Open to any client (with the key):
+  drawing samples changes nothing.
 - ``POST /weights?part=N&last=0|1`` with the lease and a safetensors body: the policy's weights in parts of at
   most ``PART_BYTES``, gathered one parameter at a time on the trainer (FSDP2 shards too). Each part is checked
   as it comes (known names, shapes, dtype, finite values; ``guard.WeightPush``); at the last part, once every
@@ -41,6 +42,7 @@ import hmac
 import ipaddress
 import json
 import os
+import secrets
 import signal
 import socket
 import time
@@ -113,7 +115,9 @@ def make_server(sampler, served: Served, host: str, port: int, limits: Limits = 
     engine = Lock()
     leases = Leases(limits.lease_seconds, clock)
     intake = Intake(served.spec, limits.shared_folder)
-    state = {"version": 0}
+    state = {"version": 0, "instance": secrets.token_hex(8)}
+    """``instance``: this server's life; a trainer that sees another one knows the server restarted without its
+    weights."""
     say = log or (lambda line: None)
 
     class Handler(BaseHTTPRequestHandler):
@@ -191,6 +195,7 @@ def make_server(sampler, served: Served, host: str, port: int, limits: Limits = 
             if urlparse(self.path).path != "/health":
                 raise Refused(404, f"no such path {urlparse(self.path).path}")
             return 200, {"model": served.name, "fingerprint": served.fingerprint, "weights_version": state["version"],
+                         "instance": state["instance"],
                          "max_model_len": sampler.max_model_len, "dtype": served.dtype,
                          "vocab_size": served.vocab_size, "max_group_size": limits.max_group_size,
                          "lease_seconds": limits.lease_seconds, "lease": leases.status()}
@@ -204,7 +209,8 @@ def make_server(sampler, served: Served, host: str, port: int, limits: Limits = 
                 with engine:
                     completions, logprobs = sampler.generate(prompt_ids, group_size, seeds, settings)
                     version = state["version"]
-                return 200, {"completions": completions, "logprobs": logprobs, "weights_version": version}
+                return 200, {"completions": completions, "logprobs": logprobs, "weights_version": version,
+                             "instance": state["instance"]}
             if url.path == "/lease":
                 claim = self._json(2**16)
                 holder = claim.get("holder") if isinstance(claim, dict) else None
