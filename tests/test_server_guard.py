@@ -188,8 +188,9 @@ def fake(tmp_path):
 
 
 def read_all(connection) -> str:
-    """Everything the server sends until it closes the connection."""
-    connection.settimeout(5)
+    """Everything the server sends until it closes the connection (waiting far longer than the server's 5 s read
+    timeout: a busy machine may wake its timer late, and this must not race it)."""
+    connection.settimeout(120)
     chunks = []
     while chunk := connection.recv(4096):
         chunks.append(chunk)
