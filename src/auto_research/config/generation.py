@@ -205,6 +205,10 @@ class GenerationConfig:
                                                       "is faster; the same on 1 and N processes keeps their numbers "
                                                       "equal (default: --micro-batch-size, else the whole batch)",
                                                 "sampling", type=int)
+    max_tokens_per_micro_batch: int | None = setting(None, "micro-batches of at most N tokens (prompt + completion): "
+                                                           "packed without padding where the attention allows, else "
+                                                           "length-sorted buckets; a longer row goes alone",
+                                                     "optimisation", type=int)
     lr_schedule: str = setting("constant", "constant or cosine, after linear warmup", "optimisation")
     warmup_steps: int | None = setting(None, "linear warmup updates (default: per dataset)", "optimisation", type=int)
     weight_decay: float = setting(0.0, "AdamW weight decay", "optimisation", type=float)
@@ -322,6 +326,7 @@ class GenerationConfig:
                                 ("--maximum-examples", self.maximum_examples),
                                 ("--evaluation-examples", self.evaluation_examples), ("--threads", self.threads),
                                 ("--micro-batch-size", self.micro_batch_size),
+                                ("--max-tokens-per-micro-batch", self.max_tokens_per_micro_batch),
                                 ("--generation-batch-size", self.generation_batch_size),
                                 ("--ppo-mini-batches", self.ppo_mini_batches), ("--lora-r", self.lora_r))
         check_non_negative_integers(("--warmup-steps", self.warmup_steps), ("--checkpoint-every", self.checkpoint_every),
