@@ -181,3 +181,33 @@ def test_no_logits_tensor_wider_than_a_chunk_in_a_whole_step(monkeypatch):
     # (20 completion tokens each, so 7 chunks of at most 3 rows).
     assert max(shape.numel() for shape in made) <= 3 * vocabulary
     assert sum(1 for shape in made if shape[-1] == vocabulary and shape.numel() > 0) >= 4 * 3 * 7
+
+
+def test_a_rank_runs_as_many_micro_batches_as_the_rank_that_needs_the_most(tiny):
+    """Under FSDP each forward is a collective: the schedule takes the most any rank packed (here another rank
+    reports 4) and halves its largest micro-batches to match; rows keep their places."""
+    from types import SimpleNamespace
+
+    from auto_research.engine.rollout import Rollout
+
+    sequences, prompt_mask, mask = _batch()
+    rollout = Rollout(torch.cat([sequences] * 2), torch.cat([prompt_mask] * 2), torch.cat([mask] * 2), [""] * 8, 4)
+
+    class World:
+        def __init__(self, other):
+            self.other = other
+
+        def gather(self, tensor):
+            return torch.cat([tensor, torch.tensor([self.other])])
+
+    config = SimpleNamespace(micro_batch_size=None, max_tokens_per_micro_batch=20)
+    # Rows 4-7 (tokens 10, 7, 6, 5 as rows 0-3): first-fit decreasing in 20 gives [4, 5] (17), then [6, 7] (11).
+    pack, parts = micro_batches.micro_batches(SimpleNamespace(config=config, world=World(1)), rollout, slice(4, 8),
+                                              tiny)
+    assert pack and [part.tolist() for part in parts] == [[4, 5], [6, 7]]
+    pack, parts = micro_batches.micro_batches(SimpleNamespace(config=config, world=World(4)), rollout, slice(4, 8),
+                                              tiny)
+    assert [part.tolist() for part in parts] == [[4], [5], [6], [7]]
+    chunk = micro_batches.rows_of(rollout, parts[1])  # row 5, trimmed: its prompt of 5, its completion of 2
+    assert torch.equal(chunk.completion_mask, mask[1:2, :2]) and torch.equal(chunk.prompt_mask, prompt_mask[1:2])
+    assert torch.equal(chunk.sequences, sequences[1:2, :7])
