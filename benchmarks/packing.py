@@ -133,22 +133,25 @@ def _run(mode: str, options, scratch: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=["smollm2"], default=None, help="default: the embedded model")
-    parser.add_argument("--prompts", type=int, default=16, help="prompts a step (K = 4 rows each)")
-    parser.add_argument("--prompt-tokens", type=int, default=None, help="longest prompt (default 24; smollm2 48)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="longest completion (default 32; smollm2 96)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts a step, K = 4 rows each (default 16; "
+                                                                  "smollm2 8)")
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="longest prompt (default 24; smollm2 32)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="longest completion (default 32; smollm2 64)")
     parser.add_argument("--micro-batch", type=int, default=8, help="M, rows a micro-batch of the rows setting")
     parser.add_argument("--budget", type=int, default=None, help="N (default: M × the mean row's tokens)")
     parser.add_argument("--run-steps", type=int, default=3, help="measured steps a run, after one unmeasured")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (1 on a machine busy with other work: "
+                                                              "threads that wait on a taken core spin)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     options = parser.parse_args()
     smollm2 = options.model == "smollm2"
-    options.prompt_tokens = options.prompt_tokens or (48 if smollm2 else 24)
-    options.new_tokens = options.new_tokens or (96 if smollm2 else 32)
+    options.prompts = options.prompts or (8 if smollm2 else 16)
+    options.prompt_tokens = options.prompt_tokens or (32 if smollm2 else 24)
+    options.new_tokens = options.new_tokens or (64 if smollm2 else 32)
     if options.child:
         return child(options)
     if options.budget is None:
