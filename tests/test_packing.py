@@ -14,9 +14,8 @@ from auto_research.engine.tiny import build_model, build_tokenizer
 from auto_research.errors import UserError
 from auto_research.train import micro_batches
 from auto_research.train.micro_batches import packed_bins, sorted_buckets, split_to
-from test_lm_core import _Fixed, _golden_setup, GOLDEN  # noqa: F401  (the golden fixture's setup)
-
-from safetensors.torch import load_file
+from test_lm_core import _Fixed, _golden_setup  # the golden fixture's setup
+from test_lm_training import reward_module  # noqa: F401  (a fixture)
 
 # Prompts of 3, 5, 1 and 4 tokens (left-padded to 5), completions of 7, 2, 5 and 1 (right-padded to 7).
 PROMPT_MASK = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1], [0, 1, 1, 1, 1]])
@@ -167,6 +166,7 @@ def test_no_logits_tensor_wider_than_a_chunk_in_a_whole_step(monkeypatch):
     made, by the output layer or by the chunked log-probs, has at most CHUNK_ELEMENTS elements."""
     golden, config, policy, reference, tokenizer, rollout = _golden_setup(max_tokens_per_micro_batch=40)
     vocabulary = policy.config.vocab_size
+    assert packing.packs_sequences(policy)  # the one-time check (5 tokens' logits) made before counting
     monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 3 * vocabulary)
     made = []
     original = logprobs._logits
@@ -211,3 +211,31 @@ def test_a_rank_runs_as_many_micro_batches_as_the_rank_that_needs_the_most(tiny)
     chunk = micro_batches.rows_of(rollout, parts[1])  # row 5, trimmed: its prompt of 5, its completion of 2
     assert torch.equal(chunk.completion_mask, mask[1:2, :2]) and torch.equal(chunk.prompt_mask, prompt_mask[1:2])
     assert torch.equal(chunk.sequences, sequences[1:2, :7])
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(),
+    dict(lora_r=4),
+    dict(gradient_checkpointing=True),
+    dict(checkpoint_mlp=True),
+    dict(algorithm="ppo-rlhf"),
+    dict(algorithm="grpo", entropy_coef=0.01),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "rloo")
+def test_a_whole_step_under_a_token_budget_ends_where_the_unpacked_step_ends(tiny_model_dir, tmp_path, reward_module,
+                                                                            overrides):
+    """One trainer step (sampling, π_old and reference passes, the update) on prompts of 4 to 8 tokens, with
+    micro-batches of at most 24 tokens against the whole batch: the same weights after AdamW's first step."""
+    import json
+
+    from test_lm_training import _one_step_weights
+
+    data = tmp_path / "varied.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in (1, 12, 123, 1234, 12345, 7) for b in range(6)))
+    whole, whole_row = _one_step_weights(tiny_model_dir, data, tmp_path / "a", reward_module, **overrides)
+    packed, packed_row = _one_step_weights(tiny_model_dir, data, tmp_path / "b", reward_module,
+                                           max_tokens_per_micro_batch=24, **overrides)
+    assert packed_row["loss"] == pytest.approx(whole_row["loss"], abs=1e-6)
+    for name in whole:
+        assert torch.allclose(whole[name], packed[name], atol=1e-5), name
+    assert whole_row["grad_norm"] > 0
