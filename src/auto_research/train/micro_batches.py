@@ -43,7 +43,8 @@ def micro_batches(c: Components, rollout: Rollout, rows: slice, model) -> tuple[
         bins = packed_bins(row_tokens(prompt_mask, completion_mask).tolist(), budget, cap)
     else:
         bins = sorted_buckets(prompt_mask.long().sum(1).tolist(), completion_mask.long().sum(1).tolist(), budget, cap)
-    bins = split_to(bins, int(c.world.gather(torch.tensor([len(bins)])).max()))
+    # (On the rollout's device: NCCL all-gathers CUDA tensors only.)
+    bins = split_to(bins, int(c.world.gather(torch.tensor([len(bins)], device=prompt_mask.device)).max()))
     return pack, [torch.tensor(sorted(part), dtype=torch.long) + rows.start for part in bins]
 
 
