@@ -2,6 +2,7 @@
 
     python benchmarks/real_model.py                 # RLOO and the shuffled-reward control, then the table
     python benchmarks/real_model.py --runs rloo     # RLOO alone
+    python benchmarks/real_model.py --runs rloo,rloo-k1,rloo-k2   # RLOO with rollouts in flight, K = 1 and 2
 
 The task: "What is a + b? Reply with only the number." for every pair a, b in 10..49 (1,600 prompts),
 shuffled with seed 0; the last 200 rows of the file are the held-out set (the CLI holds out a data file's
@@ -79,7 +80,7 @@ def run(name: str, data: Path, folder: Path, model: Path, seed: int, extra: list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default="rloo,control", help="comma-separated: rloo, control")
+    parser.add_argument("--runs", default="rloo,control", help="comma-separated: rloo, control, rloo-k1, rloo-k2")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--output-dir", type=Path, default=Path("runs/real-model"))
     parser.add_argument("--reuse", action="store_true", help="read a run's metrics.json when it already exists")
@@ -89,7 +90,9 @@ def main() -> None:
     data = write_task(folder)
     (folder / "control_reward.py").write_text(CONTROL_REWARD)
     model = model_folder()
-    extras = {"rloo": [], "control": ["--reward", "control_reward:shuffled_match"]}
+    extras = {"rloo": [], "control": ["--reward", "control_reward:shuffled_match"],
+              # Rollouts in flight (docs/async.md): the same recipe, each batch drawn by weights K versions old.
+              "rloo-k1": ["--max-staleness", "1"], "rloo-k2": ["--max-staleness", "2"]}
     results = {}
     for name in args.runs.split(","):
         done = list((folder / name).glob("*/metrics.json")) if args.reuse else []

@@ -1,4 +1,4 @@
-"""``auto-research vllm-serve`` for a benchmark: started on a free port, its address once it says it serves."""
+"""``auto-research rollout-serve`` for a benchmark: started on a free port, its address once it says it serves."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import sys
 import threading
 
 
-def start_server(model: str | None = None, threads: int | None = None,
-                 memory: float | None = None) -> tuple[subprocess.Popen, str]:
-    """Without ``model``, the embedded model's architecture (the trainer pushes its weights)."""
-    command = [sys.executable, "-m", "auto_research", "vllm-serve", "--port", "0", "--offline"]
+def start_server(model: str | None = None, threads: int | None = None, memory: float | None = None,
+                 engine: str = "vllm", cores: set[int] | None = None) -> tuple[subprocess.Popen, str]:
+    """Without ``model``, the embedded model's architecture (the trainer pushes its weights); ``cores``: the CPUs
+    the server's process may run on (``taskset``)."""
+    command = [sys.executable, "-m", "auto_research", "rollout-serve", "--engine", engine, "--port", "0", "--offline"]
+    if cores:
+        command = ["taskset", "-c", ",".join(map(str, sorted(cores)))] + command
     command += ["--model", model] if model else []
     command += ["--threads", str(threads)] if threads else []
     command += ["--vllm-memory", str(memory)] if memory else []
@@ -19,4 +22,4 @@ def start_server(model: str | None = None, threads: int | None = None,
         if line.startswith("serving "):
             threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()  # keep draining
             return process, line.split("http://")[1].split()[0]
-    raise SystemExit(f"auto-research vllm-serve did not start (exit {process.wait()})")
+    raise SystemExit(f"auto-research rollout-serve did not start (exit {process.wait()})")

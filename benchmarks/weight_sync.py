@@ -65,7 +65,7 @@ def main() -> None:
 
     from auto_research.engine.distributed import World
     from auto_research.engine.rollout import SamplingSettings
-    from auto_research.engine.rollout.client import VLLMServerSampler
+    from auto_research.engine.rollout.client import ServerSampler
     from auto_research.engine.rollout.vllm import VLLMSampler
 
     torch.set_num_threads(args.threads)
@@ -81,7 +81,7 @@ def main() -> None:
         longest = min(context_length(model) or 512, 512)
         colocated = VLLMSampler(model, tokenizer, settings, 0.02, torch.float32, longest)
         with tempfile.TemporaryDirectory() as run:
-            client = VLLMServerSampler(model, tokenizer, settings, address, args.model, World(), run)
+            client = ServerSampler(model, tokenizer, settings, address, args.model, World(), run)
             writer = client.shared
             if writer is None:
                 raise SystemExit("the server's shared buffer is not seen from here: no fast path to measure")

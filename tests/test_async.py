@@ -64,7 +64,7 @@ def test_bad_staleness_is_one_line_and_exit_2_before_any_work(tiny_model_dir, su
     assert error("--max-staleness", "-1") == "--max-staleness must be >= 0 (0: sample, then train), got -1"
     assert error("--max-staleness", "1", "--sampler", "vllm") == (
         "--max-staleness 1: the vllm sampler cannot run apart from the trainer; samplers that can: builtin, "
-        "vllm-server (or --max-staleness 0)")
+        "vllm-server, builtin-server, builtin-process (or --max-staleness 0)")
     # The engine-neutral flags reach the same settings as the vLLM-named ones.
     assert error("--max-staleness", "2", "--sampler", "vllm", "--rollout-mode", "server", "--rollout-server",
                  "127.0.0.1:9", "--algorithm", "remax") == (

@@ -72,8 +72,18 @@ def _rows(output: Path) -> list[dict]:
     ("rloo", ()),
     ("ppo-rlhf", ("--ppo-mini-batches", "2", "--ppo-epochs", "2", "--learning-rate", "1e-3")),
     ("rloo", ("--lora-r", "4")),
+    # Packed micro-batches of at most 20 tokens, on prompts of 4 to 8 tokens: ranks pack their own rows, and one
+    # that needs fewer micro-batches splits some to run as many as the other (FSDP's forwards are collectives;
+    # rank 1 packs 6 and rank 0 4 at the first step). PPO's critic packs too.
+    ("rloo", ("--max-tokens-per-micro-batch", "20")),
+    ("ppo-rlhf", ("--max-tokens-per-micro-batch", "20", "--ppo-mini-batches", "2", "--ppo-epochs", "2",
+                  "--learning-rate", "1e-3")),
 ])
 def test_two_processes_end_with_the_weights_of_one(tiny_model_dir, sums_jsonl, workdir, algorithm, extra):
+    if "--max-tokens-per-micro-batch" in extra:
+        sums_jsonl = workdir / "varied.jsonl"
+        sums_jsonl.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                                      for a in (1, 12, 123, 1234, 12345, 7) for b in range(6)))
     lora = "--lora-r" in extra
     weights = "adapter_model.safetensors" if lora else "model.safetensors"
     extra = ("--algorithm", algorithm, *extra)

@@ -188,8 +188,9 @@ def fake(tmp_path):
 
 
 def read_all(connection) -> str:
-    """Everything the server sends until it closes the connection."""
-    connection.settimeout(5)
+    """Everything the server sends until it closes the connection (waiting far longer than the server's 5 s read
+    timeout: a busy machine may wake its timer late, and this must not race it)."""
+    connection.settimeout(120)
     chunks = []
     while chunk := connection.recv(4096):
         chunks.append(chunk)
@@ -291,7 +292,7 @@ def policy(tmp_path, monkeypatch):
     """The embedded model, a server for its architecture in front of a fake engine (shared buffers in a folder of
     the test's own), and a way to start a trainer's client against it."""
     from auto_research.engine.distributed import World
-    from auto_research.engine.rollout.client import VLLMServerSampler
+    from auto_research.engine.rollout.client import ServerSampler
     from auto_research.engine.rollout.guard import weight_spec
     from auto_research.engine.rollout.server import fingerprint
     from auto_research.engine.rollout.remote import pushed_weights
@@ -307,8 +308,8 @@ def policy(tmp_path, monkeypatch):
                                            model.config.vocab_size, "float32"), Limits("sesame", 60.0, 5.0, 8, folder),
                             clock)
 
-    def trainer(shared: bool = True, run: str = "run") -> VLLMServerSampler:
-        return VLLMServerSampler(model, tokenizer, SamplingSettings(4), address, "embedded", World(), tmp_path / run,
+    def trainer(shared: bool = True, run: str = "run") -> ServerSampler:
+        return ServerSampler(model, tokenizer, SamplingSettings(4), address, "embedded", World(), tmp_path / run,
                                  shared=shared)
 
     def weights() -> dict:
@@ -358,7 +359,7 @@ def test_a_bad_push_through_shared_memory_is_refused_and_the_engine_keeps_its_we
         first.view(-1)[3] = float("inf")
     with pytest.raises(RolloutEngineError) as caught:
         trainer.load_weights(model)
-    assert str(caught.value).startswith(f"--vllm-server {url.removeprefix('http://')} refused /weights/shared: tensor ")
+    assert str(caught.value).startswith(f"--rollout-server {url.removeprefix('http://')} refused /weights/shared: tensor ")
     assert str(caught.value).endswith("has NaN or infinite values") and "\n" not in str(caught.value)
     assert len(engine.loaded) == 1 and same(engine.loaded[0], good) and policy["version"]() == 1
     names, lease = sorted(policy["spec"]), {"X-Lease": trainer.lease}

@@ -268,11 +268,12 @@ def test_bad_vllm_settings_are_one_line_before_any_work(tiny_model_dir, sums_jso
     # tiny_model_dir has 32 over 2 heads: 16 per head, which vLLM's CPU attention does not serve.
     assert "serves head sizes 32, 64" in error("--sampler", "vllm") and "has 16 (32 over 2 heads)" in error(
         "--sampler", "vllm")
-    assert "--vllm-memory must be in (0, 1], got 1.5" in error("--sampler", "vllm", "--vllm-memory", "1.5")
-    assert "--vllm-memory must be in (0, 1], got 0.0" in error("--sampler", "vllm", "--vllm-memory", "0")
+    assert "--rollout-memory must be in (0, 1], got 1.5" in error("--sampler", "vllm", "--vllm-memory", "1.5")
+    assert "--rollout-memory must be in (0, 1], got 0.0" in error("--sampler", "vllm", "--vllm-memory", "0")
     assert error("--sampler", "vllm", "--vllm-mode", "server", "--vllm-server", "127.0.0.1:8000", "--vllm-memory",
-                 "0.1").endswith("--vllm-memory is the colocated engine's; give it to auto-research vllm-serve")
-    assert "apply to --sampler vllm only" in error("--vllm-server", "127.0.0.1:8000")
+                 "0.1").endswith("--rollout-memory is the colocated engine's; give it to auto-research rollout-serve")
+    assert error("--rollout-memory", "0.1").endswith("--rollout-memory is vLLM's (--sampler vllm)")
+    assert error("--vllm-server", "127.0.0.1:8000").endswith("--rollout-server is for --rollout-mode server")
     assert "--rollout-correction-cap must be >= 1" in error("--rollout-correction-cap", "0.5")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))

@@ -212,7 +212,7 @@ def test_a_second_trainer_is_refused_while_the_first_holds_the_server(one_proces
     lines = second.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     run = next(one_process["folder"].iterdir()).resolve()
-    assert lines[0].startswith("auto-research: error: --vllm-server 127.0.0.1:")
+    assert lines[0].startswith("auto-research: error: --rollout-server 127.0.0.1:")
     assert (f"refused /lease: this server serves another trainer (host {socket.gethostname()}, PID "
             f"{one_process['pid']}, run folder {run}); stop that run (kill {one_process['pid']} on "
             f"{socket.gethostname()}), or wait: its lease lapses") in lines[0]
@@ -365,7 +365,7 @@ def test_a_dead_trainer_keeps_the_server_until_its_resume_and_a_dead_server_is_r
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 2, err[-2000:]
     line = err.strip().splitlines()[-1]
-    assert line.startswith(f"auto-research: error: --vllm-server {engine.address}: /") and (
+    assert line.startswith(f"auto-research: error: --rollout-server {engine.address}: /") and (
         "the server is gone or failing; the last good checkpoint is") in line, line
     assert line.endswith("(restart the server, then continue with the same command and --resume)"), line
     engine.start()  # the same port
@@ -421,24 +421,26 @@ def test_server_mode_refusals_are_one_line_before_any_work(served_model, sums_js
         assert len(lines) == 1, lines
         return lines[0].removeprefix("auto-research: error: ")
 
-    assert error("--vllm-mode", "server") == ("--vllm-mode server needs --vllm-server HOST:PORT (start a server with "
-                                              "auto-research vllm-serve --model M --port 8000)")
+    assert error("--vllm-mode", "server") == ("--rollout-mode server needs --rollout-server HOST:PORT (start a "
+                                              "server with auto-research rollout-serve --engine vllm --model M "
+                                              "--port 8000)")
     assert error("--vllm-mode", "server", "--vllm-server", "localhost") == (
-        "--vllm-server 'localhost': expected HOST:PORT, e.g. 127.0.0.1:8000")
-    assert error("--vllm-server", "127.0.0.1:8000") == "--vllm-server is for --vllm-mode server"
+        "--rollout-server 'localhost': expected HOST:PORT, e.g. 127.0.0.1:8000")
+    assert error("--vllm-server", "127.0.0.1:8000") == "--rollout-server is for --rollout-mode server"
     # Nothing listens on a port just freed.
     probe = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
     port = probe.server_address[1]
     probe.server_close()
     line = error("--vllm-mode", "server", "--vllm-server", f"127.0.0.1:{port}")
-    assert line.startswith(f"--vllm-server 127.0.0.1:{port}: no vLLM server answers there (")
-    assert line.endswith(f"start one with auto-research vllm-serve --model {served_model} --port {port}")
+    assert line.startswith(f"--rollout-server 127.0.0.1:{port}: no rollout server answers there (")
+    assert line.endswith(f"start one with auto-research rollout-serve --engine vllm --model {served_model} "
+                         f"--port {port}")
     fake = FakeServer()
     try:
         line = error("--vllm-mode", "server", "--vllm-server", fake.address)
     finally:
         fake.close()
-    assert line == (f"--vllm-server {fake.address} serves 'someone-else/model', another model than --model "
+    assert line == (f"--rollout-server {fake.address} serves 'someone-else/model', another model than --model "
                     f"{served_model} (a different architecture or tokenizer)")
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("metrics.jsonl"))
 
@@ -458,6 +460,9 @@ def test_vllm_serve_refusals_are_one_line(tiny_model_dir, capsys, monkeypatch):
     assert error("--read-timeout", "nan") == "--read-timeout must be a finite number > 0, got nan"
     assert error("--max-group-size", "0") == "--max-group-size must be a positive integer, got 0"
     assert error("--api-key", " ") == "--api-key is empty"
+    assert error("--engine", "sglang") == "--engine must be vllm or builtin, got 'sglang'"
+    assert error("--engine", "builtin", "--dtype", "bfloat16") == (
+        "--dtype is vLLM's; the builtin engine samples in float32 with the model's own cache, as the trainer does")
     # tiny_model_dir has 16 per head: refused before any engine starts.
     line = error("--model", str(tiny_model_dir), "--offline", "--device", "cpu")
     assert "vLLM's CPU attention serves head sizes 32, 64" in line and "has 16 (32 over 2 heads)" in line

@@ -55,8 +55,9 @@ SUBCOMMANDS = {
     "rlhf": ("the whole RLHF pipeline on preference-generate: sample and label pairs, train the reward model, RL "
              "against it, judge by win rate", _recipe("RLHFConfig")),
     "data": ("download a dataset into --dataset-dir", _recipe("DataConfig")),
-    "vllm-serve": ("serve one vLLM engine over HTTP for post-train --sampler vllm --vllm-mode server",
-                   _recipe("VLLMServeConfig")),
+    "rollout-serve": ("serve one rollout engine (vLLM, or --engine builtin) over HTTP for post-train "
+                      "--rollout-mode server", _recipe("ServeConfig")),
+    "vllm-serve": ("the same as rollout-serve (its first name)", _recipe("ServeConfig")),
 }
 
 

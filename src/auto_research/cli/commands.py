@@ -156,11 +156,11 @@ def rlhf(args: argparse.Namespace) -> int:
     return 0
 
 
-def vllm_serve(args: argparse.Namespace) -> int:
-    from auto_research.config.recipes import VLLMServeConfig
+def rollout_serve(args: argparse.Namespace) -> int:
+    from auto_research.config.recipes import ServeConfig
 
-    load_config_file(args, [VLLMServeConfig])
-    config = VLLMServeConfig(**given(args, VLLMServeConfig)).validate()
+    load_config_file(args, [ServeConfig])
+    config = ServeConfig(**given(args, ServeConfig)).validate()
     import torch
 
     if config.threads:
@@ -185,4 +185,4 @@ def data(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"post-train": post_train, "compare": compare, "sft": sft, "reward-model": reward_model, "rlhf": rlhf,
-            "data": data, "vllm-serve": vllm_serve}
+            "data": data, "rollout-serve": rollout_serve, "vllm-serve": rollout_serve}

@@ -22,6 +22,7 @@ from auto_research.config.fields import (CANDIDATE_DATASETS, EMBEDDED_MODEL_DATA
                                          json_ready, setting)
 from auto_research.config.environment import EnvironmentSettings
 from auto_research.config.loss import by_algorithm, check_loss, having
+from auto_research.config.rollout import check_rollout_engine, check_staleness
 from auto_research.errors import UserError
 from auto_research.rewards.verifiers import VERIFIERS
 
@@ -166,12 +167,16 @@ class GenerationConfig(EnvironmentSettings):
                                               "activations and KV cache (default 0.3; the trainer needs the rest); "
                                               "on the CPU, the share of host memory for its KV cache (default 0.05)",
                                         "sampling", flag="--rollout-memory", aliases=("--vllm-memory",), type=float)
-    vllm_mode: str = setting("colocate", "where the rollout engine runs: colocate (one engine in each training "
-                                         "process) or server (an engine of its own for every rank, started by "
-                                         "auto-research vllm-serve)", "sampling", flag="--rollout-mode",
+    vllm_mode: str = setting("colocate", "where the rollout engine runs: colocate (in each training process), "
+                                         "server (an engine of its own, started by auto-research rollout-serve; "
+                                         "see --rollout-server) or process (--sampler builtin: that server started "
+                                         "by the run itself, on --rollout-cores)", "sampling", flag="--rollout-mode",
                              aliases=("--vllm-mode",))
     vllm_server: str | None = setting(None, "HOST:PORT of the rollout server (--rollout-mode server)", "sampling",
                                       flag="--rollout-server", aliases=("--vllm-server",))
+    rollout_cores: str | None = setting(None, "CPUs of the rollout process (--rollout-mode process), e.g. 1 or 2-3; "
+                                              "the trainer keeps the others", "sampling",
+                                        default_text="the last core")
     rollout_correction: str | None = setting(None, "correct for the sampler's distribution differing from the "
                                                    f"trainer's: {', '.join(ROLLOUT_CORRECTIONS)} (default: the "
                                                    "algorithm's, "
@@ -201,6 +206,10 @@ class GenerationConfig(EnvironmentSettings):
                                                       "is faster; the same on 1 and N processes keeps their numbers "
                                                       "equal (default: --micro-batch-size, else the whole batch)",
                                                 "sampling", type=int)
+    max_tokens_per_micro_batch: int | None = setting(None, "micro-batches of at most N tokens (prompt + completion): "
+                                                           "packed without padding where the attention allows, else "
+                                                           "length-sorted buckets; a longer row goes alone",
+                                                     "optimisation", type=int)
     lr_schedule: str = setting("constant", "constant or cosine, after linear warmup", "optimisation")
     warmup_steps: int | None = setting(None, "linear warmup updates (default: per dataset)", "optimisation", type=int)
     weight_decay: float = setting(0.0, "AdamW weight decay", "optimisation", type=float)
@@ -319,6 +328,7 @@ class GenerationConfig(EnvironmentSettings):
                                 ("--maximum-examples", self.maximum_examples),
                                 ("--evaluation-examples", self.evaluation_examples), ("--threads", self.threads),
                                 ("--micro-batch-size", self.micro_batch_size),
+                                ("--max-tokens-per-micro-batch", self.max_tokens_per_micro_batch),
                                 ("--generation-batch-size", self.generation_batch_size),
                                 ("--ppo-mini-batches", self.ppo_mini_batches), ("--lora-r", self.lora_r))
         check_non_negative_integers(("--warmup-steps", self.warmup_steps), ("--checkpoint-every", self.checkpoint_every),
@@ -333,30 +343,15 @@ class GenerationConfig(EnvironmentSettings):
             if value is not None:
                 check_positive_finite(flag, value)
         check_choice("--sampler", self.sampler, SAMPLERS)
-        check_choice("--vllm-mode", self.vllm_mode, ("colocate", "server"))
         if self.rollout_correction is not None:
             check_choice("--rollout-correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         check_positive_finite("--rollout-correction-cap", self.rollout_correction_cap)
         if self.rollout_correction_cap < 1:
             raise UserError(f"--rollout-correction-cap must be >= 1 (a weight truncated below 1 down-weights every "
                             f"sample), got {self.rollout_correction_cap}")
-        if self.sampler == "vllm":
-            if self.vllm_memory is not None and not (math.isfinite(self.vllm_memory) and 0 < self.vllm_memory <= 1):
-                raise UserError(f"--vllm-memory must be in (0, 1], got {self.vllm_memory}")
-            if self.vllm_mode == "server":
-                if self.vllm_server is None:
-                    raise UserError("--vllm-mode server needs --vllm-server HOST:PORT (start a server with "
-                                    "auto-research vllm-serve --model M --port 8000)")
-                from auto_research.engine.rollout.server import split_address
-
-                split_address(self.vllm_server)
-                if self.vllm_memory is not None:
-                    raise UserError("--vllm-memory is the colocated engine's; give it to auto-research vllm-serve")
-            elif self.vllm_server is not None:
-                raise UserError("--vllm-server is for --vllm-mode server")
-        elif self.vllm_server is not None or self.vllm_mode != "colocate":
-            raise UserError("--vllm-mode and --vllm-server apply to --sampler vllm only")
-        self._check_staleness()
+        check_choice("--rollout-mode", self.vllm_mode, ("colocate", "server", "process"))
+        check_rollout_engine(self)
+        check_staleness(self)
         if self.max_refills < 0:
             raise UserError(f"--max-refills must be >= 0, got {self.max_refills}")
         if self.dynamic_sampling and algorithm.needs_greedy:
@@ -409,28 +404,6 @@ class GenerationConfig(EnvironmentSettings):
 
         parse_report_to(self.report_to)
         return self
-
-    def _check_staleness(self) -> None:
-        from auto_research.engine.samplers import SAMPLERS, sampler_name, sampler_record
-
-        K = self.max_staleness
-        if K < 0:
-            raise UserError(f"--max-staleness must be >= 0 (0: sample, then train), got {K}")
-        if not K:
-            return
-        if not sampler_record(self).runs_apart:
-            apart = [name for name, record in SAMPLERS.items() if record.runs_apart]
-            raise UserError(f"--max-staleness {K}: the {sampler_name(self)} sampler cannot run apart from the trainer; "
-                            f"samplers that can: {', '.join(apart)} (or --max-staleness 0)")
-        if self.steps is not None and K >= self.steps:
-            raise UserError(f"--max-staleness {K} must be below --steps {self.steps} (step s trains on a batch drawn "
-                            f"by the weights of step s − 1 − K)")
-        if sampler_record(self).pushes_weights and get_algorithm(self.algorithm).needs_greedy:
-            raise UserError(f"--max-staleness {K} with {self.algorithm} and a rollout server is not built (its greedy "
-                            "baseline would sample from the weights being trained)")
-        if self.fsdp:
-            raise UserError(f"--max-staleness {K} with --fsdp is not built (the rollout side's copy of the weights "
-                            "would gather every shard); use DDP (without --fsdp) or --max-staleness 0")
 
     def validate_dataset(self) -> None:
         check_generation_dataset(self.dataset)

@@ -155,8 +155,12 @@ class RLHFConfig:
 
 
 @dataclass
-class VLLMServeConfig:
-    """``auto-research vllm-serve``: one vLLM engine behind an HTTP port, for ``--vllm-mode server``."""
+class ServeConfig:
+    """``auto-research rollout-serve`` (alias ``vllm-serve``): one rollout engine behind an HTTP port, for
+    ``--rollout-mode server``."""
+
+    engine: str = setting("vllm", "the rollout engine: vllm, or builtin (the trainer's own sampler in a process of "
+                                  "its own: no vLLM needed)")
 
     model: str | None = setting(None, "folder, hub id, .gguf or packaged name (the trainer pushes its weights at "
                                       "its start and after every step, so only the architecture and tokenizer "
@@ -182,10 +186,16 @@ class VLLMServeConfig:
     read_timeout: float = setting(30.0, "seconds a connection may take to send its request", type=float)
     max_group_size: int = setting(256, "most completions per prompt one request may ask for", type=int)
 
-    def validate(self) -> "VLLMServeConfig":
+    def validate(self) -> "ServeConfig":
         from auto_research.engine.sources import require_vllm
 
-        require_vllm()
+        if self.engine not in ("vllm", "builtin"):
+            raise UserError(f"--engine must be vllm or builtin, got {self.engine!r}")
+        if self.engine == "vllm":
+            require_vllm()
+        elif self.vllm_memory is not None or self.dtype != "auto":
+            raise UserError(f"{'--vllm-memory' if self.vllm_memory is not None else '--dtype'} is vLLM's; the "
+                            "builtin engine samples in float32 with the model's own cache, as the trainer does")
         if not 0 <= self.port < 65536:
             raise UserError(f"--port must be in 0..65535, got {self.port}")
         if self.vllm_memory is not None and not (0 < self.vllm_memory <= 1):

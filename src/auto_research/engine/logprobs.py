@@ -17,6 +17,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
+from auto_research.engine.packing import Packed, layout
+
 
 def attention_for(sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention mask and position ids for ``[prompt | completion]`` rows."""
@@ -56,14 +58,18 @@ def accepts(model, argument: str) -> bool:
 
 
 def completion_values(critic, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
-                      group_size: int = 1) -> torch.Tensor:
+                      group_size: int = 1, pack: bool = False) -> torch.Tensor:
     """(B, C) the critic's value V(s_t) of the state before each completion token; 0 where masked.
 
     The critic is a token-classification model with one label: its output at
     position t reads the prompt and y_<t+1… so, as for log-probs, the output one
-    position earlier is the value of the state in which y_t is chosen.
+    position earlier is the value of the state in which y_t is chosen. ``pack``: as for ``token_logprobs``.
     """
     prompt_length = prompt_mask.shape[1]
+    if pack:
+        packed = layout(sequences, prompt_mask, completion_mask)
+        scores = critic(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0, :, 0]
+        return _scattered(scores[packed.predictors], completion_mask.bool())
     if shares_prompts(critic, sequences, prompt_mask, group_size):
         first, rest = _prompt_then_completions(critic, sequences, prompt_mask, completion_mask, group_size, {})
         scores = torch.cat([first.logits[:, -1:, 0].repeat_interleave(group_size, dim=0), rest.logits[:, :-1, 0]], 1)
@@ -130,6 +136,7 @@ def token_logprobs(
     with_entropy: bool = False,
     group_size: int = 1,
     entropy_gradient: bool = False,
+    pack: bool = False,
 ):
     """log π(y_t | x, y_<t) for each completion token, shape (B, C); 0 where masked.
 
@@ -141,23 +148,65 @@ def token_logprobs(
     taken at the completion positions and the logits are made, used and dropped a chunk of positions at
     a time (``chunked_logprobs``): no (B, C, V) tensor, and no log-softmax copy of it, ever exists, in
     the forward or the backward. Other models go through their own logits. With ``group_size`` K, the rows of
-    each group of K share one forward of their prompt (``shares_prompts``).
+    each group of K share one forward of their prompt (``shares_prompts``). With ``pack`` the rows go through
+    the model as one packed row (``packing.py``; the caller checked ``packs_sequences``): no padding at all, and
+    the logits of a model without a plain output layer are made at the completion positions only.
     """
-    hidden, weight = completion_hidden(model, sequences, prompt_mask, completion_mask, group_size)
-    targets = sequences[:, prompt_mask.shape[1]:]
     mask = completion_mask.bool()
-    if hidden is None:
-        return _from_logits(completion_logits(model, sequences, prompt_mask, completion_mask, temperature), targets,
-                            mask, with_entropy, entropy_gradient)
-    chosen = torch.zeros(mask.shape, dtype=torch.float32, device=sequences.device)
-    kept_hidden, kept_targets = hidden[mask], targets[mask]
-    chosen = chosen.masked_scatter(mask, chunked_logprobs(kept_hidden, weight, kept_targets, temperature))
+    if pack:
+        packed = layout(sequences, prompt_mask, completion_mask)
+        kept_hidden, weight = packed_hidden(model, packed)
+        kept_targets = packed.targets
+        if kept_hidden is None:
+            keep = {"logits_to_keep": packed.predictors} if accepts(model, "logits_to_keep") else {}
+            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                           **keep).logits[0]
+            logits = (logits if keep else logits[packed.predictors]).float()
+            logits = logits / temperature if temperature != 1.0 else logits
+            outputs = _from_logits(logits, kept_targets, torch.ones_like(kept_targets, dtype=torch.bool),
+                                   with_entropy, entropy_gradient)
+            return _scattered(outputs, mask)
+    else:
+        hidden, weight = completion_hidden(model, sequences, prompt_mask, completion_mask, group_size)
+        targets = sequences[:, prompt_mask.shape[1]:]
+        if hidden is None:
+            return _from_logits(completion_logits(model, sequences, prompt_mask, completion_mask, temperature),
+                                targets, mask, with_entropy, entropy_gradient)
+        kept_hidden, kept_targets = hidden[mask], targets[mask]
+    chosen = chunked_logprobs(kept_hidden, weight, kept_targets, temperature)
     if not with_entropy:
-        return chosen
-    entropy = torch.zeros(mask.shape, dtype=torch.float32, device=sequences.device)
+        return _scattered(chosen, mask)
     if entropy_gradient:
-        return chosen, entropy.masked_scatter(mask, _ChunkedEntropy.apply(kept_hidden, weight, temperature))
-    return chosen, entropy.masked_scatter(mask, chunked_entropy(kept_hidden.detach(), weight.detach(), temperature))
+        return _scattered((chosen, _ChunkedEntropy.apply(kept_hidden, weight, temperature)), mask)
+    return _scattered((chosen, chunked_entropy(kept_hidden.detach(), weight.detach(), temperature)), mask)
+
+
+def _scattered(values, mask: torch.Tensor):
+    """(N,) values of the counted tokens (or a tuple of them) → (B, C), 0 where masked."""
+    if isinstance(values, tuple):
+        return tuple(_scattered(value, mask) for value in values)
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, values.float())
+
+
+def packed_hidden(model, packed: Packed):
+    """(N, H) the output layer's input at ``packed.predictors`` and its weight, from a forward over the packed row
+    in which the output layer computes nothing; (None, None) for a model whose output layer is no plain map."""
+    layer = _plain_output_layer(model)
+    if layer is None:
+        return None, None
+    captured = []
+
+    def capture(module, args):
+        captured.append((args[0], module.weight))
+        return (args[0][..., :0, :],)
+
+    handle = layer.register_forward_pre_hook(capture)
+    try:
+        model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    hidden, weight = captured[0]
+    return hidden[0, packed.predictors], weight
 
 
 def _from_logits(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, with_entropy: bool,

@@ -1,7 +1,7 @@
 """The rollout engines a run can sample with, by name: one record each, so that no phase of a run compares
 ``--sampler`` strings. Light: an engine is imported only when its record builds one.
 
-    record = sampler_record(config)          # builtin, vllm (colocated) or vllm-server
+    record = sampler_record(config)          # builtin, vllm (colocated), vllm-server, builtin-server, ...
     record.check_settings()                  # before torch: the engine is installed
     sampler = record.build(needs)            # the Sampler (engine/rollout/__init__.py)
 
@@ -13,6 +13,7 @@ optimizer step (``weight_sync_seconds``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -73,14 +74,29 @@ def _vllm(needs: SamplerNeeds):
                        longest + config.engine_tokens(), config.seed)
 
 
-def _vllm_server(needs: SamplerNeeds):
-    from auto_research.engine.rollout.client import VLLMServerSampler  # noqa: PLC0415
+def _server(engine: str):
+    def build(needs: SamplerNeeds):
+        from auto_research.engine.rollout.client import ServerSampler  # noqa: PLC0415
 
-    address = needs.config.vllm_server
-    sampler = VLLMServerSampler(needs.policy, needs.tokenizer, needs.settings, address, needs.model_name,
-                                needs.world, needs.config.run_dir)
-    needs.log(f"sampling with the vLLM server at {address} (the policy's weights pushed to it through "
-              f"{sampler.transfer} in {sampler.weight_sync_seconds:.2f} s)")
+        address = needs.config.vllm_server
+        # The builtin engine draws each chunk as the trainer's own sampler would: the same shapes on any world size.
+        chunk = needs.chunk_prompts if engine == "builtin" else None
+        sampler = ServerSampler(needs.policy, needs.tokenizer, needs.settings, address, needs.model_name,
+                                needs.world, needs.config.run_dir, engine=engine, chunk_prompts=chunk)
+        needs.log(f"sampling with the {engine} rollout server at {address} (the policy's weights pushed to it "
+                  f"through {sampler.transfer} in {sampler.weight_sync_seconds:.2f} s)")
+        return sampler
+    return build
+
+
+def _builtin_process(needs: SamplerNeeds):
+    from auto_research.config.fields import parse_cores  # noqa: PLC0415
+    from auto_research.engine.rollout.process import RolloutProcess  # noqa: PLC0415
+
+    cores = parse_cores(needs.config.rollout_cores, set(os.sched_getaffinity(0)))
+    sampler = RolloutProcess(needs, cores)
+    needs.log(f"sampling with a builtin rollout process on CPU(s) {sorted(cores)}, the trainer on "
+              f"{sorted(sampler.trainer_cores)} (the policy's weights pushed to it through {sampler.transfer})")
     return sampler
 
 
@@ -100,7 +116,12 @@ SAMPLERS: dict[str, SamplerRecord] = {
     "builtin": SamplerRecord("builtin", _builtin, is_the_trainer=True, runs_apart=True),
     "vllm": SamplerRecord("vllm", _vllm, _require_vllm, _check_servable, pushes_weights=True),
     # A server may live in an environment of its own: the trainer needs no vLLM.
-    "vllm-server": SamplerRecord("vllm-server", _vllm_server, runs_apart=True, pushes_weights=True),
+    "vllm-server": SamplerRecord("vllm-server", _server("vllm"), runs_apart=True, pushes_weights=True),
+    # The builtin sampler in a process of its own (auto-research rollout-serve --engine builtin): its draws are
+    # the in-process sampler's, from weights pushed to it, without sharing the trainer's interpreter lock.
+    "builtin-server": SamplerRecord("builtin-server", _server("builtin"), runs_apart=True, pushes_weights=True),
+    # The same server, started and stopped by the run itself on cores of its own (--rollout-mode process).
+    "builtin-process": SamplerRecord("builtin-process", _builtin_process, runs_apart=True, pushes_weights=True),
 }
 
 

@@ -17,6 +17,7 @@ from auto_research.engine.logprobs import completion_values, kl_per_token, token
 from auto_research.engine.rollout import Rollout
 from auto_research.engine.samplers import sampler_record
 from auto_research.train.components import Components
+from auto_research.train.micro_batches import micro_batches, rows_of
 
 
 @dataclass(frozen=True)
@@ -77,25 +78,27 @@ def widen(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def no_grad_forward(c: Components, model, rollout: Rollout, function, **options):
-    """``function`` over the rollout in micro-batches, without gradient, concatenated.
+    """``function`` over the rollout in micro-batches (``micro_batches.py``: by rows or by tokens), without
+    gradient, each output row put back in its place.
 
     Each micro-batch is trimmed to its own longest prompt and completion (``Rollout.rows``), so
     no compute goes to columns that are padding in every row, and a micro-batch has the same
     shape whichever process holds it; outputs are padded back to the batch's width with zeros.
     """
-    size = c.config.micro_batch_size or rollout.sequences.shape[0]
-    width = rollout.completion_mask.shape[1]
-    outputs = []
+    rows, width = rollout.sequences.shape[0], rollout.completion_mask.shape[1]
+    outputs = None
     with torch.no_grad(), c.autocast():
-        for start in range(0, rollout.sequences.shape[0], size):
-            chunk = rollout.rows(start, start + size, trim=True)
+        pack, parts = micro_batches(c, rollout, slice(0, rows), model)
+        for part in parts:
+            chunk = rows_of(rollout, part)
             result = function(model, chunk.sequences, chunk.prompt_mask, chunk.completion_mask,
-                              group_size=c.config.group_size, **options)
-            outputs.append(tuple(widen(part, width) for part in result) if isinstance(result, tuple)
-                           else widen(result, width))
-    if isinstance(outputs[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*outputs))
-    return torch.cat(outputs)
+                              group_size=c.config.group_size, **({"pack": True} if pack else {}), **options)
+            results = result if isinstance(result, tuple) else (result,)
+            if outputs is None:
+                outputs = [torch.zeros(rows, width, dtype=value.dtype, device=value.device) for value in results]
+            for output, value in zip(outputs, results):
+                output[part] = widen(value, width)
+    return tuple(outputs) if isinstance(result, tuple) else outputs[0]
 
 
 def build_experience(c: Components, rollout: Rollout, scores: Scores, version: int | None = None,

@@ -45,6 +45,10 @@ class Trainer:
         return held_out(self.components, completions)
 
     def close(self) -> None:
-        """Stop the rollout side's thread (--max-staleness ≥ 1)."""
-        if self.components.rollouts is not None:
-            self.components.rollouts.close()
+        """Stop the rollout side's thread (--max-staleness ≥ 1) and close the sampler (a rollout server's lease
+        is given back: another run may use the server at once)."""
+        try:
+            if self.components.rollouts is not None:
+                self.components.rollouts.close()
+        finally:
+            self.components.sampler.close()

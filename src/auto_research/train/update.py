@@ -18,6 +18,7 @@ from auto_research.engine.logprobs import completion_values, kl_per_token, token
 from auto_research.engine.rollout import Rollout, eos_ids
 from auto_research.train.components import Components
 from auto_research.train.experience import Experience, widen
+from auto_research.train.micro_batches import micro_batches, rows_of
 
 
 @dataclass(frozen=True)
@@ -97,13 +98,13 @@ def _mini_batches(c: Components, rows: int) -> list[slice]:
 
 
 def _accumulating(c: Components, experience: Experience, rows: slice, wrapped):
-    """The trimmed micro-batches of one optimizer step, each body run inside DDP's ``no_sync``
-    except the last, whose backward then all-reduces the accumulated gradient once."""
-    size = c.config.micro_batch_size or (rows.stop - rows.start)
-    parts = [slice(start, min(start + size, rows.stop)) for start in range(rows.start, rows.stop, size)]
+    """The trimmed micro-batches of one optimizer step (``micro_batches.py``: by rows or by tokens), each body
+    run inside DDP's ``no_sync`` except the last, whose backward then all-reduces the accumulated gradient once;
+    with whether they are packed."""
+    pack, parts = micro_batches(c, experience.rollout, rows, wrapped)
     for index, part in enumerate(parts):
         with c.world.no_sync(wrapped, last=index == len(parts) - 1):
-            yield part, experience.rollout.rows(part.start, part.stop, trim=True)
+            yield part, rows_of(experience.rollout, part), pack
 
 
 def optimizer_step(c: Components, model, optimizer, update: int) -> float:
@@ -135,11 +136,11 @@ def update_actor(c: Components, experience: Experience, advantages: Advantages, 
             sequences = (rows.stop - rows.start) * world.size
             counts = dict(sequences=float(sequences), tokens=float(world.total(mask[rows].sum()).clamp(min=1)),
                           groups=float(sequences // config.group_size), max_tokens=float(config.max_new_tokens))
-            for part, chunk in _accumulating(c, experience, rows, c.train_policy):
+            for part, chunk, pack in _accumulating(c, experience, rows, c.train_policy):
                 with c.autocast():
                     output = token_logprobs(c.train_policy, chunk.sequences, chunk.prompt_mask, chunk.completion_mask,
                                             config.temperature, with_entropy=entropy_bonus,
-                                            group_size=config.group_size, entropy_gradient=entropy_bonus)
+                                            group_size=config.group_size, entropy_gradient=entropy_bonus, pack=pack)
                 logprobs, entropy = output if entropy_bonus else (output, None)
                 logprobs = widen(logprobs, width)
                 inputs = LossInputs(logprobs, experience.old_logprobs[part], advantages.advantages[part], mask[part],
@@ -188,10 +189,10 @@ def update_critic(c: Components, experience: Experience, advantages: Advantages,
     for _ in range(config.updates_per_batch):
         for rows in _mini_batches(c, mask.shape[0]):
             tokens = float(world.total(mask[rows].sum()).clamp(min=1))
-            for part, chunk in _accumulating(c, experience, rows, c.train_critic):
+            for part, chunk, pack in _accumulating(c, experience, rows, c.train_critic):
                 with c.autocast():
                     values = widen(completion_values(c.train_critic, chunk.sequences, chunk.prompt_mask,
-                                                     chunk.completion_mask, config.group_size), width)
+                                                     chunk.completion_mask, config.group_size, pack=pack), width)
                 terms = clipped_value_loss(values, experience.values[part], advantages.returns[part],
                                            config.value_clip)
                 loss = config.vf_coef * (terms * mask[part]).sum() / tokens

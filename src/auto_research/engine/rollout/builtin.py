@@ -198,3 +198,32 @@ class BuiltinSampler:
 
     def close(self) -> None:
         pass
+
+
+class BuiltinEngine:
+    """The builtin sampler as a rollout server's engine (``auto-research rollout-serve --engine builtin``): a
+    model of its own in a process of its own, so a CPU-only run samples while it trains without sharing Python's
+    global interpreter lock with the trainer. It draws exactly what ``sample`` draws in the trainer's process
+    (the same per-prompt seeds, the same kernels), from the weights last pushed to it."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model.requires_grad_(False).eval(), tokenizer
+        self.parameters = dict(model.named_parameters(remove_duplicate=False))
+        self.max_model_len = int(getattr(model.config, "max_position_embeddings", None) or 4096)
+
+    def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int],
+                 settings: SamplingSettings) -> tuple[list[list[int]], list[list[float]]]:
+        """Each prompt's ``group_size`` completions (token ids through the first end-of-sequence token) and the
+        log-probs of their tokens under the processed distribution (temperature, top-k, top-p)."""
+        rollout = sample(self.model, self.tokenizer, prompt_ids, group_size, settings.max_new_tokens,
+                         settings.temperature, settings.top_p, settings.top_k, seeds=seeds)
+        lengths = rollout.completion_mask.sum(dim=1).tolist()
+        ids, logprobs = rollout.completion_ids.tolist(), rollout.sampler_logprobs.tolist()
+        return ([row[:length] for row, length in zip(ids, lengths)],
+                [row[:length] for row, length in zip(logprobs, lengths)])
+
+    @torch.no_grad()
+    def load_named(self, weights) -> None:
+        """Pushed tensors (checked against this model's names, shapes and dtypes by the server) copied in place."""
+        for name, tensor in weights:
+            self.parameters[name].copy_(tensor)

@@ -1,6 +1,7 @@
-"""The trainer's side of ``--vllm-mode server`` (the protocol: ``server.py``): rank 0 holds the server's lease
-for the run's life and pushes the policy's weights after every optimizer step, through the server's shared-memory
-buffer when it sees it (same host, ``transfer.py``), else over HTTP; every rank samples its own prompts."""
+"""The trainer's side of ``--rollout-mode server`` (the protocol: ``server.py``; the engine behind it vLLM or the
+builtin sampler): rank 0 holds the server's lease for the run's life and pushes the policy's weights after every
+optimizer step, through the server's shared-memory buffer when it sees it (same host, ``transfer.py``), else over
+HTTP; every rank samples its own prompts."""
 
 from __future__ import annotations
 
@@ -22,34 +23,38 @@ from auto_research.errors import RolloutEngineError, UserError
 from auto_research.http import RequestFailed, request
 
 
-class VLLMServerSampler:
-    """The Sampler seam over a vLLM server (see the module docstring). Rank 0 holds the server's lease for the
-    run's life (renewed by its pushes and a heartbeat) and releases it in ``close``."""
+class ServerSampler:
+    """The Sampler seam over a rollout server (see the module docstring). Rank 0 holds the server's lease for the
+    run's life (renewed by its pushes and a heartbeat) and releases it in ``close``. ``chunk_prompts``: prompts
+    per request (the builtin engine's batches then have the shapes of the trainer's own sampler on any number of
+    ranks); ``engine``: the server's engine, for the line that says how to start one; ``api_key``: the server's key
+    (default: ``AUTO_RESEARCH_API_KEY``)."""
 
     def __init__(self, model, tokenizer, settings: SamplingSettings, address: str, model_name: str, world,
-                 run_dir, timeout: float = 600.0, retries: int = 3, shared: bool = True):
+                 run_dir, timeout: float = 600.0, retries: int = 3, shared: bool = True, engine: str = "vllm",
+                 chunk_prompts: int | None = None, api_key: str | None = None):
         host, port = split_address(address)
         self.base, self.address = f"http://{host}:{port}", address
         self.tokenizer, self.settings, self.world = tokenizer, settings, world
-        self.timeout, self.retries = timeout, retries
+        self.timeout, self.retries, self.chunk_prompts = timeout, retries, chunk_prompts
         self.eos = eos_ids(tokenizer, model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
-        key = os.environ.get(API_KEY_VARIABLE)
+        key = api_key or os.environ.get(API_KEY_VARIABLE)
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
             health = json.loads(request(self.base + "/health", None, "application/json", 10.0, 1, 0.5,
                                         self.headers))
         except RequestFailed as error:
             if error.status == 401:
-                raise UserError(f"--vllm-server {address} wants an API key: set {API_KEY_VARIABLE} to the key the "
+                raise UserError(f"--rollout-server {address} wants an API key: set {API_KEY_VARIABLE} to the key the "
                                 "server was started with") from None
-            raise UserError(f"--vllm-server {address}: no vLLM server answers there ({error}); start one with "
-                            f"auto-research vllm-serve --model {model_name} --port {port}") from None
+            raise UserError(f"--rollout-server {address}: no rollout server answers there ({error}); start one with "
+                            f"auto-research rollout-serve --engine {engine} --model {model_name} --port {port}") from None
         except ValueError:
-            raise UserError(f"--vllm-server {address}: what answers there is not a vLLM server") from None
+            raise UserError(f"--rollout-server {address}: what answers there is not a rollout server") from None
         config = model.get_base_model().config if hasattr(model, "peft_config") else model.config
         if health.get("fingerprint") != fingerprint(config, tokenizer):
-            raise UserError(f"--vllm-server {address} serves {health.get('model')!r}, another model than --model "
+            raise UserError(f"--rollout-server {address} serves {health.get('model')!r}, another model than --model "
                             f"{model_name} (a different architecture or tokenizer)")
         self.dtype = getattr(torch, health.get("dtype", "float32"))
         self.lease, self.lease_seconds, self._stop = None, float(health.get("lease_seconds", 60)), threading.Event()
@@ -57,6 +62,8 @@ class VLLMServerSampler:
         """Rank 0's map of the server's shared buffer when it sees it (same host), else None: HTTP."""
         self.world.agree(self._claim(run_dir, shared) if world.main else None)
         self.weight_sync_seconds = 0.0
+        # Every draw must come from the weights this run pushed: the server's life and its version after them.
+        self.instance, self.version = health.get("instance"), int(health.get("weights_version", 0))
         self.load_weights(model)
 
     def _claim(self, run_dir, shared: bool) -> UserError | None:
@@ -102,9 +109,9 @@ class VLLMServerSampler:
                              self.retries if retries is None else retries, 0.5, headers)
         except RequestFailed as failed:
             if failed.status is not None and failed.status < 500:
-                raise RolloutEngineError(f"--vllm-server {self.address} refused {path.split('?')[0]}: "
+                raise RolloutEngineError(f"--rollout-server {self.address} refused {path.split('?')[0]}: "
                                          f"{failed.detail or failed.failure}") from None
-            raise RolloutEngineError(f"--vllm-server {self.address}: {path.split('?')[0]} failed ({failed.failure} "
+            raise RolloutEngineError(f"--rollout-server {self.address}: {path.split('?')[0]} failed ({failed.failure} "
                                      f"after {failed.attempts} attempt(s)); the server is gone or failing") from None
         return json.loads(answer)
 
@@ -112,24 +119,42 @@ class VLLMServerSampler:
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        s = self.settings
-        answer = self._call("/generate", json.dumps({
-            "prompt_ids": prompt_ids, "group_size": group_size, "seeds": [int(seed) for seed in seeds],
-            "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                         "top_k": s.top_k}}).encode())
-        return build_rollout(self.tokenizer, self.eos, self.pad, prompt_ids, answer["completions"],
-                             answer["logprobs"], group_size)
+        completions, logprobs = self.generate(prompt_ids, group_size, seeds)
+        return build_rollout(self.tokenizer, self.eos, self.pad, prompt_ids, completions, logprobs, group_size)
+
+    def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int]
+                 ) -> tuple[list[list[int]], list[list[float]]]:
+        """``group_size`` completions of each prompt (token ids in, token ids out) and their log-probs, in
+        requests of ``chunk_prompts`` prompts."""
+        s, chunk = self.settings, self.chunk_prompts or len(prompt_ids)
+        completions, logprobs = [], []
+        for start in range(0, len(prompt_ids), chunk):
+            answer = self._call("/generate", json.dumps({
+                "prompt_ids": prompt_ids[start: start + chunk], "group_size": group_size,
+                "seeds": [int(seed) for seed in seeds[start: start + chunk]],
+                "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                             "top_k": s.top_k}}).encode())
+            self._check_drawn_by_this_run(answer)
+            completions += answer["completions"]
+            logprobs += answer["logprobs"]
+        return completions, logprobs
+
+    def _check_drawn_by_this_run(self, answer: dict) -> None:
+        """A server restarted since the last push (a supervisor, an operator) would sample from its initial weights
+        and a trainer would train on another policy's samples: refused by the server's instance and version."""
+        if answer.get("instance") != self.instance:
+            raise RolloutEngineError(f"--rollout-server {self.address} restarted since this run pushed its weights "
+                                     "(its samples would come from another policy)")
+        if answer.get("weights_version") != self.version:
+            raise RolloutEngineError(f"--rollout-server {self.address} samples with weights version "
+                                     f"{answer.get('weights_version')}, not {self.version}, the one this run pushed "
+                                     "last (another process changed them)")
 
     def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
                      ) -> tuple[list[list[int]], list[list[float]]]:
-        """One completion per prompt of token ids, as the server drew them (``envs.trajectory.run_episodes``)."""
-        s = settings or self.settings
-        answer = self._call("/generate", json.dumps({
-            "prompt_ids": [list(map(int, ids)) for ids in prompt_ids], "group_size": 1,
-            "seeds": [int(seed) for seed in seeds], "settings": {"max_new_tokens": s.max_new_tokens,
-                                                                 "temperature": s.temperature, "top_p": s.top_p,
-                                                                 "top_k": s.top_k}}).encode())
-        return answer["completions"], answer["logprobs"]
+        """One completion per prompt of token ids, as the server drew them (``envs.trajectory.run_episodes``),
+        with the run's own settings (``settings`` is the same object)."""
+        return self.generate([[int(token) for token in ids] for ids in prompt_ids], 1, seeds)
 
     def load_weights(self, model) -> None:
         """Every rank walks the weights (FSDP2 gathers one parameter at a time, in the same order on each);
@@ -175,4 +200,5 @@ class VLLMServerSampler:
         elif self.world.main and failure is None:
             send(last=True)
         self.world.agree(failure, RolloutEngineError)
+        self.version += 1  # the push went in on rank 0 (every rank knows: agree raised otherwise)
         self.weight_sync_seconds = time.perf_counter() - started

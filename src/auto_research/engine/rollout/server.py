@@ -6,16 +6,17 @@
 The protocol, all on one HTTP port (our own: vLLM's OpenAI server has no in-place weight push that works on
 the CPU). With ``--api-key`` (or ``AUTO_RESEARCH_API_KEY``) every request carries ``Authorization: Bearer KEY``.
 
-- ``GET /health`` → ``{"model", "fingerprint", "weights_version", "max_model_len", "dtype", "vocab_size",
-  "max_group_size", "lease"}``. The fingerprint hashes the architecture's shape and the tokenizer's vocabulary:
+- ``GET /health`` → ``{"model", "fingerprint", "weights_version", "instance", "max_model_len", "dtype",
+  "vocab_size", "max_group_size", "lease"}`` (``instance``: random, one per server start). The fingerprint hashes the architecture's shape and the tokenizer's vocabulary:
   a trainer whose ``--model`` differs is refused.
 - ``POST /lease`` with ``{"holder": {"host", "pid", "run"}}`` → ``{"lease", "seconds", "shared"}`` (the lease's
   shared-memory buffer, or null), or 409 naming the trainer that holds it (``guard.Leases``: one per server).
   ``/lease/renew`` and ``/lease/release`` carry the lease in an ``X-Lease`` header.
 - ``POST /generate`` with ``{"prompt_ids", "group_size", "seeds", "settings"}`` (token ids, so both sides
   tokenize nothing differently; every sampling setting explicit) → ``{"completions", "logprobs",
-  "weights_version"}``: vLLM's processed log-probs of the drawn tokens, as colocated. Open to any client (with
-  the key): drawing samples changes nothing.
+  "weights_version", "instance"}``: the engine's processed log-probs of the drawn tokens, as colocated; the
+  trainer checks the version and the instance against what it pushed. Open to any client (with the key):
+  drawing samples changes nothing.
 - ``POST /weights?part=N&last=0|1`` with the lease and a safetensors body: the policy's weights in parts of at
   most ``PART_BYTES``, gathered one parameter at a time on the trainer (FSDP2 shards too). Each part is checked
   as it comes (known names, shapes, dtype, finite values; ``guard.WeightPush``); at the last part, once every
@@ -41,6 +42,7 @@ import hmac
 import ipaddress
 import json
 import os
+import secrets
 import signal
 import socket
 import time
@@ -73,7 +75,7 @@ def fingerprint(config, tokenizer) -> str:
     return hashlib.sha256(json.dumps([shape, vocabulary], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def split_address(address: str, flag: str = "--vllm-server") -> tuple[str, int]:
+def split_address(address: str, flag: str = "--rollout-server") -> tuple[str, int]:
     host, _, port = str(address).rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"{flag} {address!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
@@ -113,7 +115,9 @@ def make_server(sampler, served: Served, host: str, port: int, limits: Limits = 
     engine = Lock()
     leases = Leases(limits.lease_seconds, clock)
     intake = Intake(served.spec, limits.shared_folder)
-    state = {"version": 0}
+    state = {"version": 0, "instance": secrets.token_hex(8)}
+    """``instance``: this server's life; a trainer that sees another one knows the server restarted without its
+    weights."""
     say = log or (lambda line: None)
 
     class Handler(BaseHTTPRequestHandler):
@@ -191,6 +195,7 @@ def make_server(sampler, served: Served, host: str, port: int, limits: Limits = 
             if urlparse(self.path).path != "/health":
                 raise Refused(404, f"no such path {urlparse(self.path).path}")
             return 200, {"model": served.name, "fingerprint": served.fingerprint, "weights_version": state["version"],
+                         "instance": state["instance"],
                          "max_model_len": sampler.max_model_len, "dtype": served.dtype,
                          "vocab_size": served.vocab_size, "max_group_size": limits.max_group_size,
                          "lease_seconds": limits.lease_seconds, "lease": leases.status()}
@@ -204,7 +209,8 @@ def make_server(sampler, served: Served, host: str, port: int, limits: Limits = 
                 with engine:
                     completions, logprobs = sampler.generate(prompt_ids, group_size, seeds, settings)
                     version = state["version"]
-                return 200, {"completions": completions, "logprobs": logprobs, "weights_version": version}
+                return 200, {"completions": completions, "logprobs": logprobs, "weights_version": version,
+                             "instance": state["instance"]}
             if url.path == "/lease":
                 claim = self._json(2**16)
                 holder = claim.get("holder") if isinstance(claim, dict) else None
@@ -267,9 +273,9 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(config, log=print) -> None:
-    """``auto-research vllm-serve``: load the model, start the engine, answer until interrupted."""
+    """``auto-research rollout-serve``: load the model, start the engine (vLLM or the builtin sampler), answer
+    until interrupted."""
     from auto_research.engine.models import context_length, load_policy, resolve_device, resolve_dtype
-    from auto_research.engine.rollout.vllm import VLLMSampler, check_servable
 
     api_key = config.api_key or os.environ.get(API_KEY_VARIABLE) or None
     if api_key is None and not is_loopback(config.host):
@@ -286,14 +292,26 @@ def serve(config, log=print) -> None:
     else:
         model, tokenizer = load_policy(config.model, device, torch.float32, config.offline, log=log)
         name = config.model
-    check_servable(model.config, device, name, "vllm-serve", "serve it from a GPU, or train with --sampler builtin")
-    memory = config.vllm_memory or (0.05 if device == "cpu" else 0.3)
     longest = config.max_model_len or min(context_length(model) or 4096, 4096)
-    dtype = resolve_dtype(config.dtype, device)
-    settings = SamplingSettings(max_new_tokens=16)
-    log(f"starting a vLLM engine for {name} ({memory:g} of the "
-        f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'}, max_model_len {longest})")
-    sampler = VLLMSampler(model, tokenizer, settings, memory, dtype, longest, config.seed)
+    if config.engine == "builtin":
+        from auto_research.engine.rollout.builtin import BuiltinEngine
+
+        # fp32, the trainer's own kernels: its draws are the builtin sampler's in the trainer's process.
+        dtype = torch.float32
+        log(f"starting the builtin sampler for {name} on {device} (max_model_len {longest})")
+        sampler = BuiltinEngine(model.to(device), tokenizer)
+        sampler.max_model_len = min(sampler.max_model_len, longest)
+    else:
+        from auto_research.engine.rollout.vllm import VLLMSampler, check_servable
+
+        check_servable(model.config, device, name, "rollout-serve",
+                       "serve it from a GPU, with --engine builtin, or train with --sampler builtin")
+        memory = config.vllm_memory or (0.05 if device == "cpu" else 0.3)
+        dtype = resolve_dtype(config.dtype, device)
+        log(f"starting a vLLM engine for {name} ({memory:g} of the "
+            f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'}, max_model_len {longest})")
+        sampler = VLLMSampler(model, tokenizer, SamplingSettings(max_new_tokens=16), memory, dtype, longest,
+                              config.seed)
     served = Served(name, fingerprint(model.config, tokenizer), weight_spec(pushed_weights(model, dtype)),
                     int(model.config.vocab_size), str(dtype).removeprefix("torch."))
     limits = Limits(api_key, config.lease_seconds, config.read_timeout, config.max_group_size)

@@ -1,0 +1,88 @@
+"""``--rollout-mode process``: the builtin sampler's rollout server (``rollout-serve --engine builtin``), started
+by the run itself on cores of its own and stopped with it, so that a CPU-only run's rollout side samples while
+the trainer trains without sharing its interpreter lock (docs/async.md), in one command.
+
+The child listens on 127.0.0.1 only, with a random API key that only this process and the child know, and holds
+the model the run loaded (the architecture and tokenizer; the trainer pushes its weights before any draw). Its
+cores come from ``--rollout-cores`` (default: the last core this process may use); the trainer keeps the others:
+its main thread is pinned to them and torch uses that many threads, unless ``--threads`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import threading
+import time
+
+from auto_research.engine.rollout.client import ServerSampler
+from auto_research.errors import UserError
+
+START_SECONDS = 300.0
+
+
+class RolloutProcess(ServerSampler):
+    """A ``ServerSampler`` over a builtin rollout server that this run started; ``close`` stops it too."""
+
+    def __init__(self, needs, cores: set[int]):
+        import torch  # noqa: PLC0415
+
+        config = needs.config
+        self.key = secrets.token_hex(16)
+        command = [sys.executable, "-m", "auto_research", "rollout-serve", "--engine", "builtin", "--host",
+                   "127.0.0.1", "--port", "0", "--threads", str(len(cores)), "--offline", "--model",
+                   str(needs.model_name), "--device", "cpu"]
+        environment = {**os.environ, "AUTO_RESEARCH_API_KEY": self.key, "OMP_NUM_THREADS": str(len(cores))}
+        self.child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                      env=environment, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+        address = self._wait_for_address()
+        trainer_cores = set(os.sched_getaffinity(0)) - cores
+        os.sched_setaffinity(0, trainer_cores)  # this thread: the trainer's work
+        if not config.threads:
+            torch.set_num_threads(len(trainer_cores))
+        try:
+            super().__init__(needs.policy, needs.tokenizer, needs.settings, address, needs.model_name, needs.world,
+                             config.run_dir, engine="builtin", chunk_prompts=needs.chunk_prompts, api_key=self.key)
+        except BaseException:
+            self._stop_child()
+            raise
+        self.cores, self.trainer_cores = cores, trainer_cores
+
+    def _wait_for_address(self) -> str:
+        lines: queue.Queue = queue.Queue()
+        seen: list[str] = []
+        threading.Thread(target=lambda: [lines.put(line) for line in self.child.stderr] + [lines.put(None)],
+                         daemon=True).start()
+        deadline = time.monotonic() + START_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            seen.append(line.strip())
+            if line.startswith("serving "):
+                threading.Thread(target=lambda: [None for _ in iter(lines.get, None)], daemon=True).start()
+                return line.split("http://")[1].split()[0]
+        self._stop_child()
+        last = next((line for line in reversed(seen) if line), "no output")
+        raise UserError(f"--rollout-mode process: the rollout process did not start ({last})")
+
+    def _stop_child(self) -> None:
+        if self.child.poll() is None:
+            self.child.terminate()
+            try:
+                self.child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
+                self.child.wait()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._stop_child()

@@ -1,0 +1,186 @@
+"""The builtin sampler as a rollout server (``rollout-serve --engine builtin``, ``--sampler builtin --rollout-mode
+server``): a CPU-only run's rollout side in a process of its own. No vLLM is needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from auto_research.engine.rollout import SamplingSettings, prompt_seed
+from auto_research.engine.rollout.builtin import BuiltinEngine, sample
+from auto_research.engine.tiny import build_model, build_tokenizer
+
+PROMPTS = ["1+2=", "Q: what is 33+4?", "x", "7*8="]
+
+
+def start_builtin_server(port: int = 0):
+    """A builtin engine (the embedded architecture, seed 0) behind the real HTTP server, in this process."""
+    from auto_research.engine.rollout.guard import weight_spec
+    from auto_research.engine.rollout.remote import pushed_weights
+    from auto_research.engine.rollout.server import Limits, Served, fingerprint, make_server
+
+    tokenizer = build_tokenizer()
+    served_model = build_model(tokenizer, seed=0)
+    engine = BuiltinEngine(served_model, tokenizer)
+    served = Served("embedded", fingerprint(served_model.config, tokenizer),
+                    weight_spec(pushed_weights(served_model, torch.float32)), served_model.config.vocab_size, "float32")
+    server = make_server(engine, served, "127.0.0.1", port, Limits(shared_folder=None))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, engine
+
+
+def stop(server) -> None:
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def builtin_server(monkeypatch):
+    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
+    server, engine = start_builtin_server()
+    yield engine, f"127.0.0.1:{server.server_address[1]}"
+    stop(server)
+
+
+def lease_held(address: str) -> bool:
+    from urllib.request import urlopen
+
+    with urlopen(f"http://{address}/health", timeout=10) as answer:
+        return json.loads(answer.read())["lease"]["held"]
+
+
+def test_the_server_draws_what_the_trainers_own_sampler_draws_from_the_pushed_weights(builtin_server, tmp_path):
+    """The trainer's weights (not the server's initial ones) pushed through the real HTTP server, then one draw:
+    the same token ids and log-probs as ``sample`` in the trainer's process, bit for bit, in requests of 3 prompts."""
+    from auto_research.engine.distributed import World
+    from auto_research.engine.rollout.client import ServerSampler
+
+    engine, address = builtin_server
+    tokenizer = build_tokenizer()
+    trained = build_model(tokenizer, seed=1)
+    settings = SamplingSettings(max_new_tokens=8, temperature=1.2, top_p=0.95, top_k=20)
+    client = ServerSampler(trained, tokenizer, settings, address, "embedded", World(), tmp_path / "run",
+                           engine="builtin", chunk_prompts=3)
+    seeds = [prompt_seed(5, 1, index) for index in range(len(PROMPTS))]
+    drawn = client.sample(PROMPTS, 3, seeds)
+    assert lease_held(address)
+    client.close()
+    assert not lease_held(address)
+    assert client.transfer == "HTTP"  # this server offers no shared buffer
+    assert all(torch.equal(engine.parameters[name], tensor) for name, tensor in trained.named_parameters())
+    parts = [sample(trained, tokenizer, PROMPTS[start: start + 3], 3, 8, 1.2, 0.95, 20, seeds=seeds[start: start + 3])
+             for start in (0, 3)]
+    expected = [row for part in parts for row in part.token_lists()]
+    assert drawn.token_lists() == expected
+    expected_logprobs = [value for part in parts for row, mask in zip(part.sampler_logprobs, part.completion_mask)
+                         for value in row[mask.bool()].tolist()]
+    assert drawn.sampler_logprobs[drawn.completion_mask.bool()].tolist() == expected_logprobs
+    assert not drawn.trained_distribution  # another process's forward: the trainer computes π_old itself
+
+
+def metrics(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_k1_in_a_rollout_process_trains_on_the_batches_the_in_process_thread_draws(tmp_path):
+    """--max-staleness 1 with the rollout side in a process the run starts (--rollout-mode process: the builtin
+    rollout server on a core of its own) and with it in a thread: the fixed schedule makes them draw the same
+    batches from the same versions of the weights (the same rewards at every step), and train to the same
+    weights up to the two processes' kernels (the server's log-probs are μ, not π_old). The process is gone
+    once the run is."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("AUTO_RESEARCH_API_KEY", None)
+    # The embedded model warm-started on arithmetic (cached by the first test that needs it): rewards vary.
+    common = ["post-train", "--dataset", "arithmetic-generate", "--steps", "4", "--prompts-per-step", "8",
+              "--offline", "--no-progress", "--max-staleness", "1", "--eval-every", "0", "--threads", "1",
+              "--evaluation-examples", "8"]
+    runs = {}
+    for name, extra in (("thread", []), ("process", ["--rollout-mode", "process"])):
+        done = subprocess.run([sys.executable, "-m", "auto_research", *common, *extra, "--output-dir",
+                               str(tmp_path / name)], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[name] = metrics(next((tmp_path / name).iterdir()))
+    last_core = max(os.sched_getaffinity(0))
+    assert f"sampling with a builtin rollout process on CPU(s) [{last_core}]" in done.stderr
+    started_by_a_run = "rollout-serve --engine builtin --host 127.0.0.1 --port 0"
+    assert started_by_a_run not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    thread, served = runs["thread"], runs["process"]
+    assert [row["staleness_max"] for row in served] == [0, 1, 1, 1]
+    assert [row["reward_mean"] for row in served] == [row["reward_mean"] for row in thread]
+    assert [row["weight_sync_seconds"] > 0 for row in served] == [True] * 4
+    for mine, theirs in zip(served, thread):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-4)
+        assert mine["rollout_logprob_diff_mean"] == pytest.approx(theirs["rollout_logprob_diff_mean"], abs=1e-4)
+    assert served[-1]["rollout_logprob_diff_mean"] > 1e-3  # the weights moved: one version of staleness shows
+
+
+def test_rollout_process_refusals_are_one_line(capsys):
+    from auto_research.cli import main
+
+    def error(*extra) -> str:
+        assert main(["post-train", "--dataset", "arithmetic-generate", "--steps", "2", *extra]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0].removeprefix("auto-research: error: ")
+
+    cores = sorted(os.sched_getaffinity(0))
+    assert error("--rollout-mode", "process", "--sampler", "vllm") == (
+        "--rollout-mode process starts the builtin sampler's server; for vLLM start auto-research rollout-serve "
+        "and use --rollout-mode server")
+    assert error("--rollout-mode", "process", "--rollout-cores", "1-x") == (
+        "--rollout-cores '1-x': expected CPU numbers or ranges, e.g. 1 or 2-3")
+    assert error("--rollout-mode", "process", "--rollout-cores", "4096") == (
+        f"--rollout-cores '4096': this process may run on CPUs {cores} only")
+    spelled = ",".join(map(str, cores))
+    assert error("--rollout-mode", "process", "--rollout-cores", spelled) == (
+        f"--rollout-cores {spelled!r} takes every CPU this process may use; leave the trainer one")
+    assert error("--rollout-cores", str(cores[0])) == "--rollout-cores is for --rollout-mode process"
+
+
+def test_a_server_restarted_under_a_run_is_refused_before_its_samples_are_trained_on(monkeypatch, tmp_path):
+    """The server dies and comes back on the same port (a supervisor) between a push and the next draw: it would
+    sample from its initial weights; the trainer's client refuses the answer, naming the restart."""
+    from auto_research.engine.distributed import World
+    from auto_research.engine.rollout.client import ServerSampler
+    from auto_research.errors import RolloutEngineError
+
+    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
+    server, _ = start_builtin_server()
+    port = server.server_address[1]
+    tokenizer = build_tokenizer()
+    client = ServerSampler(build_model(tokenizer, seed=1), tokenizer, SamplingSettings(4), f"127.0.0.1:{port}",
+                           "embedded", World(), tmp_path / "run", engine="builtin")
+    seeds = [prompt_seed(5, 1, index) for index in range(len(PROMPTS))]
+    assert len(client.sample(PROMPTS, 2, seeds).completions) == 8  # version 1, this run's
+    stop(server)
+    server, _ = start_builtin_server(port)
+    try:
+        with pytest.raises(RolloutEngineError) as caught:
+            client.sample(PROMPTS, 2, seeds)
+        assert str(caught.value) == (f"--rollout-server 127.0.0.1:{port} restarted since this run pushed its weights "
+                                     "(its samples would come from another policy)")
+        client.close()
+    finally:
+        stop(server)
+
+
+def test_a_trainer_built_from_python_gives_the_servers_lease_back_when_closed(builtin_server, tmp_path):
+    """``Trainer.close`` closes the sampler too: the next run (here, a second Trainer) may take the server."""
+    from auto_research.config.generation import GenerationConfig
+    from auto_research.train.trainer import Trainer
+
+    _, address = builtin_server
+    for run in ("first", "second"):
+        config = GenerationConfig(dataset="arithmetic-generate", steps=2, prompts_per_step=4, eval_every=0,
+                                  evaluation_examples=4, offline=True, progress=False, output_dir=tmp_path / run,
+                                  sampler="builtin", vllm_mode="server", vllm_server=address)
+        trainer = Trainer.build(config, log=lambda line: None)
+        assert trainer.step(1)["weight_sync_seconds"] > 0 and lease_held(address)
+        trainer.close()
+        assert not lease_held(address)
