@@ -28,12 +28,13 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from children import child_result  # noqa: E402
 
 MODES = ("whole", "rows", "packed", "buckets")
 
@@ -122,12 +123,7 @@ def _run(mode: str, options, scratch: str) -> dict:
                                  "run_steps", "threads")
                  if getattr(options, key) is not None
                  for arg in (f"--{key.replace('_', '-')}", str(getattr(options, key))))]
-    environment = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false"}
-    output = subprocess.run(command, capture_output=True, text=True, env=environment)
-    line = next((line for line in output.stdout.splitlines() if line.startswith("RESULT ")), None)
-    if output.returncode or line is None:
-        raise SystemExit(f"{mode} failed:\n{output.stderr[-4000:]}")
-    return json.loads(line[len("RESULT "):])
+    return child_result(command, options.threads, mode)
 
 
 def main() -> None:

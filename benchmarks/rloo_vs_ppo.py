@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -31,6 +30,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from children import child_result  # noqa: E402
 
 
 def arithmetic(options, extra) -> None:
@@ -94,12 +95,7 @@ def _run(algorithm: str, micro: int, options, scratch: str) -> dict:
     command = [sys.executable, __file__, "--child", algorithm, "--micro-batch", str(micro), "--prompts",
                str(options.prompts), "--new-tokens", str(options.new_tokens), "--run-steps", str(options.run_steps),
                "--threads", str(options.threads), "--scratch", scratch]
-    environment = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false"}
-    output = subprocess.run(command, capture_output=True, text=True, env=environment)
-    line = next((line for line in output.stdout.splitlines() if line.startswith("RESULT ")), None)
-    if output.returncode or line is None:
-        raise SystemExit(f"{algorithm} (micro-batch {micro}) failed:\n{output.stderr[-4000:]}")
-    return json.loads(line[len("RESULT "):])
+    return child_result(command, options.threads, f"{algorithm} (micro-batch {micro})")
 
 
 PHASES = ("sample", "experience", "update_actor", "update_critic")
