@@ -130,7 +130,7 @@ def _setting(folder: Path) -> tuple[list[str], bool, float, object]:
     return json.loads((folder / "prompts.json").read_text()), False, LEARNING_RATE, reward
 
 
-def run_ours(folder: Path, steps: int, micro: int = 0, checkpoint_mlp: bool = False) -> dict:
+def run_ours(folder: Path, steps: int, micro: int = 0, checkpoint_mlp: bool = False, token_budget: int = 0) -> dict:
     from auto_research.config.generation import GenerationConfig
     from auto_research.train.trainer import Trainer
 
@@ -142,7 +142,8 @@ def run_ours(folder: Path, steps: int, micro: int = 0, checkpoint_mlp: bool = Fa
                               learning_rate=learning_rate, warmup_steps=0, temperature=1.0, top_p=1.0, top_k=0,
                               progress=False, offline=True, device="cpu", dtype="float32", chat_template=chat,
                               eval_every=0, checkpoint_every=0, evaluation_examples=1, micro_batch_size=micro or None,
-                              generation_batch_size=PROMPTS * K, checkpoint_mlp=checkpoint_mlp).filled().validate()
+                              generation_batch_size=PROMPTS * K, checkpoint_mlp=checkpoint_mlp,
+                              max_tokens_per_micro_batch=token_budget or None).filled().validate()
     trainer = Trainer.build(config, log=lambda text: None, rows=rows, reward_functions=[("bench", lambda p, c, r: scorer(c))])
     loaded = _rss_mb()
     times, lengths, phases = [], [], []
@@ -209,7 +210,8 @@ def child(options) -> None:
     torch.set_num_threads(options.threads)
     folder = Path(options.folder)
     if options.child == "ours":
-        result = run_ours(folder, options.steps, options.micro_batch, options.checkpoint_mlp)
+        result = run_ours(folder, options.steps, options.micro_batch, options.checkpoint_mlp,
+                          options.max_tokens_per_micro_batch)
     else:
         result = run_trl(folder, options.steps, options.micro_batch)
     print("RESULT " + json.dumps(result), flush=True)
@@ -218,6 +220,7 @@ def child(options) -> None:
 def measure(name: str, folder: Path, options) -> dict:
     command = [sys.executable, __file__, "--child", name, "--folder", str(folder), "--steps", str(options.steps),
                "--threads", str(options.threads), "--micro-batch", str(options.micro_batch),
+               "--max-tokens-per-micro-batch", str(options.max_tokens_per_micro_batch),
                *(["--checkpoint-mlp"] if options.checkpoint_mlp else [])]
     environment = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false",
                    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -265,6 +268,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-mlp", action="store_true", help="ours with --checkpoint-mlp (TRL as it is)")
     parser.add_argument("--micro-batch", type=int, default=0, help="completions a forward/backward, for both: ours "
                         "--micro-batch-size, TRL's gradient accumulation over the same generation (default: all 32)")
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=0,
+                        help="ours with --max-tokens-per-micro-batch N (packed micro-batches; TRL as it is)")
     parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -289,17 +294,26 @@ def main() -> None:
         print(f"\n{size}: {parameters / 1e6:.1f}M parameters, vocabulary {vocabulary}, K={K}, {PROMPTS} prompts/step, "
               f"<= {NEW_TOKENS} new tokens, {options.threads} thread(s), {options.rounds} alternating rounds")
         summary = {}
+
+        def spread(values) -> str:
+            return f"{statistics.median(values):.2f} (range {min(values):.2f} … {max(values):.2f})"
+
         for name, runs in results.items():
             step = statistics.median(t for run in runs for t in run["times"][2:])
             peak = statistics.median(run["peak_mb"] for run in runs)
             training = statistics.median(run["peak_mb"] - run["loaded_mb"] for run in runs)
             length = statistics.mean(x for run in runs for x in run["lengths"])
             summary[name] = (step, peak, training)
-            print(f"  {name:5s} median step {step:.3f} s, peak RSS {peak:.0f} MB, training above loaded models "
-                  f"{training:.0f} MB, mean completion length {length:.1f}")
+            rounds = ", ".join(f"{statistics.median(run['times'][2:]):.2f}" for run in runs)
+            print(f"  {name:5s} median step {step:.3f} s (rounds: {rounds}), peak RSS {peak:.0f} MB, training above "
+                  f"loaded models {training:.0f} MB, mean completion length {length:.1f}")
         (ours_step, ours_peak, ours_training), (trl_step, trl_peak, trl_training) = summary["ours"], summary["trl"]
-        print(f"  ratio ours/TRL: step time {ours_step / trl_step:.2f} (goal <= 0.5), peak RSS {ours_peak / trl_peak:.2f} "
-              f"(goal <= 0.7), training memory {ours_training / max(trl_training, 1e-9):.2f}")
+        pairs = list(zip(results["ours"], results["trl"]))
+        step_ratios = [statistics.median(a["times"][2:]) / statistics.median(b["times"][2:]) for a, b in pairs]
+        peak_ratios = [a["peak_mb"] / b["peak_mb"] for a, b in pairs]
+        print(f"  ratio ours/TRL: step time {ours_step / trl_step:.3f}, by round {spread(step_ratios)} "
+              f"(goal <= 0.35); peak RSS {ours_peak / trl_peak:.3f}, by round {spread(peak_ratios)} (goal <= 0.5); "
+              f"training memory {ours_training / max(trl_training, 1e-9):.2f}")
         if options.model:
             flops_report(results["ours"], options.threads)
 
