@@ -29,7 +29,8 @@ from auto_research.errors import UserError
 
 def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable | Sequence[Callable] | None = None,
                config: GenerationConfig | None = None, name: str = "rows", log: Callable[[str], None] = print,
-               environment: Callable | None = None, tools: Sequence[Callable] = (), **settings) -> dict:
+               environment: Callable | None = None, tools: Sequence[Callable] = (),
+               rollout_function: Callable | None = None, **settings) -> dict:
     """Train with RL on a causal LM and return the run's metrics.
 
     ``dataset``: ``arithmetic-generate``, ``gsm8k-generate``, a ``.jsonl`` path, or a list
@@ -40,7 +41,8 @@ def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable 
     they add to ``config.reward`` and ``config.reward_model``. ``settings`` override
     fields of ``config`` (``GenerationConfig``'s fields, the flags' names with underscores).
     ``environment`` (``make_env(row)``) and ``tools`` (functions): multi-turn rollouts, as --environment and
-    --tools (docs/environments.md).
+    --tools (docs/environments.md); ``rollout_function`` (``fn(rows, context)``): your own rollout loop, as
+    --rollout-function.
     """
     # Imported here: ``import auto_research`` stays light, and the run's checks come before torch's import.
     from auto_research.recipes.post_train import post_train_generation
@@ -57,4 +59,4 @@ def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable 
     if not all(callable(function) for _, function in named):
         raise UserError("reward: give a function, or a list of functions, called as reward(prompts, completions, rows)")
     return post_train_generation(config, log=log, rows=rows, reward_functions=named, environment=environment,
-                                 tools=tools)["runs"][0]
+                                 tools=tools, rollout_function=rollout_function)["runs"][0]

@@ -1,6 +1,7 @@
 """The multi-turn settings of a generation-level run (docs/environments.md): an environment made per trajectory,
-tools the model may call, and the most turns a trajectory takes. Checked without importing the user's code (that
-is ``train/prepare.py``'s, on a dataset row, before any model is loaded)."""
+tools the model may call, the most turns a trajectory takes, or a rollout function running the user's own loop.
+Checked without importing the user's code (that is ``train/prepare.py``'s, on a dataset row, before any model is
+loaded)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ class EnvironmentSettings:
     tools: str | None = setting(None, "module:fn,module:fn: plain functions the model may call (their type hints "
                                       "and docstrings are the schema shown through the chat template)",
                                 "environment")
+    rollout_function: str | None = setting(None, "module:fn (or path/file.py:fn): your own rollout loop, "
+                                                 "fn(rows, context) -> one dict per trajectory with prompt_ids, "
+                                                 "completion_ids, logprobs, loss_mask and reward "
+                                                 "(context.generate draws from the run's sampler; "
+                                                 "instead of --environment and --tools)", "environment")
     max_turns: int = setting(4, "the most model turns of a trajectory with --environment or --tools; one that "
                                 "reaches it (or --max-trajectory-tokens) is flagged truncated", "environment",
                              type=int)
@@ -28,7 +34,8 @@ class EnvironmentSettings:
 
     @property
     def multi_turn(self) -> bool:
-        return bool(self.environment or self.tools)
+        """A sample may be longer than one completion: an environment, tools or a rollout function."""
+        return bool(self.environment or self.tools or self.rollout_function)
 
     def trajectory_tokens(self, multi_turn: bool | None = None) -> int:
         """The most tokens after the prompt a sample may hold (one completion without an environment;
@@ -47,8 +54,17 @@ class EnvironmentSettings:
             raise UserError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.max_trajectory_tokens is not None and self.max_trajectory_tokens < 1:
             raise UserError(f"--max-trajectory-tokens must be >= 1, got {self.max_trajectory_tokens}")
-        if not self.multi_turn:
-            return
-        if needs_greedy:
-            raise UserError(f"--environment/--tools with {self.algorithm} is not built (its greedy baseline is one "
-                            "single-turn completion)")
+        self.check_loops(needs_greedy)
+
+    def check_loops(self, needs_greedy: bool, environment: bool = False, rollout_function: bool = False) -> None:
+        """A rollout function is its own loop, without --environment or --tools; none of them runs with an
+        algorithm whose baseline is one greedy completion. ``environment`` and ``rollout_function``: an
+        environment (or tools) and a rollout function given from Python, as the flags."""
+        own = bool(self.rollout_function or rollout_function)
+        talks = bool(self.environment or self.tools or environment)
+        if own and talks:
+            raise UserError("--rollout-function runs its own loop: give it without --environment and --tools")
+        if (own or talks) and needs_greedy:
+            flags = "--rollout-function" if own else "--environment/--tools"
+            raise UserError(f"{flags} with {self.algorithm} is not built (its greedy baseline is one single-turn "
+                            "completion)")

@@ -120,21 +120,28 @@ class EpisodeRunner:
 
     def greedy(self, model, examples: list[Example]) -> Rollout:
         """One greedy trajectory per example from ``model`` (held-out evaluation), whatever the run's sampler."""
-        from auto_research.engine.rollout.builtin import sample  # noqa: PLC0415
-
-        def generate(prompt_ids, seeds, settings):
-            tokens = sample(model, self.tokenizer, prompt_ids, 1, settings.max_new_tokens, greedy=True).token_lists()
-            return tokens, [[0.0] * len(ids) for ids in tokens]
-
-        return replace(self, generate=generate).sample(examples, 1, [0] * len(examples))
+        return replace(self, generate=greedy_generate(model, self.tokenizer)).sample(examples, 1, [0] * len(examples))
 
     def sample(self, examples: list[Example], group_size: int, seeds: list[int]) -> Rollout:
         return trajectory_rollout(self.tokenizer, self.trajectories(examples, group_size, seeds), group_size,
                                   self.pad)
 
 
+def greedy_generate(model, tokenizer) -> Generate:
+    """A ``generate`` that decodes greedily from ``model`` (log-probs 0), whatever the run's sampler: the held-out
+    evaluation's, for an environment's trajectories and a rollout function's alike."""
+    from auto_research.engine.rollout.builtin import sample  # noqa: PLC0415
+
+    def generate(prompt_ids, seeds, settings):
+        tokens = sample(model, tokenizer, prompt_ids, 1, settings.max_new_tokens, greedy=True).token_lists()
+        return tokens, [[0.0] * len(ids) for ids in tokens]
+
+    return generate
+
+
 def trajectory_rollout(tokenizer, trajectories: list[Trajectory], group_size: int, pad: int) -> Rollout:
-    """The Rollout of finished trajectories: prompts left-padded, each trajectory's ids right-padded."""
+    """The Rollout of finished trajectories: prompts left-padded, each trajectory's ids right-padded; a row's text is
+    its ids decoded (special tokens kept), or the trajectory's own ``text`` when it has one."""
     rows = len(trajectories)
     prompt_width = max(len(t.prompt_ids) for t in trajectories)
     width = max(1, max(len(t.ids) for t in trajectories))
@@ -153,7 +160,7 @@ def trajectory_rollout(tokenizer, trajectories: list[Trajectory], group_size: in
             span[row, : len(t.ids)] = 1
             owned[row, : len(t.ids)] = torch.tensor(t.loss_mask, dtype=torch.long)
             logprobs[row, : len(t.ids)] = torch.tensor(t.logprobs, dtype=torch.float32)
-    texts = [tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajectories]
+    texts = [tokenizer.decode(t.ids, skip_special_tokens=False) if t.text is None else t.text for t in trajectories]
     episodes = [{"turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
                  "truncated": t.truncated, "environment_reward": t.reward, "failed": t.failed,
                  "reply": _final_reply(t)} for t in trajectories]

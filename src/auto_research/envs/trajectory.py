@@ -90,6 +90,8 @@ class Trajectory:
     failed: str | None = None
     """The environment's error, in one line: the trajectory's reward is then None (left out of its baseline)."""
     live: bool = True
+    text: str | None = None
+    """What the completion tables show for the whole trajectory (a rollout function's); None: its ids decoded."""
 
     def append(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.ids += ids

@@ -21,7 +21,7 @@ def _silent(text: str) -> None:
 
 
 def post_train_generation(config: GenerationConfig, log=print, rows: list[dict] | None = None,
-                          reward_functions=(), environment=None, tools=()) -> dict:
+                          reward_functions=(), environment=None, tools=(), rollout_function=None) -> dict:
     """One generation-level run: checks, train, metrics, report and plot. Returns ``{"runs": [metrics],
     "paths": [...], "summary": None}``."""
     config = config.filled()
@@ -48,7 +48,7 @@ def post_train_generation(config: GenerationConfig, log=print, rows: list[dict] 
             world.agree(failure)
         elif failure is not None:
             raise failure
-        prepared = prepare(config, log, rows, reward_functions, size, environment, tools)
+        prepared = prepare(config, log, rows, reward_functions, size, environment, tools, rollout_function)
         # torch and transformers only now: every check that can be made without them has passed.
         from auto_research.recipes.generation_run import train_and_report
 

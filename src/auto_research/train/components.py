@@ -59,7 +59,8 @@ class Components:
     rollouts: object | None = None
     """The rollout side (train/rollouts.py), started at the first step or when a run resumes."""
     episodes: object | None = None
-    """Multi-turn trajectories with --environment/--tools (envs.rollout.EpisodeRunner), else None."""
+    """Multi-turn trajectories with --environment/--tools (envs.rollout.EpisodeRunner), or --rollout-function's
+    (envs.custom.FunctionRunner), else None."""
 
     def autocast(self):
         """bf16 compute over float32 master weights when --dtype bfloat16; nothing otherwise."""
@@ -198,6 +199,11 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
                                          eos_ids(tokenizer, policy), components.sampler, model_name,
                                          row_of(task.train[0]), algorithm.needs_greedy,
                                          bool(prepared.rewards or config.reward_model) or prepared.environment is None)
+    if prepared.rollout_function is not None:
+        from auto_research.envs.custom import function_runner  # noqa: PLC0415
+
+        components.episodes = function_runner(prepared, config, tokenizer, policy, components.sampler,
+                                              sampling_settings(config))
     return components
 
 

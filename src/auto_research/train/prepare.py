@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from auto_research.algorithms.registry import get_algorithm
 from auto_research.config.generation import GenerationConfig
 from auto_research.data.tasks import load_task
 from auto_research.data.types import Task
@@ -37,6 +38,8 @@ class Prepared:
     """--environment's factory, checked on a training row (envs.EnvironmentFactory), or None."""
     tools: dict | None = None
     """--tools' functions by name, each with a schema."""
+    rollout_function: tuple[str, Callable] | None = None
+    """--rollout-function's (name, function), found and callable (envs.custom), or None."""
 
 
 def check_settings(config: GenerationConfig, world_size: int) -> None:
@@ -48,7 +51,7 @@ def check_settings(config: GenerationConfig, world_size: int) -> None:
 
 
 def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None, reward_functions=(),
-            world_size: int = 1, environment=None, tools=()) -> Prepared:
+            world_size: int = 1, environment=None, tools=(), rollout_function=None) -> Prepared:
     """Every check of a run that needs no torch; reads the run folder (lock it first), writes nothing."""
     check_settings(config, world_size)
     if config.max_staleness and config.rollout_correction == "none":
@@ -67,10 +70,16 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
         raise UserError(f"--prompts-per-step {config.prompts_per_step}: a step draws distinct prompts, and "
                         f"{task.name} has {len(task.train)} training prompts")
     judge = load_judge(config.judge, task) if config.judge else None
-    factory, functions = None, {}
-    if config.multi_turn or environment is not None or tools:
+    factory, functions, own = None, {}, None
+    if rollout_function is not None or config.rollout_function:
+        from auto_research.envs.custom import load_rollout_function  # noqa: PLC0415 - user code, on demand
+
+        config.check_loops(get_algorithm(config.algorithm).needs_greedy, environment is not None or bool(tools),
+                           rollout_function is not None)
+        own = load_rollout_function(rollout_function or config.rollout_function)
+    if config.environment or config.tools or environment is not None or tools:
         from auto_research.envs.rollout import load_environment, row_of  # noqa: PLC0415 - user code, on demand
 
         factory, functions = load_environment(environment or config.environment, list(tools) + [config.tools or ""],
                                               row_of(task.train[0]))
-    return Prepared(config, task, resume_from, rewards, judge, factory, functions)
+    return Prepared(config, task, resume_from, rewards, judge, factory, functions, own)

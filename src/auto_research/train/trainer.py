@@ -23,11 +23,12 @@ class Trainer:
 
     @classmethod
     def build(cls, config: GenerationConfig, log=print, rows: list[dict] | None = None, reward_functions=(),
-              world: World | None = None, environment=None, tools=()) -> "Trainer":
-        """``environment``/``tools``: a factory and functions from Python (as --environment and --tools)."""
+              world: World | None = None, environment=None, tools=(), rollout_function=None) -> "Trainer":
+        """``environment``/``tools``: a factory and functions from Python (as --environment and --tools);
+        ``rollout_function``: ``fn(rows, context)``, as --rollout-function (envs.custom)."""
         config = config.filled()
         world = world or World.from_environment(config.fsdp)
-        prepared = prepare(config, log, rows, reward_functions, world.size, environment, tools)
+        prepared = prepare(config, log, rows, reward_functions, world.size, environment, tools, rollout_function)
         components = build_components(prepared, model_for(config, prepared.task, world, log), world, log)
         return cls(components, LoopState.fresh(config.seed), log)
 
