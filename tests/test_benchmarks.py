@@ -30,3 +30,26 @@ def test_gpu_benchmark_runs_on_the_cpu_and_lora_holds_less_training_state():
     # the order cannot flip (peak RSS also holds the allocator's working memory, which varies run to run).
     # Full: 4 + 4 + 8 + 4 = 20 bytes a weight; LoRA: 4 bytes a weight and 20 per adapter weight.
     assert figures["lora"][0] < 0.3 * figures["full"][0]
+
+
+def test_the_calculator_example_s_demonstrations_are_laid_out_as_its_rollouts_are():
+    """benchmarks/tools.py's calculator: its small template shows the tool, a demonstration is the call (the
+    model's), the tool's answer (the environment's), then the product (the model's), built by the rollouts' code."""
+    sys.path.insert(0, str(REPOSITORY / "benchmarks"))
+    import tools as calculator  # noqa: PLC0415 - the benchmark module
+
+    from auto_research.envs.tools import call_format, check_template_takes_tools, parse_calls, tool_schema
+
+    tokenizer = calculator.calculator_tokenizer()
+    check_template_takes_tools(tokenizer, [tool_schema(calculator.mul)], "tiny")
+    assert call_format(tokenizer) == "json"
+    row = {"prompt": "754*24", "answer": "18096", "a": 754, "b": 24}
+    [trajectory] = calculator.calculator_demonstrations(tokenizer, [row])
+    call = '{"name":"mul","arguments":{"a":754,"b":24}}'
+    assert tokenizer.decode(trajectory.prompt_ids) == "mul \n754*24\n"
+    assert tokenizer.decode(trajectory.ids) == f"{call}</s>=18096\n18096</s>"
+    owned = [tokenizer.decode([t]) for t, keep in zip(trajectory.ids, trajectory.loss_mask) if keep]
+    assert "".join(owned) == f"{call}</s>18096</s>"
+    assert (trajectory.turns, trajectory.tool_calls, trajectory.tool_errors, trajectory.truncated) == (2, 1, 0, False)
+    [parsed], broken = parse_calls(call, "json")
+    assert (parsed.name, parsed.arguments, broken) == ("mul", {"a": 754, "b": 24}, 0)
