@@ -33,6 +33,21 @@ def fails_on_rank_one(prompts, completions, rows):
     if os.environ.get("RANK") == "1":
         raise ValueError("rank one's reward is broken")
     return checksum(prompts, completions, rows)
+
+class Halves:
+    """test_env_training.py's Sums game with another end: about half of all replies (an even checksum) end it, so
+    trajectories end after different numbers of turns, on each rank."""
+    def __init__(self, row):
+        pass
+    def reset(self):
+        return None
+    def step(self, text):
+        if sum(map(ord, text)) % 2 == 0:
+            return None, 1.0, True
+        return "no", 0.0, False
+
+def make_env(row):
+    return Halves(row)
 '''
 
 
@@ -114,6 +129,35 @@ def test_two_processes_end_with_the_weights_of_one(tiny_model_dir, sums_jsonl, w
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         # Only rank 0 wrote, and the checkpoint loads as an ordinary model.
         assert "before training" in two.stderr and two.stderr.count("before training") == 1
+
+
+def test_two_processes_with_an_environment_end_with_the_weights_of_one(tiny_model_dir, sums_jsonl, workdir):
+    """Multi-turn trajectories (REWARDS' game, at most 2 turns) under FSDP: each rank runs its own prompts'
+    trajectories, which end after different numbers of turns (its forwards, collectives outside the gathered
+    sampling, differ in number), and the run ends where one process ends. Sampling calls of 2 trajectories
+    (--generation-batch-size 8): the second turn's calls pair whichever trajectories are still live on each rank.
+    The episode figures are totals over every rank's trajectories, so they are one process's. (FSDP alone: DDP
+    runs the same multi-turn code with fewer collectives, and the test_two_processes_end_with_the_weights_of_one
+    runs check DDP itself; a third run would cost 15 s.)"""
+    # Room for two turns: 4 tokens, the environment's "\nno\n", 4 more.
+    extra = ("--steps", "2", "--environment", "dist_rewards:make_env", "--max-turns", "2",
+             "--max-trajectory-tokens", "14", "--generation-batch-size", "8")
+    one = run_cli(*_args(tiny_model_dir, sums_jsonl, workdir / "one", *extra), cwd=workdir)
+    assert one.returncode == 0, one.stderr[-3000:]
+    start, expected = load_file(str(tiny_model_dir / "model.safetensors")), _final(workdir / "one")
+    assert max(float((expected[name] - start[name]).abs().max()) for name in start) > 1e-3  # it learned (warm-up)
+    rows = _rows(workdir / "one")
+    # Some trajectories ended at their first reply, some went on after the environment answered, some hit 2 turns.
+    assert all(1.0 < row["turns_mean"] < 2.0 and 0.0 < row["truncated_fraction"] < 1.0 for row in rows), rows
+    two = _torchrun(_args(tiny_model_dir, sums_jsonl, workdir / "fsdp", *extra, "--fsdp"), cwd=workdir)
+    assert two.returncode == 0, two.stderr[-3000:]
+    got = _final(workdir / "fsdp")
+    difference = max(float((got[name] - expected[name]).abs().max()) for name in expected)
+    assert difference <= 1e-5, difference
+    figures = ("turns_mean", "truncated_fraction", "reward_mean", "completion_length")
+    for a, b in zip(rows, _rows(workdir / "fsdp"), strict=True):
+        assert [a[key] for key in figures] == [b[key] for key in figures]
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
 
 
 KILL_AFTER = ("--steps", "6", "--checkpoint-every", "1", "--eval-every", "3")
