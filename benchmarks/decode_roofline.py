@@ -5,7 +5,9 @@
 
 One invocation measures, side by side: the machine's read bandwidth (summing a 1 GiB tensor) and copy bandwidth;
 the matmul rate at a decode step's shape (rows × hidden against each weight matrix of the model); the sampler's
-completion tokens per second on 8 prompts × K = 4, ≤ 32 new tokens (``sample``, as a run calls it); and one
+completion tokens per second on 8 prompts × K = 4, ≤ 32 new tokens (``sample``, as a run calls it: a row that has
+ended leaves the batch), against the loop that kept every row to the end (``drop_finished=False``), alternating,
+the same seeds, the draws checked equal; and one
 decode step split into the model's forward (one token per row, with the KV cache) and the sampling tail
 (temperature, filters, softmax, the draw and the entropy, in float64, over the vocabulary). It prints what the
 forward would take if it only read its weights at the measured bandwidth, or only ran its matmuls at the
@@ -85,16 +87,33 @@ def main() -> None:
 
     matmul_seconds = median_seconds(all_matmuls, options.repeats)
 
-    # The sampler as a run calls it.
-    counted = []
-
-    def sampler():
+    # The sampler as a run calls it (rows that end leave the batch), against the loop that kept every row to the
+    # end, alternating in one process, each round's seeds the same for both: the same draws, other work.
+    def sampler(round_, drop_finished):
         rollout = sample(model, tokenizer, PROMPTS, options.group_size, options.max_new_tokens, 1.0,
-                         seeds=[prompt_seed(0, len(counted), index) for index in range(len(PROMPTS))])
-        counted.append(int(rollout.completion_mask.sum()))
+                         seeds=[prompt_seed(0, round_, index) for index in range(len(PROMPTS))],
+                         drop_finished=drop_finished)
+        return rollout.completion_ids.tolist(), int(rollout.completion_mask.sum()), rollout.completion_ids.shape[1]
 
-    sample_seconds = median_seconds(sampler, options.repeats)
-    tokens = statistics.median(counted)
+    sampler(0, True), sampler(0, False)  # warm-up
+    timings = {True: [], False: []}
+    tokens, widths = [], []
+    for round_ in range(1, options.repeats + 1):
+        drawn = {}
+        for drop_finished in (True, False) if round_ % 2 else (False, True):
+            started = time.perf_counter()
+            drawn[drop_finished] = sampler(round_, drop_finished)
+            timings[drop_finished].append(time.perf_counter() - started)
+        if drawn[True] != drawn[False]:
+            raise SystemExit(f"round {round_}: dropping finished rows changed the draws")
+        tokens.append(drawn[True][1])
+        widths.append(drawn[True][2])
+    sample_seconds = statistics.median(timings[True])
+    kept_seconds = statistics.median(timings[False])
+    rates = [n / t for n, t in zip(tokens, timings[True])]
+    kept_rates = [n / t for n, t in zip(tokens, timings[False])]
+    tokens = statistics.median(tokens)
+    row_steps = rows * statistics.median(widths)
 
     # One decode step, split: the forward with the cache (after a prefill of the prompts), and the tail.
     input_ids, attention = encode_prompts(tokenizer, PROMPTS, "cpu")
@@ -133,8 +152,15 @@ def main() -> None:
           f"({len(PROMPTS)} prompts × K={options.group_size}), ≤ {options.max_new_tokens} new tokens")
     print(f"bandwidth: read {read / gb:.1f} GB/s, copy {copy / gb:.1f} GB/s; matmuls at the decode shape: "
           f"{matmul_flops / matmul_seconds / gb:.1f} GFLOP/s ({matmul_seconds * 1e3:.1f} ms for one step's)")
-    print(f"sampler: {sample_seconds:.3f} s a call, {tokens / sample_seconds:.0f} completion tokens/s "
-          f"({tokens:.0f} tokens; the loop stops when every row has ended)")
+    print(f"sampler: {sample_seconds:.3f} s a call, {statistics.median(rates):.0f} completion tokens/s (rounds "
+          f"{min(rates):.0f}…{max(rates):.0f}; {tokens:.0f} tokens a call, median), rows dropped from the batch as "
+          f"they end")
+    print(f"  every row kept to the end: {kept_seconds:.3f} s a call, {statistics.median(kept_rates):.0f} tokens/s "
+          f"(rounds {min(kept_rates):.0f}…{max(kept_rates):.0f}; {row_steps:.0f} row-steps decoded for {tokens:.0f} "
+          f"tokens); the same draws every round")
+    ratios = [kept / dropped for kept, dropped in zip(timings[False], timings[True])]
+    print(f"  throughput dropping / keeping: {kept_seconds / sample_seconds:.2f}x (rounds {min(ratios):.2f}"
+          f"…{max(ratios):.2f})")
     step = forward_seconds + tail_seconds
     print(f"one decode step: {step * 1e3:.1f} ms = forward {forward_seconds * 1e3:.1f} ms + sampling tail "
           f"{tail_seconds * 1e3:.1f} ms ({tail_seconds / step:.0%})")

@@ -143,3 +143,38 @@ def test_trimmed_micro_batches_give_the_log_probs_and_gradient_of_the_padded_bat
     for name, parameter in model.named_parameters():
         assert torch.allclose(parameter.grad, expected_grad[name], atol=1e-5), name
     model.zero_grad()
+
+
+def test_rows_that_end_leave_the_decode_batch_and_every_draw_stays_the_same(tiny):
+    """With the end-of-sequence logit raised, rows end at varied steps: dropping each from the batch and its KV
+    cache as it ends draws the same tokens, log-probs and entropies as decoding every row to the end, while
+    the forwards run on fewer and fewer rows."""
+    import copy
+
+    model, tokenizer = tiny
+    tilted = copy.deepcopy(model)
+    with torch.no_grad():
+        tilted.lm_head.weight[tokenizer.eos_token_id] += 0.6 * tilted.model.norm.weight / tilted.model.norm.weight.norm()
+    prompts = ["1+2=", "Q: what is 33+4?", "x", "hello there"]
+    seeds = [prompt_seed(7, 0, index) for index in range(len(prompts))]
+    rows_seen = []
+    hook = tilted.model.register_forward_pre_hook(lambda module, args, kwargs: rows_seen.append(
+        kwargs["input_ids"].shape[0]), with_kwargs=True)
+    dropped = sample(tilted, tokenizer, prompts, 4, 24, temperature=1.2, seeds=seeds)
+    decode_rows = rows_seen[1:]
+    rows_seen.clear()
+    kept = sample(tilted, tokenizer, prompts, 4, 24, temperature=1.2, seeds=seeds, drop_finished=False)
+    hook.remove()
+    lengths = dropped.completion_mask.sum(1)
+    assert lengths.min() < lengths.max() and bool((lengths < 24).any())  # rows did end at varied steps
+    assert set(rows_seen[1:]) == {16} and decode_rows[0] == 16 and decode_rows[-1] < 16
+    assert decode_rows == sorted(decode_rows, reverse=True)
+    assert sum(decode_rows) < sum(rows_seen[1:])
+    assert torch.equal(dropped.sequences, kept.sequences)
+    assert torch.equal(dropped.completion_mask, kept.completion_mask)
+    assert dropped.completions == kept.completions
+    assert torch.allclose(dropped.sampler_logprobs, kept.sampler_logprobs, atol=1e-6)
+    assert torch.allclose(dropped.sampler_entropy, kept.sampler_entropy, atol=1e-6)
+    greedy_dropped = sample(tilted, tokenizer, prompts, 1, 24, greedy=True)
+    greedy_kept = sample(tilted, tokenizer, prompts, 1, 24, greedy=True, drop_finished=False)
+    assert torch.equal(greedy_dropped.sequences, greedy_kept.sequences)

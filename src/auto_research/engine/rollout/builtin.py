@@ -12,6 +12,7 @@ import contextlib
 from typing import Callable
 
 import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from auto_research.engine.logprobs import cache_argument, cache_of
 from auto_research.engine.rollout import Rollout, SamplingSettings, completion_mask, concatenate, eos_ids
@@ -84,6 +85,15 @@ def _prefill(model, input_ids, attention, repeats: int):
     return logits, cache, positions.repeat_interleave(repeats, dim=0)[:, -1:] + 1
 
 
+def droppable(cache) -> bool:
+    """Whether rows can be dropped from this KV cache mid-decode: each of its layers is a plain dynamic layer
+    (full or sliding-window attention), whose keys and values are indexed by row. Anything else (a quantized,
+    static or linear-attention layer, a legacy tuple cache) keeps every row until the end."""
+    layers = getattr(cache, "layers", None)
+    return (hasattr(cache, "batch_select_indices") and bool(layers)
+            and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers))
+
+
 @torch.no_grad()
 def sample(
     model,
@@ -96,11 +106,14 @@ def sample(
     top_k: int = 0,
     greedy: bool = False,
     seeds: list[int] | None = None,
+    drop_finished: bool = True,
 ) -> Rollout:
     """K samples for each prompt (or one greedy completion each when ``greedy``), with the sampler's
     log-probabilities of the drawn tokens and the entropy of each token's distribution. Prompts are texts or
     token ids (``encode_prompts``). Each prompt is prefilled once and its KV cache shared by its K samples.
-    Without ``seeds`` the uniforms come from torch's global generator."""
+    Without ``seeds`` the uniforms come from torch's global generator. With ``drop_finished`` (the default) a
+    row that has ended leaves the decode batch and its KV cache at once (``droppable``), so the forward's work
+    follows the rows still decoding; each row's draws are those of the full batch (``tests/test_sampler.py``)."""
     device = next(model.parameters()).device
     prompt_ids, prompt_attention = encode_prompts(tokenizer, prompts, device)
     repeats = 1 if greedy else group_size
@@ -124,8 +137,15 @@ def sample(
     argument = cache_argument(model)
     try:
         logits, cache, position = _prefill(model, prompt_ids, prompt_attention, repeats)
+        compact = droppable(cache) if drop_finished else False
+        # ``live``: the rows still in the decode batch (indices into all rows). A row that ends leaves the batch
+        # and its KV cache when ``compact``; otherwise it stays, fed padding, until every row has ended.
+        live = torch.arange(rows, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        tokens, logprobs, entropies = [], [], []
+        completion_ids = input_ids.new_full((rows, max_new_tokens), pad)
+        logprobs = torch.zeros(rows, max_new_tokens, device=device) if not greedy else None
+        entropies = torch.zeros(rows, max_new_tokens, device=device) if not greedy else None
+        steps = 0
         for t in range(max_new_tokens):
             if greedy:
                 token = logits.argmax(-1)
@@ -133,29 +153,34 @@ def sample(
                 logits = logits / temperature if temperature != 1.0 else logits
                 filtered = filter_logits(logits, top_k, top_p).double()
                 probabilities = filtered.softmax(-1)
-                token = draw(filtered, uniforms[:, t], probabilities)
-                logprobs.append(probabilities.gather(-1, token.unsqueeze(-1)).squeeze(-1).log().float())
-                entropies.append(-torch.special.xlogy(probabilities, probabilities).sum(-1).float())
-            token = torch.where(finished, torch.full_like(token, pad), token)
-            tokens.append(token)
-            finished |= torch.isin(token, eos)
+                token = draw(filtered, uniforms[live, t], probabilities)
+                logprobs[live, t] = probabilities.gather(-1, token.unsqueeze(-1)).squeeze(-1).log().float()
+                entropies[live, t] = -torch.special.xlogy(probabilities, probabilities).sum(-1).float()
+            token = torch.where(finished[live], torch.full_like(token, pad), token)
+            completion_ids[live, t] = token
+            finished[live] |= torch.isin(token, eos)
+            steps = t + 1
             if bool(finished.all()) or t == max_new_tokens - 1:
                 break
-            attention = torch.cat([attention, attention.new_ones(rows, 1)], dim=1)
+            if compact and bool(finished[live].any()):
+                keep = (~finished[live]).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                live, token, attention, position = live[keep], token[keep], attention[keep], position[keep]
+            attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=1)
             output = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=position,
                            use_cache=True, **{argument: cache})
             cache, logits = cache_of(output), output.logits[:, -1].float()
             position = position + 1
     finally:
         model.train(was_training)
-    completion_ids = torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(rows, 0)
+    completion_ids = completion_ids[:, :steps]
     sequences = torch.cat([input_ids, completion_ids], dim=1)
     mask = completion_mask(completion_ids, eos.tolist())
     texts = tokenizer.batch_decode(completion_ids * mask + pad * (1 - mask), skip_special_tokens=True)
-    sampled = torch.stack(logprobs, dim=1) * mask if logprobs else None
-    entropy = torch.stack(entropies, dim=1) * mask if entropies else None
+    sampled = logprobs[:, :steps] * mask if logprobs is not None else None
+    entropy = entropies[:, :steps] * mask if entropies is not None else None
     unfiltered = not greedy and not top_k and top_p >= 1.0
-    return Rollout(sequences, attention[:, : input_ids.shape[1]], mask, texts, repeats, sampled, entropy, unfiltered)
+    return Rollout(sequences, prompt_attention.repeat_interleave(repeats, dim=0), mask, texts, repeats, sampled, entropy, unfiltered)
 
 
 class BuiltinSampler:
