@@ -292,6 +292,45 @@ def test_the_builtin_sampler_and_vllm_build_the_same_trajectories(game):
     assert any(0 in t["loss_mask"] for t in runs["builtin"])
 
 
+def test_an_environment_given_from_python_gives_colocated_vllm_room_for_a_whole_trajectory(sums_jsonl, tmp_path, game,
+                                                                                           monkeypatch):
+    """A factory passed from Python (``--environment`` unset) still makes a multi-turn run: the colocated engine's
+    context holds the longest prompt, a trajectory's --max-trajectory-tokens and one more turn's draw (20 + 3), not
+    one completion's 3 tokens, as without an environment."""
+    pytest.importorskip("vllm")
+    from auto_research.engine.rollout import vllm as vllm_module
+    from auto_research.engine.tiny import build_model, build_tokenizer
+
+    model_dir = tmp_path / "model"  # head size 32: a model vLLM's CPU attention serves
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, max_position_embeddings=64).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    built = {}
+
+    class Recorder:
+        def __init__(self, policy, tokenizer, settings, memory, dtype, max_model_len, seed):
+            built["max_model_len"] = max_model_len
+            raise KeyboardInterrupt  # stop before any engine starts
+
+    monkeypatch.setattr(vllm_module, "VLLMSampler", Recorder)
+    lengths = []
+    for environment in (True, False):
+        with pytest.raises(KeyboardInterrupt):
+            if environment:
+                _trainer(model_dir, sums_jsonl, tmp_path / "env", sampler="vllm")
+            else:  # the same settings, one completion a sample
+                Trainer.build(GenerationConfig(model=str(model_dir), dataset=str(sums_jsonl),
+                                               output_dir=tmp_path / "plain", steps=4, prompts_per_step=1,
+                                               group_size=4, max_new_tokens=3, max_turns=3, max_trajectory_tokens=20,
+                                               evaluation_examples=4, progress=False, offline=True, seed=3,
+                                               device="cpu", sampler="vllm").filled().validate(),
+                              log=lambda text: None)
+        lengths.append(built.pop("max_model_len"))
+    with_environment, without = lengths
+    assert with_environment - without == (20 + 3) - 3  # the same longest prompt on both
+
+
 def _cli(model, data, output, *extra):
     return ["post-train", "--model", str(model), "--dataset", str(data), "--steps", "4", "--prompts-per-step", "2",
             "--group-size", "4", "--max-new-tokens", "3", "--max-turns", "3", "--learning-rate", "1e-2",

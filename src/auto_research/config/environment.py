@@ -44,10 +44,11 @@ class EnvironmentSettings:
             return self.max_new_tokens
         return self.max_trajectory_tokens or self.max_new_tokens * self.max_turns
 
-    def engine_tokens(self) -> int:
+    def engine_tokens(self, multi_turn: bool | None = None) -> int:
         """The most tokens a sampling engine adds to a prompt: a trajectory's, and the last turn's draw (cut to
-        the trajectory's room after it is drawn)."""
-        return self.trajectory_tokens() + (self.max_new_tokens if self.multi_turn else 0)
+        the trajectory's room after it is drawn). ``multi_turn``: as for ``trajectory_tokens``."""
+        multi_turn = self.multi_turn if multi_turn is None else multi_turn
+        return self.trajectory_tokens(multi_turn) + (self.max_new_tokens if multi_turn else 0)
 
     def check_environment(self, needs_greedy: bool) -> None:
         if self.max_turns < 1:

@@ -38,6 +38,9 @@ class SamplerNeeds:
     device: str
     train_prompts: list[str]
     log: Callable = print
+    multi_turn: bool = False
+    """A sample may be a multi-turn trajectory (an environment, tools or a rollout function, from the command line
+    or from Python): an engine's context must hold one (``engine_tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ def _vllm(needs: SamplerNeeds):
     needs.log(f"starting a colocated vLLM engine ({memory:g} of the "
               f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'})")
     return VLLMSampler(needs.policy, tokenizer, needs.settings, memory, needs.compute_dtype,
-                       longest + config.engine_tokens(), config.seed)
+                       longest + config.engine_tokens(needs.multi_turn), config.seed)
 
 
 def _server(engine: str):
