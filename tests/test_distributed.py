@@ -48,6 +48,15 @@ class Halves:
 
 def make_env(row):
     return Halves(row)
+
+def one_draw(rows, context):
+    """One completion a row from the run's sampler, every token the model's; nothing at all on rank 1."""
+    if os.environ.get("RANK") == "1":
+        return []
+    prompts = [context.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in rows]
+    ids, logprobs = context.generate(prompts, list(context.seeds))
+    return [{"prompt_ids": p, "completion_ids": i, "logprobs": l, "loss_mask": [1] * len(i), "reward": float(len(i))}
+            for p, i, l in zip(prompts, ids, logprobs)]
 '''
 
 
@@ -271,6 +280,18 @@ def test_a_reward_failing_on_one_rank_stops_every_rank_with_one_line(tiny_model_
     assert "exitcode  : 2" in result.stderr  # every rank exits 2 (torchrun's own summary)
     assert "exitcode  : 1" not in result.stderr
     assert not (workdir / "out").exists()
+
+
+def test_a_rollout_function_s_bad_return_on_one_rank_stops_every_rank_with_one_line(tiny_model_dir, sums_jsonl,
+                                                                                     workdir):
+    """Rank 1's rollout function returns no rows at the first step: rank 0, which drew its own, is told at the
+    collective that agrees the scores, and both exit 2 (not 1, as a rank stopped by a broken collective would)."""
+    result = _torchrun(_args(tiny_model_dir, sums_jsonl, workdir / "out", "--rollout-function",
+                             "dist_rewards:one_draw"), cwd=workdir)
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("auto-research:")]
+    assert len(ours) == 1 and "--rollout-function" in ours[0] and "returned" in ours[0], result.stderr[-3000:]
+    assert "exitcode  : 2" in result.stderr and "exitcode  : 1" not in result.stderr, result.stderr[-3000:]
 
 
 def test_settings_that_depend_on_the_number_of_processes(tiny_model_dir, sums_jsonl, workdir):

@@ -15,6 +15,7 @@ import time
 import torch
 
 from auto_research.engine.samplers import sampler_record
+from auto_research.errors import RewardError
 from auto_research.train.components import Components
 from auto_research.train.experience import build_experience
 from auto_research.train.in_flight import start_rollouts
@@ -29,7 +30,11 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
     started, seconds = time.perf_counter(), {}
     timed, rollouts = _timer(c, seconds), c.rollouts or start_rollouts(c, state)
     with timed("waiting_for_rollouts"):  # at --max-staleness 0, the trainer idles while the batch is drawn
-        drawn = rollouts.take(step)
+        try:
+            drawn = rollouts.take(step)
+        except RewardError as error:  # a rollout function's bad return on this rank: the others are told, below
+            c.world.agree(error, RewardError)  # the collective that agreed_scores holds on every other rank
+            raise
     with timed("score"):
         scores = agreed_scores(c.world, drawn, step, c.config.group_size)
     _warn_unscored(state, scores, step, log)
