@@ -118,7 +118,7 @@ def sample(
     prompt_ids, prompt_attention = encode_prompts(tokenizer, prompts, device)
     repeats = 1 if greedy else group_size
     input_ids = prompt_ids.repeat_interleave(repeats, dim=0)
-    attention = prompt_attention.repeat_interleave(repeats, dim=0)
+    prompt_mask = attention = prompt_attention.repeat_interleave(repeats, dim=0)
     rows = input_ids.shape[0]
     uniforms = None
     if not greedy:
@@ -180,7 +180,7 @@ def sample(
     sampled = logprobs[:, :steps] * mask if logprobs is not None else None
     entropy = entropies[:, :steps] * mask if entropies is not None else None
     unfiltered = not greedy and not top_k and top_p >= 1.0
-    return Rollout(sequences, prompt_attention.repeat_interleave(repeats, dim=0), mask, texts, repeats, sampled, entropy, unfiltered)
+    return Rollout(sequences, prompt_mask, mask, texts, repeats, sampled, entropy, unfiltered)
 
 
 class BuiltinSampler:
