@@ -190,9 +190,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
                             prepared.judge, train_prompts, eval_prompts)
     components.sampler = record.build(SamplerNeeds(config, policy, tokenizer, sampling_settings(config),
                                                    chunk_prompts(config), components.sampling, model_name, world,
-                                                   compute_dtype, device, train_prompts, log,
-                                                   multi_turn=config.multi_turn or prepared.environment is not None
-                                                   or bool(prepared.tools) or prepared.rollout_function is not None))
+                                                   compute_dtype, device, train_prompts, log, prepared.multi_turn))
     if prepared.environment is not None or prepared.tools:
         from auto_research.engine.rollout import eos_ids  # noqa: PLC0415
         from auto_research.envs.rollout import row_of, runner_for  # noqa: PLC0415

@@ -41,6 +41,12 @@ class Prepared:
     rollout_function: tuple[str, Callable] | None = None
     """--rollout-function's (name, function), found and callable (envs.custom), or None."""
 
+    @property
+    def multi_turn(self) -> bool:
+        """A sample may be longer than one completion: an environment, tools or a rollout function, given on the
+        command line or from Python (``config.multi_turn`` sees the command line's only)."""
+        return self.environment is not None or bool(self.tools) or self.rollout_function is not None
+
 
 def check_settings(config: GenerationConfig, world_size: int) -> None:
     """The checks that read nothing: settings, the number of processes, the output folder."""
