@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,59 @@ def smollm2_dir() -> Path:
     from auto_research.engine.packaged import materialise
 
     return Path(materialise("smollm2-135m-instruct", log=lambda text: print(text, file=sys.stderr)))
+
+
+# A scripted environment, tools and a reward for multi-turn tests (the ``game`` fixture's module ``sums_game``).
+GAME = '''
+class Sums:
+    """Say the sum: "no" (reward -0.1) until it is said (reward 1); "!" makes the environment raise."""
+    def __init__(self, row):
+        self.answer = row["answer"]
+    def reset(self):
+        return None
+    def step(self, text):
+        text = text.strip()
+        if text == "!":
+            raise RuntimeError("boom")
+        if text == self.answer:
+            return None, 1.0, True
+        return "no", -0.1, False
+
+def make_env(row):
+    return Sums(row)
+
+class NoStep:
+    def reset(self):
+        return None
+
+def make_nostep(row):
+    return NoStep()
+
+def add(a: int, b: int) -> int:
+    """Add.
+
+    Args:
+        a: first
+        b: second
+    """
+    return a + b
+
+def unhinted(a, b):
+    """No hints."""
+    return a
+
+def checksum(prompts, completions, rows):
+    # Differs between almost any two final replies: every group carries a learning signal.
+    return [float(sum(map(ord, c)) % 5) for c in completions]
+'''
+
+
+@pytest.fixture
+def game(tmp_path):
+    """GAME as the module ``sums_game`` (its environment, tools and reward), importable for the test's length;
+    yields its folder (for a subprocess's PYTHONPATH)."""
+    (tmp_path / "sums_game.py").write_text(textwrap.dedent(GAME))
+    sys.path.insert(0, str(tmp_path))
+    yield tmp_path
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop("sums_game", None)

@@ -186,25 +186,8 @@ def test_a_trainer_built_from_python_gives_the_servers_lease_back_when_closed(bu
         assert not lease_held(address)
 
 
-SAY_THE_SUM = '''
-class Sums:
-    """Say the sum: "no" (reward -0.1) until it is said (reward 1)."""
-    def __init__(self, row):
-        self.answer = row["answer"]
-    def reset(self):
-        return None
-    def step(self, text):
-        if text.strip() == self.answer:
-            return None, 1.0, True
-        return "no", -0.1, False
-
-def make_env(row):
-    return Sums(row)
-'''
-
-
 def test_multi_turn_trajectories_through_a_live_server_are_the_trainer_s_own_token_for_token(builtin_server, tmp_path,
-                                                                                              monkeypatch):
+                                                                                              game):
     """An environment's episodes drawn through the real HTTP server (``generate_ids``: one completion per history,
     the history sent as token ids) against the same episodes drawn by the trainer's own sampler from the pushed
     weights: the same prompt ids, trajectory ids, loss masks, turns, truncation flags and rewards, and log-probs to
@@ -216,13 +199,11 @@ def test_multi_turn_trajectories_through_a_live_server_are_the_trainer_s_own_tok
     from auto_research.envs import EnvironmentFactory
     from auto_research.envs.rollout import EpisodeRunner
 
-    (tmp_path / "say_the_sum.py").write_text(SAY_THE_SUM)
-    monkeypatch.syspath_prepend(str(tmp_path))
     engine, address = builtin_server
     tokenizer = build_tokenizer()
     trained = build_model(tokenizer, seed=1)
     settings = SamplingSettings(max_new_tokens=4, temperature=1.3)
-    factory = EnvironmentFactory.load("say_the_sum:make_env", {"answer": "7"})
+    factory = EnvironmentFactory.load("sums_game:make_env", {"answer": "7"})
     examples = [Example(f"{a}+{b}=", str(a + b)) for a, b in ((3, 4), (1, 1), (5, 2))]
     client = ServerSampler(trained, tokenizer, settings, address, "embedded", World(), tmp_path / "run",
                            engine="builtin", chunk_prompts=2)

@@ -35,7 +35,7 @@ def fails_on_rank_one(prompts, completions, rows):
     return checksum(prompts, completions, rows)
 
 class Halves:
-    """test_env_training.py's Sums game with another end: about half of all replies (an even checksum) end it, so
+    """conftest.py's Sums game (GAME) with another end: about half of all replies (an even checksum) end it, so
     trajectories end after different numbers of turns, on each rank."""
     def __init__(self, row):
         pass

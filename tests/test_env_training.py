@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from dataclasses import replace
 
 import numpy as np
@@ -28,59 +27,6 @@ from auto_research.train.rollouts import agreed_scores, draw_batch, produce
 from auto_research.train.trainer import Trainer
 from auto_research.train.update import estimate_advantages, update_actor
 from conftest import run_cli
-
-GAME = '''
-class Sums:
-    """Say the sum: "no" (reward -0.1) until it is said (reward 1); "!" makes the environment raise."""
-    def __init__(self, row):
-        self.answer = row["answer"]
-    def reset(self):
-        return None
-    def step(self, text):
-        text = text.strip()
-        if text == "!":
-            raise RuntimeError("boom")
-        if text == self.answer:
-            return None, 1.0, True
-        return "no", -0.1, False
-
-def make_env(row):
-    return Sums(row)
-
-class NoStep:
-    def reset(self):
-        return None
-
-def make_nostep(row):
-    return NoStep()
-
-def add(a: int, b: int) -> int:
-    """Add.
-
-    Args:
-        a: first
-        b: second
-    """
-    return a + b
-
-def unhinted(a, b):
-    """No hints."""
-    return a
-
-def checksum(prompts, completions, rows):
-    # Differs between almost any two final replies: every group carries a learning signal.
-    return [float(sum(map(ord, c)) % 5) for c in completions]
-'''
-
-
-@pytest.fixture
-def game(tmp_path):
-    (tmp_path / "sums_game.py").write_text(textwrap.dedent(GAME))
-    sys.path.insert(0, str(tmp_path))
-    yield tmp_path
-    sys.path.remove(str(tmp_path))
-    sys.modules.pop("sums_game", None)
-
 
 def _trainer(model_dir, data, output, **overrides) -> Trainer:
     from sums_game import make_env
