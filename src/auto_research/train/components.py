@@ -80,10 +80,19 @@ class Components:
 
 
 def adamw(model, config: GenerationConfig) -> torch.optim.AdamW:
-    """AdamW over the weights that train, in its multi-tensor (foreach) form: one kernel per operation
-    for all parameters instead of a Python loop over them, the same arithmetic."""
+    """AdamW over the weights that train, the same arithmetic in its fastest form: fused (one kernel reads and
+    writes each weight, gradient and moment once, with no temporary the size of the model; on this CPU about 5×
+    faster than foreach, and the peak during the step is the training state alone) wherever torch has the fused
+    kernel for the weights' device; else multi-tensor (foreach), as for FSDP's sharded weights (DTensors), whose
+    step makes temporaries as large as the weights it steps."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices  # noqa: PLC0415
+
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    return torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay, foreach=True)
+    fused = all(not isinstance(p, DTensor) and p.device.type in _get_fused_kernels_supported_devices()
+                and p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) for p in trainable)
+    return torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay,
+                             **({"fused": True} if fused else {"foreach": True}))
 
 
 def _load_optimizer(world: World, model, optimizer, folder: Path) -> None:
