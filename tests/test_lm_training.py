@@ -336,6 +336,26 @@ def test_gradient_checkpointing_changes_memory_not_the_step(tiny_model_dir, sums
     checkpointed, _ = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path / "b", reward_module, gradient_checkpointing=True)
     for name in plain:
         assert torch.allclose(plain[name], checkpointed[name], atol=1e-6), name
+    # What the backward keeps, in eval mode (how the policy trains, dropout off): transformers' own gradient
+    # checkpointing acts only in training mode, so it kept everything; recomputed layers keep their inputs only.
+    from auto_research.train.components import checkpoint_layers
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = torch.randint(4, 200, (4, 24))
+    before = _saved_numel(model, ids)
+    assert checkpoint_layers(model) == model.config.num_hidden_layers
+    assert _saved_numel(model, ids) < 0.6 * before
+    with torch.no_grad():  # no gradient: the layers run as they are
+        assert torch.equal(model(input_ids=ids).logits, AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+                           .eval()(input_ids=ids).logits)
+
+
+def _saved_numel(model, ids) -> int:
+    """Elements of the tensors autograd saves for the backward of one forward of ``model``."""
+    total = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel()) or t, lambda t: t):
+        model(input_ids=ids, use_cache=False).logits.sum().backward()
+    return sum(total)
 
 
 def test_resume_with_other_settings_names_them(tiny_model_dir, sums_jsonl, tmp_path, capsys):
@@ -358,13 +378,6 @@ def test_recomputed_mlps_change_memory_not_the_step(tiny_model_dir, sums_jsonl, 
     # What the backward keeps: fewer saved activations with the MLPs recomputed.
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     ids = torch.randint(4, 200, (4, 24))
-
-    def saved(module) -> int:
-        total = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel()) or t, lambda t: t):
-            module(input_ids=ids).logits.sum().backward()
-        return sum(total)
-
-    before = saved(model)
+    before = _saved_numel(model, ids)
     assert checkpoint_mlps(model) == 1
-    assert saved(model) < 0.8 * before
+    assert _saved_numel(model, ids) < 0.8 * before

@@ -103,26 +103,49 @@ def _load_optimizer(world: World, model, optimizer, folder: Path) -> None:
         world.load_optimizer_state(model, optimizer, saved)
 
 
-def checkpoint_mlps(model) -> int:
-    """Recompute every decoder layer's MLP in the backward (torch.utils.checkpoint, non-reentrant): what the MLP
-    keeps for its backward (its gate, up and activation products, 2.7× the hidden size each on Llama-shaped
-    models) is not kept; only its input is. The forward's numbers are unchanged. Returns the MLPs wrapped."""
+def recompute_in_backward(modules, kind: str) -> int:
+    """Wrap each module's forward in torch.utils.checkpoint (non-reentrant) whenever gradients are being taken:
+    what the module keeps for its backward is not kept, only its inputs, and the backward runs its forward again.
+    The numbers are unchanged. Unlike transformers' own gradient checkpointing, which acts only in training mode
+    (the policy is trained in eval mode, with dropout off), it works in either mode. A forward given a KV cache
+    runs as it is (the recompute would extend the cache twice). ``kind`` ("layer" or "mlp") is kept on each module
+    as ``recomputed_in_backward``. Returns the modules wrapped."""
     wrapped = 0
-    for layer in decoder_layers(model):
-        mlp = getattr(layer, "mlp", None)
-        if isinstance(mlp, torch.nn.Module):
-            forward = mlp.forward
+    for module in modules:
+        forward = module.forward
 
-            def recomputed(hidden, _forward=forward):
-                if not torch.is_grad_enabled():
-                    return _forward(hidden)
-                return torch.utils.checkpoint.checkpoint(_forward, hidden, use_reentrant=False)
+        def recomputed(*args, _forward=forward, **kwargs):
+            if not torch.is_grad_enabled() or any(kwargs.get(name) is not None for name in CACHE_ARGUMENTS):
+                return _forward(*args, **kwargs)
+            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
-            mlp.forward = recomputed
-            wrapped += 1
-    if not wrapped:
-        raise UserError("--checkpoint-mlp: this model's decoder layers have no mlp module to recompute")
+        module.forward = recomputed
+        module.recomputed_in_backward = kind
+        wrapped += 1
     return wrapped
+
+
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache")
+
+
+def checkpoint_mlps(model) -> int:
+    """Recompute every decoder layer's MLP in the backward (``recompute_in_backward``): what the MLP keeps for its
+    backward (its gate, up and activation products, 2.7× the hidden size each on Llama-shaped models) is not
+    kept; only its input is. Returns the MLPs wrapped."""
+    mlps = [layer.mlp for layer in decoder_layers(model) if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
+    if not mlps:
+        raise UserError("--checkpoint-mlp: this model's decoder layers have no mlp module to recompute")
+    return recompute_in_backward(mlps, "mlp")
+
+
+def checkpoint_layers(model) -> int:
+    """Recompute every decoder layer in the backward (``recompute_in_backward``, --gradient-checkpointing): only
+    each layer's input is kept, the least activation memory for one more forward's compute. Returns the layers
+    wrapped."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise UserError("--gradient-checkpointing: this model has no list of decoder layers to recompute")
+    return recompute_in_backward(layers, "layer")
 
 
 def _check_context(model, tokenizer, prompts: list[str], max_new_tokens: int) -> None:
@@ -153,9 +176,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     if config.checkpoint_mlp:
         checkpoint_mlps(policy)
     if config.gradient_checkpointing:
-        # transformers 5 renamed it; the old name still works on older releases.
-        enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
-        enable()
+        checkpoint_layers(policy)
     # With β = 0 the reference is not needed, unless the task measures over-optimisation against the KL.
     measured = config.beta > 0 or task.gold is not None
     reference = None
