@@ -141,8 +141,13 @@ def test_chunked_logprobs_equal_the_full_logits_in_value_and_gradient(tiny_model
     assert (entropy[mask == 0] == 0).all() and (chunked[mask == 0] == 0).all()
 
 
+@pytest.mark.parametrize("sharing", ["grouped rows", "kv cache"])
 @pytest.mark.parametrize("kind", ["policy", "lora reference", "critic"])
-def test_a_groups_prompt_shared_by_its_samples_gives_the_same_numbers_and_gradients(tiny_model_dir, kind):
+def test_a_groups_prompt_shared_by_its_samples_gives_the_same_numbers_and_gradients(tiny_model_dir, kind, sharing,
+                                                                                    monkeypatch):
+    """Both ways of computing a group's prompt once (one row a group under a block mask; or the prompt's KV cache
+    repeated for the K rows, for models that take no block mask) against one padded row a sample."""
+    from auto_research.engine import logprobs
     from auto_research.engine.logprobs import completion_values, shares_prompts
     from auto_research.engine.models import load_critic
 
@@ -176,6 +181,9 @@ def test_a_groups_prompt_shared_by_its_samples_gives_the_same_numbers_and_gradie
 
         model = AdaptersDisabled(peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])))
     assert shares_prompts(model, sequences, prompt_mask, 3) and not shares_prompts(model, sequences, prompt_mask, 2)
+    assert logprobs.grouped_rows(model, sequences, prompt_mask, mask, 3) is not None
+    if sharing == "kv cache":
+        monkeypatch.setattr(logprobs, "grouped_rows", lambda *args, **kwargs: None)
     weights = torch.arange(1.0, 1 + mask.numel()).view_as(mask)
     results = []
     for group_size in (3, 1):

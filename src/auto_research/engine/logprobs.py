@@ -17,7 +17,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
-from auto_research.engine.packing import Packed, layout
+from auto_research.engine.packing import Grouped, Packed, grouped_layout, layout, takes_block_masks
 
 
 def attention_for(sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +70,10 @@ def completion_values(critic, sequences: torch.Tensor, prompt_mask: torch.Tensor
         packed = layout(sequences, prompt_mask, completion_mask)
         scores = critic(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0, :, 0]
         return _scattered(scores[packed.predictors], completion_mask.bool())
+    grouped = grouped_rows(critic, sequences, prompt_mask, completion_mask, group_size)
+    if grouped is not None:
+        scores = critic(**grouped.inputs(), use_cache=False).logits[..., 0]
+        return _scattered(scores.reshape(-1)[grouped.predictors], completion_mask.bool())
     if shares_prompts(critic, sequences, prompt_mask, group_size):
         first, rest = _prompt_then_completions(critic, sequences, prompt_mask, completion_mask, group_size, {})
         scores = torch.cat([first.logits[:, -1:, 0].repeat_interleave(group_size, dim=0), rest.logits[:, :-1, 0]], 1)
@@ -89,18 +93,40 @@ def cache_of(output):
     return cache if cache is not None else output.past_key_values
 
 
-def shares_prompts(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> bool:
-    """Whether the K rows of each group can share one forward of their (identical) prompt: the batch holds
-    whole groups, the model keeps a KV cache, and neither DDP, FSDP nor activation checkpointing (each of
-    which expects one forward over whole rows) is in the way."""
-    rows = sequences.shape[0]
-    if group_size < 2 or rows % group_size or not accepts(model, cache_argument(model)):
-        return False
+def _single_process(model, checkpointing_allowed: bool) -> bool:
+    """Whether ``model`` is neither under DDP nor FSDP, whose hooks expect every rank to run the same forwards
+    over whole rows, nor (unless allowed) under layer recomputation, which a forward through a KV cache skips."""
     inner = model if isinstance(model, torch.nn.Module) else getattr(model, "model", None)  # a LoRA reference
     if not isinstance(inner, torch.nn.Module) or isinstance(inner, torch.nn.parallel.DistributedDataParallel):
         return False
-    if any(isinstance(module, FSDPModule) or getattr(module, "gradient_checkpointing", False)
-           for module in inner.modules()):
+    return not any(isinstance(module, FSDPModule)
+                   or (not checkpointing_allowed and (getattr(module, "gradient_checkpointing", False)
+                                                      or getattr(module, "recomputed_in_backward", None) == "layer"))
+                   for module in inner.modules())
+
+
+def grouped_rows(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
+                 group_size: int) -> Grouped | None:
+    """The rows as one row per group (``packing.Grouped``: the prompt once, the K completions unpadded, a block
+    mask), where the model honours a 4-D attention mask (``takes_block_masks``, checked once), the batch holds
+    whole groups with one prompt each, and neither DDP nor FSDP is in the way; else None. One forward, no KV
+    cache: it works under activation checkpointing too, and computes no padding inside a group."""
+    if group_size < 2 or sequences.shape[0] % group_size or not _single_process(model, checkpointing_allowed=True):
+        return None
+    if not takes_block_masks(model):
+        return None
+    return grouped_layout(sequences, prompt_mask, completion_mask, group_size)
+
+
+def shares_prompts(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> bool:
+    """Whether the K rows of each group can share one forward of their (identical) prompt through a KV cache
+    (where ``grouped_rows`` does not apply): the batch holds whole groups, the model keeps a KV cache, and
+    neither DDP, FSDP nor activation checkpointing (each of which expects one forward over whole rows) is in
+    the way."""
+    rows = sequences.shape[0]
+    if group_size < 2 or rows % group_size or not accepts(model, cache_argument(model)):
+        return False
+    if not _single_process(model, checkpointing_allowed=False):
         return False
     prompts, masks = sequences[:, :prompt_mask.shape[1]], prompt_mask
     return bool(torch.equal(prompts, prompts[::group_size].repeat_interleave(group_size, dim=0))
@@ -148,7 +174,8 @@ def token_logprobs(
     taken at the completion positions and the logits are made, used and dropped a chunk of positions at
     a time (``chunked_logprobs``): no (B, C, V) tensor, and no log-softmax copy of it, ever exists, in
     the forward or the backward. Other models go through their own logits. With ``group_size`` K, the rows of
-    each group of K share one forward of their prompt (``shares_prompts``). With ``pack`` the rows go through
+    each group of K share one forward of their prompt: as one row a group under a block mask (``grouped_rows``),
+    or through a KV cache (``shares_prompts``). With ``pack`` the rows go through
     the model as one packed row (``packing.py``; the caller checked ``packs_sequences``): no padding at all, and
     the logits of a model without a plain output layer are made at the completion positions only.
     """
@@ -167,12 +194,18 @@ def token_logprobs(
                                    with_entropy, entropy_gradient)
             return _scattered(outputs, mask)
     else:
-        hidden, weight = completion_hidden(model, sequences, prompt_mask, completion_mask, group_size)
-        targets = sequences[:, prompt_mask.shape[1]:]
-        if hidden is None:
-            return _from_logits(completion_logits(model, sequences, prompt_mask, completion_mask, temperature),
-                                targets, mask, with_entropy, entropy_gradient)
-        kept_hidden, kept_targets = hidden[mask], targets[mask]
+        grouped = grouped_rows(model, sequences, prompt_mask, completion_mask, group_size)
+        kept_hidden = None
+        if grouped is not None:
+            kept_hidden, weight = packed_hidden(model, grouped)
+            kept_targets = grouped.targets
+        if kept_hidden is None:
+            hidden, weight = completion_hidden(model, sequences, prompt_mask, completion_mask, group_size)
+            targets = sequences[:, prompt_mask.shape[1]:]
+            if hidden is None:
+                return _from_logits(completion_logits(model, sequences, prompt_mask, completion_mask, temperature),
+                                    targets, mask, with_entropy, entropy_gradient)
+            kept_hidden, kept_targets = hidden[mask], targets[mask]
     chosen = chunked_logprobs(kept_hidden, weight, kept_targets, temperature)
     if not with_entropy:
         return _scattered(chosen, mask)
@@ -188,9 +221,10 @@ def _scattered(values, mask: torch.Tensor):
     return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, values.float())
 
 
-def packed_hidden(model, packed: Packed):
+def packed_hidden(model, packed: Packed | Grouped):
     """(N, H) the output layer's input at ``packed.predictors`` and its weight, from a forward over the packed row
-    in which the output layer computes nothing; (None, None) for a model whose output layer is no plain map."""
+    (or the grouped rows) in which the output layer computes nothing; (None, None) for a model whose output layer
+    is no plain map."""
     layer = _plain_output_layer(model)
     if layer is None:
         return None, None
@@ -202,11 +236,11 @@ def packed_hidden(model, packed: Packed):
 
     handle = layer.register_forward_pre_hook(capture)
     try:
-        model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+        model(**packed.inputs(), use_cache=False)
     finally:
         handle.remove()
     hidden, weight = captured[0]
-    return hidden[0, packed.predictors], weight
+    return hidden.reshape(-1, hidden.shape[-1])[packed.predictors], weight
 
 
 def _from_logits(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, with_entropy: bool,

@@ -36,6 +36,9 @@ class Packed:
     targets: torch.Tensor
     """(N,) those completion tokens."""
 
+    def inputs(self) -> dict:
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids}
+
 
 def layout(sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> Packed:
     """The packed row of ``[prompt | completion]`` rows (a prompt is its unmasked tokens, a completion its first
@@ -73,6 +76,44 @@ def _inner(model):
     return None
 
 
+def takes_block_masks(model) -> bool:
+    """Whether ``model`` honours a (B, 1, L, L) boolean attention mask with its own position ids (sdpa and eager
+    do; flash-attention does not): two completions of one prompt as one grouped row (``grouped_layout``) give
+    the outputs of the two rows apart. Checked once per model class and attention implementation."""
+    inner = _inner(model)
+    if inner is None:
+        return False
+    key = ("block", type(inner).__name__, getattr(inner.config, "_attn_implementation", None))
+    if key not in _CHECKED:
+        _CHECKED[key] = _check_block_mask(model, inner)
+    return _CHECKED[key]
+
+
+def _check_block_mask(model, inner) -> bool:
+    vocabulary = int(getattr(inner.config, "vocab_size", 0) or 0)
+    if vocabulary < 8:
+        return False
+    device = next(inner.parameters()).device
+    sequences = torch.tensor([[3, 5, 7, 0], [3, 5, 6, 4]], device=device)
+    prompt_mask = torch.ones(2, 2, dtype=torch.long, device=device)
+    completion_mask = torch.tensor([[1, 0], [1, 1]], device=device)
+    grouped = grouped_layout(sequences, prompt_mask, completion_mask, 2)
+    training = inner.training
+    inner.eval()
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            alone = [model(input_ids=ids[None], position_ids=torch.arange(len(ids), device=device)[None],
+                           use_cache=False).logits.float()[0] for ids in (sequences[0, :3], sequences[1])]
+            together = model(**grouped.inputs(), use_cache=False).logits.float()[0]
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    finally:
+        inner.train(training)
+    expected = torch.cat([alone[0], alone[1][2:]])
+    scale = float(expected.abs().max()) + 1e-6
+    return together.shape == expected.shape and float((together - expected).abs().max()) <= 1e-3 * scale
+
+
 def packs_sequences(model) -> bool:
     """Whether ``model`` keeps sequences packed in one row apart (position ids restarting, no attention mask):
     two short sequences, alone and packed, give the same outputs. Checked once per model class and attention
@@ -108,3 +149,78 @@ def _check(model, inner) -> bool:
     expected = torch.cat(alone, dim=1)
     scale = float(expected.abs().max()) + 1e-6
     return packed.shape == expected.shape and float((packed - expected).abs().max()) <= 1e-3 * scale
+
+
+@dataclass(frozen=True)
+class Grouped:
+    """Whole groups of K rows that share their prompt, one row a group: the prompt once, then each of the K
+    completions, with a (G, 1, L, L) attention mask in which each completion sees the prompt and its own earlier
+    tokens only. The same positions and attention as K rows of ``[prompt | completion]``, with no prompt computed
+    K times and no padding inside a group (a group's row is padded at its right end to the longest group's)."""
+
+    input_ids: torch.Tensor
+    """(G, L) each group's prompt tokens, then its K completions' tokens up to the last that counts."""
+    position_ids: torch.Tensor
+    """(G, L) 0 … p − 1 over the prompt, then p … p + n − 1 for each completion of n tokens."""
+    attention: torch.Tensor
+    """(G, 1, L, L) bool, True where a query position attends to a key position."""
+    predictors: torch.Tensor
+    """(N,) as ``Packed.predictors``, indexing the flattened (G · L) rows."""
+    targets: torch.Tensor
+    """(N,) those completion tokens."""
+
+    def inputs(self) -> dict:
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": self.attention}
+
+
+def grouped_layout(sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
+                   group_size: int) -> Grouped | None:
+    """The ``Grouped`` layout of ``[left-padded prompt | completion]`` rows in whole groups of ``group_size``
+    with identical prompts, or None where it does not apply: rows that are not whole groups, prompts that differ
+    within a group, or a completion mask that is not a prefix of its row (tokens counted after a gap)."""
+    rows, prompt_length = sequences.shape[0], prompt_mask.shape[1]
+    if group_size < 2 or rows % group_size or not bool(prompt_mask.bool().any(1).all()):
+        return None
+    counted = completion_mask.bool()
+    lengths = counted.long().sum(1)
+    steps = torch.arange(counted.shape[1], device=counted.device)
+    if not torch.equal(counted, steps[None] < lengths[:, None]):
+        return None
+    prompts, masks = sequences[:, :prompt_length], prompt_mask.bool()
+    first_rows = slice(None, None, group_size)
+    if not (torch.equal(prompts, prompts[first_rows].repeat_interleave(group_size, 0))
+            and torch.equal(masks, masks[first_rows].repeat_interleave(group_size, 0))):
+        return None
+    groups = rows // group_size
+    prompt_lengths = masks[first_rows].long().sum(1)                                   # (G,)
+    per_group = lengths.view(groups, group_size)
+    widths = prompt_lengths + per_group.sum(1)
+    width = int(widths.max())
+    device = sequences.device
+    input_ids = torch.zeros(groups, width, dtype=sequences.dtype, device=device)
+    positions = torch.zeros(groups, width, dtype=torch.long, device=device)
+    segment = torch.full((groups, width), -1, dtype=torch.long, device=device)       # 0 prompt, k + 1 completion k
+    predictors = []
+    for g in range(groups):
+        p = int(prompt_lengths[g])
+        input_ids[g, :p] = prompts[g * group_size][masks[g * group_size]]
+        positions[g, :p] = torch.arange(p, device=device)
+        segment[g, :p] = 0
+        start = p
+        for k in range(group_size):
+            row, n = g * group_size + k, int(per_group[g, k])
+            input_ids[g, start:start + n] = sequences[row, prompt_length:prompt_length + n]
+            positions[g, start:start + n] = torch.arange(p, p + n, device=device)
+            segment[g, start:start + n] = k + 1
+            if n:
+                before = torch.arange(start - 1, start + n - 1, device=device)
+                before[0] = p - 1  # the first completion token is predicted from the prompt's last
+                predictors.append(before + g * width)
+            start += n
+    query, key = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    attention = causal & (query != -1) & (key != -1) & ((key == 0) | (key == query))
+    attention |= torch.eye(width, dtype=torch.bool, device=device)  # padding attends to itself: no empty row
+    targets = sequences[:, prompt_length:][counted]
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return Grouped(input_ids, positions, attention[:, None], torch.cat(predictors) if predictors else empty, targets)
