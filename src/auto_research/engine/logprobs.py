@@ -350,16 +350,26 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if ctx.needs_input_grad[1] else None
         w = weight.to(compute)
         for start, stop in _chunks(hidden.shape[0], weight.shape[0]):
-            logits = _logits(hidden[start:stop], weight, ctx.temperature)
-            grad = -torch.exp(logits - normalisers[start:stop, None])
+            # In place, one chunk of logits becomes its gradient: no second (chunk, V) tensor at any moment.
+            grad = _logits(hidden[start:stop], weight, ctx.temperature)
+            grad.sub_(normalisers[start:stop, None]).exp_().neg_()
             grad.scatter_add_(-1, targets[start:stop, None], torch.ones_like(grad[:, :1]))
             grad *= (grad_out[start:stop] / ctx.temperature)[:, None]
-            grad = grad.to(compute)
-            if grad_hidden is not None:
-                grad_hidden[start:stop] = grad @ w
-            if grad_weight is not None:
-                grad_weight += (grad.t() @ hidden[start:stop]).float()
+            _accumulate(grad.to(compute), hidden[start:stop], w, grad_hidden, grad_weight, start, stop)
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
+
+
+def _accumulate(grad, hidden, weight, grad_hidden, grad_weight, start: int, stop: int) -> None:
+    """A chunk's share of the output layer's backward: d/dhidden = grad · W into its rows, d/dW += gradᵀ · hidden
+    (in place, no temporary the size of W, when both are float32)."""
+    if grad_hidden is not None:
+        torch.mm(grad, weight, out=grad_hidden[start:stop]) if grad_hidden.dtype == grad.dtype \
+            else grad_hidden[start:stop].copy_(grad @ weight)
+    if grad_weight is not None:
+        if grad.dtype == grad_weight.dtype:
+            grad_weight.addmm_(grad.t(), hidden)
+        else:
+            grad_weight += (grad.t() @ hidden).float()
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -391,10 +401,7 @@ class _ChunkedEntropy(torch.autograd.Function):
             p = log_p.exp()
             entropy = -(p * log_p).sum(-1, keepdim=True)
             grad = (-p * (log_p + entropy) * (grad_out[start:stop] / ctx.temperature)[:, None]).to(compute)
-            if grad_hidden is not None:
-                grad_hidden[start:stop] = grad @ w
-            if grad_weight is not None:
-                grad_weight += (grad.t() @ hidden[start:stop]).float()
+            _accumulate(grad, hidden[start:stop], w, grad_hidden, grad_weight, start, stop)
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None
 
 
