@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from auto_research.engine.heap import release_free_memory
 from auto_research.engine.samplers import sampler_record
 from auto_research.errors import RewardError
 from auto_research.train.components import Components
@@ -70,12 +71,16 @@ def _warn_unscored(state: LoopState, scores, step: int, log) -> None:
 
 
 def _timer(c: Components, seconds: dict):
+    """A phase's clock. On the CPU each phase starts by giving the heap's free memory back (``engine/heap.py``),
+    so that the step's peak is its largest phase's, not the sum of what earlier phases left behind."""
     cuda = c.device.startswith("cuda")
 
     @contextlib.contextmanager
     def timed(phase: str):
         if cuda:  # kernels run asynchronously: a phase ends when its work does
             torch.cuda.synchronize()
+        else:
+            release_free_memory()
         started = time.perf_counter()
         yield
         if cuda:

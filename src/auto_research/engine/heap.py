@@ -1,0 +1,36 @@
+"""Give the C heap's free memory back to the operating system between the phases of a step (CPU runs).
+
+On the CPU, torch allocates through malloc. glibc keeps what a phase frees in its heaps for reuse, and the
+next phase, which allocates tensors of other sizes, can rarely reuse it whole: on SmolLM2-135M the process kept
+about 2.3 GB between steps above its weights and optimizer states, so a step's peak was the sum of the phases'
+leftovers, not the largest phase's needs. ``malloc_trim(0)`` returns the heaps' free pages at once (about a
+millisecond here). Elsewhere (another C library, macOS, CUDA memory) it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+
+@functools.cache
+def _trim():
+    name = ctypes.util.find_library("c")
+    try:
+        library = ctypes.CDLL(name) if name else None
+    except OSError:
+        library = None
+    trim = getattr(library, "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_free_memory() -> bool:
+    """Return the C heap's free pages to the operating system; whether this C library can (glibc)."""
+    trim = _trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
