@@ -10,6 +10,7 @@ import torch
 from auto_research.engine import logprobs, packing
 from auto_research.engine.logprobs import completion_values, token_logprobs
 from auto_research.engine.tiny import build_model, build_tokenizer
+from test_packing import tiny, tiny_critic  # noqa: F401  (a fixture, and the critic made from it)
 
 # Two groups of K = 2. Group 0: a prompt of 2 tokens (left-padded to 3), completions of 3 and 1 tokens;
 # group 1: a prompt of 3, completions of 2 and 0.
@@ -19,12 +20,6 @@ SEQUENCES = torch.tensor([[0, 11, 12, 21, 22, 23],
                           [0, 11, 12, 31, 0, 0],
                           [13, 14, 15, 41, 42, 0],
                           [13, 14, 15, 0, 0, 0]])
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_model(build_tokenizer(), seed=0, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
 
 
 def test_the_grouped_rows_by_hand():
@@ -73,7 +68,7 @@ def _batch(groups: int = 3, K: int = 4):
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "layers-recomputed"])
-def test_grouped_logprobs_and_gradients_equal_the_rows_apart(tiny, monkeypatch, recompute):
+def test_grouped_logprobs_and_gradients_equal_the_rows_apart(monkeypatch, recompute):
     from auto_research.train.components import checkpoint_layers
 
     model = build_model(build_tokenizer(), seed=0, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -100,13 +95,7 @@ def test_grouped_logprobs_and_gradients_equal_the_rows_apart(tiny, monkeypatch, 
 
 
 def test_grouped_values_equal_the_rows_apart(tiny, tmp_path, monkeypatch):
-    from auto_research.engine.models import load_critic
-
-    tiny.save_pretrained(tmp_path)
-    build_tokenizer().save_pretrained(tmp_path)
-    critic = load_critic(str(tmp_path), "cpu", True, 260)
-    with torch.no_grad():
-        critic.score.weight.normal_(generator=torch.Generator().manual_seed(2))
+    critic = tiny_critic(tiny, tmp_path)
     sequences, prompt_mask, mask = _batch()
     assert logprobs.grouped_rows(critic, sequences, prompt_mask, mask, 4) is not None
     grouped = completion_values(critic, sequences, prompt_mask, mask, group_size=4)

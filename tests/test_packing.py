@@ -123,14 +123,21 @@ def test_packed_logprobs_through_a_models_own_logits_equal_the_padded_ones(tiny,
         assert torch.allclose(a, b, atol=1e-5)
 
 
-def test_packed_values_equal_the_padded_ones_in_value_and_gradient(tiny, tmp_path):
+def tiny_critic(tiny, folder):
+    """A critic (one-label token classifier) from the tiny model, its head drawn at random (at zero every value
+    would be 0)."""
     from auto_research.engine.models import load_critic
 
-    tiny.save_pretrained(tmp_path)
-    build_tokenizer().save_pretrained(tmp_path)
-    critic = load_critic(str(tmp_path), "cpu", True, 260)
+    tiny.save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    critic = load_critic(str(folder), "cpu", True, 260)
     with torch.no_grad():
         critic.score.weight.normal_(generator=torch.Generator().manual_seed(2))
+    return critic
+
+
+def test_packed_values_equal_the_padded_ones_in_value_and_gradient(tiny, tmp_path):
+    critic = tiny_critic(tiny, tmp_path)
     sequences, prompt_mask, mask = _batch()
     weights = torch.arange(1.0, 29.0).view(4, 7)
     results = []

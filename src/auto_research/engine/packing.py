@@ -12,6 +12,12 @@ gradients are the padded batch's up to float rounding. ``packs_sequences`` check
 
 On the CPU's sdpa, attention over a packed row of L tokens costs L² (the blocks are masked, not skipped): fine
 for the budgets a CPU trains with, where the MLPs and projections outweigh attention's scores.
+
+The grouped layout (``grouped_layout``) is the other padding-free form, for whole batches of groups: one row a
+group, its prompt once and its K completions after it, with an explicit (G, 1, L, L) mask in which each completion
+sees the prompt and itself. It is what a group's shared prompt costs once instead of K times, without a KV cache
+(so it works under layer recomputation); ``takes_block_masks`` checks once per model that the attention honours
+such a mask (sdpa and eager do, flash-attention does not).
 """
 
 from __future__ import annotations
@@ -80,75 +86,59 @@ def takes_block_masks(model) -> bool:
     """Whether ``model`` honours a (B, 1, L, L) boolean attention mask with its own position ids (sdpa and eager
     do; flash-attention does not): two completions of one prompt as one grouped row (``grouped_layout``) give
     the outputs of the two rows apart. Checked once per model class and attention implementation."""
-    inner = _inner(model)
-    if inner is None:
-        return False
-    key = ("block", type(inner).__name__, getattr(inner.config, "_attn_implementation", None))
-    if key not in _CHECKED:
-        _CHECKED[key] = _check_block_mask(model, inner)
-    return _CHECKED[key]
+    def compare(model, device):
+        sequences = torch.tensor([[3, 5, 7, 0], [3, 5, 6, 4]], device=device)
+        completion_mask = torch.tensor([[1, 0], [1, 1]], device=device)
+        grouped = grouped_layout(sequences, torch.ones_like(completion_mask), completion_mask, 2)
+        alone = [_logits_alone(model, ids[None], device)[0] for ids in (sequences[0, :3], sequences[1])]
+        return model(**grouped.inputs(), use_cache=False).logits.float()[0], torch.cat([alone[0], alone[1][2:]])
 
-
-def _check_block_mask(model, inner) -> bool:
-    vocabulary = int(getattr(inner.config, "vocab_size", 0) or 0)
-    if vocabulary < 8:
-        return False
-    device = next(inner.parameters()).device
-    sequences = torch.tensor([[3, 5, 7, 0], [3, 5, 6, 4]], device=device)
-    prompt_mask = torch.ones(2, 2, dtype=torch.long, device=device)
-    completion_mask = torch.tensor([[1, 0], [1, 1]], device=device)
-    grouped = grouped_layout(sequences, prompt_mask, completion_mask, 2)
-    training = inner.training
-    inner.eval()
-    try:
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            alone = [model(input_ids=ids[None], position_ids=torch.arange(len(ids), device=device)[None],
-                           use_cache=False).logits.float()[0] for ids in (sequences[0, :3], sequences[1])]
-            together = model(**grouped.inputs(), use_cache=False).logits.float()[0]
-    except (TypeError, ValueError, RuntimeError):
-        return False
-    finally:
-        inner.train(training)
-    expected = torch.cat([alone[0], alone[1][2:]])
-    scale = float(expected.abs().max()) + 1e-6
-    return together.shape == expected.shape and float((together - expected).abs().max()) <= 1e-3 * scale
+    return _checked(model, "block mask", compare)
 
 
 def packs_sequences(model) -> bool:
     """Whether ``model`` keeps sequences packed in one row apart (position ids restarting, no attention mask):
     two short sequences, alone and packed, give the same outputs. Checked once per model class and attention
     implementation; every rank checks at the same point (under FSDP each forward is a collective)."""
+    def compare(model, device):
+        first, second = torch.tensor([[3, 5, 7]], device=device), torch.tensor([[6, 4]], device=device)
+        positions = torch.tensor([[0, 1, 2, 0, 1]], device=device)
+        packed = model(input_ids=torch.cat([first, second], 1), position_ids=positions, use_cache=False)
+        return packed.logits.float(), torch.cat([_logits_alone(model, ids, device) for ids in (first, second)], 1)
+
+    return _checked(model, "packed", compare)
+
+
+def _logits_alone(model, ids: torch.Tensor, device) -> torch.Tensor:
+    positions = torch.arange(ids.shape[1], device=device)[None]
+    return model(input_ids=ids, position_ids=positions, use_cache=False).logits.float()
+
+
+def _checked(model, layout_name: str, compare) -> bool:
+    """Once per (layout, model class, attention implementation): ``compare(model, device)`` → (got, expected)
+    logits, run in eval mode without gradient or autocast, must agree to 1e-3 of their scale."""
     inner = _inner(model)
     if inner is None:
         return False
-    key = (type(inner).__name__, getattr(inner.config, "_attn_implementation", None))
-    if key not in _CHECKED:
-        _CHECKED[key] = _check(model, inner)
-    return _CHECKED[key]
-
-
-def _check(model, inner) -> bool:
-    vocabulary = int(getattr(inner.config, "vocab_size", 0) or 0)
-    if vocabulary < 8:
-        return False
-    device = next(inner.parameters()).device
-    first, second = torch.tensor([[3, 5, 7]], device=device), torch.tensor([[6, 4]], device=device)
-    training = inner.training
-    inner.eval()
-    try:
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            alone = [model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=device)[None],
-                           use_cache=False).logits.float() for ids in (first, second)]
-            positions = torch.tensor([[0, 1, 2, 0, 1]], device=device)
-            packed = model(input_ids=torch.cat([first, second], 1), position_ids=positions,
-                           use_cache=False).logits.float()
-    except (TypeError, ValueError, RuntimeError):
-        return False
-    finally:
-        inner.train(training)
-    expected = torch.cat(alone, dim=1)
-    scale = float(expected.abs().max()) + 1e-6
-    return packed.shape == expected.shape and float((packed - expected).abs().max()) <= 1e-3 * scale
+    key = (layout_name, type(inner).__name__, getattr(inner.config, "_attn_implementation", None))
+    if key in _CHECKED:
+        return _CHECKED[key]
+    agrees = False
+    if int(getattr(inner.config, "vocab_size", 0) or 0) >= 8:
+        device = next(inner.parameters()).device
+        training = inner.training
+        inner.eval()
+        try:
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                got, expected = compare(model, device)
+            scale = float(expected.abs().max()) + 1e-6
+            agrees = got.shape == expected.shape and float((got - expected).abs().max()) <= 1e-3 * scale
+        except (TypeError, ValueError, RuntimeError):
+            agrees = False
+        finally:
+            inner.train(training)
+    _CHECKED[key] = agrees
+    return agrees
 
 
 @dataclass(frozen=True)
