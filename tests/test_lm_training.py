@@ -350,6 +350,24 @@ def test_gradient_checkpointing_changes_memory_not_the_step(tiny_model_dir, sums
                            .eval()(input_ids=ids).logits)
 
 
+def test_ppo_recomputes_its_critic_too(tiny_model_dir, sums_jsonl, tmp_path, reward_module):
+    """--gradient-checkpointing covers every model that trains: PPO's critic ends where it ends without it."""
+    from auto_research.engine.distributed import decoder_layers
+
+    config = _config(tiny_model_dir, sums_jsonl, tmp_path / "a", reward=[f"{reward_module}:checksum"],
+                     algorithm="ppo-rlhf", gradient_checkpointing=True)
+    trainer = Trainer.build(config, log=lambda text: None)
+    assert {getattr(layer, "recomputed_in_backward", None) for layer in decoder_layers(trainer.components.critic)} \
+        == {"layer"}
+    trainer.step(1)
+    plain = Trainer.build(_config(tiny_model_dir, sums_jsonl, tmp_path / "b", reward=[f"{reward_module}:checksum"],
+                                  algorithm="ppo-rlhf"), log=lambda text: None)
+    plain.step(1)
+    for (name, got), (_, want) in zip(trainer.components.critic.named_parameters(),
+                                      plain.components.critic.named_parameters()):
+        assert torch.allclose(got, want, atol=1e-6), name
+
+
 def _saved_numel(model, ids) -> int:
     """Elements of the tensors autograd saves for the backward of one forward of ``model``."""
     total = []

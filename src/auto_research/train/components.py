@@ -148,6 +148,14 @@ def checkpoint_layers(model) -> int:
     return recompute_in_backward(layers, "layer")
 
 
+def recompute(model, config: GenerationConfig) -> None:
+    """--checkpoint-mlp and --gradient-checkpointing on a model that trains (the policy, PPO's critic)."""
+    if config.checkpoint_mlp:
+        checkpoint_mlps(model)
+    if config.gradient_checkpointing:
+        checkpoint_layers(model)
+
+
 def _check_context(model, tokenizer, prompts: list[str], max_new_tokens: int) -> None:
     limit = context_length(model)
     if limit is not None:
@@ -173,10 +181,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     record = sampler_record(config)
     if record.check_model is not None:
         record.check_model(getattr(policy, "get_base_model", lambda: policy)().config, device, model_name)
-    if config.checkpoint_mlp:
-        checkpoint_mlps(policy)
-    if config.gradient_checkpointing:
-        checkpoint_layers(policy)
+    recompute(policy, config)
     # With β = 0 the reference is not needed, unless the task measures over-optimisation against the KL.
     measured = config.beta > 0 or task.gold is not None
     reference = None
@@ -192,6 +197,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
                         (config.reward_model, "--reward-model (the critic's default start)") if config.reward_model
                         else (model_name, "--model"))
         critic = load_critic(source, device, config.offline, len(tokenizer), flag)
+        recompute(critic, config)
     reward = build_reward(prepared.rewards, config.reward_weights, config.reward_model, task.verifier, device,
                           config.offline)
     train_prompts = [format_prompt(tokenizer, example.messages or example.prompt, config.chat_template) for example in task.train]
