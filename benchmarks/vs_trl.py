@@ -130,7 +130,11 @@ def _setting(folder: Path) -> tuple[list[str], bool, float, object]:
     return json.loads((folder / "prompts.json").read_text()), False, LEARNING_RATE, reward
 
 
-def run_ours(folder: Path, steps: int, micro: int = 0, checkpoint_mlp: bool = False, token_budget: int = 0) -> dict:
+OURS_SETTINGS = ("checkpoint_mlp", "gradient_checkpointing", "offload_reference", "max_tokens_per_micro_batch")
+"""Settings of ours that TRL has no counterpart of in this comparison (each a flag of this script)."""
+
+
+def run_ours(folder: Path, steps: int, micro: int = 0, settings: dict | None = None) -> dict:
     from auto_research.config.generation import GenerationConfig
     from auto_research.train.trainer import Trainer
 
@@ -142,8 +146,7 @@ def run_ours(folder: Path, steps: int, micro: int = 0, checkpoint_mlp: bool = Fa
                               learning_rate=learning_rate, warmup_steps=0, temperature=1.0, top_p=1.0, top_k=0,
                               progress=False, offline=True, device="cpu", dtype="float32", chat_template=chat,
                               eval_every=0, checkpoint_every=0, evaluation_examples=1, micro_batch_size=micro or None,
-                              generation_batch_size=PROMPTS * K, checkpoint_mlp=checkpoint_mlp,
-                              max_tokens_per_micro_batch=token_budget or None).filled().validate()
+                              generation_batch_size=PROMPTS * K, **(settings or {})).filled().validate()
     trainer = Trainer.build(config, log=lambda text: None, rows=rows, reward_functions=[("bench", lambda p, c, r: scorer(c))])
     loaded = _rss_mb()
     times, lengths, phases = [], [], []
@@ -155,7 +158,10 @@ def run_ours(folder: Path, steps: int, micro: int = 0, checkpoint_mlp: bool = Fa
         phases.append({key[5:]: value for key, value in row.items() if key.startswith("time_")})
     c = trainer.components
     prompt_tokens = sum(len(c.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in c.train_prompts)
+    offloaded = trainer.components.offloaded_reference
     return {"times": times, "lengths": lengths, "peak_mb": _peak_mb(), "loaded_mb": loaded, "phases": phases,
+            "offloaded_mb": sum(p.numel() * p.element_size() for p in dict.fromkeys(c.reference.parameters())) / 2**20
+            if offloaded is not None else 0.0,
             "prompt_tokens": prompt_tokens / len(c.train_prompts),
             "parameters": sum(p.numel() for p in c.policy.parameters()),
             "embedding": c.policy.get_output_embeddings().weight.numel()}
@@ -210,18 +216,27 @@ def child(options) -> None:
     torch.set_num_threads(options.threads)
     folder = Path(options.folder)
     if options.child == "ours":
-        result = run_ours(folder, options.steps, options.micro_batch, options.checkpoint_mlp,
-                          options.max_tokens_per_micro_batch)
+        result = run_ours(folder, options.steps, options.micro_batch, ours_settings(options))
     else:
         result = run_trl(folder, options.steps, options.micro_batch)
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def ours_settings(options) -> dict:
+    """The OURS_SETTINGS given on the command line, as GenerationConfig fields."""
+    return {name: getattr(options, name) for name in OURS_SETTINGS if getattr(options, name)}
+
+
+def ours_flags(options) -> list[str]:
+    flags = []
+    for name, value in ours_settings(options).items():
+        flags += ["--" + name.replace("_", "-")] + ([] if value is True else [str(value)])
+    return flags
+
+
 def measure(name: str, folder: Path, options) -> dict:
     command = [sys.executable, __file__, "--child", name, "--folder", str(folder), "--steps", str(options.steps),
-               "--threads", str(options.threads), "--micro-batch", str(options.micro_batch),
-               "--max-tokens-per-micro-batch", str(options.max_tokens_per_micro_batch),
-               *(["--checkpoint-mlp"] if options.checkpoint_mlp else [])]
+               "--threads", str(options.threads), "--micro-batch", str(options.micro_batch), *ours_flags(options)]
     environment = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false",
                    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     output = subprocess.run(command, capture_output=True, text=True, env=environment)
@@ -266,6 +281,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per measured process (the first 2 are warm-up)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--checkpoint-mlp", action="store_true", help="ours with --checkpoint-mlp (TRL as it is)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="ours with --gradient-checkpointing (TRL as it is)")
+    parser.add_argument("--offload-reference", action="store_true",
+                        help="ours with --offload-reference (TRL as it is); the reference's MB, then in the page "
+                             "cache and not in our peak RSS, are printed beside it")
     parser.add_argument("--micro-batch", type=int, default=0, help="completions a forward/backward, for both: ours "
                         "--micro-batch-size, TRL's gradient accumulation over the same generation (default: all 32)")
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=0,
@@ -292,7 +312,8 @@ def main() -> None:
                              .load_file(str(weights)).values())
         vocabulary = 49152 if options.model else VOCABULARY
         print(f"\n{size}: {parameters / 1e6:.1f}M parameters, vocabulary {vocabulary}, K={K}, {PROMPTS} prompts/step, "
-              f"<= {NEW_TOKENS} new tokens, {options.threads} thread(s), {options.rounds} alternating rounds")
+              f"<= {NEW_TOKENS} new tokens, {options.threads} thread(s), {options.rounds} alternating rounds; ours "
+              f"with {' '.join(ours_flags(options)) or 'the defaults'}")
         summary = {}
 
         def spread(values) -> str:
@@ -314,6 +335,10 @@ def main() -> None:
         print(f"  ratio ours/TRL: step time {ours_step / trl_step:.3f}, by round {spread(step_ratios)} "
               f"(goal <= 0.35); peak RSS {ours_peak / trl_peak:.3f}, by round {spread(peak_ratios)} (goal <= 0.5); "
               f"training memory {ours_training / max(trl_training, 1e-9):.2f}")
+        offloaded = statistics.median(run["offloaded_mb"] for run in results["ours"])
+        if offloaded:
+            print(f"  ours offloads its reference: {offloaded:.0f} MB in the page cache (reclaimable) and not in its "
+                  f"peak RSS; counting it, the peak ratio would be {(ours_peak + offloaded) / trl_peak:.3f}")
         if options.model:
             flops_report(results["ours"], options.threads)
 

@@ -220,6 +220,10 @@ class GenerationConfig(EnvironmentSettings):
                                           "activations: on Llama-shaped models about half the activation memory "
                                           "for about a quarter more update time", "optimisation",
                                    action="store_true")
+    offload_reference: bool = setting(False, "keep the frozen reference out of the process's memory between its "
+                                             "passes (on the CPU a mapped file in the cache folder, on CUDA host "
+                                             "memory): one model's weights less at the update's peak",
+                                      "optimisation", action="store_true")
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N or mps", "optimisation")
     dtype: str = setting("auto", "auto (bf16 compute on a GPU, fp32 on CPU), float32 or bfloat16; weights stay fp32",
                          "optimisation")
@@ -388,6 +392,12 @@ class GenerationConfig(EnvironmentSettings):
                     raise UserError(f"{flag} needs --lora-r (LoRA is off without it)")
             if self.merge_lora:
                 raise UserError("--merge-lora needs --lora-r (LoRA is off without it)")
+        if self.offload_reference and self.lora_r:
+            raise UserError("--offload-reference with --lora-r: the reference is the policy with its adapters off, "
+                            "it has no weights of its own to offload")
+        if self.offload_reference and self.fsdp:
+            raise UserError("--offload-reference with --fsdp is not built (FSDP already shards the reference over "
+                            "the ranks)")
         if not (0 <= self.lora_dropout < 1):
             raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.lora_target_modules is not None and not [name for name in self.lora_target_modules.split(",") if name.strip()]:

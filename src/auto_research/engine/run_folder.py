@@ -27,9 +27,11 @@ from auto_research.files import atomic_write_json, sha256_of
 
 PREFIX = "step-"
 MANIFEST = "manifest.json"
-# Settings that may differ between a run and its resumption.
+# Settings that may differ between a run and its resumption (the last three trade memory for time and change no
+# number: a run that ran out of memory may resume with them).
 RESUMABLE_DIFFERENCES = {"resume", "overwrite", "progress", "device", "threads", "output_dir", "report_to",
-                         "tracker_project", "log_completions"}
+                         "tracker_project", "log_completions", "offload_reference", "gradient_checkpointing",
+                         "checkpoint_mlp"}
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:

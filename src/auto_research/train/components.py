@@ -21,6 +21,8 @@ from auto_research.data.types import Task
 from auto_research.engine import checkpoint as checkpoints
 from auto_research.engine import lora
 from auto_research.engine.distributed import World, decoder_layers
+from auto_research.engine.offload import OffloadedReference
+from auto_research.engine.packaged import cache_dir
 from auto_research.engine.models import (context_length, format_prompt, load_critic, load_policy, resolve_device,
                                          resolve_dtype)
 from auto_research.engine.rollout import Sampler, SamplingSettings
@@ -61,6 +63,21 @@ class Components:
     episodes: object | None = None
     """Multi-turn trajectories with --environment/--tools (envs.rollout.EpisodeRunner), or --rollout-function's
     (envs.custom.FunctionRunner), else None."""
+    offloaded_reference: OffloadedReference | None = None
+    """The reference's weights out of the process between its passes (--offload-reference), else None."""
+
+    @contextlib.contextmanager
+    def reference_in_use(self):
+        """Around every pass of the reference: with --offload-reference its weights come back for the pass and
+        leave the process's memory after it; yields the reference (None without one)."""
+        if self.offloaded_reference is None:
+            yield self.reference
+            return
+        model = self.offloaded_reference.fetch()
+        try:
+            yield model
+        finally:
+            self.offloaded_reference.release()
 
     def autocast(self):
         """bf16 compute over float32 master weights when --dtype bfloat16; nothing otherwise."""
@@ -211,8 +228,13 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
         if critic is not None:
             checkpoints.load_weights(resume_from / "critic", critic)
     train_policy = world.wrap(policy)
+    offloaded = None
     if reference is not None and not config.lora_r:
         world.wrap(reference, trains=False)
+        if config.offload_reference:
+            offloaded = OffloadedReference(reference, cache_dir() / "offload")
+    elif config.offload_reference and not config.lora_r:
+        log("note: --offload-reference has nothing to offload: with --beta 0 no reference is held")
     optimizer = adamw(policy, config)
     train_critic = critic_optimizer = None
     if critic is not None:
@@ -223,7 +245,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
             _load_optimizer(world, train_critic, critic_optimizer, resume_from / "critic")
     components = Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
                             train_policy, optimizer, reference, critic, train_critic, critic_optimizer, None, reward,
-                            prepared.judge, train_prompts, eval_prompts)
+                            prepared.judge, train_prompts, eval_prompts, offloaded_reference=offloaded)
     components.sampler = record.build(SamplerNeeds(config, policy, tokenizer, sampling_settings(config),
                                                    chunk_prompts(config), components.sampling, model_name, world,
                                                    compute_dtype, device, train_prompts, log, prepared.multi_turn))

@@ -109,9 +109,9 @@ def held_out(c, completions: dict | None = None, table: list | None = None) -> d
     ``table`` (a list), the completion table of the first --log-completions prompts (rows of prompt,
     completion, answer, reward, correct), from the same greedy completions and rewards."""
     failure, result, mine, details = None, None, {}, {}
-    with c.sampling(c.reference):
+    with c.reference_in_use() as reference, c.sampling(reference):
         try:
-            result = evaluate(c.policy, c.reference, c.tokenizer, c.eval_prompts, c.task.evaluation, c.task.verifier,
+            result = evaluate(c.policy, reference, c.tokenizer, c.eval_prompts, c.task.evaluation, c.task.verifier,
                               c.reward, c.config.max_new_tokens, c.config.temperature,
                               shard=(c.world.rank, c.world.size), total=c.world.total, gold=c.task.gold,
                               completions=mine if completions is not None else None,

@@ -119,7 +119,8 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
     temperature = c.config.temperature
     mask = rollout.trained_mask.float()
     if reference_logprobs is None and c.reference is not None:  # (the rollout side may have computed them)
-        reference_logprobs = no_grad_forward(c, c.reference, rollout, token_logprobs, temperature=temperature)
+        with c.reference_in_use() as reference:
+            reference_logprobs = no_grad_forward(c, reference, rollout, token_logprobs, temperature=temperature)
     if sampled_is_the_policy(c, rollout, version):
         old_logprobs, entropy = rollout.sampler_logprobs, rollout.sampler_entropy
     else:

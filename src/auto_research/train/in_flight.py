@@ -157,6 +157,9 @@ def rollout_source(c: Components, sampler, model, context, reference=None) -> Ro
                 return sample(model, c.tokenizer, prompts, 1, config.max_new_tokens, greedy=True)
     if reference is not None:
         def reference_logprobs(rollout):
+            if reference is c.reference:  # offloaded: shared with the trainer, in the process only while in use
+                with c.reference_in_use() as model:
+                    return no_grad_forward(c, model, rollout, token_logprobs, temperature=config.temperature)
             return no_grad_forward(c, reference, rollout, token_logprobs, temperature=config.temperature)
     return RolloutSource(c.train_prompts, c.task.train, config.seed, config.prompts_per_step, config.group_size,
                          lambda picks: world.share(picks, config.ppo_mini_batches), sampler, c.reward, greedy,
@@ -173,7 +176,10 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
         return c.rollouts
     # A frozen reference model (not LoRA's, which is the policy with its adapters off) is copied once: its
     # forward then runs on the rollout side, beside the trainer's, which has the stale batch's π_old to compute.
-    reference = copy.deepcopy(c.reference) if c.reference is not None and not config.lora_r else None
+    # An offloaded reference is not copied (a copy would be ordinary memory again): both sides read its mapping.
+    reference = None
+    if c.reference is not None and not config.lora_r:
+        reference = c.reference if c.offloaded_reference is not None else copy.deepcopy(c.reference)
     if sampler_record(config).pushes_weights:  # a rollout server: its own weights, pushed version by version
         c.rollouts = InFlight(rollout_source(c, c.sampler, None, c.autocast, reference), None, state.rng,
                               config.max_staleness, config.steps, state.step, c.policy, list(saved), cpus, c.sampler)
