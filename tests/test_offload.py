@@ -99,7 +99,7 @@ def test_offloading_what_cannot_be_offloaded_is_refused(tiny_model_dir, sums_jso
     assert not (tmp_path / "run").exists()
 
 
-def test_each_phase_of_a_cpu_step_starts_by_giving_the_heap_back(tiny_model_dir, sums_jsonl, tmp_path,
+def test_a_cpu_step_gives_the_heap_back_before_sampling_and_before_the_update(tiny_model_dir, sums_jsonl, tmp_path,
                                                                  reward_module, monkeypatch):
     from auto_research.engine import heap
     from auto_research.train import step as step_module
@@ -122,6 +122,10 @@ def test_each_phase_of_a_cpu_step_starts_by_giving_the_heap_back(tiny_model_dir,
     monkeypatch.setattr(step_module, "_timer", timer)
     monkeypatch.setattr(step_module, "release_free_memory", lambda: calls.append(1))
     _, row = _one_step_weights(tiny_model_dir, sums_jsonl, tmp_path, reward_module)
-    # Each phase gave the heap back once, as it started (before its clock, so before its work).
-    assert started == [(phase, index) for index, phase in enumerate(phases)] and len(calls) == len(phases)
+    # The step's start and the update each gave the heap back once, as they started (before their clocks, so
+    # before their work); no other phase did.
+    assert [phase for phase, _ in started] == list(phases)
+    given_back = [phases[index] for index in range(len(phases)) if index + 1 < len(started)
+                  and started[index + 1][1] > started[index][1]] + ([phases[-1]] if len(calls) > started[-1][1] else [])
+    assert given_back == ["waiting_for_rollouts", "update_actor"] and len(calls) == 2
     assert all(f"time_{phase}" in row for phase in phases)
