@@ -1,6 +1,6 @@
 """--offload-reference: the reference's weights live in a mapped file outside the process's resident memory
 between its passes, give the same numbers, and a run with it ends where a run without it ends; the heap is given
-back between a step's phases."""
+back before a step's sampling and its update."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Give the C heap's free memory back to the operating system between the phases of a step (CPU runs).
+"""Give the C heap's free memory back to the operating system before a step's sampling and its update (CPU
+runs; ``train/step.py``).
 
 On the CPU, torch allocates through malloc. glibc keeps what a phase frees in its heaps for reuse, and the
 next phase, which allocates tensors of other sizes, can rarely reuse it whole: on SmolLM2-135M the process kept
