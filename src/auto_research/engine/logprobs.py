@@ -17,7 +17,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
-from auto_research.engine.packing import Grouped, Packed, grouped_layout, layout, takes_block_masks
+from auto_research.engine.packing import (Grouped, Packed, grouped_layout, layout, takes_block_masks,
+                                         whole_groups_with_one_prompt)
 
 
 def attention_for(sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,11 +112,9 @@ def grouped_rows(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, comp
     mask), where the model honours a 4-D attention mask (``takes_block_masks``, checked once), the batch holds
     whole groups with one prompt each, and neither DDP nor FSDP is in the way; else None. One forward, no KV
     cache: it works under activation checkpointing too, and computes no padding inside a group."""
-    if group_size < 2 or sequences.shape[0] % group_size or not _single_process(model, checkpointing_allowed=True):
+    if group_size < 2 or not _single_process(model, checkpointing_allowed=True) or not takes_block_masks(model):
         return None
-    if not takes_block_masks(model):
-        return None
-    return grouped_layout(sequences, prompt_mask, completion_mask, group_size)
+    return grouped_layout(sequences, prompt_mask, completion_mask, group_size)  # (None where the rows do not fit)
 
 
 def shares_prompts(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> bool:
@@ -123,14 +122,9 @@ def shares_prompts(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, gr
     (where ``grouped_rows`` does not apply): the batch holds whole groups, the model keeps a KV cache, and
     neither DDP, FSDP nor activation checkpointing (each of which expects one forward over whole rows) is in
     the way."""
-    rows = sequences.shape[0]
-    if group_size < 2 or rows % group_size or not accepts(model, cache_argument(model)):
+    if not accepts(model, cache_argument(model)) or not _single_process(model, checkpointing_allowed=False):
         return False
-    if not _single_process(model, checkpointing_allowed=False):
-        return False
-    prompts, masks = sequences[:, :prompt_mask.shape[1]], prompt_mask
-    return bool(torch.equal(prompts, prompts[::group_size].repeat_interleave(group_size, dim=0))
-                and torch.equal(masks, masks[::group_size].repeat_interleave(group_size, dim=0)))
+    return whole_groups_with_one_prompt(sequences, prompt_mask, group_size)
 
 
 def _prompt_then_completions(model, sequences, prompt_mask, completion_mask, group_size: int, keep: dict):

@@ -79,7 +79,8 @@ class OffloadedReference:
             self.mapping.madvise(mmap.MADV_DONTNEED)
 
     def resident_bytes(self) -> int:
-        """Bytes of the mapping resident in this process now (mincore-free estimate from /proc; 0 elsewhere)."""
+        """Bytes of the mapping resident in this process now (its Rss in /proc/self/smaps; 0 where there is none,
+        as on CUDA, where the model is moved instead)."""
         return _mapped_resident(self.mapping) if self.mapping is not None else 0
 
 

@@ -163,13 +163,26 @@ class Grouped:
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": self.attention}
 
 
+def whole_groups_with_one_prompt(sequences: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> bool:
+    """Whether the rows are whole groups of ``group_size`` ≥ 2 whose rows each have the same prompt (the tokens and
+    the mask of the first ``prompt_mask.shape[1]`` columns): what any sharing of a group's prompt needs."""
+    rows = sequences.shape[0]
+    if group_size < 2 or rows % group_size:
+        return False
+    prompts, masks = sequences[:, :prompt_mask.shape[1]], prompt_mask
+    return bool(torch.equal(prompts, prompts[::group_size].repeat_interleave(group_size, dim=0))
+                and torch.equal(masks, masks[::group_size].repeat_interleave(group_size, dim=0)))
+
+
 def grouped_layout(sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
                    group_size: int) -> Grouped | None:
     """The ``Grouped`` layout of ``[left-padded prompt | completion]`` rows in whole groups of ``group_size``
     with identical prompts, or None where it does not apply: rows that are not whole groups, prompts that differ
     within a group, or a completion mask that is not a prefix of its row (tokens counted after a gap)."""
     rows, prompt_length = sequences.shape[0], prompt_mask.shape[1]
-    if group_size < 2 or rows % group_size or not bool(prompt_mask.bool().any(1).all()):
+    if not whole_groups_with_one_prompt(sequences, prompt_mask, group_size):
+        return None
+    if not bool(prompt_mask.bool().any(1).all()):
         return None
     counted = completion_mask.bool()
     lengths = counted.long().sum(1)
@@ -178,9 +191,6 @@ def grouped_layout(sequences: torch.Tensor, prompt_mask: torch.Tensor, completio
         return None
     prompts, masks = sequences[:, :prompt_length], prompt_mask.bool()
     first_rows = slice(None, None, group_size)
-    if not (torch.equal(prompts, prompts[first_rows].repeat_interleave(group_size, 0))
-            and torch.equal(masks, masks[first_rows].repeat_interleave(group_size, 0))):
-        return None
     groups = rows // group_size
     prompt_lengths = masks[first_rows].long().sum(1)                                   # (G,)
     per_group = lengths.view(groups, group_size)
