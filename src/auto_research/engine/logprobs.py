@@ -339,10 +339,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, weight, targets, normalisers = ctx.saved_tensors
         compute = hidden.dtype
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        w = weight.to(compute)
+        grad_hidden, grad_weight, w = _backward_buffers(ctx, hidden, weight)
         for start, stop in _chunks(hidden.shape[0], weight.shape[0]):
             # In place, one chunk of logits becomes its gradient: no second (chunk, V) tensor at any moment.
             grad = _logits(hidden[start:stop], weight, ctx.temperature)
@@ -351,6 +348,15 @@ class _ChunkedLogProbs(torch.autograd.Function):
             grad *= (grad_out[start:stop] / ctx.temperature)[:, None]
             _accumulate(grad.to(compute), hidden[start:stop], w, grad_hidden, grad_weight, start, stop)
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
+
+
+def _backward_buffers(ctx, hidden, weight):
+    """The output layer's backward: d/dhidden's rows to fill (None when not needed), d/dW's float32 sum from zero
+    (None when not needed), and W in the compute dtype."""
+    grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+        if ctx.needs_input_grad[1] else None
+    return grad_hidden, grad_weight, weight.to(hidden.dtype)
 
 
 def _accumulate(grad, hidden, weight, grad_hidden, grad_weight, start: int, stop: int) -> None:
@@ -386,10 +392,7 @@ class _ChunkedEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, weight = ctx.saved_tensors
         compute = hidden.dtype
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        w = weight.to(compute)
+        grad_hidden, grad_weight, w = _backward_buffers(ctx, hidden, weight)
         for start, stop in _chunks(hidden.shape[0], weight.shape[0]):
             log_p = torch.log_softmax(_logits(hidden[start:stop], weight, ctx.temperature), dim=-1)
             p = log_p.exp()
