@@ -399,3 +399,52 @@ def test_recomputed_mlps_change_memory_not_the_step(tiny_model_dir, sums_jsonl, 
     before = _saved_numel(model, ids)
     assert checkpoint_mlps(model) == 1
     assert _saved_numel(model, ids) < 0.8 * before
+
+
+def test_tied_embedding_gradient_is_the_rows_seen_and_the_same_bit_for_bit(tiny_model_dir, sums_jsonl, tmp_path,
+                                                                           reward_module):
+    """The tied (V, H) weight's input-side gradient comes as the rows of the tokens seen (no second dense (V, H)
+    tensor at the backward's end), and the dense sum with the output side's is the one torch makes, bit for bit."""
+    from auto_research.engine.embedding import tied_rows_gradient
+    from auto_research.engine.tiny import build_model, build_tokenizer
+
+    ids = torch.randint(4, 200, (4, 24), generator=torch.Generator().manual_seed(0))
+    ids[:, :2] = AutoTokenizer.from_pretrained(tiny_model_dir).pad_token_id  # padding: no gradient, as in torch's
+    prompt_mask = torch.zeros(4, 10, dtype=torch.long).index_fill_(1, torch.arange(2, 10), 1)
+    completion_mask = torch.ones(4, 14, dtype=torch.long)
+
+    def gradient(rows_seen: bool):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        assert model.get_input_embeddings().padding_idx is not None
+        assert tied_rows_gradient(model) if rows_seen else True
+        layouts = []
+
+        def watch(module, args, out):
+            out.grad_fn.register_hook(lambda grad_inputs, grad_outputs: layouts.extend(
+                (grad.layout, grad._nnz() if grad.is_sparse else None) for grad in grad_inputs if grad is not None))
+
+        model.get_input_embeddings().register_forward_hook(watch)
+        token_logprobs(model, ids, prompt_mask, completion_mask).sum().backward()
+        return model.get_input_embeddings().weight.grad, layouts
+
+    dense, layouts = gradient(rows_seen=False)
+    assert layouts == [(torch.strided, None)]
+    got, layouts = gradient(rows_seen=True)
+    assert layouts == [(torch.sparse_coo, len(ids[:, 2:].unique()))]  # one row per distinct id, padding left out
+    assert got.layout == torch.strided and torch.equal(got, dense)
+    # Not where the two sides are two weights (the input side's gradient would be all the weight gets).
+    untied = build_model(build_tokenizer(), seed=0, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    assert not tied_rows_gradient(untied) and not hasattr(untied.get_input_embeddings(), "rows_seen_gradient")
+    # A run's policy has it, PPO's critic (no output embeddings) does not, and a step ends where it ends without.
+    trainers = [Trainer.build(_config(tiny_model_dir, sums_jsonl, tmp_path / name, algorithm="ppo-rlhf",
+                                      reward=[f"{reward_module}:checksum"]), log=lambda text: None)
+                for name in ("rows", "dense")]
+    assert trainers[0].components.policy.get_input_embeddings().rows_seen_gradient
+    assert not hasattr(trainers[0].components.critic.get_input_embeddings(), "rows_seen_gradient")
+    del trainers[1].components.policy.get_input_embeddings().forward  # back to nn.Embedding's own
+    for trainer in trainers:
+        trainer.step(1)
+    for (name, got), (_, want) in zip(*(t.components.policy.named_parameters() for t in trainers)):
+        assert torch.equal(got, want), name

@@ -21,6 +21,7 @@ from auto_research.data.types import Task
 from auto_research.engine import checkpoint as checkpoints
 from auto_research.engine import lora
 from auto_research.engine.distributed import World, decoder_layers
+from auto_research.engine.embedding import tied_rows_gradient
 from auto_research.engine.offload import OffloadedReference
 from auto_research.engine.packaged import cache_dir
 from auto_research.engine.models import (context_length, format_prompt, load_critic, load_policy, resolve_device,
@@ -228,6 +229,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
         if critic is not None:
             checkpoints.load_weights(resume_from / "critic", critic)
     train_policy = world.wrap(policy)
+    tied_rows_gradient(policy)  # after DDP's wrap (see there)
     offloaded = None
     if reference is not None and not config.lora_r:
         world.wrap(reference, trains=False)

@@ -109,7 +109,11 @@ def _accumulating(c: Components, experience: Experience, rows: slice, wrapped):
 
 def optimizer_step(c: Components, model, optimizer, update: int) -> float:
     """Clip the gradient norm, set the scheduled learning rate, step, zero; returns the norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], c.config.max_grad_norm)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for parameter in trained:  # (a tied embedding's rows-seen share alone, had the output side had none)
+        if parameter.grad is not None and parameter.grad.is_sparse:
+            parameter.grad = parameter.grad.to_dense()
+    norm = torch.nn.utils.clip_grad_norm_(trained, c.config.max_grad_norm)
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
     for group in optimizer.param_groups:
         group["lr"] = learning_rate_at(c.config, update, c.config.steps * c.updates_per_step)
