@@ -401,10 +401,13 @@ def test_recomputed_mlps_change_memory_not_the_step(tiny_model_dir, sums_jsonl, 
     assert _saved_numel(model, ids) < 0.8 * before
 
 
-def test_tied_embedding_gradient_is_the_rows_seen_and_the_same_bit_for_bit(tiny_model_dir, sums_jsonl, tmp_path,
-                                                                           reward_module):
-    """The tied (V, H) weight's input-side gradient comes as the rows of the tokens seen (no second dense (V, H)
-    tensor at the backward's end), and the dense sum with the output side's is the one torch makes, bit for bit."""
+def test_tied_embedding_gradient_is_one_dense_tensor_and_the_same_bit_for_bit(tiny_model_dir, sums_jsonl, tmp_path,
+                                                                             reward_module):
+    """The tied (V, H) weight's two gradients (the output layer's, the lookup's) come as one dense tensor: the
+    backward makes no second (V, H) tensor, nor their sum, and the gradient is torch's own, bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
     from auto_research.engine.embedding import tied_rows_gradient
     from auto_research.engine.tiny import build_model, build_tokenizer
 
@@ -413,25 +416,48 @@ def test_tied_embedding_gradient_is_the_rows_seen_and_the_same_bit_for_bit(tiny_
     prompt_mask = torch.zeros(4, 10, dtype=torch.long).index_fill_(1, torch.arange(2, 10), 1)
     completion_mask = torch.ones(4, 14, dtype=torch.long)
 
-    def gradient(rows_seen: bool):
+    class NewTensorsOfShape(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.made = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                     if isinstance(a, torch.Tensor) and a.layout == torch.strided}
+            self.made += sum(1 for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.shape == self.shape
+                             and t.layout == torch.strided and t.untyped_storage().data_ptr() not in given)
+            return out
+
+    def gradient(one_tensor: bool):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-        assert model.get_input_embeddings().padding_idx is not None
-        assert tied_rows_gradient(model) if rows_seen else True
-        layouts = []
+        weight = model.get_input_embeddings().weight
+        assert model.get_input_embeddings().padding_idx is not None and weight is model.lm_head.weight
+        assert tied_rows_gradient(model) if one_tensor else True
+        loss = token_logprobs(model, ids, prompt_mask, completion_mask).sum()
+        with NewTensorsOfShape(weight.shape) as counted:
+            loss.backward()
+        return weight.grad, counted.made
 
-        def watch(module, args, out):
-            out.grad_fn.register_hook(lambda grad_inputs, grad_outputs: layouts.extend(
-                (grad.layout, grad._nnz() if grad.is_sparse else None) for grad in grad_inputs if grad is not None))
-
-        model.get_input_embeddings().register_forward_hook(watch)
-        token_logprobs(model, ids, prompt_mask, completion_mask).sum().backward()
-        return model.get_input_embeddings().weight.grad, layouts
-
-    dense, layouts = gradient(rows_seen=False)
-    assert layouts == [(torch.strided, None)]
-    got, layouts = gradient(rows_seen=True)
-    assert layouts == [(torch.sparse_coo, len(ids[:, 2:].unique()))]  # one row per distinct id, padding left out
+    dense, made = gradient(one_tensor=False)
+    assert made == 3  # the output side's, the lookup's, their sum
+    got, made = gradient(one_tensor=True)
+    assert made == 1  # the output side's, into which the lookup's rows went
     assert got.layout == torch.strided and torch.equal(got, dense)
+    # Through the model's own output layer (which uses the weight itself), the lookup's rows come sparse and are
+    # summed with it: the same gradient again.
+    plain, rows = (AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval() for _ in range(2))
+    tied_rows_gradient(rows)
+    for model in (plain, rows):
+        model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+    assert torch.equal(rows.lm_head.weight.grad, plain.lm_head.weight.grad)
+    # A copy (the rollout side's snapshot) looks up its own weights, not the original's.
+    import copy
+
+    snapshot = copy.deepcopy(rows)
+    with torch.no_grad():
+        rows.get_input_embeddings().weight.add_(1.0)
+        assert torch.equal(snapshot.get_input_embeddings()(ids), plain.get_input_embeddings()(ids))
     # Not where the two sides are two weights (the input side's gradient would be all the weight gets).
     untied = build_model(build_tokenizer(), seed=0, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2)

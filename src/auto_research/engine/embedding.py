@@ -1,30 +1,45 @@
-"""A tied embedding's input-side gradient as the rows the batch saw, not a second dense (V, H) tensor.
+"""A tied embedding's two gradients as one: the output layer's dense (V, H) gradient with the rows the batch saw
+added in place, instead of two dense (V, H) tensors and their sum.
 
-With tied input and output embeddings the one (V, H) weight gets two gradients in a backward: the output layer's,
-dense, and the lookup's, which torch makes dense too (zeros but for the rows of the tokens seen) and adds to the
-first at the backward's end, when every other weight's gradient is held: 113 MB more at the update's peak on
-SmolLM2. Here the lookup's gradient is a coalesced sparse tensor of the rows seen, each row summed in token order
-as torch's dense backward sums it, which autograd adds in place into the dense one: the same float additions in
-the same order, so the same gradient bit for bit.
+With tied input and output embeddings the one (V, H) weight gets two gradients in a backward: the output layer's
+and the lookup's, each dense in torch (the lookup's is zeros but for the rows of the tokens seen), and autograd
+adds them into a third tensor at the backward's end, when every other weight's gradient is held: 2 × 113 MB more
+at the update's peak on SmolLM2. Here the lookup also hands out the weight itself (``tied_weight``) for the
+chunked output layer (``logprobs.py``) to use, so the output side's gradient comes back into the lookup's own
+backward, which adds its rows to it in place (each row summed in token order, as torch's dense backward sums it)
+and gives the weight that one tensor. The float additions are the same, so the gradient is the same bit for bit.
 """
 
 from __future__ import annotations
 
+import types
+import weakref
+
 import torch
+
+_OUTPUT_LAYER = weakref.WeakKeyDictionary()
+"""An embedding given the one-tensor gradient → its tied output layer. Kept apart from the modules, so that a copy
+of the model (``copy.deepcopy``: the rollout side's snapshot) shares nothing with it and looks up as torch does."""
+_HANDED = weakref.WeakKeyDictionary()
+"""An output layer → the weight that the lookup of the forward under way handed out for it."""
 
 
 class _RowsSeen(torch.autograd.Function):
-    """embedding(ids, W) whose backward gives W a sparse gradient: one row per distinct id (``padding_idx`` left out,
-    as torch's own backward leaves it out), the sum of its tokens' gradients in token order."""
+    """(embedding(ids, W), W as a view): the backward adds each distinct id's summed gradient (``padding_idx`` left
+    out, as torch's own backward leaves it out) into the gradient that came back through the view, in place; with
+    none (the output layer used W itself), it gives W those rows as a sparse gradient."""
 
     @staticmethod
     def forward(ctx, ids, weight, padding_idx):
         ctx.save_for_backward(ids)
         ctx.shape, ctx.padding_idx = weight.shape, padding_idx
-        return torch.nn.functional.embedding(ids, weight)
+        ctx.set_materialize_grads(False)  # no (V, H) of zeros for an output side that did not use the view
+        return torch.nn.functional.embedding(ids, weight), weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, output_side):
+        if grad is None:
+            return None, output_side, None
         (ids,) = ctx.saved_tensors
         ids, grad = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
         if ctx.padding_idx is not None:
@@ -32,16 +47,35 @@ class _RowsSeen(torch.autograd.Function):
             ids, grad = ids[kept], grad[kept]
         rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
         sums = grad.new_zeros(len(rows), grad.shape[-1]).index_add_(0, inverse, grad)
+        if output_side is not None:  # (a tensor of the output layer's backward, ours to add into)
+            return None, output_side.index_add_(0, rows, sums), None
         return None, torch.sparse_coo_tensor(rows[None], sums, ctx.shape, is_coalesced=True,
                                              check_invariants=False), None
 
 
+def tied_weight(layer) -> torch.Tensor:
+    """The weight an output layer's gradient should flow through: the one the lookup of this forward handed out
+    (taken, so a forward uses it once), else the layer's own."""
+    handed = _HANDED.pop(layer, None)
+    return handed if handed is not None else layer.weight
+
+
+def _forward(self, ids):
+    output = _OUTPUT_LAYER.get(self)
+    if output is None or not torch.is_grad_enabled() or not self.weight.requires_grad:
+        if output is not None:
+            _HANDED.pop(output, None)
+        return torch.nn.Embedding.forward(self, ids)
+    looked_up, _HANDED[output] = _RowsSeen.apply(ids, self.weight, self.padding_idx)
+    return looked_up
+
+
 def tied_rows_gradient(model) -> bool:
-    """Give ``model``'s input embedding the rows-seen gradient (``_RowsSeen``) where that is safe: a plain
+    """Give ``model``'s input embedding the one-tensor gradient (``_RowsSeen``) where that is safe: a plain
     ``nn.Embedding`` (no max_norm, no scaling by frequency, no subclass with a forward of its own) whose weight is
-    the output layer's, so the output layer's dense gradient always comes too (``update.optimizer_step`` makes a
-    sparse gradient dense all the same), that trains, and is not an FSDP shard. Call it after DDP wraps the model:
-    DDP then expects the dense sum it gets. Marks the embedding ``rows_seen_gradient``; returns whether it applied."""
+    the output layer's, that trains, and is not an FSDP shard. Call it after DDP wraps the model (DDP sees the one
+    dense gradient either way). ``update.optimizer_step`` makes a sparse gradient dense, should a weight get only
+    the rows. Marks the embedding ``rows_seen_gradient``; returns whether it applied."""
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     inner = getattr(model, "module", model)
@@ -53,12 +87,7 @@ def tied_rows_gradient(model) -> bool:
     weight = embeddings.weight
     if weight is not getattr(output, "weight", None) or not weight.requires_grad or isinstance(weight, DTensor):
         return False
-
-    def forward(ids):
-        if not torch.is_grad_enabled():
-            return torch.nn.functional.embedding(ids, embeddings.weight)
-        return _RowsSeen.apply(ids, embeddings.weight, embeddings.padding_idx)
-
-    embeddings.forward = forward
+    _OUTPUT_LAYER[embeddings] = output
+    embeddings.forward = types.MethodType(_forward, embeddings)  # (a copy's is bound to the copy)
     embeddings.rows_seen_gradient = True
     return True

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
+from auto_research.engine.embedding import tied_weight
 from auto_research.engine.packing import (Grouped, Packed, grouped_layout, layout, takes_block_masks,
                                          whole_groups_with_one_prompt)
 
@@ -225,7 +226,7 @@ def packed_hidden(model, packed: Packed | Grouped):
     captured = []
 
     def capture(module, args):
-        captured.append((args[0], module.weight))
+        captured.append((args[0], tied_weight(module)))
         return (args[0][..., :0, :],)
 
     handle = layer.register_forward_pre_hook(capture)
@@ -286,7 +287,7 @@ def completion_hidden(model, sequences: torch.Tensor, prompt_mask: torch.Tensor,
     captured = []
 
     def capture(module, args):
-        captured.append((args[0], module.weight))
+        captured.append((args[0], tied_weight(module)))
         return (args[0][..., :0, :],)  # the layer runs on no position at all
 
     handle = layer.register_forward_pre_hook(capture)
