@@ -77,13 +77,15 @@ def matmul_rate(seconds: float = 1.0) -> float:
 
 
 def phase_flops(parameters: int, embedding: int, prompts: int, group_size: int, prompt_tokens: float,
-                completion_tokens: float) -> dict:
+                completion_tokens: float, recomputed: bool = False) -> dict:
     """FLOPs of one step's phases, 2 a weight a token forward and 4 more backward (attention left out):
     the body (every weight but the output layer) on each group's prompt once and on every completion
-    token; the output layer (``embedding`` weights) on each sampled or scored token only."""
+    token; the output layer (``embedding`` weights) on each sampled or scored token only. ``recomputed``
+    (--gradient-checkpointing): the update runs the body's forward once more in its backward."""
     body = parameters - embedding
     rows = prompts * group_size
     body_tokens = prompts * prompt_tokens + rows * completion_tokens
     head_tokens = rows * completion_tokens
     forward = 2 * body * body_tokens + 2 * embedding * head_tokens
-    return {"sample": forward, "experience": forward, "update_actor": 3 * forward}
+    update = 3 * forward + (2 * body * body_tokens if recomputed else 0)
+    return {"sample": forward, "experience": forward, "update_actor": update}
