@@ -85,9 +85,14 @@ def completion_values(critic, sequences: torch.Tensor, prompt_mask: torch.Tensor
     return scores[:, prompt_length - 1 : -1].float() * completion_mask.to(torch.float32)
 
 
+CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
+"""The keywords a KV cache is passed under: transformers 5.2x's name, the older one, and decoder layers' singular."""
+
+
 def cache_argument(model) -> str:
     """The name under which this model's forward takes its KV cache (transformers 5.2x renamed it)."""
-    return "cache" if accepts(model, "cache") else "past_key_values"
+    new, old, _ = CACHE_NAMES
+    return new if accepts(model, new) else old
 
 
 def cache_of(output):

@@ -22,6 +22,7 @@ from auto_research.engine import checkpoint as checkpoints
 from auto_research.engine import lora
 from auto_research.engine.distributed import World, decoder_layers
 from auto_research.engine.embedding import tied_rows_gradient
+from auto_research.engine.logprobs import CACHE_NAMES
 from auto_research.engine.offload import OffloadedReference
 from auto_research.engine.packaged import cache_dir
 from auto_research.engine.models import (context_length, format_prompt, load_critic, load_policy, resolve_device,
@@ -133,7 +134,7 @@ def recompute_in_backward(modules, kind: str) -> int:
         forward = module.forward
 
         def recomputed(*args, _forward=forward, **kwargs):
-            if not torch.is_grad_enabled() or any(kwargs.get(name) is not None for name in CACHE_ARGUMENTS):
+            if not torch.is_grad_enabled() or any(kwargs.get(name) is not None for name in CACHE_NAMES):
                 return _forward(*args, **kwargs)
             return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
@@ -141,9 +142,6 @@ def recompute_in_backward(modules, kind: str) -> int:
         module.recomputed_in_backward = kind
         wrapped += 1
     return wrapped
-
-
-CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache")
 
 
 def checkpoint_mlps(model) -> int:
