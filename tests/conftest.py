@@ -14,6 +14,19 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPOSITORY.parent / "shared" / "data"
 
 
+# The files that take longest (minutes each: torchrun pairs, vLLM engines, the real model), handed to the two
+# workers first (pyproject.toml runs the suite under pytest-xdist, whole files a worker): started last, one of them
+# kept a worker busy for minutes after the other had run out of files.
+LONGEST_FIRST = ("test_distributed.py", "test_vllm.py", "test_vllm_server.py", "test_real_model.py", "test_async.py",
+                 "test_dynamic_sampling.py", "test_lm_training.py", "test_builtin_server.py", "test_lm_core.py",
+                 "test_env_training.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The folder holding gsm8k/{train,test}.jsonl. Missing data fails the test; it never skips."""
