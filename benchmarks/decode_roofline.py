@@ -4,10 +4,12 @@
     python benchmarks/decode_roofline.py --model tiny --threads 1          # a random 2-layer model, seconds
 
 One invocation measures, side by side: the machine's read bandwidth (summing a 1 GiB tensor) and copy bandwidth;
-the matmul rate at a decode step's shape (rows × hidden against each weight matrix of the model); the sampler's
-completion tokens per second on 8 prompts × K = 4, ≤ 32 new tokens (``sample``, as a run calls it: a row that has
-ended leaves the batch), against the loop that kept every row to the end (``drop_finished=False``), alternating,
-the same seeds, the draws checked equal; and one
+the matmul rate at a decode step's shape (rows × hidden against each weight matrix of the model), with torch's plain
+linear and on weights packed for oneDNN (engine/packed.py); the sampler's completion tokens per second on 8
+prompts × K = 4, ≤ 32 new tokens (``sample``, as a run calls it: a row that has ended leaves the batch, the layers
+on packed weights), against the same loop on torch's plain layers (the completions that differ counted) and against
+the loop that kept every row to the end (``drop_finished=False``, the draws checked equal), rotating, the same
+seeds; and one
 decode step split into the model's forward (one token per row, with the KV cache) and the sampling tail
 (temperature, filters, softmax, the draw and the entropy, in float64, over the vocabulary). It prints what the
 forward would take if it only read its weights at the measured bandwidth, or only ran its matmuls at the
@@ -50,6 +52,7 @@ def main() -> None:
     import torch
 
     from auto_research.engine.logprobs import cache_argument, cache_of
+    from auto_research.engine.packed import packed_linears
     from auto_research.engine.rollout import prompt_seed
     from auto_research.engine.rollout.builtin import draw, encode_prompts, filter_logits, sample
 
@@ -86,32 +89,50 @@ def main() -> None:
                 torch.nn.functional.linear(inputs[tuple(weight.shape)], weight)
 
     matmul_seconds = median_seconds(all_matmuls, options.repeats)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows) for weight in linears]
 
-    # The sampler as a run calls it (rows that end leave the batch), against the loop that kept every row to the
-    # end, alternating in one process, each round's seeds the same for both: the same draws, other work.
-    def sampler(round_, drop_finished):
-        rollout = sample(model, tokenizer, PROMPTS, options.group_size, options.max_new_tokens, 1.0,
-                         seeds=[prompt_seed(0, round_, index) for index in range(len(PROMPTS))],
-                         drop_finished=drop_finished)
+    def all_packed_matmuls():
+        for weight in packed:
+            torch.ops.mkldnn._linear_pointwise(inputs[tuple(weight.shape)], weight, None, "none", [], "")
+
+    packed_matmul_seconds = median_seconds(all_packed_matmuls, options.repeats)
+    del packed
+
+    # The sampler as a run calls it (rows that end leave the batch, the linear layers on weights packed for oneDNN:
+    # engine/packed.py), against the same loop on torch's plain layers, and against the loop that kept every row to
+    # the end, rotating in one process, each round's seeds the same for all.
+    def sampler(round_, variant):
+        with torch.backends.mkldnn.flags(enabled=variant != "plain"):
+            rollout = sample(model, tokenizer, PROMPTS, options.group_size, options.max_new_tokens, 1.0,
+                             seeds=[prompt_seed(0, round_, index) for index in range(len(PROMPTS))],
+                             drop_finished=variant != "kept")
         return rollout.completion_ids.tolist(), int(rollout.completion_mask.sum()), rollout.completion_ids.shape[1]
 
-    sampler(0, True), sampler(0, False)  # warm-up
-    timings = {True: [], False: []}
-    tokens, widths = [], []
+    variants = ("run", "plain", "kept")
+    for variant in variants:  # warm-up
+        sampler(0, variant)
+    timings = {variant: [] for variant in variants}
+    tokens, widths, differing = [], [], []
     for round_ in range(1, options.repeats + 1):
         drawn = {}
-        for drop_finished in (True, False) if round_ % 2 else (False, True):
+        shift = round_ % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
             started = time.perf_counter()
-            drawn[drop_finished] = sampler(round_, drop_finished)
-            timings[drop_finished].append(time.perf_counter() - started)
-        if drawn[True] != drawn[False]:
+            drawn[variant] = sampler(round_, variant)
+            timings[variant].append(time.perf_counter() - started)
+        if drawn["run"] != drawn["kept"]:
             raise SystemExit(f"round {round_}: dropping finished rows changed the draws")
-        tokens.append(drawn[True][1])
-        widths.append(drawn[True][2])
-    sample_seconds = statistics.median(timings[True])
-    kept_seconds = statistics.median(timings[False])
-    rates = [n / t for n, t in zip(tokens, timings[True])]
-    kept_rates = [n / t for n, t in zip(tokens, timings[False])]
+        # Another kernel sums in another order: logits move by ~1e-5, which moves an inverse-CDF draw that lands
+        # among the far tail's tokens (probabilities ~1e-6, packed next to each other) to a neighbour.
+        differing.append(sum(a != b for a, b in zip(drawn["run"][0], drawn["plain"][0])))
+        tokens.append(drawn["run"][1])
+        widths.append(drawn["run"][2])
+    sample_seconds = statistics.median(timings["run"])
+    plain_seconds = statistics.median(timings["plain"])
+    kept_seconds = statistics.median(timings["kept"])
+    rates = [n / t for n, t in zip(tokens, timings["run"])]
+    plain_rates = [n / t for n, t in zip(tokens, timings["plain"])]
+    kept_rates = [n / t for n, t in zip(tokens, timings["kept"])]
     tokens = statistics.median(tokens)
     row_steps = rows * statistics.median(widths)
 
@@ -134,7 +155,8 @@ def main() -> None:
                   **{argument: cache})
         cache.crop(-1)  # the same step again next time: the cache back to the prompts
 
-    forward_seconds = median_seconds(forward, options.repeats * 4)
+    with torch.no_grad(), packed_linears(model, rows):  # as the sampler runs it
+        forward_seconds = median_seconds(forward, options.repeats * 4)
     uniforms = torch.rand(rows, dtype=torch.float64)
 
     def tail():
@@ -151,24 +173,31 @@ def main() -> None:
           f"{weight_bytes / gb:.3f} GB of fp32 weights, {linear_bytes / gb:.3f} GB in its matmuls; {rows} rows "
           f"({len(PROMPTS)} prompts × K={options.group_size}), ≤ {options.max_new_tokens} new tokens")
     print(f"bandwidth: read {read / gb:.1f} GB/s, copy {copy / gb:.1f} GB/s; matmuls at the decode shape: "
-          f"{matmul_flops / matmul_seconds / gb:.1f} GFLOP/s ({matmul_seconds * 1e3:.1f} ms for one step's)")
+          f"{matmul_flops / matmul_seconds / gb:.1f} GFLOP/s with torch's plain linear ({matmul_seconds * 1e3:.1f} ms "
+          f"for one step's), {matmul_flops / packed_matmul_seconds / gb:.1f} GFLOP/s on weights packed for oneDNN "
+          f"({packed_matmul_seconds * 1e3:.1f} ms)")
     print(f"sampler: {sample_seconds:.3f} s a call, {statistics.median(rates):.0f} completion tokens/s (rounds "
-          f"{min(rates):.0f}…{max(rates):.0f}; {tokens:.0f} tokens a call, median), rows dropped from the batch as "
-          f"they end")
-    print(f"  every row kept to the end: {kept_seconds:.3f} s a call, {statistics.median(kept_rates):.0f} tokens/s "
-          f"(rounds {min(kept_rates):.0f}…{max(kept_rates):.0f}; {row_steps:.0f} row-steps decoded for {tokens:.0f} "
-          f"tokens); the same draws every round")
-    ratios = [kept / dropped for kept, dropped in zip(timings[False], timings[True])]
-    print(f"  throughput dropping / keeping: {kept_seconds / sample_seconds:.2f}x (rounds {min(ratios):.2f}"
-          f"…{max(ratios):.2f})")
+          f"{min(rates):.0f}…{max(rates):.0f}; {tokens:.0f} tokens a call, median), as a run samples: rows dropped "
+          f"from the batch as they end, the linear layers on packed weights")
+    print(f"  torch's plain linear layers: {plain_seconds:.3f} s a call, {statistics.median(plain_rates):.0f} tokens/s "
+          f"(rounds {min(plain_rates):.0f}…{max(plain_rates):.0f}); completions of {rows} differing from the packed "
+          f"layers' by round (a draw in the far tail moved by rounding): {differing}")
+    print(f"  every row kept to the end: {kept_seconds:.3f} s a call, {statistics.median(kept_rates):.0f} "
+          f"tokens/s (rounds {min(kept_rates):.0f}…{max(kept_rates):.0f}; {row_steps:.0f} row-steps decoded for "
+          f"{tokens:.0f} tokens); the same draws every round")
+    for label, other in (("packed / plain layers", "plain"), ("as a run / every row kept", "kept")):
+        ratios = [theirs / ours for theirs, ours in zip(timings[other], timings["run"])]
+        print(f"  throughput {label}: {statistics.median(timings[other]) / sample_seconds:.2f}x (rounds "
+              f"{min(ratios):.2f}…{max(ratios):.2f})")
     step = forward_seconds + tail_seconds
     print(f"one decode step: {step * 1e3:.1f} ms = forward {forward_seconds * 1e3:.1f} ms + sampling tail "
           f"{tail_seconds * 1e3:.1f} ms ({tail_seconds / step:.0%})")
     floor_bandwidth = linear_bytes / read
-    print(f"the forward against its floors: reading the matmul weights once at the read bandwidth "
+    print(f"the forward (packed layers) against its floors: reading the matmul weights once at the read bandwidth "
           f"{floor_bandwidth * 1e3:.1f} ms ({floor_bandwidth / forward_seconds:.0%} of the forward); its matmuls at "
-          f"the measured rate {matmul_seconds * 1e3:.1f} ms ({matmul_seconds / forward_seconds:.0%}); the rest "
-          f"{max(0.0, forward_seconds - matmul_seconds) * 1e3:.1f} ms (attention over the cache, norms, rotary "
+          f"the measured packed rate {packed_matmul_seconds * 1e3:.1f} ms "
+          f"({packed_matmul_seconds / forward_seconds:.0%}); the rest "
+          f"{max(0.0, forward_seconds - packed_matmul_seconds) * 1e3:.1f} ms (attention over the cache, norms, rotary "
           f"embedding, Python and dispatch)")
     print(f"achieved in the forward: {linear_bytes / forward_seconds / gb:.1f} GB/s of weights "
           f"({linear_bytes / forward_seconds / read:.0%} of the read bandwidth), "

@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from auto_research.engine.logprobs import cache_argument, cache_of
+from auto_research.engine.packed import packed_linears
 from auto_research.engine.rollout import Rollout, SamplingSettings, completion_mask, concatenate, eos_ids
 
 
@@ -136,41 +137,42 @@ def sample(
     # transformers 5.2x renamed past_key_values to cache; older models keep the old name.
     argument = cache_argument(model)
     try:
-        logits, cache, position = _prefill(model, prompt_ids, prompt_attention, repeats)
-        compact = droppable(cache) if drop_finished else False
-        # ``live``: the rows still in the decode batch (indices into all rows). A row that ends leaves the batch
-        # and its KV cache when ``compact``; otherwise it stays, fed padding, until every row has ended.
-        live = torch.arange(rows, device=device)
-        finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        completion_ids = input_ids.new_full((rows, max_new_tokens), pad)
-        logprobs = torch.zeros(rows, max_new_tokens, device=device) if not greedy else None
-        entropies = torch.zeros(rows, max_new_tokens, device=device) if not greedy else None
-        steps = 0
-        for t in range(max_new_tokens):
-            if greedy:
-                token = logits.argmax(-1)
-            else:
-                logits = logits / temperature if temperature != 1.0 else logits
-                filtered = filter_logits(logits, top_k, top_p).double()
-                probabilities = filtered.softmax(-1)
-                token = draw(filtered, uniforms[live, t], probabilities)
-                logprobs[live, t] = probabilities.gather(-1, token.unsqueeze(-1)).squeeze(-1).log().float()
-                entropies[live, t] = -torch.special.xlogy(probabilities, probabilities).sum(-1).float()
-            token = torch.where(finished[live], torch.full_like(token, pad), token)
-            completion_ids[live, t] = token
-            finished[live] |= torch.isin(token, eos)
-            steps = t + 1
-            if bool(finished.all()) or t == max_new_tokens - 1:
-                break
-            if compact and bool(finished[live].any()):
-                keep = (~finished[live]).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                live, token, attention, position = live[keep], token[keep], attention[keep], position[keep]
-            attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=1)
-            output = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=position,
-                           use_cache=True, **{argument: cache})
-            cache, logits = cache_of(output), output.logits[:, -1].float()
-            position = position + 1
+        with packed_linears(model, rows):  # the decode's small products on weights packed once
+            logits, cache, position = _prefill(model, prompt_ids, prompt_attention, repeats)
+            compact = droppable(cache) if drop_finished else False
+            # ``live``: the rows still in the decode batch (indices into all rows). A row that ends leaves the batch
+            # and its KV cache when ``compact``; otherwise it stays, fed padding, until every row has ended.
+            live = torch.arange(rows, device=device)
+            finished = torch.zeros(rows, dtype=torch.bool, device=device)
+            completion_ids = input_ids.new_full((rows, max_new_tokens), pad)
+            logprobs = torch.zeros(rows, max_new_tokens, device=device) if not greedy else None
+            entropies = torch.zeros(rows, max_new_tokens, device=device) if not greedy else None
+            steps = 0
+            for t in range(max_new_tokens):
+                if greedy:
+                    token = logits.argmax(-1)
+                else:
+                    logits = logits / temperature if temperature != 1.0 else logits
+                    filtered = filter_logits(logits, top_k, top_p).double()
+                    probabilities = filtered.softmax(-1)
+                    token = draw(filtered, uniforms[live, t], probabilities)
+                    logprobs[live, t] = probabilities.gather(-1, token.unsqueeze(-1)).squeeze(-1).log().float()
+                    entropies[live, t] = -torch.special.xlogy(probabilities, probabilities).sum(-1).float()
+                token = torch.where(finished[live], torch.full_like(token, pad), token)
+                completion_ids[live, t] = token
+                finished[live] |= torch.isin(token, eos)
+                steps = t + 1
+                if bool(finished.all()) or t == max_new_tokens - 1:
+                    break
+                if compact and bool(finished[live].any()):
+                    keep = (~finished[live]).nonzero().squeeze(1)
+                    cache.batch_select_indices(keep)
+                    live, token, attention, position = live[keep], token[keep], attention[keep], position[keep]
+                attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=1)
+                output = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=position,
+                               use_cache=True, **{argument: cache})
+                cache, logits = cache_of(output), output.logits[:, -1].float()
+                position = position + 1
     finally:
         model.train(was_training)
     completion_ids = completion_ids[:, :steps]
@@ -196,7 +198,7 @@ class BuiltinSampler:
     def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
         chunk = self.chunk_prompts or len(prompts)
         settings = self.settings
-        with self.context():
+        with self.context(), self._packed(chunk * group_size):
             parts = [sample(self.model, self.tokenizer, prompts[start: start + chunk], group_size,
                             settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
                             seeds=seeds[start: start + chunk]) for start in range(0, len(prompts), chunk)]
@@ -209,7 +211,7 @@ class BuiltinSampler:
         s = settings or self.settings
         chunk = self.chunk_prompts or len(prompt_ids)
         completions, logprobs = [], []
-        with self.context():
+        with self.context(), self._packed(chunk):
             for start in range(0, len(prompt_ids), chunk):
                 rollout = sample(self.model, self.tokenizer, prompt_ids[start: start + chunk], 1, s.max_new_tokens,
                                  s.temperature, s.top_p, s.top_k, seeds=seeds[start: start + chunk])
@@ -217,6 +219,12 @@ class BuiltinSampler:
                 completions += tokens
                 logprobs += [row[: len(ids)] for row, ids in zip(rollout.sampler_logprobs.tolist(), tokens)]
         return completions, logprobs
+
+    @contextlib.contextmanager
+    def _packed(self, rows: int):
+        """The weights packed once for all of a call's chunks (``engine/packed.py``), not once a chunk."""
+        with torch.no_grad(), packed_linears(self.model, rows):
+            yield
 
     def load_weights(self, model) -> None:
         pass
