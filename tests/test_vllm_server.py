@@ -45,7 +45,8 @@ ENV = {**os.environ, "AUTO_RESEARCH_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
 
 class Server:
     """``auto-research vllm-serve`` in a process of its own (API key from the environment), which a test may
-    SIGKILL and start again on the same port."""
+    SIGKILL and start again on the same port. Its read timeout is the default's 30 s: with 3 s, a trainer's
+    weight push on a host loaded by the suite's other worker once missed it (a 408, then the module's runs)."""
 
     def __init__(self, model):
         self.model, self.port, self.lines, self.process = model, 0, [], None
@@ -53,7 +54,7 @@ class Server:
     def start(self) -> str:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "auto_research", "vllm-serve", "--model", str(self.model), "--port", str(self.port),
-             "--vllm-memory", "0.02", "--offline", "--read-timeout", "3", "--lease-seconds", "600"],
+             "--vllm-memory", "0.02", "--offline", "--read-timeout", "30", "--lease-seconds", "600"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in self.process.stderr], daemon=True).start()
