@@ -80,6 +80,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """A randomly initialised 2-layer Qwen2 (biased q/k/v projections beside bias-free layers, the output layer tied
+    to the embedding) in eval mode, and the character tokenizer; one per test module."""
+    from auto_research.engine.tiny import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return model.eval(), tokenizer
+
+
 @pytest.fixture
 def sums_jsonl(tmp_path) -> Path:
     """A small JSONL dataset of one-digit sums."""

@@ -18,15 +18,6 @@ def every_size(monkeypatch):
     monkeypatch.setattr(packing, "MIN_ELEMENTS", 0)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    tokenizer = build_tokenizer()
-    # Qwen2: biased q/k/v projections beside bias-free ones, an output layer tied to the embedding.
-    model = build_model(tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    return model.eval(), tokenizer
-
-
 def _linears(model) -> list[torch.nn.Linear]:
     return [module for module in model.modules() if type(module) is torch.nn.Linear]
 
@@ -35,8 +26,8 @@ def _patched(model) -> int:
     return sum("forward" in vars(module) for module in _linears(model))
 
 
-def test_packed_layers_compute_the_plain_products_from_a_copy_taken_on_entry(tiny, every_size):
-    model, tokenizer = tiny
+def test_packed_layers_compute_the_plain_products_from_a_copy_taken_on_entry(tiny_lm, every_size):
+    model, tokenizer = tiny_lm
     assert available()  # every CPU build of torch this project installs has oneDNN
     ids = torch.tensor([tokenizer("12+30=", add_special_tokens=False)["input_ids"]] * 3)
     with torch.no_grad():
@@ -58,8 +49,8 @@ def test_packed_layers_compute_the_plain_products_from_a_copy_taken_on_entry(tin
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration")  # torch's note on switching oneDNN off
-def test_nothing_is_packed_where_the_packed_product_would_compute_something_else(tiny, every_size):
-    model, _ = tiny
+def test_nothing_is_packed_where_the_packed_product_would_compute_something_else(tiny_lm, every_size):
+    model, _ = tiny_lm
     with packed_linears(model, rows=4):  # autograd on: the packed product has no gradient
         assert _patched(model) == 0
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), packed_linears(model, rows=4):
@@ -72,8 +63,8 @@ def test_nothing_is_packed_where_the_packed_product_would_compute_something_else
         assert _patched(half) == 0
 
 
-def test_nested_calls_pack_once_and_an_error_restores_the_layers(tiny, every_size):
-    model, _ = tiny
+def test_nested_calls_pack_once_and_an_error_restores_the_layers(tiny_lm, every_size):
+    model, _ = tiny_lm
     count = len(_linears(model))
     with torch.no_grad():
         with packed_linears(model, rows=4):
@@ -88,10 +79,10 @@ def test_nested_calls_pack_once_and_an_error_restores_the_layers(tiny, every_siz
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration")
-def test_sampling_on_packed_weights_draws_what_the_plain_layers_draw(tiny, every_size):
+def test_sampling_on_packed_weights_draws_what_the_plain_layers_draw(tiny_lm, every_size):
     """The same tokens, texts and masks, log-probs and entropies to float32 rounding, with the layers packed
     (the default on the CPU) and with oneDNN switched off."""
-    model, tokenizer = tiny
+    model, tokenizer = tiny_lm
     prompts = ["1+2=", "Q: what is 33+4?", "x"]
     seeds = [prompt_seed(7, 1, index) for index in range(3)]
     packed = sample(model, tokenizer, prompts, 4, 12, temperature=1.2, seeds=seeds)
@@ -104,9 +95,9 @@ def test_sampling_on_packed_weights_draws_what_the_plain_layers_draw(tiny, every
     assert _patched(model) == 0
 
 
-def test_small_weights_stay_on_torch_s_own_product(tiny):
+def test_small_weights_stay_on_torch_s_own_product(tiny_lm):
     """oneDNN's fixed cost per call makes small products slower packed: below 2^18 entries nothing is packed."""
-    model, tokenizer = tiny
+    model, tokenizer = tiny_lm
     wide = build_model(tokenizer, seed=0, hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
                        num_attention_heads=4, num_key_value_heads=1)
     with torch.no_grad():

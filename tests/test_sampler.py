@@ -8,20 +8,11 @@ import torch
 from auto_research.engine.logprobs import completion_logits
 from auto_research.engine.rollout import prompt_seed
 from auto_research.engine.rollout.builtin import draw, filter_logits, sample
-from auto_research.engine.tiny import build_model, build_tokenizer
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    return model.eval(), tokenizer
-
-
-def test_samples_of_a_prompt_do_not_depend_on_its_batch(tiny):
+def test_samples_of_a_prompt_do_not_depend_on_its_batch(tiny_lm):
     """Left padding, batch size and order change nothing: each prompt draws from its own seed."""
-    model, tokenizer = tiny
+    model, tokenizer = tiny_lm
     prompts = ["1+2=", "Q: what is 33+4?", "x"]
     seeds = [prompt_seed(42, 3, index) for index in (7, 11, 5)]
     together = sample(model, tokenizer, prompts, 4, 10, temperature=1.3, seeds=seeds)
@@ -37,10 +28,10 @@ def test_samples_of_a_prompt_do_not_depend_on_its_batch(tiny):
 
 
 
-def test_prompts_given_as_token_ids_draw_what_their_texts_draw(tiny):
+def test_prompts_given_as_token_ids_draw_what_their_texts_draw(tiny_lm):
     """Token ids go in as they are (a multi-turn history is never re-tokenized): the same draws, ids and
     log-probs as the texts they encode."""
-    model, tokenizer = tiny
+    model, tokenizer = tiny_lm
     prompts = ["1+2=", "Q: what is 33+4?"]
     seeds = [prompt_seed(1, 2, index) for index in range(2)]
     ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
@@ -51,9 +42,9 @@ def test_prompts_given_as_token_ids_draw_what_their_texts_draw(tiny):
     assert torch.equal(from_ids.sampler_logprobs, from_texts.sampler_logprobs)
     assert from_ids.completions == from_texts.completions
 
-def test_first_token_frequencies_match_the_trained_distribution(tiny):
+def test_first_token_frequencies_match_the_trained_distribution(tiny_lm):
     """40000 draws of the first token against softmax(logits / T) from the training forward."""
-    model, tokenizer = tiny
+    model, tokenizer = tiny_lm
     temperature = 0.7
     rollout = sample(model, tokenizer, ["7+8="], 40000, 1, temperature=temperature, seeds=[123])
     exact = completion_logits(model, rollout.sequences[:1], rollout.prompt_mask[:1], torch.ones(1, 1, dtype=torch.long),
@@ -85,8 +76,8 @@ def test_draw_is_the_inverse_cdf():
     assert draw(logits, uniforms).tolist() == [0, 0, 1, 1, 2]
 
 
-def test_greedy_equals_hugging_face_generate(tiny):
-    model, tokenizer = tiny
+def test_greedy_equals_hugging_face_generate(tiny_lm):
+    model, tokenizer = tiny_lm
     prompts = ["1+2=", "Q: what is 33+4?", "x"]
     ours = sample(model, tokenizer, prompts, 1, 12, greedy=True)
     batch = tokenizer(prompts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
@@ -96,8 +87,8 @@ def test_greedy_equals_hugging_face_generate(tiny):
     assert torch.equal(ours.completion_ids, theirs[:, batch["input_ids"].shape[1]:][:, :width])
 
 
-def test_top_k_sampling_stays_inside_the_top_k(tiny):
-    model, tokenizer = tiny
+def test_top_k_sampling_stays_inside_the_top_k(tiny_lm):
+    model, tokenizer = tiny_lm
     rollout = sample(model, tokenizer, ["7+8="], 2000, 1, temperature=1.0, top_k=3, seeds=[5])
     logits = completion_logits(model, rollout.sequences[:1], rollout.prompt_mask[:1], torch.ones(1, 1, dtype=torch.long))
     allowed = set(torch.topk(logits[0, 0], 3).indices.tolist())
@@ -105,14 +96,14 @@ def test_top_k_sampling_stays_inside_the_top_k(tiny):
     assert drawn == allowed
 
 
-def test_trimmed_micro_batches_give_the_log_probs_and_gradient_of_the_padded_batch(tiny):
+def test_trimmed_micro_batches_give_the_log_probs_and_gradient_of_the_padded_batch(tiny_lm):
     """Micro-batches cut to their own longest prompt and completion, with logits only at completion
     positions, against the whole padded batch through the full output layer."""
     from auto_research.engine.logprobs import attention_for, token_logprobs
     from auto_research.engine.rollout import Rollout
     from auto_research.train.experience import widen as _widen
 
-    model, tokenizer = tiny
+    model, tokenizer = tiny_lm
     rollout = sample(model, tokenizer, ["1+2=", "Q: what is 33+4?"], 2, 8, temperature=1.0, seeds=[1, 2])
     # Completions of 8, 2, 5 and 1 tokens; the first group has the short prompt (left padding).
     lengths = torch.tensor([8, 2, 5, 1])
@@ -145,13 +136,13 @@ def test_trimmed_micro_batches_give_the_log_probs_and_gradient_of_the_padded_bat
     model.zero_grad()
 
 
-def test_rows_that_end_leave_the_decode_batch_and_every_draw_stays_the_same(tiny):
+def test_rows_that_end_leave_the_decode_batch_and_every_draw_stays_the_same(tiny_lm):
     """With the end-of-sequence logit raised, rows end at varied steps: dropping each from the batch and its KV
     cache as it ends draws the same tokens, log-probs and entropies as decoding every row to the end, while
     the forwards run on fewer and fewer rows."""
     import copy
 
-    model, tokenizer = tiny
+    model, tokenizer = tiny_lm
     tilted = copy.deepcopy(model)
     with torch.no_grad():
         tilted.lm_head.weight[tokenizer.eos_token_id] += 0.6 * tilted.model.norm.weight / tilted.model.norm.weight.norm()
