@@ -34,15 +34,23 @@ MIN_ELEMENTS = 1 << 18
 """The smallest weight (in entries) packed: below it oneDNN's fixed cost per call outweighs its faster product."""
 
 
+def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """A (out, in) float32 weight reordered for oneDNN's product at a batch of about ``rows`` rows (a copy)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows))
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on the ``pack``-ed weight, for any number of rows."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 @functools.cache
 def available() -> bool:
     """Whether this torch build has oneDNN's packed linear (every x86 and ARM CPU build has)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        weight = torch.ones(2, 3)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        return bool(torch.ops.mkldnn._linear_pointwise(torch.ones(1, 3), packed, None, "none", [], "").eq(3).all())
+        return bool(packed_product(torch.ones(1, 3), pack(torch.ones(2, 3), 1)).eq(3).all())
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
@@ -59,7 +67,7 @@ def _packable(module: torch.nn.Module) -> bool:
 def _packed_forward(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor):
     if x.dtype != torch.float32 or torch.is_grad_enabled():  # nothing to differentiate through: the plain product
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return packed_product(x, packed, bias)
 
 
 @contextlib.contextmanager
@@ -78,7 +86,7 @@ def packed_linears(model: torch.nn.Module, rows: int):
         for module in model.modules():
             if _packable(module):
                 weight = module.weight.detach()
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows))
+                packed = pack(weight, rows)
                 bias = module.bias.detach() if module.bias is not None else None
                 module.forward = functools.partial(_packed_forward, packed, weight, bias)
                 patched.append(module)
