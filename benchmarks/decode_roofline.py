@@ -5,11 +5,11 @@
 
 One invocation measures, side by side: the machine's read bandwidth (summing a 1 GiB tensor) and copy bandwidth;
 the matmul rate at a decode step's shape (rows × hidden against each weight matrix of the model), with torch's plain
-linear and on weights packed for oneDNN (engine/packed.py); the sampler's completion tokens per second on 8
-prompts × K = 4, ≤ 32 new tokens (``sample``, as a run calls it: a row that has ended leaves the batch, the layers
-on packed weights), against the same loop on torch's plain layers (the completions that differ counted) and against
-the loop that kept every row to the end (``drop_finished=False``, the draws checked equal), rotating, the same
-seeds; and one
+linear and as the sampler runs them (weights of 2^18 entries or more packed for oneDNN, engine/packed.py); the
+sampler's completion tokens per second on 8 prompts × K = 4, ≤ 32 new tokens (``sample``, as a run calls it: a row
+that has ended leaves the batch, the layers on packed weights), against the same loop on torch's plain layers (the
+completions that differ counted) and against the loop that kept every row to the end (``drop_finished=False``, the
+draws checked equal), rotating, the same seeds; and one
 decode step split into the model's forward (one token per row, with the KV cache) and the sampling tail
 (temperature, filters, softmax, the draw and the entropy, in float64, over the vocabulary). It prints what the
 forward would take if it only read its weights at the measured bandwidth, or only ran its matmuls at the
@@ -52,7 +52,7 @@ def main() -> None:
     import torch
 
     from auto_research.engine.logprobs import cache_argument, cache_of
-    from auto_research.engine.packed import packed_linears
+    from auto_research.engine.packed import MIN_ELEMENTS, pack, packed_linears, packed_product
     from auto_research.engine.rollout import prompt_seed
     from auto_research.engine.rollout.builtin import draw, encode_prompts, filter_logits, sample
 
@@ -89,11 +89,14 @@ def main() -> None:
                 torch.nn.functional.linear(inputs[tuple(weight.shape)], weight)
 
     matmul_seconds = median_seconds(all_matmuls, options.repeats)
-    packed = [torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows) for weight in linears]
+    # As the sampler runs them: weights of MIN_ELEMENTS entries or more packed, the rest on torch's product.
+    packed = [(pack(weight.detach(), rows) if weight.numel() >= MIN_ELEMENTS else None, weight) for weight in linears]
 
     def all_packed_matmuls():
-        for weight in packed:
-            torch.ops.mkldnn._linear_pointwise(inputs[tuple(weight.shape)], weight, None, "none", [], "")
+        with torch.no_grad():
+            for packed_weight, weight in packed:
+                x = inputs[tuple(weight.shape)]
+                packed_product(x, packed_weight) if packed_weight is not None else torch.nn.functional.linear(x, weight)
 
     packed_matmul_seconds = median_seconds(all_packed_matmuls, options.repeats)
     del packed
@@ -174,8 +177,8 @@ def main() -> None:
           f"({len(PROMPTS)} prompts × K={options.group_size}), ≤ {options.max_new_tokens} new tokens")
     print(f"bandwidth: read {read / gb:.1f} GB/s, copy {copy / gb:.1f} GB/s; matmuls at the decode shape: "
           f"{matmul_flops / matmul_seconds / gb:.1f} GFLOP/s with torch's plain linear ({matmul_seconds * 1e3:.1f} ms "
-          f"for one step's), {matmul_flops / packed_matmul_seconds / gb:.1f} GFLOP/s on weights packed for oneDNN "
-          f"({packed_matmul_seconds * 1e3:.1f} ms)")
+          f"for one step's), {matmul_flops / packed_matmul_seconds / gb:.1f} GFLOP/s as the sampler runs them "
+          f"({packed_matmul_seconds * 1e3:.1f} ms; weights of {MIN_ELEMENTS} entries or more packed for oneDNN)")
     print(f"sampler: {sample_seconds:.3f} s a call, {statistics.median(rates):.0f} completion tokens/s (rounds "
           f"{min(rates):.0f}…{max(rates):.0f}; {tokens:.0f} tokens a call, median), as a run samples: rows dropped "
           f"from the batch as they end, the linear layers on packed weights")
