@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from auto_research.engine import onednn
 from auto_research.engine.launch import environment_rank, environment_world_size
 from auto_research.errors import UserError
 
@@ -217,6 +218,7 @@ class World:
         if not self.distributed:
             return model
         if self.fsdp:
+            onednn.use_torch(model)  # torch's own layers under FSDP's gathering (onednn.py)
             for layer in decoder_layers(model):
                 fully_shard(layer)
             fully_shard(model)

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
+from auto_research.engine import onednn
 from auto_research.engine.embedding import tied_weight
 from auto_research.engine.packing import (Grouped, Packed, grouped_layout, layout, takes_block_masks,
                                          whole_groups_with_one_prompt)
@@ -271,7 +272,7 @@ def _plain_output_layer(model):
             layer, config = get(), getattr(inner, "config", None)
             scaled = any(getattr(config, name, None) not in (None, 1.0) for name in ("final_logit_softcapping",
                                                                                         "logit_scale"))
-            if type(layer) is torch.nn.Linear and layer.bias is None and not scaled:
+            if onednn.is_linear(layer) and layer.bias is None and not scaled:
                 return layer
             return None
         inner = getattr(inner, "model", None)
@@ -321,7 +322,7 @@ def _chunks(rows: int, vocabulary: int):
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = (hidden @ weight.to(hidden.dtype).t()).float()
+    logits = onednn.product(hidden, weight.to(hidden.dtype)).float()
     return logits / temperature if temperature != 1.0 else logits
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from auto_research.engine import lora
+from auto_research.engine import lora, onednn
 from auto_research.engine.packaged import materialise
 from auto_research.engine.sources import base_of, check_model_source, is_adapter
 from auto_research.errors import UserError, one_line
@@ -85,6 +85,7 @@ def load_policy(name: str, device: str, dtype, offline: bool, log=None, keep_ada
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     model.to(device)
+    onednn.use_onednn(model)  # float32 products on the CPU through oneDNN (onednn.py); elsewhere torch's
     return model, tokenizer
 
 
@@ -134,4 +135,5 @@ def load_critic(name: str, device: str, offline: bool, vocabulary: int, flag: st
     with torch.no_grad():
         for parameter in head.parameters():
             parameter.zero_()
+    onednn.use_onednn(critic)
     return critic.to(device)

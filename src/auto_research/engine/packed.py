@@ -14,9 +14,10 @@ weights of ``MIN_ELEMENTS`` (2^18) entries or more are packed, so a tiny model d
 
 The layout lasts for one sampling call: weights change with every optimizer step, so each call packs afresh
 (SmolLM2: 0.2–0.4 s, and a copy of the weights, 0.54 GB, given back to the system when the call ends). Packing
-applies only where it computes what ``nn.Linear`` computes up to the order of its sums: a plain ``nn.Linear`` with
-a float32 weight on the CPU that is an ordinary tensor (not an FSDP shard or a quantized tensor), outside autograd
-and autocast (whose bfloat16 products it would not follow). Anything else runs as it was.
+applies only where it computes what ``nn.Linear`` computes up to the order of its sums: a plain ``nn.Linear`` (or
+``onednn.OneDNNLinear``) with a float32 weight on the CPU that is an ordinary tensor (not an FSDP shard or a
+quantized tensor), outside autograd and autocast (whose bfloat16 products it would not follow). Anything else runs
+as it was.
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from auto_research.engine import onednn
 from auto_research.engine.heap import release_free_memory
-
-
-MIN_ELEMENTS = 1 << 18
-"""The smallest weight (in entries) packed: below it oneDNN's fixed cost per call outweighs its faster product."""
+from auto_research.engine.onednn import MIN_ELEMENTS
 
 
 def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -41,13 +40,13 @@ def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
 
 def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on the ``pack``-ed weight, for any number of rows."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return onednn.kernel(x, packed, bias)
 
 
 @functools.cache
 def available() -> bool:
     """Whether this torch build has oneDNN's packed linear (every x86 and ARM CPU build has)."""
-    if not torch.backends.mkldnn.is_available():
+    if not onednn.available():
         return False
     try:
         return bool(packed_product(torch.ones(1, 3), pack(torch.ones(2, 3), 1)).eq(3).all())
@@ -57,16 +56,16 @@ def available() -> bool:
 
 def _packable(module: torch.nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return (type(module) is torch.nn.Linear and type(weight.data) is torch.Tensor and weight.dim() == 2
+    return (onednn.is_linear(module) and type(weight.data) is torch.Tensor and weight.dim() == 2
             and weight.numel() >= MIN_ELEMENTS
             and weight.device.type == "cpu" and weight.dtype == torch.float32
             and (module.bias is None or module.bias.dtype == torch.float32)
             and "forward" not in vars(module))  # packed by an enclosing call, or patched by someone else
 
 
-def _packed_forward(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor):
-    if x.dtype != torch.float32 or torch.is_grad_enabled():  # nothing to differentiate through: the plain product
-        return F.linear(x, weight, bias)
+def _packed_forward(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plain, x: torch.Tensor):
+    if x.dtype != torch.float32 or torch.is_grad_enabled():  # nothing to differentiate through: the layer's own
+        return plain(x, weight, bias)
     return packed_product(x, packed, bias)
 
 
@@ -88,7 +87,8 @@ def packed_linears(model: torch.nn.Module, rows: int):
                 weight = module.weight.detach()
                 packed = pack(weight, rows)
                 bias = module.bias.detach() if module.bias is not None else None
-                module.forward = functools.partial(_packed_forward, packed, weight, bias)
+                plain = onednn.linear if type(module) is onednn.OneDNNLinear else F.linear
+                module.forward = functools.partial(_packed_forward, packed, weight, bias, plain)
                 patched.append(module)
         yield
     finally:

@@ -1,0 +1,139 @@
+"""Float32 matrix products on the CPU through oneDNN instead of MKL, where this CPU runs them faster.
+
+torch's float32 ``F.linear`` on the CPU is MKL's sgemm on ``x · Wᵀ``. On the AMD EPYC cores this project is
+measured on (AVX-512), that transposed product runs far below the machine's rate, while oneDNN's linear
+(``torch.ops.mkldnn._linear_pointwise``, the kernel torch's compiler uses for frozen inference) computes the same
+product at full speed from the same plain weight, with no copy. Measured with 2 threads at SmolLM2-135M's shapes
+(1,400 rows, ``benchmarks/onednn.py``): 576 → 1,536 ran at 92 GFLOP/s in MKL against 160 in oneDNN, 576 → 576 at
+105 against 169, the 49,152-wide output layer at 83 against 146; a weight's gradient (``gᵀ · x``, no transpose
+of the weight) runs as fast in MKL, so it stays there.
+
+Two uses:
+
+- ``OneDNNLinear``: the class every plain ``nn.Linear`` of at least ``MIN_ELEMENTS`` weights of a loaded model
+  takes (``use_onednn``). Its forward, and the input's gradient in its backward, are oneDNN's products; the
+  weight's gradient is torch's. Where oneDNN does not compute what ``nn.Linear`` computes (not float32, not the
+  CPU, under autocast, a tensor subclass such as an FSDP shard, ``torch.backends.mkldnn`` disabled, a build without
+  oneDNN) it is ``nn.Linear`` exactly. Parameters, state dicts, copies and PEFT's LoRA layers see an ``nn.Linear``.
+- ``product``: the chunked output layer's logits (``logprobs.py``), which call no module.
+
+The results equal torch's up to the order of the sums (relative differences of about 1e-7), the same for one
+process and several, since every process runs the same kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+
+MIN_ELEMENTS = 1 << 18
+"""The smallest weight (in entries) computed by oneDNN: below it oneDNN's fixed cost per call (20–30 µs more than
+MKL's) outweighs its faster product at a few rows; the sampler's packed layers (``packed.py``) use the same bound."""
+
+
+def kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """oneDNN's ``F.linear`` as it is: ``weight`` plain (out, in), or reordered once (``packed.pack``)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this torch build has oneDNN's linear (every x86 and ARM CPU build has)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(kernel(torch.ones(1, 3), torch.ones(2, 3), None).eq(3).all())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether oneDNN computes ``F.linear(x, weight, bias)`` here: plain float32 tensors on the CPU, outside
+    autocast (whose bfloat16 products it would not follow), with oneDNN built and enabled."""
+    return (type(x) is torch.Tensor and type(weight.data) is torch.Tensor and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.device.type == "cpu" and weight.device.type == "cpu"
+            and x.numel() > 0 and weight.dim() == 2 and x.layout == weight.layout == torch.strided
+            and (bias is None or (type(bias.data) is torch.Tensor and bias.dtype == torch.float32))
+            and not torch.is_autocast_enabled("cpu") and torch.backends.mkldnn.enabled and available())
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with no gradient: oneDNN's where it ``applies``, else torch's."""
+    return kernel(x, weight, bias) if applies(x, weight, bias) else F.linear(x, weight, bias)
+
+
+class _Linear(torch.autograd.Function):
+    """y = x Wᵀ + b by oneDNN; backward dx = g W by oneDNN, dW = gᵀ x and db = Σ g by torch (saves what
+    ``F.linear`` saves: x and W)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return kernel(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = kernel(grad, weight.t(), None)
+        if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
+            rows = grad.reshape(-1, grad.shape[-1])
+            if ctx.needs_input_grad[1]:
+                grad_weight = rows.t() @ x.reshape(-1, x.shape[-1])
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_bias = rows.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through oneDNN (with its gradient) where it ``applies``."""
+    if not applies(x, weight, bias):
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _Linear.apply(x, weight, bias)
+    return kernel(x, weight, bias)
+
+
+class OneDNNLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose products run through oneDNN where it ``applies`` (see the module's docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def use_onednn(model: torch.nn.Module) -> int:
+    """Make each plain ``nn.Linear`` of ``model`` with at least ``MIN_ELEMENTS`` weights an ``OneDNNLinear`` (the
+    same object, parameters and state; only its class changes); returns how many. Nothing changes in a build
+    without oneDNN."""
+    if not available():
+        return 0
+    changed = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.numel() >= MIN_ELEMENTS:
+            module.__class__ = OneDNNLinear
+            changed += 1
+    return changed
+
+
+def use_torch(model: torch.nn.Module) -> int:
+    """Undo ``use_onednn``: every ``OneDNNLinear`` of ``model`` an ``nn.Linear`` again (before FSDP shards it: its
+    gathering of weights around each forward is tested on torch's own layers); returns how many."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is OneDNNLinear:
+            module.__class__ = torch.nn.Linear
+            changed += 1
+    return changed
+
+
+def is_linear(module) -> bool:
+    """A plain ``nn.Linear``, or one that only computes through oneDNN."""
+    return type(module) in (torch.nn.Linear, OneDNNLinear)
