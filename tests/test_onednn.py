@@ -98,11 +98,21 @@ def test_a_models_logprobs_and_gradient_through_onednn_equal_torchs(tiny_lm, mon
     if recomputed:  # the recomputed forward runs in the backward: oneDNN there too
         checkpoint_layers(plain), checkpoint_layers(ours)
     sequences, prompt_mask, mask = _sequences(tokenizer)
-    results = []
+    calls = []
+    kernel = onednn.kernel
+    monkeypatch.setattr(onednn, "kernel", lambda *args: calls.append(torch.is_grad_enabled()) or kernel(*args))
+    results, counts = [], []
     for network in (plain, ours):
         logprobs = token_logprobs(network, sequences, prompt_mask, mask, temperature=0.9, group_size=4)
+        forward = len(calls)
         (logprobs * torch.linspace(-1, 1, mask.shape[1])).sum().backward()
+        counts.append((forward, len(calls) - forward))
+        calls.clear()
         results.append((logprobs.detach(), {n: p.grad for n, p in network.named_parameters()}))
+    # Both make the chunked output layer's logits through oneDNN (in the forward, and again in the backward); ours
+    # also runs its layers' forward and their inputs' gradients there.
+    (plain_forward, plain_backward), (our_forward, our_backward) = counts
+    assert plain_forward == plain_backward == 1 and our_forward > 1 and our_backward > 1
     (torch_logprobs, torch_grads), (our_logprobs, our_grads) = results
     torch.testing.assert_close(our_logprobs, torch_logprobs, rtol=1e-5, atol=1e-6)
     assert torch_grads.keys() == our_grads.keys()

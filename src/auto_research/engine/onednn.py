@@ -63,8 +63,11 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with no gradient: oneDNN's where it ``applies``, else torch's."""
-    return kernel(x, weight, bias) if applies(x, weight, bias) else F.linear(x, weight, bias)
+    """``F.linear(x, weight, bias)`` with no gradient: oneDNN's for a weight of ``MIN_ELEMENTS`` or more where it
+    ``applies``, else torch's."""
+    if weight.numel() >= MIN_ELEMENTS and applies(x, weight, bias):
+        return kernel(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class _Linear(torch.autograd.Function):
