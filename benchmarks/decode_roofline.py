@@ -52,7 +52,8 @@ def main() -> None:
     import torch
 
     from auto_research.engine.logprobs import cache_argument, cache_of
-    from auto_research.engine.packed import MIN_ELEMENTS, pack, packed_linears, packed_product
+    from auto_research.engine.onednn import MIN_ELEMENTS
+    from auto_research.engine.packed import pack, packed_linears, packed_product
     from auto_research.engine.rollout import prompt_seed
     from auto_research.engine.rollout.builtin import draw, encode_prompts, filter_logits, sample
 

@@ -121,10 +121,7 @@ def test_a_models_logprobs_and_gradient_through_onednn_equal_torchs(tiny_lm, mon
 
 
 def test_the_sampler_packs_onednn_layers(tiny_lm, monkeypatch):
-    monkeypatch.setattr(onednn, "MIN_ELEMENTS", 0)
-    from auto_research.engine import packed
-
-    monkeypatch.setattr(packed, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(onednn, "MIN_ELEMENTS", 0)  # the layers', and what the sampler packs
     model = copy.deepcopy(tiny_lm[0])
     layers = use_onednn(model)
     ids = torch.tensor([tiny_lm[1]("12+30=", add_special_tokens=False)["input_ids"]])

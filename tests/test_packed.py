@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from auto_research.engine import packed as packing
+from auto_research.engine import onednn
 from auto_research.engine.packed import available, packed_linears
 from auto_research.engine.rollout import prompt_seed
 from auto_research.engine.rollout.builtin import sample
@@ -15,7 +15,7 @@ from auto_research.engine.tiny import build_model, build_tokenizer
 @pytest.fixture
 def every_size(monkeypatch):
     """Every layer of the tiny model packed (by default only weights of 2^18 entries or more are)."""
-    monkeypatch.setattr(packing, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(onednn, "MIN_ELEMENTS", 0)
 
 
 def _linears(model) -> list[torch.nn.Linear]:

@@ -52,13 +52,22 @@ def available() -> bool:
         return False
 
 
+def _plain_float32_cpu(tensor: torch.Tensor) -> bool:
+    return (type(tensor.data) is torch.Tensor and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+            and tensor.layout == torch.strided)
+
+
+def takes(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether oneDNN's product can stand for a linear layer with this weight and bias: ordinary (not an FSDP
+    shard or a quantized tensor), strided, float32 tensors on the CPU; also what the sampler packs (``packed.py``)."""
+    return _plain_float32_cpu(weight) and weight.dim() == 2 and (bias is None or _plain_float32_cpu(bias))
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether oneDNN computes ``F.linear(x, weight, bias)`` here: plain float32 tensors on the CPU, outside
-    autocast (whose bfloat16 products it would not follow), with oneDNN built and enabled."""
-    return (type(x) is torch.Tensor and type(weight.data) is torch.Tensor and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.device.type == "cpu" and weight.device.type == "cpu"
-            and x.numel() > 0 and weight.dim() == 2 and x.layout == weight.layout == torch.strided
-            and (bias is None or (type(bias.data) is torch.Tensor and bias.dtype == torch.float32))
+    """Whether oneDNN computes ``F.linear(x, weight, bias)`` here: ``takes`` the weight and bias, a non-empty plain
+    float32 input on the CPU, outside autocast (whose bfloat16 products it would not follow), with oneDNN built and
+    enabled."""
+    return (type(x) is torch.Tensor and _plain_float32_cpu(x) and x.numel() > 0 and takes(weight, bias)
             and not torch.is_autocast_enabled("cpu") and torch.backends.mkldnn.enabled and available())
 
 

@@ -10,7 +10,7 @@ kernels torch's compiler uses for frozen inference on the CPU) and ran the same 
 
 oneDNN's call costs 20–30 µs more than MKL's, so a small matrix runs slower packed: at 32 rows a 96 × 96 weight took
 35 µs packed against 19 plain, 192 × 576 broke even, 576 × 576 gained 1.15–1.3× and 1536 × 576 1.4–1.8×. Only
-weights of ``MIN_ELEMENTS`` (2^18) entries or more are packed, so a tiny model decodes as it did.
+weights of ``onednn.MIN_ELEMENTS`` (2^18) entries or more are packed, so a tiny model decodes as it did.
 
 The layout lasts for one sampling call: weights change with every optimizer step, so each call packs afresh
 (SmolLM2: 0.2–0.4 s, and a copy of the weights, 0.54 GB, given back to the system when the call ends). Packing
@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from auto_research.engine import onednn
 from auto_research.engine.heap import release_free_memory
-from auto_research.engine.onednn import MIN_ELEMENTS
 
 
 def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -55,11 +54,8 @@ def available() -> bool:
 
 
 def _packable(module: torch.nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
-    return (onednn.is_linear(module) and type(weight.data) is torch.Tensor and weight.dim() == 2
-            and weight.numel() >= MIN_ELEMENTS
-            and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and (module.bias is None or module.bias.dtype == torch.float32)
+    return (onednn.is_linear(module) and module.weight.numel() >= onednn.MIN_ELEMENTS
+            and onednn.takes(module.weight, module.bias)
             and "forward" not in vars(module))  # packed by an enclosing call, or patched by someone else
 
 
@@ -72,7 +68,7 @@ def _packed_forward(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 @contextlib.contextmanager
 def packed_linears(model: torch.nn.Module, rows: int):
     """Within: each packable linear layer of ``model`` (see the module's docstring: float32 on the CPU, at least
-    ``MIN_ELEMENTS`` weights, outside autograd and autocast) computes from its weight packed for oneDNN at a batch
+    ``onednn.MIN_ELEMENTS`` weights, outside autograd and autocast) computes from its weight packed for oneDNN at a batch
     of about ``rows`` rows (any number runs). Re-entrant: layers an enclosing call packed stay as they are.
     Elsewhere (a GPU, bfloat16, grad or autocast enabled, a build without oneDNN, ``torch.backends.mkldnn``
     disabled) nothing changes."""
