@@ -52,7 +52,7 @@ class AdvantageInputs:
     task_rewards: torch.Tensor | None = None
     """(B,) the task's score of each completion, before any KL (0 where unscored)."""
     std: str = "population"
-    """The GRPO family's group standard deviation: population (÷ K) or unbiased (÷ K − 1)."""
+    """The GRPO family's group standard deviation: population (÷ K), unbiased (÷ K − 1) or none (no division)."""
 
 
 # --- group statistics over (G, K), the torch twins of candidate.py ------------------------------------
@@ -128,7 +128,10 @@ def rloo(inputs: AdvantageInputs):
 
 @register_advantage("grpo")
 def grpo(inputs: AdvantageInputs):
-    """GRPO's group-normalised advantage (also DAPO's, GSPO's and CISPO's), by the --std the record allows."""
+    """GRPO's group-normalised advantage (also DAPO's, GSPO's and CISPO's), by the --std the record allows (none:
+    the group mean subtracted only)."""
+    if inputs.std == "none":
+        return _sequence(inputs, group_centred)
     return _sequence(inputs, lambda scores, valid: group_normalised(scores, valid, unbiased=inputs.std == "unbiased"))
 
 

@@ -46,6 +46,7 @@ ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-tis", "sequence-mask")
 STANDARD_DEVIATIONS = {
     "population": "divide by K, this project's default",
     "unbiased": "divide by K − 1, as verl, OpenRLHF and TRL: advantages 1/1.155 as large at K = 4",
+    "none": "no division, A_i = r_i − mean r (Dr. GRPO's advantage; TRL's scale_rewards none)",
 }
 
 

@@ -81,11 +81,14 @@ def moving_average_after(inputs: AdvantageInputs, baseline: float, decay: float,
 
 
 def learning_rate_at(config: GenerationConfig, update: int, total_updates: int) -> float:
-    """Linear warmup, then constant or cosine decay to zero (update counted from 0)."""
+    """Linear warmup, then constant, or a linear or cosine decay to zero at the last update (update counted from
+    0; transformers' schedules of the same names after their warmup)."""
     if config.warmup_steps and update < config.warmup_steps:
         return config.learning_rate * (update + 1) / config.warmup_steps
+    span = max(1, total_updates - config.warmup_steps)
+    if config.lr_schedule == "linear":
+        return config.learning_rate * max(0.0, (total_updates - update) / span)
     if config.lr_schedule == "cosine":
-        span = max(1, total_updates - config.warmup_steps)
         progress = min(1.0, (update - config.warmup_steps) / span)
         return config.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
     return config.learning_rate
