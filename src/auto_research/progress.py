@@ -14,11 +14,13 @@ from typing import Callable
 
 class Progress:
     def __init__(self, total: int, description: str, initial: int = 0, enabled: bool = True,
-                 write: Callable[[str], None] | None = None, lines: int = 20, leave: bool = True):
+                 write: Callable[[str], None] | None = None, lines: int = 20, leave: bool = True,
+                 every: int | None = None):
+        """``every``: without a terminal, a line every N steps (default: ``total // lines``; lines=0: none)."""
         self.total, self.description, self.count = total, description, initial
         self.enabled = enabled
         self.write = write or (lambda text: print(text, file=sys.stderr, flush=True))
-        self.every = max(1, total // lines) if lines else None  # lines=0: nothing without a terminal
+        self.every = every or (max(1, total // lines) if lines else None)
         self.started = time.perf_counter()
         self.bar = None
         if enabled and sys.stderr.isatty():

@@ -26,7 +26,7 @@ from auto_research.config.rollout import check_rollout_engine, check_staleness
 from auto_research.errors import UserError
 from auto_research.rewards.verifiers import VERIFIERS
 
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "linear", "cosine")
 SAMPLERS = ("builtin", "vllm")
 
 
@@ -44,8 +44,10 @@ GENERATION_PRESETS = {
                            max_new_tokens=256, evaluation_examples=128, warmup_steps=10),
     # A JSONL file holds out its last min(128, rows // 5) rows unless --evaluation-examples is given.
     "jsonl": dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0,
-                  max_new_tokens=128, warmup_steps=10),
+                  max_new_tokens=128, warmup_steps=0),
 }
+WARMUP_SHARE = 10
+"""A preset's warmup is at most steps // WARMUP_SHARE updates (a short run is not spent warming up)."""
 
 
 @dataclass
@@ -210,8 +212,14 @@ class GenerationConfig(EnvironmentSettings):
                                                            "packed without padding where the attention allows, else "
                                                            "length-sorted buckets; a longer row goes alone",
                                                      "optimisation", type=int)
-    lr_schedule: str = setting("constant", "constant or cosine, after linear warmup", "optimisation")
-    warmup_steps: int | None = setting(None, "linear warmup updates (default: per dataset)", "optimisation", type=int)
+    lr_schedule: str = setting("constant", "after the linear warmup: constant, linear (to zero at the last step) or "
+                                           "cosine (to zero at the last step)", "optimisation")
+    warmup_steps: int | None = setting(None, "linear warmup updates, from lr/N to lr (default: none for a data file; "
+                                             "a named dataset's preset, at most a tenth of --steps)", "optimisation",
+                                       type=int)
+    warmup_ratio: float | None = setting(None, "linear warmup as a share of --steps, ceil(share × steps) updates "
+                                               "(instead of --warmup-steps; TRL's warmup_ratio)", "optimisation",
+                                         type=float)
     weight_decay: float = setting(0.0, "AdamW weight decay", "optimisation", type=float)
     max_grad_norm: float = setting(1.0, "gradient-norm clip", "optimisation", type=float)
     gradient_checkpointing: bool = setting(False, "recompute every decoder layer in the backward: the least memory, "
@@ -260,6 +268,11 @@ class GenerationConfig(EnvironmentSettings):
                                       "shows the last); 0 = none", "run", type=int)
     progress: bool = setting(True, "no progress bar or progress lines", "run", flag="--no-progress",
                              action="store_false")
+    log_every: int | None = setting(None, "without a terminal, a progress line every N steps (metrics.jsonl and the "
+                                          "trackers get every step)", "run", default_text="a twentieth of --steps",
+                                    type=int)
+    run_name: str | None = setting(None, "the run folder's name under --output-dir, also the trackers' run name",
+                                   "run", default_text="ALGORITHM-DATASET-seedSEED")
 
     @property
     def dataset_name(self) -> str:
@@ -271,7 +284,7 @@ class GenerationConfig(EnvironmentSettings):
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir) / f"{self.algorithm}-{self.dataset_name}-seed{self.seed}"
+        return Path(self.output_dir) / (self.run_name or f"{self.algorithm}-{self.dataset_name}-seed{self.seed}")
 
     @property
     def policy_loss_in_use(self) -> str:
@@ -279,6 +292,21 @@ class GenerationConfig(EnvironmentSettings):
         here, not filled, since a copy of a filled config may change the updates per batch."""
         several = self.updates_per_batch > 1 or self.ppo_mini_batches > 1
         return self.policy_loss or get_algorithm(self.algorithm).loss_for(several)
+
+    @classmethod
+    def from_trl(cls, settings: dict, base: "GenerationConfig | None" = None) -> "GenerationConfig":
+        """A config from TRL's names (an ``RLOOConfig``'s or ``GRPOConfig``'s fields as a dict, ``config.to_dict()``
+        included) or ours, over ``base``: the same table as the flags and config files (``config/trl.py``,
+        docs/trl.md); a TRL field we have no equivalent for is refused in one line."""
+        from dataclasses import fields
+
+        from auto_research.config import trl
+        from auto_research.config.files import takes
+
+        ours = {item.name: item for item in fields(cls)}
+        base = base or cls()
+        return replace(base, **trl.keywords(settings, lambda name, value: takes(ours[name], value) if name in ours
+                                            else None, base))
 
     def filled(self) -> "GenerationConfig":
         """A copy with the dataset's presets in place of unset (None) settings, and the algorithm record's defaults
@@ -289,6 +317,10 @@ class GenerationConfig(EnvironmentSettings):
         record = get_algorithm(self.algorithm)
         if filled.eval_every is None:
             filled.eval_every = max(1, filled.steps // 10)
+        if self.warmup_ratio is not None:
+            filled.warmup_steps = math.ceil(filled.steps * self.warmup_ratio)
+        elif self.warmup_steps is None:
+            filled.warmup_steps = min(filled.warmup_steps, filled.steps // WARMUP_SHARE)
         if filled.kl_in is None:
             filled.kl_in = record.kl
         if filled.kl_estimator is None:
@@ -338,7 +370,13 @@ class GenerationConfig(EnvironmentSettings):
         check_non_negative_integers(("--warmup-steps", self.warmup_steps), ("--checkpoint-every", self.checkpoint_every),
                                     ("--eval-every", self.eval_every), ("--top-k", self.top_k),
                                     ("--log-completions", self.log_completions))
+        check_positive_integers(("--log-every", self.log_every))
         check_device(self.device)
+        if self.warmup_ratio is not None:
+            if not (math.isfinite(self.warmup_ratio) and 0 <= self.warmup_ratio < 1):
+                raise UserError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+            if self.warmup_steps is not None:
+                raise UserError("--warmup-ratio and --warmup-steps both set the warmup: give one")
         if self.keep_checkpoints < 1:
             raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
         for flag, value in (("--learning-rate", self.learning_rate), ("--temperature", self.temperature),

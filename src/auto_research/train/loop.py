@@ -167,10 +167,13 @@ class RunLoop:
     def run(self) -> dict:
         c, state, config = self.c, self.state, self.c.config
         if not self.resumed:
+            if config.warmup_steps:
+                self.log(f"warmup: the learning rate rises linearly to {config.learning_rate:g} over the first "
+                         f"{config.warmup_steps} of {config.steps} steps")
             self._evaluate_baseline()
         handlers = {signum: signal.signal(signum, self._request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
         bar = Progress(config.steps, f"{config.algorithm} on {c.task.name}", initial=state.step,
-                       enabled=config.progress and c.world.main, write=self.log)
+                       enabled=config.progress and c.world.main, write=self.log, every=config.log_every)
         last_saved = state.step if self.resumed else None
         try:
             for step in range(state.step + 1, config.steps + 1):
