@@ -35,11 +35,15 @@ def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable 
 
     ``dataset``: ``arithmetic-generate``, ``gsm8k-generate``, a ``.jsonl`` path, or a list
     of dicts with ``prompt`` and ``answer`` (or the config's ``prompt_field`` and
-    ``answer_field``); the last rows are held out as with a JSONL file, and the run
-    folder is named after ``name``. ``reward``: one function or several, each called as
-    ``reward(prompts, completions, rows)`` and returning a float or None per completion;
-    they add to ``config.reward`` and ``config.reward_model``. ``settings`` override
-    fields of ``config`` (``GenerationConfig``'s fields, the flags' names with underscores).
+    ``answer_field``); the last rows are held out as with a JSONL file, and ``name`` is
+    their dataset's name (their run folder is ``<algorithm>-<name>-seed<seed>``; the
+    ``run_name`` setting names the folder of any run). ``reward``: one function or several,
+    each called as ``reward(prompts, completions, rows)`` (or TRL's
+    ``reward(prompts, completions, **columns)``) and returning a float or None per
+    completion; they add to ``config.reward`` and ``config.reward_model``. ``settings``
+    override fields of ``config``: ``GenerationConfig``'s field names, or TRL's names
+    (``num_generations=4, max_completion_length=64, per_device_train_batch_size=8``;
+    docs/trl.md), translated as the command line translates them.
     ``environment`` (``make_env(row)``) and ``tools`` (functions): multi-turn rollouts, as --environment and
     --tools (docs/environments.md); ``rollout_function`` (``fn(rows, context)``): your own rollout loop, as
     --rollout-function.
@@ -47,7 +51,7 @@ def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable 
     # Imported here: ``import auto_research`` stays light, and the run's checks come before torch's import.
     from auto_research.recipes.post_train import post_train_generation
 
-    config = replace(config or GenerationConfig(), **settings)
+    config = GenerationConfig.from_trl(settings, config) if settings else (config or GenerationConfig())
     rows = None
     if isinstance(dataset, str):
         config = replace(config, dataset=dataset)

@@ -13,7 +13,7 @@ import sys
 from auto_research import __version__
 from auto_research.algorithms.registry import REGISTRY
 from auto_research.cli import commands
-from auto_research.cli.flags import Parser, add_config_flag, add_flags
+from auto_research.cli.flags import Parser, add_config_flag, add_flags, add_trl_flags
 from auto_research.config.candidate import CandidateConfig
 from auto_research.config.fields import DATASETS
 from auto_research.config.generation import GenerationConfig
@@ -27,12 +27,14 @@ LEVELS = {"candidate level": CandidateConfig}
 def _post_train(parser) -> None:
     add_flags(parser, GenerationConfig, grouped=True, levels=LEVELS, defaults={"dataset": "arithmetic-smoke"})
     add_flags(parser, PostTrainOptions)
+    add_trl_flags(parser)
 
 
 def _compare(parser) -> None:
     add_flags(parser, GenerationConfig, exclude=("algorithm", "group_size"), grouped=True, levels=LEVELS,
               defaults={"dataset": "arithmetic-smoke"})
     add_flags(parser, CompareOptions)
+    add_trl_flags(parser)
 
 
 def _recipe(name: str):

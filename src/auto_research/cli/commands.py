@@ -26,8 +26,11 @@ def _stderr(text: str) -> None:
 
 
 def _levels(args, classes) -> tuple[dict, str]:
-    load_config_file(args, classes)
-    settings = given(args, GenerationConfig)
+    """The run's settings from --config and the flags, under our names or TRL's (``config/trl.py``)."""
+    from auto_research.config import trl
+
+    load_config_file(args, classes, trl_names=True)
+    settings = trl.finish(given(args, GenerationConfig, trl_names=True), GenerationConfig)
     return settings, settings.get("dataset", "arithmetic-smoke")
 
 

@@ -9,6 +9,7 @@ that was given). Flags given on the command line win over the file's.
 from __future__ import annotations
 
 import argparse
+import copy
 from dataclasses import MISSING, fields
 from pathlib import Path
 
@@ -80,29 +81,83 @@ def add_flags(parser: argparse.ArgumentParser, cls, exclude=(), grouped: bool = 
         target.add_argument(*names, dest=item.name, default=None, help=help_text, **options)
 
 
+METAVARS = {"int": "N", "float": "X", "number": "X", "bool": "BOOL", "floats": "X", "texts": "NAME", "text": "TEXT"}
+TRL_DEST = "trl:"
+"""argparse's destination prefix of a flag under TRL's name (``config/trl.py``)."""
+
+
+def add_trl_flags(parser: argparse.ArgumentParser) -> None:
+    """TRL's names as flags, ``--num-generations`` and ``--num_generations`` alike (transformers' parser takes
+    both); where the dashed name is already ours with the same meaning (``--beta``), only the underscored one.
+    The names with a setting of ours show in --help; those accepted only at a value that changes nothing do not."""
+    from auto_research.config import trl
+
+    taken = set(parser._option_string_actions)
+    ours = [action for action in parser._actions if action.option_strings and action.dest.isidentifier()]
+    group = parser.add_argument_group("TRL's names (docs/trl.md; config files take them too)")
+    for name in trl.trl_names():
+        spellings = [spelling for spelling in dict.fromkeys((f"--{name.replace('_', '-')}", f"--{name}"))
+                     if spelling not in taken]
+        if not spellings:
+            continue
+        kind = trl.MAPPED[name].kind if name in trl.MAPPED else "any"
+        nargs = "+" if kind in ("floats", "texts") else "?" if kind == "bool" else None
+        shown = f"TRL's {name}: {trl.MAPPED[name].ours}" if name in trl.MAPPED else argparse.SUPPRESS
+        options = {"nargs": nargs, "const": "true"} if nargs == "?" else {"nargs": nargs} if nargs else {}
+        group.add_argument(*spellings, dest=TRL_DEST + name, default=None, metavar=METAVARS.get(kind, "VALUE"), help=shown,
+                           **options)
+    for action in ours:  # ours underscored too, as transformers' parser takes them (--entropy_coef), unlisted
+        spelling = action.option_strings[0].replace("-", "_").replace("__", "--", 1)
+        if action.option_strings[0].startswith("--") and spelling not in parser._option_string_actions:
+            alias = copy.copy(action)
+            alias.option_strings, alias.help = [spelling], argparse.SUPPRESS
+            parser._add_action(alias)
+
+
+def trl_given(args: argparse.Namespace) -> dict:
+    """The TRL-named flags given, as TRL's settings (name → value)."""
+    from auto_research.config import trl
+
+    found = {key[len(TRL_DEST):]: value for key, value in vars(args).items()
+             if key.startswith(TRL_DEST) and value is not None}
+    return {name: trl.parse_flag(name, value if isinstance(value, list) else [value]) for name, value in found.items()}
+
+
 def add_config_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None, metavar="FILE",
                         help="settings in a YAML (or JSON) file, keys named as the flags; flags given here win")
 
 
-def given(args: argparse.Namespace, cls, exclude=()) -> dict:
-    """The settings of ``cls`` given on the command line (or in ``--config``): field name → value."""
+def given(args: argparse.Namespace, cls, exclude=(), trl_names: bool = False) -> dict:
+    """The settings of ``cls`` given on the command line (or in ``--config``): field name → value. With
+    ``trl_names``, TRL's names too (``config/trl.py``): the command line's win over the file's, and within one of
+    them, a TRL name and ours that set one setting differently are refused."""
     from_file = getattr(args, "_from_file", {})
     settings = {item.name: from_file[item.name] for item in flagged_fields(cls, exclude) if item.name in from_file}
-    for item in flagged_fields(cls, exclude):
-        value = getattr(args, item.name, None)
-        if value is not None:
-            settings[item.name] = value
-    return settings
+    from_flags = {item.name: getattr(args, item.name) for item in flagged_fields(cls, exclude)
+                  if getattr(args, item.name, None) is not None}
+    if not trl_names:
+        return {**settings, **from_flags}
+    from auto_research.config import trl
+
+    settings.update({key: value for key, value in from_file.items() if key.startswith("_")})
+    flags = flag_names(cls)
+    translated = trl.translate(trl_given(args))
+    for key, value in translated.items():
+        if key in from_flags and from_flags[key] != value:
+            raise UserError(f"{flags.get(key, key)} {from_flags[key]} and a TRL flag that sets it to {value} were "
+                            "both given: give one")
+    return {**settings, **translated, **from_flags}
 
 
-def load_config_file(args: argparse.Namespace, classes) -> None:
-    """Read ``--config`` (if given) into ``args`` for ``given`` to merge under the command line's flags."""
+def load_config_file(args: argparse.Namespace, classes, trl_names: bool = False) -> None:
+    """Read ``--config`` (if given) into ``args`` for ``given`` to merge under the command line's flags (with
+    ``trl_names``, TRL's keys too)."""
     args._from_file = {}
     if getattr(args, "config", None):
         from auto_research.config.files import read_config_file  # a run without --config never needs it
 
-        args._from_file = read_config_file(args.config, classes)
+        args._from_file = read_config_file(args.config, classes, trl_names)
 
 
 def flag_names(cls) -> dict[str, str]:

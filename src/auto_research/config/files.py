@@ -74,6 +74,16 @@ def _check_type(where: str, key: str, value, item):
     raise UserError(f"{where}: {key} must be {wanted}, got {json.dumps(value)}")
 
 
+def takes(item, value) -> bool:
+    """Whether the field ``item`` (made by ``setting``) takes ``value`` as it is (a list for a list field, a number
+    for a number...)."""
+    try:
+        _check_type("", item.name, value, item)
+    except UserError:
+        return False
+    return True
+
+
 def _parse(path: Path) -> dict:
     try:
         text = path.read_text()
@@ -102,20 +112,66 @@ def _parse(path: Path) -> dict:
     return payload
 
 
-def read_config_file(path: str | Path, classes) -> dict:
-    """The file's settings as field name → value, for the dataclasses ``classes`` (a command's settings)."""
+def read_config_file(path: str | Path, classes, trl_names: bool = False) -> dict:
+    """The file's settings as field name → value, for the dataclasses ``classes`` (a command's settings).
+
+    With ``trl_names``, a key that is TRL's name for one of ours (``num_generations``, ``config/trl.py``) sets
+    ours, exactly; a TRL field we have no equivalent for is refused in one line, and so is a TRL key that sets a
+    setting the file also sets differently under our name. A key spelled as both ours and TRL's (``beta``) is
+    ours, unless its value only makes sense as TRL's (``warmup_steps: 0.1``, ``report_to: [wandb]``)."""
     path = Path(path)
+    where = f"--config {path}"
     known = _flagged(classes)
-    settings = {}
+    settings, trl_settings = {}, {}
     for raw_key, value in _parse(path).items():
         key = str(raw_key).replace("_", "-")
         item = known.get(key)
-        if item is None:
-            nearest = difflib.get_close_matches(key, list(known), n=1)
-            hint = f"; did you mean {nearest[0]}?" if nearest else ""
-            raise UserError(f"--config {path}: unknown key {raw_key!r}{hint}")
-        settings[item.name] = _check_type(f"--config {path}", key, value, item)
-    return settings
+        trl_name = key.replace("-", "_")
+        if item is not None:
+            try:
+                settings[item.name] = _check_type(where, key, value, item)
+                continue
+            except UserError:
+                if not (trl_names and _is_trl(trl_name)):
+                    raise
+        if trl_names and _is_trl(trl_name):
+            trl_settings[trl_name] = value
+            continue
+        names = list(known) + ([name.replace("_", "-") for name in _trl_names()] if trl_names else [])
+        nearest = difflib.get_close_matches(key, names, n=1)
+        hint = f"; did you mean {nearest[0]}?" if nearest else ""
+        raise UserError(f"{where}: unknown key {raw_key!r}{hint}")
+    return {**settings, **_from_trl(where, trl_settings, settings, known)} if trl_settings else settings
+
+
+def _is_trl(name: str) -> bool:
+    from auto_research.config import trl
+
+    return trl.is_trl_name(name)
+
+
+def _trl_names() -> list[str]:
+    from auto_research.config import trl
+
+    return trl.trl_names()
+
+
+def _from_trl(where: str, trl_settings: dict, settings: dict, known: dict) -> dict:
+    """A file's TRL keys as our settings, each type-checked as ours; a clash with the file's own keys refused."""
+    from auto_research.config import trl
+
+    try:
+        translated = trl.translate(trl_settings)
+    except UserError as error:
+        raise UserError(f"{where}: {error}") from None
+    by_name = {item.name: (key, item) for key, item in known.items()}
+    for name, value in list(translated.items()):
+        if name in by_name:
+            key, item = by_name[name]
+            translated[name] = _check_type(where, key, value, item)
+            if name in settings and settings[name] != translated[name]:
+                raise UserError(f"{where}: {key} is {settings[name]!r}, and a TRL key sets it to {value!r}: give one")
+    return translated
 
 
 def config_payload(config) -> dict:

@@ -1,0 +1,442 @@
+"""TRL's names for this project's settings (docs/trl.md has the whole table).
+
+Every field of TRL 1.16's ``RLOOConfig`` and ``GRPOConfig`` (and of the transformers ``TrainingArguments`` they
+extend) whose meaning one of ours has is accepted under TRL's name: as a flag (``--num-generations`` or
+``--num_generations``), a config-file key (``num_generations``) and a Python keyword (``GenerationConfig.from_trl``,
+``post_train(**settings)``). ``translate`` turns TRL's settings into ours, exactly; a TRL field we have no
+equivalent for is refused in one line that says so, never dropped. A field whose value asks for nothing we would
+do differently (``sync_ref_model: false``, ``optim: adamw_torch``) is accepted at that value only, so that a TRL
+config file moves here unchanged. Our defaults stay ours: where TRL's differ (β for GRPO, the batch, the completion
+length, gradient checkpointing), a setting TRL's config leaves out takes our default, and docs/trl.md says so.
+
+The batch: TRL counts completions, ``per_device_train_batch_size`` × ``gradient_accumulation_steps`` × processes
+an optimizer step; we count prompts (groups of K completions) a step, split over the processes. So
+per_device_train_batch_size is our ``micro_batch_size`` (completions per forward/backward on each process) and
+the product over K is ``prompts_per_step``, refused when K does not divide it (``finish``: K is known only once
+every source of settings is merged).
+
+Light: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+from auto_research.engine.launch import environment_world_size
+from auto_research.errors import UserError
+
+# Settings that wait for ``finish`` (K, the steps and every source merged): TRL's batch, its server address, its
+# epochs. Their names start with "_" and never reach a config.
+_PER_DEVICE, _ACCUMULATION, _STEPS_PER_GENERATION = "_per_device", "_accumulation", "_steps_per_generation"
+_HOST, _PORT, _EPOCHS, _CONSTANT = "_vllm_host", "_vllm_port", "_epochs", "_constant_schedule"
+_BIAS_CORRECTED_KL = "_bias_corrected_kl"
+TRL_DEFAULT_PER_DEVICE = 8
+"""TrainingArguments' per_device_train_batch_size when only gradient_accumulation_steps is given."""
+
+
+@dataclass(frozen=True)
+class TrlField:
+    kind: str
+    """How a flag's text is read: int, float, bool, text, floats, texts, number (int or float), bool-or-text."""
+    ours: str
+    """What it sets, for the docs and --help (our flag)."""
+    to_ours: Callable[[Any], dict]
+
+
+def _same(field: str) -> Callable[[Any], dict]:
+    return lambda value: {field: value}
+
+
+def _refuse(name: str, why: str) -> UserError:
+    return UserError(f"TRL's {name}: {why}")
+
+
+def _choice(name: str, table: dict, refused: dict | None = None) -> Callable[[Any], dict]:
+    """A TRL value → our settings by ``table``; a value in ``refused`` says why it is not built."""
+    def convert(value):
+        key = value if not isinstance(value, str) else value.strip()
+        if key in table:
+            return dict(table[key])
+        if refused and key in refused:
+            raise _refuse(name, f"{value!r} {refused[key]}")
+        allowed = ", ".join(str(choice) for choice in table)
+        raise _refuse(name, f"{value!r} has no equivalent here; accepted: {allowed}")
+    return convert
+
+
+def _max_steps(value) -> dict:
+    return {} if value is None or value < 0 else {"steps": value}
+
+
+def _warmup_steps(value) -> dict:
+    """transformers 5: an integer is a step count, a float in [0, 1) a share of the steps."""
+    if isinstance(value, float) and 0 <= value < 1:
+        return {"warmup_ratio": value}
+    if value != int(value) or value < 0:
+        raise _refuse("warmup_steps", f"{value} is neither a step count nor a share of the steps in [0, 1)")
+    return {"warmup_steps": int(value)}
+
+
+def _save_steps(value) -> dict:
+    if value != int(value) or value < 1:
+        raise _refuse("save_steps", f"{value}: give a whole number of steps (a share of the run is not built)")
+    return {"checkpoint_every": int(value)}
+
+
+def _report_to(value) -> dict:
+    names = [value] if isinstance(value, str) else list(value or ["none"])
+    names = [part.strip() for name in names for part in str(name).split(",") if part.strip()]
+    if "all" in names:
+        raise _refuse("report_to", "'all' has no equivalent here: name the trackers (tensorboard, wandb, trackio, "
+                                   "mlflow)")
+    return {"report_to": ",".join(names) or "none"}
+
+
+def _server_url(value) -> dict:
+    parsed = urlparse(str(value))
+    if not parsed.hostname or not parsed.port:
+        raise _refuse("vllm_server_base_url", f"{value!r}: expected http://HOST:PORT")
+    return {"vllm_server": f"{parsed.hostname}:{parsed.port}"}
+
+
+def _tool_iterations(value) -> dict:
+    return {} if value is None else {"max_turns": int(value) + 1}
+
+
+def _log_completions(value) -> dict:
+    return {} if value else {"log_completions": 0}
+
+
+_LOSS_TYPES = {
+    "grpo": {"loss_aggregation": "sequence-mean-token-mean"},
+    "dr_grpo": {"loss_aggregation": "constant"},
+    "dapo": {"loss_aggregation": "token-mean"},
+    "cispo": {"policy_loss": "cispo", "loss_aggregation": "token-mean"},
+}
+_LOSS_TYPES_REFUSED = {
+    "bnpo": "normalises by each process's own tokens, so the numbers depend on the process count; dapo (token-mean "
+            "over the global batch) is the same loss independent of it",
+    "sapo": "(SAPO's soft gate) is not built", "luspo": "(LUSPO) is not built", "vespo": "(VESPO) is not built",
+}
+_SCHEDULES = {"constant": {"lr_schedule": "constant", _CONSTANT: True},
+              "constant_with_warmup": {"lr_schedule": "constant"},
+              "linear": {"lr_schedule": "linear"}, "cosine": {"lr_schedule": "cosine"}}
+_CORRECTION_MODES = {"token_truncate": {"rollout_correction": "token-tis"},
+                     "sequence_truncate": {"rollout_correction": "sequence-tis"},
+                     "sequence_mask": {"rollout_correction": "sequence-mask"}}
+
+MAPPED: dict[str, TrlField] = {
+    # the group, the batch and the length
+    "num_generations": TrlField("int", "--group-size", _same("group_size")),
+    "per_device_train_batch_size": TrlField("int", "--micro-batch-size; with the next two, --prompts-per-step",
+                                            lambda value: {"micro_batch_size": value, _PER_DEVICE: value}),
+    "gradient_accumulation_steps": TrlField("int", "--prompts-per-step (with per_device_train_batch_size)",
+                                            _same(_ACCUMULATION)),
+    "steps_per_generation": TrlField("int", "one generation per optimizer step: must equal "
+                                            "gradient_accumulation_steps", _same(_STEPS_PER_GENERATION)),
+    "max_completion_length": TrlField("int", "--max-new-tokens", _same("max_new_tokens")),
+    "max_steps": TrlField("int", "--steps (-1: unset)", _max_steps),
+    "num_train_epochs": TrlField("float", "ignored when max_steps is given, as in transformers; else refused",
+                                 _same(_EPOCHS)),
+    # the loss
+    "beta": TrlField("float", "--beta", _same("beta")),
+    "num_iterations": TrlField("int", "--ppo-epochs", _same("updates_per_batch")),
+    "epsilon": TrlField("float", "--clip-range (both sides unless epsilon_high)", _same("clip_range")),
+    "epsilon_high": TrlField("float", "--clip-high", _same("clip_high")),
+    "loss_type": TrlField("text", "--loss-aggregation (cispo: and --policy-loss cispo)",
+                          _choice("loss_type", _LOSS_TYPES, _LOSS_TYPES_REFUSED)),
+    "scale_rewards": TrlField("bool-or-text", "--std unbiased (group, true) or none (none, false)",
+                              _choice("scale_rewards", {"group": {"std": "unbiased"}, True: {"std": "unbiased"},
+                                                        "none": {"std": "none"}, False: {"std": "none"}},
+                                      {"batch": "(the batch's std, PPO Lite) is not built"})),
+    "importance_sampling_level": TrlField("text", "sequence: --policy-loss gspo",
+                                          _choice("importance_sampling_level", {"token": {},
+                                                                                "sequence": {"policy_loss": "gspo"}})),
+    "mask_truncated_completions": TrlField("bool", "--mask-truncated", _same("mask_truncated")),
+    "normalize_advantages": TrlField("bool", "--normalize-advantages", _same("normalize_advantages")),
+    "reward_weights": TrlField("floats", "--reward-weights", _same("reward_weights")),
+    "reward_funcs": TrlField("texts", "--reward (each)", lambda value: {"reward": [value] if isinstance(value, str)
+                                                                         else list(value)}),
+    # sampling
+    "temperature": TrlField("float", "--temperature", _same("temperature")),
+    "top_p": TrlField("float", "--top-p", _same("top_p")),
+    "top_k": TrlField("int", "--top-k", _same("top_k")),
+    "use_vllm": TrlField("bool", "--sampler vllm (false: builtin)",
+                         lambda value: {"sampler": "vllm" if value else "builtin"}),
+    "vllm_mode": TrlField("text", "--rollout-mode", _choice("vllm_mode", {"colocate": {"vllm_mode": "colocate"},
+                                                                          "server": {"vllm_mode": "server"}})),
+    "vllm_server_base_url": TrlField("text", "--rollout-server", _server_url),
+    "vllm_server_host": TrlField("text", "--rollout-server HOST (with vllm_server_port)", _same(_HOST)),
+    "vllm_server_port": TrlField("int", "--rollout-server :PORT (with vllm_server_host)", _same(_PORT)),
+    "vllm_gpu_memory_utilization": TrlField("float", "--rollout-memory", _same("vllm_memory")),
+    "vllm_importance_sampling_correction": TrlField("bool", "false: --rollout-correction none",
+                                                    lambda value: {} if value else {"rollout_correction": "none"}),
+    "vllm_importance_sampling_mode": TrlField("text", "--rollout-correction",
+                                              _choice("vllm_importance_sampling_mode", _CORRECTION_MODES,
+                                                      {"token_mask": "(masking tokens) is not built"})),
+    "vllm_importance_sampling_clip_max": TrlField("float", "--rollout-correction-cap",
+                                                  _same("rollout_correction_cap")),
+    "vllm_importance_sampling_cap": TrlField("float", "--rollout-correction-cap", _same("rollout_correction_cap")),
+    "max_tool_calling_iterations": TrlField("int", "--max-turns (iterations + 1)", _tool_iterations),
+    # optimisation
+    "learning_rate": TrlField("float", "--learning-rate", _same("learning_rate")),
+    "lr_scheduler_type": TrlField("text", "--lr-schedule", _choice("lr_scheduler_type", _SCHEDULES)),
+    "warmup_steps": TrlField("number", "--warmup-steps (a float in [0, 1): --warmup-ratio)", _warmup_steps),
+    "warmup_ratio": TrlField("float", "--warmup-ratio", _same("warmup_ratio")),
+    "weight_decay": TrlField("float", "--weight-decay", _same("weight_decay")),
+    "max_grad_norm": TrlField("float", "--max-grad-norm", _same("max_grad_norm")),
+    "bf16": TrlField("bool", "--dtype bfloat16 (false: float32)",
+                     lambda value: {} if value is None else {"dtype": "bfloat16" if value else "float32"}),
+    "fp16": TrlField("bool", "false only (float16 needs loss scaling: use bf16)",
+                     _choice("fp16", {False: {}}, {True: "needs loss scaling, which is not built: use bf16 (fp32 "
+                                                         "master weights, bf16 compute)"})),
+    "gradient_checkpointing": TrlField("bool", "--gradient-checkpointing", _same("gradient_checkpointing")),
+    "seed": TrlField("int", "--seed", _same("seed")),
+    # the run
+    "output_dir": TrlField("text", "--output-dir (ours holds the run's folder, see --run-name)", _same("output_dir")),
+    "run_name": TrlField("text", "--run-name", _same("run_name")),
+    "project": TrlField("text", "--tracker-project", _same("tracker_project")),
+    "report_to": TrlField("texts", "--report-to", _report_to),
+    "logging_steps": TrlField("int", "--log-every", _same("log_every")),
+    "save_steps": TrlField("number", "--checkpoint-every", _save_steps),
+    "save_total_limit": TrlField("int", "--keep-checkpoints", _same("keep_checkpoints")),
+    "eval_steps": TrlField("int", "--eval-every", _same("eval_every")),
+    "eval_strategy": TrlField("text", "steps: --eval-every eval_steps; no: --eval-every 0 (before and after only)",
+                              _choice("eval_strategy", {"steps": {}, "no": {"eval_every": 0}},
+                                      {"epoch": "has no equivalent here (steps draw fresh prompts, not epochs)"})),
+    "log_completions": TrlField("bool", "false: --log-completions 0", _log_completions),
+    "num_completions_to_print": TrlField("int", "--log-completions", _same("log_completions")),
+    "disable_tqdm": TrlField("bool", "--no-progress", lambda value: {"progress": not value}),
+    "use_bias_correction_kl": TrlField("bool", "false, or true with beta 0 (the KL term is not multiplied by the "
+                                               "importance ratio here)", _same(_BIAS_CORRECTED_KL)),
+}
+
+# Fields that ask for nothing we do differently at these values (TRL's or transformers' defaults, mostly):
+# accepted there, refused elsewhere. ANY: every value (logging and launch plumbing that changes no number).
+ANY = object()
+NEUTRAL: dict[str, tuple] = {
+    "remove_unused_columns": (False,), "shuffle_dataset": (True,), "ds3_gather_for_generation": (True,),
+    "pad_to_multiple_of": ("auto", None), "disable_dropout": (True, False), "trust_remote_code": (False,),
+    "model_init_kwargs": (None,), "generation_kwargs": (None,), "chat_template_kwargs": (None,),
+    "repetition_penalty": (1.0,), "min_p": (None, 0.0), "cache_implementation": (None,),
+    "use_transformers_paged": (False,), "use_transformers_continuous_batching": (False,),
+    "transformers_continuous_batching_config": (None,), "vllm_model_impl": ("vllm",),
+    "vllm_enable_sleep_mode": (False,), "vllm_structured_outputs_regex": (None,), "vllm_max_model_length": (None,),
+    "vllm_tensor_parallel_size": (1,), "vllm_group_port": (ANY,), "vllm_server_timeout": (ANY,),
+    "vllm_importance_sampling_clip_min": (None,), "reward_clip_range": (None,), "sync_ref_model": (False,),
+    "ref_model_mixup_alpha": (ANY,), "ref_model_sync_steps": (ANY,), "num_generations_eval": (None,),
+    "router_aux_loss_coef": (None,), "cast_lm_head_to_fp32": (False,), "delta": (None,),
+    "sapo_temperature_neg": (1.05,), "sapo_temperature_pos": (1.0,), "vespo_k_pos": (2.0,),
+    "vespo_lambda_pos": (3.0,), "vespo_k_neg": (3.0,), "vespo_lambda_neg": (2.0,),
+    "multi_objective_aggregation": ("sum_then_normalize",), "top_entropy_quantile": (1.0,),
+    "use_adaptive_entropy": (False,), "entropy_coef_min": (ANY,), "entropy_coef_max": (ANY,),
+    "entropy_coef_delta": (ANY,), "entropy_target": (ANY,), "off_policy_mask_threshold": (None,),
+    "log_multimodal": (ANY,), "log_unique_prompts": (ANY,),
+    "log_completions_hub_repo": (None,), "use_liger_kernel": (False,), "liger_kernel_config": (None,),
+    "torch_empty_cache_steps": (None,), "lr_scheduler_kwargs": (None, {}),
+    "gradient_checkpointing_kwargs": (None, {}, {"use_reentrant": False}), "optim": ("adamw_torch",
+                                                                                    "adamw_torch_fused"),
+    "optim_args": (None,), "adam_beta1": (0.9,), "adam_beta2": (0.999,), "adam_epsilon": (1e-8,),
+    "label_smoothing_factor": (0.0,), "bf16_full_eval": (False,), "fp16_full_eval": (False,), "tf32": (None,),
+    "torch_compile": (False,), "use_cache": (False,), "neftune_noise_alpha": (None,), "auto_find_batch_size": (False,),
+    "logging_strategy": ("steps",), "logging_first_step": (ANY,), "log_on_each_node": (ANY,),
+    "logging_nan_inf_filter": (ANY,), "log_level": (ANY,), "log_level_replica": (ANY,), "logging_dir": (ANY,),
+    "include_num_input_tokens_seen": (ANY,), "save_strategy": ("steps",), "save_only_model": (False,),
+    "save_on_each_node": (False,), "push_to_hub": (False,), "hub_model_id": (None,),
+    "hub_private_repo": (None,), "hub_token": (ANY,), "hub_strategy": (ANY,), "hub_always_push": (ANY,), "hub_revision": (None,),
+    "trackio_space_id": (None,), "trackio_bucket_id": (None,), "trackio_static_space_id": (None,),
+    "per_device_eval_batch_size": (ANY,), "eval_delay": (0,), "eval_on_start": (False,),
+    "prediction_loss_only": (ANY,), "eval_do_concat_batches": (ANY,), "eval_use_gather_object": (ANY,),
+    "eval_accumulation_steps": (None,), "batch_eval_metrics": (False,), "load_best_model_at_end": (False,),
+    "metric_for_best_model": (None,), "greater_is_better": (None,), "ignore_data_skip": (False,),
+    "restore_callback_states_from_checkpoint": (False,), "full_determinism": (ANY,), "data_seed": (None,),
+    "use_cpu": (ANY,), "accelerator_config": (ANY,), "parallelism_config": (None,),
+    "dataloader_drop_last": (ANY,), "dataloader_num_workers": (ANY,), "dataloader_pin_memory": (ANY,),
+    "dataloader_persistent_workers": (ANY,), "dataloader_prefetch_factor": (ANY,),
+    "dataloader_multiprocessing_context": (ANY,), "dataloader_in_order": (ANY,), "label_names": (None,),
+    "train_sampling_strategy": ("random",), "length_column_name": (ANY,), "ddp_find_unused_parameters": (ANY,),
+    "ddp_bucket_cap_mb": (ANY,), "ddp_broadcast_buffers": (ANY,), "ddp_static_graph": (ANY,), "ddp_backend": (ANY,),
+    "ddp_timeout": (ANY,), "fsdp": (None, "", False), "fsdp_config": (None,), "deepspeed": (None,), "debug": ("", []),
+    "skip_memory_metrics": (ANY,), "do_train": (ANY,), "do_eval": (ANY,), "do_predict": (ANY,),
+    "resume_from_checkpoint": (None,), "local_rank": (ANY,), "overwrite_output_dir": (ANY,),
+    "enable_jit_checkpoint": (False,), "average_tokens_across_devices": (True,), "include_for_metrics": (ANY,),
+    "torch_compile_backend": (None,), "torch_compile_mode": (None,), "optim_target_modules": (None,),
+    "max_prompt_length": (None,),
+}
+
+REASONS = {
+    "fsdp": "use --fsdp (FSDP2 under torchrun)", "deepspeed": "DeepSpeed is not built: use --fsdp under torchrun",
+    "resume_from_checkpoint": "use --resume (the run folder's newest good checkpoint)",
+    "push_to_hub": "nothing is pushed to a hub: the run folder's checkpoints load with from_pretrained",
+    "max_prompt_length": "prompts are never cut here (TRL 1.16 has no such field either)",
+    "sync_ref_model": "TR-DPO's reference sync is not built", "reward_clip_range": "reward clipping is not built",
+    "model_init_kwargs": "give --dtype for the compute dtype; weights load as the checkpoint has them",
+    "trust_remote_code": "models that ship their own code are not loaded",
+    "generation_kwargs": "every sampling setting is a flag of its own (--temperature, --top-p, --top-k)",
+    "optim": "the optimizer is torch's AdamW",
+    "vllm_tensor_parallel_size": "vLLM runs one device per engine here",
+    "shuffle_dataset": "each step draws its prompts at random from the seed",
+}
+
+
+def _kind_of(name: str) -> str:
+    return MAPPED[name].kind if name in MAPPED else "any"
+
+
+def is_trl_name(name: str) -> bool:
+    return name in MAPPED or name in NEUTRAL
+
+
+def _neutral(name: str, value) -> dict:
+    allowed = NEUTRAL[name]
+    if ANY in allowed or value in allowed:
+        return {}
+    why = REASONS.get(name, "has no equivalent here")
+    accepted = " or ".join(repr(choice) for choice in allowed)
+    raise _refuse(name, f"{value!r}: {why} (accepted only as {accepted}, which asks for nothing different)")
+
+
+def translate(trl: dict) -> dict:
+    """TRL's settings (name → value) → ours, with the batch, the server address and the epochs left for ``finish``.
+    One line for a field without an equivalent, and for two TRL fields that set one of ours differently."""
+    ours: dict = {}
+    for name, value in trl.items():
+        if name in MAPPED and value is None:
+            continue  # TRL's "unset": ours decides
+        if name in MAPPED:
+            settings = MAPPED[name].to_ours(value)
+        elif name in NEUTRAL:
+            settings = _neutral(name, value)
+        else:
+            raise UserError(f"{name!r} is not a setting of TRL's RLOOConfig or GRPOConfig, nor of auto-research")
+        for key, setting in settings.items():
+            if key in ours and ours[key] != setting:
+                raise UserError(f"TRL's {name} sets {key.lstrip('_')} to {setting!r}, another of the given TRL "
+                                f"settings to {ours[key]!r}: give one")
+            ours[key] = setting
+    return ours
+
+
+def finish(settings: dict, defaults) -> dict:
+    """Resolve what waited for every source: TRL's batch into --prompts-per-step (K from the settings, else
+    ``defaults.group_size``), its server host and port into --rollout-server, its epochs (ignored beside max_steps,
+    as in transformers), its bias-corrected KL (nothing to correct at β = 0). ``defaults``: our settings' defaults
+    (a ``GenerationConfig``, or the class). Returns our settings only."""
+    settings = dict(settings)
+    pending = {key: settings.pop(key) for key in list(settings) if key.startswith("_")}
+    if pending.get(_BIAS_CORRECTED_KL) and settings.get("beta", defaults.beta) > 0:
+        raise _refuse("use_bias_correction_kl", f"true with beta {settings.get('beta', defaults.beta)}: the KL term "
+                                                "is not multiplied by the importance ratio here; set it false (or "
+                                                "beta 0)")
+    if _EPOCHS in pending and "steps" not in settings:
+        raise _refuse("num_train_epochs", "steps here draw fresh prompts, not passes over the data: give max_steps "
+                                          "(--steps)")
+    if _HOST in pending or _PORT in pending:
+        address = f"{pending.get(_HOST, '127.0.0.1')}:{pending.get(_PORT, 8000)}"
+        if settings.setdefault("vllm_server", address) != address:
+            raise UserError(f"--rollout-server {settings['vllm_server']} and TRL's vllm_server_host/port {address} "
+                            "differ: give one")
+    if pending.get(_CONSTANT) and settings.get("warmup_steps", 0) or pending.get(_CONSTANT) and settings.get(
+            "warmup_ratio"):
+        raise _refuse("lr_scheduler_type", "'constant' ignores warmup in transformers: give constant_with_warmup "
+                                           "for a warmup")
+    if pending.get(_CONSTANT):
+        settings.setdefault("warmup_steps", 0)
+    if {_PER_DEVICE, _ACCUMULATION, _STEPS_PER_GENERATION} & set(pending):
+        _batch(settings, pending, settings.get("group_size", defaults.group_size))
+    return settings
+
+
+def _batch(settings: dict, pending: dict, group_size: int) -> None:
+    """TRL's completions an optimizer step, per_device × accumulation × processes, as prompts a step."""
+    per_device = pending.get(_PER_DEVICE, TRL_DEFAULT_PER_DEVICE)
+    accumulation = pending.get(_ACCUMULATION, 1)
+    processes = environment_world_size()
+    if pending.get(_STEPS_PER_GENERATION, accumulation) != accumulation:
+        raise _refuse("steps_per_generation", f"{pending[_STEPS_PER_GENERATION]}: one generation serves one "
+                                              f"optimizer step here, so it must equal gradient_accumulation_steps "
+                                              f"({accumulation})")
+    completions = per_device * accumulation * processes
+    if completions % group_size:
+        raise UserError(f"TRL's batch, per_device_train_batch_size {per_device} × gradient_accumulation_steps "
+                        f"{accumulation} × {processes} process{'es' if processes > 1 else ''} = {completions} "
+                        f"completions, is not a multiple of the group size K = {group_size} (num_generations)")
+    prompts = completions // group_size
+    if settings.setdefault("prompts_per_step", prompts) != prompts:
+        raise UserError(f"--prompts-per-step {settings['prompts_per_step']} and TRL's batch ({completions} "
+                        f"completions = {prompts} prompts of K = {group_size}) differ: give one")
+
+
+def keywords(settings: dict, fits: Callable[[str, Any], bool | None], defaults) -> dict:
+    """Python keywords (``post_train(**settings)``, ``GenerationConfig.from_trl``): our settings as they are
+    (``fits(name, value)``: whether our field ``name`` takes that value, None when we have no such field), the rest
+    by TRL's names, translated; ours and TRL's setting one field differently, or an unknown name, are refused. A
+    name both have (``report_to``) is ours when the value fits ours, else TRL's (``report_to=["wandb"]``).
+    ``defaults``: as for ``finish``."""
+    ours = {name: value for name, value in settings.items()
+            if fits(name, value) or (fits(name, value) is not None and not is_trl_name(name))}
+    translated = translate({name: value for name, value in settings.items() if name not in ours})
+    for name, value in translated.items():
+        if name in ours and ours[name] != value:
+            raise UserError(f"{name}={ours[name]!r} and a TRL setting that makes it {value!r} were both given: "
+                            "give one")
+    return finish({**translated, **ours}, defaults)
+
+
+def parse_flag(name: str, words: list[str]):
+    """A TRL flag's words (argparse's nargs) → its value, read as TRL's command line reads it."""
+    kind = _kind_of(name)
+    if kind in ("floats", "texts"):
+        parts = [part for word in words for part in word.split(",") if part.strip()]
+        return [_number(name, part, float) for part in parts] if kind == "floats" else parts
+    text = words[0] if words else "true"
+    if kind == "bool" or (kind == "bool-or-text" and text.lower() in ("true", "false")):
+        return _boolean(name, text)
+    if kind == "int":
+        return _number(name, text, int)
+    if kind in ("float", "number"):
+        value = _number(name, text, float)
+        return int(value) if kind == "number" and value.is_integer() and value >= 1 else value
+    return _literal(text)
+
+
+def _boolean(name: str, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "yes", "1", "y"):
+        return True
+    if lowered in ("false", "no", "0", "n"):
+        return False
+    raise UserError(f"--{name.replace('_', '-')} takes true or false, got {text!r}")
+
+
+def _number(name: str, text: str, kind):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise UserError(f"--{name.replace('_', '-')} takes {'an integer' if kind is int else 'a number'}, "
+                        f"got {text!r}") from None
+    if kind is float and not math.isfinite(value):
+        raise UserError(f"--{name.replace('_', '-')} must be finite, got {text!r}")
+    return value
+
+
+def _literal(text: str):
+    """A neutral field's flag text as the value a config would hold (None, booleans, numbers, else the text)."""
+    lowered = text.strip().lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def trl_names() -> list[str]:
+    return sorted({*MAPPED, *NEUTRAL})
