@@ -456,7 +456,7 @@ def test_vllm_serve_refusals_are_one_line(tiny_model_dir, capsys, monkeypatch):
         return lines[0].removeprefix("auto-research: error: ")
 
     assert error("--port", "70000") == "--port must be in 0..65535, got 70000"
-    assert error("--vllm-memory", "0") == "--vllm-memory must be in (0, 1], got 0.0"
+    assert error("--vllm-memory", "0") == "--rollout-memory must be in (0, 1], got 0.0"
     assert error("--lease-seconds", "0") == "--lease-seconds must be a finite number > 0, got 0.0"
     assert error("--read-timeout", "nan") == "--read-timeout must be a finite number > 0, got nan"
     assert error("--max-group-size", "0") == "--max-group-size must be a positive integer, got 0"

@@ -251,7 +251,7 @@ class GenerationConfig(EnvironmentSettings):
                                "scaling", action="store_true")
 
     # --- evaluation, checkpoints and the run ---
-    eval_every: int | None = setting(None, "evaluate every N steps, 0 = only at the end (default: steps // 10)", "run",
+    eval_every: int | None = setting(None, "evaluate every N steps, 0 = only at the end (default: steps // 10, at least 1)", "run",
                                      type=int)
     checkpoint_every: int = setting(100, "checkpoint every N steps, and always at the end", "run", type=int)
     keep_checkpoints: int = setting(2, "most recent checkpoints kept", "run", type=int)

@@ -1,6 +1,7 @@
 """A run's components and loop state together, for Python and for tests: build once, then step and
 evaluate. The command line and ``post_train()`` put the run folder, its lock and the loop around it
-(recipes/post_train.py); this class touches no disk but the model cache."""
+(recipes/post_train.py); this class writes nothing but the model cache (it checks the run folder as a run
+does: an earlier run there is refused unless resume or overwrite is set)."""
 
 from __future__ import annotations
 
