@@ -261,7 +261,8 @@ def test_every_bad_request_is_a_4xx_line_and_leaves_the_engine_drawing_the_same(
         assert status == 400 and b"\n" not in answer and json.loads(answer)["error"], (body, status, answer)
     assert _call(server, "/generate", good, key=None)[0] == 401
     assert _call(server, "/generate", good, key="wrong")[0] == 401
-    status, answer = _call(server, "/lease", {"holder": {"host": "test", "pid": os.getpid(), "run": "bad-requests"}})
+    status, answer = _call(server, "/lease", {"holder": {"host": "test", "pid": os.getpid(), "run": "bad-requests"},
+                                              "secret": "7" * 64})
     assert status == 200, answer
     lease, offer = json.loads(answer)["lease"], json.loads(answer)["shared"]
     tokenizer = build_tokenizer()
@@ -353,7 +354,8 @@ def test_a_dead_trainer_keeps_the_server_until_its_resume_and_a_dead_server_is_r
     kill_after_checkpoint(args, ENV, run / "checkpoints" / "step-000005")
     holder = json.loads(_call(engine.address, "/health")[1])["lease"]
     assert holder["held"] and holder["holder"]["run"] == str(run.resolve())
-    status, answer = _call(engine.address, "/lease", {"holder": {"host": "other", "pid": 1, "run": "elsewhere"}})
+    status, answer = _call(engine.address, "/lease", {"holder": {"host": "other", "pid": 1, "run": "elsewhere"},
+                                                       "secret": "7" * 64})
     assert status == 409 and f"PID {holder['holder']['pid']}, run folder {run.resolve()}" in json.loads(answer)["error"]
     resumed = subprocess.Popen([sys.executable, "-m", "auto_research", *args, "--resume"], cwd=tmp_path, env=ENV,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
