@@ -57,7 +57,8 @@ address, run, model = sys.argv[1:4]
 
 def call(path, body=None, headers=None, kind="application/json"):
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    sent = urllib.request.Request(f"http://{address}{path}", data=data, headers={"Content-Type": kind, **(headers or {})})
+    sent = urllib.request.Request(f"http://{address}{path}", data=data,
+                                  headers={"Content-Type": kind, **(headers or {})})
     try:
         with urllib.request.urlopen(sent, timeout=120) as answer:
             return [answer.status, json.loads(answer.read())]

@@ -476,8 +476,9 @@ def test_vllm_serve_refusals_are_one_line(tiny_model_dir, capsys, monkeypatch):
     assert warning.startswith("warning: serving on 0.0.0.0, beyond this machine, without an API key: anyone who "
                               "reaches the port can sample from the model")
     assert "has 16 (32 over 2 heads)" in refusal
-    assert main(["vllm-serve", "--host", "0.0.0.0", "--api-key", "k", "--model", str(tiny_model_dir), "--offline",
-                 "--device", "cpu"]) == 2
+    monkeypatch.setenv("AUTO_RESEARCH_API_KEY", "k")
+    assert main(["vllm-serve", "--host", "0.0.0.0", "--model", str(tiny_model_dir), "--offline", "--device",
+                 "cpu"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1  # with a key: no warning
 
 
