@@ -17,10 +17,13 @@ import torch
 from safetensors.torch import save
 
 from auto_research.engine.rollout import SamplingSettings
-from auto_research.engine.rollout.guard import Leases, Refused, WeightPush, check_generate
+from auto_research.engine.rollout.guard import Leases, Refused, WeightPush, check_claim, check_generate
 from auto_research.engine.rollout.server import Limits, Served, is_loopback, make_server
 
 HOLDER = {"host": "node-a", "pid": 111, "run": "/runs/one"}
+SECRET, OTHER_SECRET = "5" * 64, "6" * 64
+SECRET_NEEDED = ("a lease claim carries the run's secret: 32..256 ASCII characters (the trainer keeps it in its run "
+                 "folder)")
 
 
 class Clock:
@@ -37,11 +40,11 @@ def refusal(call, *args) -> Refused:
     return caught.value
 
 
-def test_one_lease_at_a_time_taken_back_by_the_same_run_and_freed_when_its_holder_stops_renewing():
+def test_one_lease_at_a_time_taken_over_only_with_the_runs_secret_and_freed_when_its_holder_stops_renewing():
     clock = Clock()
-    leases = Leases(60.0, clock)
-    token = leases.claim(HOLDER)
-    other = refusal(leases.claim, {"host": "node-b", "pid": 222, "run": "/runs/two"})
+    leases = Leases(60.0, clock, reveal=True)  # behind an API key: refusals name the holder in full
+    token = leases.claim(HOLDER, SECRET)
+    other = refusal(leases.claim, {"host": "node-b", "pid": 222, "run": "/runs/two"}, OTHER_SECRET)
     assert other.status == 409
     assert other.message == ("this server serves another trainer (host node-a, PID 111, run folder /runs/one); stop "
                              "that run (kill 111 on node-a), or wait: its lease lapses 60 s after it stops renewing "
@@ -49,23 +52,66 @@ def test_one_lease_at_a_time_taken_back_by_the_same_run_and_freed_when_its_holde
     clock.now += 50
     leases.check(token)  # a push or a heartbeat renews it: 50 s later it still has 60 s to go
     clock.now += 59
-    assert refusal(leases.claim, {"host": "node-b", "pid": 222, "run": "/runs/two"}).message.endswith(
+    assert refusal(leases.claim, {"host": "node-b", "pid": 222, "run": "/runs/two"}, OTHER_SECRET).message.endswith(
         "its lease lapses 1 s after it stops renewing it, or start another server")
-    # --resume of the same run (same host and folder, a new process) takes it over at once; the old token is dead.
-    resumed = leases.claim({**HOLDER, "pid": 333})
+    # The holder's own host, run folder and even PID, without the run's secret: the client's word, refused.
+    for claimed in (HOLDER, {**HOLDER, "pid": 333}):
+        assert refusal(leases.claim, claimed, OTHER_SECRET).status == 409
+    leases.check(token)  # still the holder's
+    # --resume (the run's secret, read from its folder) takes it over at once; the old token is dead.
+    resumed = leases.claim({**HOLDER, "pid": 333}, SECRET)
     assert resumed != token and leases.status() == {"held": True, "holder": {**HOLDER, "pid": 333}}
     assert refusal(leases.check, token).status == 409
     # The holder dies: 60 s after its last renewal anyone may take the server.
     clock.now += 60
     assert leases.status() == {"held": False}
-    taken = leases.claim({"host": "node-b", "pid": 222, "run": "/runs/two"})
+    taken = leases.claim({"host": "node-b", "pid": 222, "run": "/runs/two"}, OTHER_SECRET)
     assert refusal(leases.check, resumed).message == (
         "this request does not carry the server's lease (it is held by host node-b, PID 222, run folder /runs/two); "
         "weights are taken only from the trainer holding it")
+    assert refusal(leases.check, "é" * 32).status == 409  # any Latin-1 text a header holds: refused, not a 500
     leases.release(taken)
     assert leases.status() == {"held": False}
-    assert refusal(leases.claim, {"host": "node-b"}).message == (
-        "a lease claim needs the holder's host, pid and run folder; 'pid' is missing")
+
+
+def test_without_an_api_key_the_lease_names_its_holders_host_alone():
+    """Anyone may ask a server without a key: its PID and run folder are the holder's business (the server's log
+    names them)."""
+    clock = Clock()
+    leases = Leases(60.0, clock)
+    token = leases.claim(HOLDER, SECRET)
+    assert leases.status() == {"held": True, "holder": {"host": "node-a"}}
+    assert refusal(leases.claim, {**HOLDER, "pid": 9}, OTHER_SECRET).message == (
+        "this server serves another trainer (host node-a); stop that run (the server's log names its PID and run "
+        "folder), or wait: its lease lapses 60 s after it stops renewing it, or start another server")
+    assert refusal(leases.check, None).message == (
+        "this request does not carry the server's lease (it is held by host node-a); weights are taken only from the "
+        "trainer holding it")
+    leases.release(token)
+
+
+@pytest.mark.parametrize("claim, message", [
+    ([], 'a lease claim is {"holder": {"host", "pid", "run"}, "secret"}'),
+    ({"holder": "me", "secret": SECRET}, 'a lease claim is {"holder": {"host", "pid", "run"}, "secret"}'),
+    ({"holder": {"host": "node-b"}, "secret": SECRET},
+     "a lease claim needs the holder's host, pid and run folder; 'pid' is missing"),
+    ({"holder": {**HOLDER, "host": True}, "secret": SECRET}, "'host' must be text, got true"),
+    ({"holder": {**HOLDER, "pid": "111"}, "secret": SECRET}, "'pid' must be an integer, got \"111\""),
+    ({"holder": {**HOLDER, "pid": False}, "secret": SECRET}, "'pid' must be an integer, got false"),
+    ({"holder": {**HOLDER, "run": ["/runs"]}, "secret": SECRET}, "'run' must be text, got [\"/runs\"]"),
+    ({"holder": {**HOLDER, "run": ""}, "secret": SECRET}, "'run' must be 1..4096 characters, got 0"),
+    ({"holder": HOLDER}, SECRET_NEEDED),
+    ({"holder": HOLDER, "secret": "short"}, SECRET_NEEDED),
+    ({"holder": HOLDER, "secret": "é" * 64}, SECRET_NEEDED),
+    ({"holder": HOLDER, "secret": 12345}, SECRET_NEEDED),
+])
+def test_a_malformed_lease_claim_is_refused_naming_its_fault(claim, message):
+    refused = refusal(check_claim, claim)
+    assert (refused.status, refused.message) == (400, message)
+
+
+def test_a_well_formed_claim_is_read_as_given():
+    assert check_claim({"holder": {**HOLDER, "extra": 1}, "secret": SECRET}) == (HOLDER, SECRET)
 
 
 GOOD = {"prompt_ids": [[1, 2, 3], [4]], "group_size": 4, "seeds": [7, 8],
@@ -149,13 +195,22 @@ def test_a_push_is_complete_only_with_every_tensor_once_and_its_parts_in_order()
 # --- the HTTP server in front of a fake engine --------------------------------------------------------------
 
 
+HELD = 1000
+
+
 class FakeEngine:
     max_model_len = 32
 
     def __init__(self):
-        self.loaded, self.fail = [], False
+        self.loaded, self.fail, self.calls = [], False, []
+        self.hold, self.entered = threading.Event(), threading.Event()
+        self.hold.set()
 
     def generate(self, prompt_ids, group_size, seeds, settings):
+        self.calls.append(list(seeds))
+        if seeds[0] == HELD:  # a test's request that waits in the engine until the test lets it go
+            self.entered.set()
+            self.hold.wait(120)
         if self.fail:
             raise RuntimeError("out of KV cache blocks\nsecond line")
         return [[seed % 50] * settings.max_new_tokens for seed in seeds for _ in range(group_size)], \
@@ -182,8 +237,21 @@ def fake(tmp_path):
     engine = FakeEngine()
     engine.clock = Clock()  # the leases' clock, moved by hand: no test waits for a lease to lapse
     server, address = start(engine, Served("fake", "f" * 16, SPEC, 50, "float32"),
-                            Limits("sesame", 60.0, 5.0, 8, tmp_path), engine.clock)
+                            Limits("sesame", 60.0, 5.0, 8, tmp_path, max_request_tokens=1000), engine.clock)
     yield engine, f"http://{address}"
+    stop(server)
+
+
+@pytest.fixture
+def keyless(tmp_path):
+    """A server without an API key, whose engine the tests hold; requests of other clients than the lease holder
+    drawn in slices of 10 tokens (one prompt of group 2, 1 token and 4 new ones), 50 tokens of them at most."""
+    engine = FakeEngine()
+    server, address = start(engine, Served("fake", "f" * 16, SPEC, 50, "float32"),
+                            Limits(None, 60.0, 5.0, 8, tmp_path, max_request_tokens=1000, max_server_tokens=50,
+                                   slice_tokens=10))
+    yield engine, f"http://{address}", server.serving.turns
+    engine.hold.set()
     stop(server)
 
 
@@ -212,7 +280,7 @@ def call(url, path, body=None, headers=None, key="sesame") -> tuple[int, dict]:
 
 def test_the_api_key_is_required_for_every_path(fake):
     _, url = fake
-    for path, body in (("/health", None), ("/generate", GOOD), ("/lease", {"holder": HOLDER})):
+    for path, body in (("/health", None), ("/generate", GOOD), ("/lease", {"holder": HOLDER, "secret": SECRET})):
         assert call(url, path, body, key=None)[0] == 401
         status, answer = call(url, path, body, key="wrong")
         assert status == 401 and answer == {"error": "missing or wrong API key (send the header Authorization: Bearer "
@@ -222,9 +290,9 @@ def test_the_api_key_is_required_for_every_path(fake):
 
 def test_pushes_need_the_lease_a_dead_holders_lease_lapses_and_weights_go_in_only_whole(fake):
     engine, url = fake
-    status, lease = call(url, "/lease", {"holder": HOLDER})
+    status, lease = call(url, "/lease", {"holder": HOLDER, "secret": SECRET})
     assert status == 200 and lease["seconds"] == 60.0
-    status, answer = call(url, "/lease", {"holder": {**HOLDER, "run": "/runs/two"}})
+    status, answer = call(url, "/lease", {"holder": {**HOLDER, "run": "/runs/two"}, "secret": OTHER_SECRET})
     assert status == 409 and "host node-a, PID 111, run folder /runs/one" in answer["error"]
     whole = [part(**{"a.weight": torch.ones(2, 3)}), part(**{"b.weight": torch.ones(4)})]
     assert call(url, "/weights?part=0&last=0", whole[0])[0] == 409  # no lease header: refused
@@ -237,7 +305,7 @@ def test_pushes_need_the_lease_a_dead_holders_lease_lapses_and_weights_go_in_onl
     assert status == 200 and answer["weights_version"] == 1 and set(engine.loaded[0]) == {"a.weight", "b.weight"}
     engine.clock.now += 61  # the holder stops renewing (SIGKILL): its lease lapses, another trainer may take it
     assert call(url, "/health")[1]["lease"] == {"held": False}
-    status, other = call(url, "/lease", {"holder": {**HOLDER, "run": "/runs/two"}})
+    status, other = call(url, "/lease", {"holder": {**HOLDER, "run": "/runs/two"}, "secret": OTHER_SECRET})
     assert status == 200
     assert call(url, "/weights?part=0&last=1", whole[0], held)[0] == 409  # the old holder's token is dead
     assert call(url, "/lease/release", {}, {"X-Lease": other["lease"]}) == (200, {})
@@ -257,18 +325,18 @@ def test_a_slow_client_blocks_nobody_and_gets_408(fake):
     assert answer.startswith("HTTP/1.0 408") and '{"error": "the body did not arrive within 5 s"}' in answer
 
 
+def raw(url: str, head: bytes) -> str:
+    """What the server answers to bytes sent as they are (headers no client library would send)."""
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as connection:
+        connection.sendall(head)
+        return read_all(connection)
+
+
 def test_missing_or_oversized_bodies_and_an_engine_failure_are_one_line_answers(fake):
     engine, url = fake
-    port = int(url.rsplit(":", 1)[1])
-
-    def raw(head: bytes) -> str:
-        with socket.create_connection(("127.0.0.1", port)) as connection:
-            connection.sendall(head)
-            return read_all(connection)
-
     auth = b"Authorization: Bearer sesame\r\n"
-    assert raw(b"POST /generate HTTP/1.1\r\n" + auth + b"\r\n").startswith("HTTP/1.0 411")
-    answer = raw(b"POST /generate HTTP/1.1\r\n" + auth + b"Content-Length: 999999999999\r\n\r\n")
+    assert raw(url, b"POST /generate HTTP/1.1\r\n" + auth + b"\r\n").startswith("HTTP/1.0 411")
+    answer = raw(url, b"POST /generate HTTP/1.1\r\n" + auth + b"Content-Length: 999999999999\r\n\r\n")
     assert answer.startswith("HTTP/1.0 413") and "over this path's limit of 67108864 bytes" in answer
     assert call(url, "/generate", b"{not json") == (400, {"error": "the body is not JSON (Expecting property name "
                                                                    "enclosed in double quotes: line 1 column 2 (char 1))"})
@@ -277,6 +345,101 @@ def test_missing_or_oversized_bodies_and_an_engine_failure_are_one_line_answers(
     assert call(url, "/generate", GOOD) == (500, {"error": "the engine failed: RuntimeError: out of KV cache blocks"})
     engine.fail = False
     assert call(url, "/generate", GOOD)[0] == 200  # still up
+
+
+def test_malformed_lengths_deep_nesting_and_mistyped_claims_are_400_lines_and_change_nothing(fake):
+    engine, url = fake
+    auth = b"POST /lease HTTP/1.1\r\nAuthorization: Bearer sesame\r\n"
+    for length, shown in ((b"\xc2\xb2", "Â²"), (b"\xb2", "²"), (b"+5", "+5"), (b"0x10", "0x10"), (b"1_0", "1_0")):
+        answer = raw(url, auth + b"Content-Length: " + length + b"\r\n\r\n{}")
+        assert answer.startswith("HTTP/1.0 400") and json.loads(answer.split("\r\n\r\n", 1)[1]) == {
+            "error": f"Content-Length must be a decimal number of bytes, got {shown!r}"}, answer
+    deep = b"[" * 30_000 + b"]" * 30_000  # under /lease's 64 KiB
+    for path in ("/generate", "/lease", "/weights/shared"):
+        assert call(url, path, deep) == (400, {"error": "the body nests too deep (JSON arrays and objects within each "
+                                                        "other, far beyond what any request of this server holds)"})
+    assert call(url, "/lease", {"holder": {**HOLDER, "host": True}, "secret": SECRET}) == (
+        400, {"error": "'host' must be text, got true"})
+    assert engine.calls == [] and engine.loaded == []  # the engine was never asked
+    assert call(url, "/health")[1]["lease"] == {"held": False} and call(url, "/health")[1]["weights_version"] == 0
+
+
+def test_a_request_over_the_token_bound_is_413_before_the_engine_sees_it(fake):
+    engine, url = fake
+    big = {**GOOD, "prompt_ids": [[1] * 20] * 5, "seeds": [1] * 5, "settings": {"max_new_tokens": 10},
+           "group_size": 8}  # 5 prompts × 8 × (20 + 10) = 1200 tokens
+    assert call(url, "/generate", big) == (413, {"error": (
+        "this request asks for 1200 tokens (over its prompts, group size × (prompt + max_new_tokens)), over the "
+        "server's bound of 1000 a request: send it in parts, or raise rollout-serve's --max-request-tokens")})
+    assert engine.calls == [] and call(url, "/health")[1]["max_request_tokens"] == 1000
+    fits = {**big, "prompt_ids": [[1] * 20] * 4, "seeds": [1] * 4, "group_size": 8}  # 960 tokens
+    assert call(url, "/generate", fits)[0] == 200 and engine.calls == [[1] * 4]
+
+
+def another_clients_request(url: str, engine: FakeEngine) -> tuple:
+    """A client without the lease asks for 3 prompts (3 slices of 10 tokens), the first held in the engine: its
+    thread and where its answer will be."""
+    engine.hold.clear()
+    answers = []
+    request = {"prompt_ids": [[1], [2], [3]], "group_size": 2, "seeds": [HELD, 5, 6], "settings": {"max_new_tokens": 4}}
+    thread = threading.Thread(target=lambda: answers.append(call(url, "/generate", request, key=None)))
+    thread.start()
+    assert engine.entered.wait(120)
+    return thread, answers
+
+
+def wait_for_holder(turns) -> None:
+    """Until the lease holder's request waits for the engine (bounded: every loop here is)."""
+    for _ in range(12000):
+        if turns.waiting_first:
+            return
+        threading.Event().wait(0.01)
+    pytest.fail("the lease holder's request never reached the engine's queue")
+
+
+def test_the_lease_holders_requests_go_before_another_clients_slices_and_are_never_refused_for_them(keyless):
+    engine, url, turns = keyless
+    status, lease = call(url, "/lease", {"holder": HOLDER, "secret": SECRET}, key=None)
+    assert status == 200
+    assert call(url, "/health", key=None)[1]["lease"] == {"held": True, "holder": {"host": "node-a"}}  # no PID, folder
+    other, answers = another_clients_request(url, engine)
+    # 30 tokens in hand: another 30 from a client without the lease go over the bound of 50...
+    request = {"prompt_ids": [[1], [2], [3]], "group_size": 2, "seeds": [1, 2, 3], "settings": {"max_new_tokens": 4}}
+    assert call(url, "/generate", request, key=None) == (429, {"error": (
+        "the server has 30 tokens of other clients' requests in hand; 30 more would go over its bound of 50 "
+        "(rollout-serve --max-server-tokens): try again when they are answered")})
+    # ...the holder's 48 go in, and before the other client's next slice.
+    mine = {"prompt_ids": [[4] * 20], "group_size": 2, "seeds": [7], "settings": {"max_new_tokens": 4}}
+    held = []
+    holder = threading.Thread(target=lambda: held.append(call(url, "/generate", mine, {"X-Lease": lease["lease"]},
+                                                              key=None)))
+    holder.start()
+    wait_for_holder(turns)
+    engine.hold.set()
+    holder.join(120)
+    other.join(120)
+    assert engine.calls == [[HELD], [7], [5], [6]]
+    assert held[0] == (200, {"completions": [[7] * 4] * 2, "logprobs": [[-0.5] * 4] * 2, "weights_version": 0,
+                             "instance": call(url, "/health", key=None)[1]["instance"]})
+    status, answer = answers[0]  # the slices put together: what one draw of the whole request gives
+    assert status == 200 and answer["completions"] == [[HELD % 50] * 4] * 2 + [[5] * 4] * 2 + [[6] * 4] * 2
+
+
+def test_weights_pushed_between_another_clients_slices_void_its_answer(keyless):
+    engine, url, turns = keyless
+    lease = {"X-Lease": call(url, "/lease", {"holder": HOLDER, "secret": SECRET}, key=None)[1]["lease"]}
+    other, answers = another_clients_request(url, engine)
+    push = threading.Thread(target=lambda: call(url, "/weights?part=0&last=1", part(
+        **{"a.weight": torch.ones(2, 3), "b.weight": torch.ones(4)}), lease, key=None))
+    push.start()
+    wait_for_holder(turns)
+    engine.hold.set()
+    push.join(120)
+    other.join(120)
+    assert len(engine.loaded) == 1 and engine.calls == [[HELD]]  # the push went in after the first slice
+    assert answers == [(409, {"error": "the lease holder pushed new weights while this request was drawn (in slices, "
+                                       "between its requests): its samples would come from two versions; send it "
+                                       "again"})]
 
 
 def test_loopback_is_told_apart_from_wider_addresses():
@@ -305,7 +468,8 @@ def policy(tmp_path, monkeypatch):
     engine, folder, clock = FakeEngine(), tmp_path / "shm", Clock()
     folder.mkdir()
     server, address = start(engine, Served("embedded", fingerprint(model.config, tokenizer), spec,
-                                           model.config.vocab_size, "float32"), Limits("sesame", 60.0, 5.0, 8, folder),
+                                           model.config.vocab_size, "float32"),
+                            Limits("sesame", 60.0, 5.0, 8, folder, slice_tokens=10),
                             clock)
 
     def trainer(shared: bool = True, run: str = "run") -> ServerSampler:
@@ -432,3 +596,28 @@ def test_a_buffer_goes_with_its_lease_and_its_server(policy):
     dead.write_bytes(b"left by a server SIGKILLed")
     live.write_bytes(b"a running server's")
     assert sweep(folder) == [dead] and live.exists()  # what the next server started on the host does
+
+
+def test_a_trainers_requests_go_whole_and_are_split_only_to_fit_the_servers_bound(policy):
+    """The trainer's requests carry its lease, so the server draws them whole (another client's would go in slices
+    of 10 tokens here); split by the trainer to fit --max-request-tokens, they draw what one request draws."""
+    engine = policy["engine"]
+    trainer = policy["trainer"](shared=False)
+    prompt_ids, seeds = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]], [11, 12, 13, 14]
+    whole = trainer.generate(prompt_ids, 2, seeds)  # 2 × (3 + 4) + 2 × (2 + 4) + 2 × (1 + 4) + 2 × (4 + 4) = 52
+    assert engine.calls == [seeds]
+    trainer.max_request_tokens = 26  # what /health said, were the server started so
+    assert trainer.generate(prompt_ids, 2, seeds) == whole and engine.calls == [seeds, [11, 12], [13, 14]]
+    trainer.close()
+
+
+def test_the_runs_lease_secret_is_private_kept_and_made_anew_when_others_could_read_it(tmp_path):
+    from auto_research.engine.rollout.client import run_secret
+
+    secret = run_secret(tmp_path / "run")
+    path = tmp_path / "run" / ".lease-secret"
+    assert len(secret) == 64 and path.read_text() == secret and path.stat().st_mode & 0o777 == 0o600
+    assert run_secret(tmp_path / "run") == secret  # what --resume presents
+    path.chmod(0o644)
+    anew = run_secret(tmp_path / "run")
+    assert anew != secret and path.read_text() == anew and path.stat().st_mode & 0o777 == 0o600

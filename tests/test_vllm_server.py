@@ -261,7 +261,8 @@ def test_every_bad_request_is_a_4xx_line_and_leaves_the_engine_drawing_the_same(
         assert status == 400 and b"\n" not in answer and json.loads(answer)["error"], (body, status, answer)
     assert _call(server, "/generate", good, key=None)[0] == 401
     assert _call(server, "/generate", good, key="wrong")[0] == 401
-    status, answer = _call(server, "/lease", {"holder": {"host": "test", "pid": os.getpid(), "run": "bad-requests"}})
+    status, answer = _call(server, "/lease", {"holder": {"host": "test", "pid": os.getpid(), "run": "bad-requests"},
+                                              "secret": "7" * 64})
     assert status == 200, answer
     lease, offer = json.loads(answer)["lease"], json.loads(answer)["shared"]
     tokenizer = build_tokenizer()
@@ -353,7 +354,8 @@ def test_a_dead_trainer_keeps_the_server_until_its_resume_and_a_dead_server_is_r
     kill_after_checkpoint(args, ENV, run / "checkpoints" / "step-000005")
     holder = json.loads(_call(engine.address, "/health")[1])["lease"]
     assert holder["held"] and holder["holder"]["run"] == str(run.resolve())
-    status, answer = _call(engine.address, "/lease", {"holder": {"host": "other", "pid": 1, "run": "elsewhere"}})
+    status, answer = _call(engine.address, "/lease", {"holder": {"host": "other", "pid": 1, "run": "elsewhere"},
+                                                       "secret": "7" * 64})
     assert status == 409 and f"PID {holder['holder']['pid']}, run folder {run.resolve()}" in json.loads(answer)["error"]
     resumed = subprocess.Popen([sys.executable, "-m", "auto_research", *args, "--resume"], cwd=tmp_path, env=ENV,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -474,8 +476,9 @@ def test_vllm_serve_refusals_are_one_line(tiny_model_dir, capsys, monkeypatch):
     assert warning.startswith("warning: serving on 0.0.0.0, beyond this machine, without an API key: anyone who "
                               "reaches the port can sample from the model")
     assert "has 16 (32 over 2 heads)" in refusal
-    assert main(["vllm-serve", "--host", "0.0.0.0", "--api-key", "k", "--model", str(tiny_model_dir), "--offline",
-                 "--device", "cpu"]) == 2
+    monkeypatch.setenv("AUTO_RESEARCH_API_KEY", "k")
+    assert main(["vllm-serve", "--host", "0.0.0.0", "--model", str(tiny_model_dir), "--offline", "--device",
+                 "cpu"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1  # with a key: no warning
 
 

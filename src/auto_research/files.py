@@ -35,7 +35,8 @@ def make_tree_shareable(folder: str | os.PathLike) -> None:
         make_shareable(path)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, private: bool = False) -> Path:
+    """``private``: the file keeps ``tempfile``'s mode 0600 (a secret), else it gets the umask's."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -44,7 +45,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())
-        make_shareable(temporary)
+        if not private:
+            make_shareable(temporary)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

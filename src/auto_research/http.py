@@ -1,13 +1,23 @@
 """One HTTP request with retries, for the clients of servers we do not run in this process (a reward server,
 a vLLM server): a request that times out, is refused, is dropped or gets a 5xx answer is retried with
-exponential backoff; a 4xx is not (the server refused the request itself: retrying sends the same)."""
+exponential backoff; a 4xx is not (the server refused the request itself: retrying sends the same).
+
+And the API key of our own servers (``Authorization: Bearer KEY``), the same on both sides: any UTF-8 text,
+sent as its bytes (``authorization``), or refused in one line where HTTP cannot carry it (``check_api_key``)."""
 
 from __future__ import annotations
 
 import json
 import time
+import unicodedata
 import urllib.error
 import urllib.request
+
+from auto_research.errors import UserError
+
+API_KEY_VARIABLE = "AUTO_RESEARCH_API_KEY"
+"""The shared secret, on the server and the trainer alike (a flag would land in config.yaml and shell history,
+and ``--api-key`` on ``rollout-serve`` shows in the process list)."""
 
 
 class RequestFailed(Exception):
@@ -48,3 +58,27 @@ def request(url: str, data: bytes | None, content_type: str, timeout: float, ret
         except (urllib.error.URLError, OSError, TimeoutError) as error:  # refused, dropped, timed out
             failure, status, detail = str(getattr(error, "reason", error)) or type(error).__name__, None, None
     raise RequestFailed(failure, attempt + 1, status, detail)
+
+
+def check_api_key(key: str | None, source: str) -> str | None:
+    """``key`` (None or empty: no key), or one line naming ``source`` when HTTP cannot carry it. Any UTF-8 text
+    goes; a header cannot hold a control character, and drops the white space at its ends."""
+    if not key:
+        return None
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:  # an environment variable's bytes that are not UTF-8 arrive as surrogates
+        raise UserError(f"{source} is not UTF-8 text: an API key must be") from None
+    if any(unicodedata.category(character) == "Cc" for character in key):
+        raise UserError(f"{source} holds a control character (a line break, a tab?): an HTTP header cannot carry it")
+    if key != key.strip():
+        raise UserError(f"{source} begins or ends with white space, which HTTP drops from a header: remove it")
+    return key
+
+
+def authorization(key: str) -> str:
+    """The ``Authorization`` header's value for ``key``: its UTF-8 bytes, as the Latin-1 text that HTTP headers are
+    in Python (http.client sends each character as one byte, http.server reads each byte as one character), so a
+    key in any script arrives as the bytes it is, as curl sends it. A key beyond Latin-1 as plain text made
+    http.client fail before sending anything."""
+    return f"Bearer {key}".encode("utf-8").decode("latin-1")

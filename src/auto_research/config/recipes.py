@@ -178,13 +178,18 @@ class ServeConfig:
     threads: int | None = setting(None, "CPU threads torch may use", default_text="one per core", type=int)
     offline: bool = setting(False, "never download; a hub id is an error", action="store_true")
     api_key: str | None = setting(None, "a shared secret every request must carry (Authorization: Bearer KEY); "
-                                        "the trainer reads it from AUTO_RESEARCH_API_KEY",
-                                  default_text="$AUTO_RESEARCH_API_KEY, else none")
+                                        "prefer AUTO_RESEARCH_API_KEY, which the trainer reads too: the flag "
+                                        "shows in the process list", default_text="$AUTO_RESEARCH_API_KEY, else none")
     lease_seconds: float = setting(60.0, "a trainer's lease lapses this long after its last renewal (its pushes "
                                          "and a heartbeat every quarter of it renew it), freeing the server of a "
                                          "trainer that died", type=float)
     read_timeout: float = setting(30.0, "seconds a connection may take to send its request", type=float)
     max_group_size: int = setting(256, "most completions per prompt one request may ask for", type=int)
+    max_request_tokens: int = setting(2**20, "most tokens one /generate may ask for: over its prompts, group size "
+                                             "× (prompt + max new tokens) (the trainer splits its requests to fit)",
+                                      type=int)
+    max_server_tokens: int = setting(2**22, "most tokens the /generate requests of clients without the lease may "
+                                            "hold at once (the lease holder's always go in, and first)", type=int)
 
     def validate(self) -> "ServeConfig":
         from auto_research.engine.sources import require_vllm
@@ -201,11 +206,19 @@ class ServeConfig:
         if self.vllm_memory is not None and not (0 < self.vllm_memory <= 1):
             raise UserError(f"--rollout-memory must be in (0, 1], got {self.vllm_memory}")
         check_positive_integers(("--max-model-len", self.max_model_len), ("--threads", self.threads),
-                                ("--max-group-size", self.max_group_size))
+                                ("--max-group-size", self.max_group_size),
+                                ("--max-request-tokens", self.max_request_tokens),
+                                ("--max-server-tokens", self.max_server_tokens))
+        if self.max_server_tokens < self.max_request_tokens:
+            raise UserError(f"--max-server-tokens {self.max_server_tokens} is below --max-request-tokens "
+                            f"{self.max_request_tokens}: a request allowed alone could never go in")
         check_positive_finite("--lease-seconds", self.lease_seconds)
         check_positive_finite("--read-timeout", self.read_timeout)
         if self.api_key is not None and not self.api_key.strip():
             raise UserError("--api-key is empty")
+        from auto_research.http import check_api_key
+
+        check_api_key(self.api_key, "--api-key")
         check_device(self.device)
         if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
             raise UserError(f"--dtype must be auto, bfloat16 or float32, got {self.dtype!r}")

@@ -1,13 +1,19 @@
 """The trainer's side of ``--rollout-mode server`` (the protocol: ``server.py``; the engine behind it vLLM or the
 builtin sampler): rank 0 holds the server's lease for the run's life and pushes the policy's weights after every
 optimizer step, through the server's shared-memory buffer when it sees it (same host, ``transfer.py``), else over
-HTTP; every rank samples its own prompts."""
+HTTP; every rank samples its own prompts, carrying the lease so that the server draws them before any other
+client's.
+
+The lease is claimed with the run's secret (``run_secret``): random, made when the run first claims a lease and
+kept in its run folder (mode 0600). ``--resume`` reads it back and so takes over the lease its SIGKILLed process
+left, at once; no other client can, whatever host, PID and folder it names."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -16,11 +22,31 @@ from pathlib import Path
 import torch
 
 from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
-from auto_research.engine.rollout.server import API_KEY_VARIABLE, PART_BYTES, fingerprint, split_address
+from auto_research.engine.rollout.guard import MAX_REQUEST_TOKENS, slices
+from auto_research.engine.rollout.server import PART_BYTES, fingerprint, split_address
 from auto_research.engine.rollout.transfer import SharedWriter
 from auto_research.engine.rollout.remote import build_rollout, pushed_weights
 from auto_research.errors import RolloutEngineError, UserError
-from auto_research.http import RequestFailed, request
+from auto_research.files import atomic_write_bytes
+from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, check_api_key, request
+
+SECRET_NAME = ".lease-secret"
+
+
+def run_secret(run_dir) -> str:
+    """The run's lease secret from ``run_dir/.lease-secret``, made there (mode 0600) when missing, unreadable or
+    readable by others (a secret others can read proves nothing)."""
+    path = Path(run_dir) / SECRET_NAME
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        secret = path.read_text().strip()
+        if len(secret) == 64 and not path.stat().st_mode & 0o077:
+            return secret
+    secret = secrets.token_hex(32)
+    try:
+        atomic_write_bytes(path, secret.encode(), private=True)
+    except OSError as error:
+        raise UserError(f"cannot write the run's lease secret to {path}: {error.strerror or error}") from None
+    return secret
 
 
 class ServerSampler:
@@ -39,8 +65,9 @@ class ServerSampler:
         self.timeout, self.retries, self.chunk_prompts = timeout, retries, chunk_prompts
         self.eos = eos_ids(tokenizer, model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
-        key = api_key or os.environ.get(API_KEY_VARIABLE)
-        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        key = check_api_key(api_key, "the API key") if api_key else check_api_key(os.environ.get(API_KEY_VARIABLE),
+                                                                                   API_KEY_VARIABLE)
+        self.headers = {"Authorization": authorization(key)} if key else {}
         try:
             health = json.loads(request(self.base + "/health", None, "application/json", 10.0, 1, 0.5,
                                         self.headers))
@@ -57,10 +84,13 @@ class ServerSampler:
             raise UserError(f"--rollout-server {address} serves {health.get('model')!r}, another model than --model "
                             f"{model_name} (a different architecture or tokenizer)")
         self.dtype = getattr(torch, health.get("dtype", "float32"))
+        self.max_request_tokens = int(health.get("max_request_tokens", MAX_REQUEST_TOKENS))
         self.lease, self.lease_seconds, self._stop = None, float(health.get("lease_seconds", 60)), threading.Event()
+        """``lease``: rank 0's, sent by every rank (its requests go first); rank 0 alone renews and releases it."""
         self.shared, self.transfer = None, "HTTP"
         """Rank 0's map of the server's shared buffer when it sees it (same host), else None: HTTP."""
         self.world.agree(self._claim(run_dir, shared) if world.main else None)
+        self.lease = self.world.gather_objects(self.lease)[0]
         self.weight_sync_seconds = 0.0
         # Every draw must come from the weights this run pushed: the server's life and its version after them.
         self.instance, self.version = health.get("instance"), int(health.get("weights_version", 0))
@@ -71,7 +101,8 @@ class ServerSampler:
         starts its heartbeat; the refusal, for every rank to raise."""
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "run": str(Path(run_dir).resolve())}
         try:
-            answer = self._call("/lease", json.dumps({"holder": holder}).encode())
+            claim = {"holder": holder, "secret": run_secret(run_dir)}
+            answer = self._call("/lease", json.dumps(claim).encode())
         except UserError as error:
             return error
         self.lease, self.lease_seconds = answer["lease"], float(answer["seconds"])
@@ -95,10 +126,10 @@ class ServerSampler:
         if self.shared is not None:
             self.shared.close()
             self.shared = None
-        if self.lease is not None:
+        if self.lease is not None and self.world.main:
             with contextlib.suppress(UserError):
                 self._call("/lease/release", b"{}", retries=0)
-            self.lease = None
+        self.lease = None
 
     def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None
               ) -> dict:
@@ -125,13 +156,16 @@ class ServerSampler:
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int]
                  ) -> tuple[list[list[int]], list[list[float]]]:
         """``group_size`` completions of each prompt (token ids in, token ids out) and their log-probs, in
-        requests of ``chunk_prompts`` prompts."""
+        requests of ``chunk_prompts`` prompts, each split further to fit the server's bound on a request."""
         s, chunk = self.settings, self.chunk_prompts or len(prompt_ids)
         completions, logprobs = [], []
-        for start in range(0, len(prompt_ids), chunk):
+        parts = [(begin + start, begin + end) for begin in range(0, len(prompt_ids), chunk)
+                 for start, end in slices(prompt_ids[begin: begin + chunk], group_size, s.max_new_tokens,
+                                          self.max_request_tokens)]
+        for start, end in parts:
             answer = self._call("/generate", json.dumps({
-                "prompt_ids": prompt_ids[start: start + chunk], "group_size": group_size,
-                "seeds": [int(seed) for seed in seeds[start: start + chunk]],
+                "prompt_ids": prompt_ids[start: end], "group_size": group_size,
+                "seeds": [int(seed) for seed in seeds[start: end]],
                 "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                              "top_k": s.top_k}}).encode())
             self._check_drawn_by_this_run(answer)

@@ -1,5 +1,5 @@
 """What a rollout server accepts, checked before anything touches its engine: the lease that makes one trainer
-the only writer of its weights, the shape of a ``/generate`` request, and every tensor of a weight push.
+the only writer of its weights, the shape and size of a ``/generate`` request, and every tensor of a weight push.
 
 Every check raises ``Refused(status, message)``: the server answers it as one JSON line
 ``{"error": message}`` with that 4xx status, and its engine and weights stay as they were.
@@ -7,14 +7,21 @@ Every check raises ``Refused(status, message)``: the server answers it as one JS
 The lease (one trainer per server). Two trainers sampling from one server would each train on samples drawn by
 the other's weights (seen: a per-token mismatch of 9.7 nats at one step, silently trained on). So the first
 trainer to connect takes a lease and holds it for its run's life; its weight pushes and a heartbeat renew it.
-Another trainer's claim is refused, naming the holder (host, PID, run folder), until the holder releases it
-(at its run's end) or stops renewing it for ``seconds`` (a holder SIGKILLed, or its machine lost). A claim
-from the same host and run folder as the holder takes the lease over at once: that is ``--resume`` after a
-crash, and the run folder's lock (``locks.FolderLock``) already guarantees the earlier holder is gone.
+Another trainer's claim is refused until the holder releases it (at its run's end) or stops renewing it for
+``seconds`` (a holder SIGKILLed, or its machine lost). A claim carries the run's secret, a random string the
+trainer keeps in its run folder (mode 0600, ``client.run_secret``); the server keeps only its SHA-256. A claim
+with the holder's own secret takes the live lease over at once: that is ``--resume`` after a crash (the run
+folder's lock, ``locks.FolderLock``, already guarantees the earlier process is gone). Nothing else does: the
+host, PID and run folder a claim names are the client's own word, so they describe the holder and prove
+nothing. Who holds the lease (PID, run folder) is shown only where every client had to give the API key; a
+server without one shows the holder's host alone (its own log names the rest).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import math
 import secrets
 import threading
@@ -27,7 +34,16 @@ MAX_PROMPTS = 4096
 """Prompts in one ``/generate`` request."""
 GENERATE_BYTES = 64 * 2**20
 """Largest ``/generate`` body."""
+MAX_REQUEST_TOKENS = 2**20
+"""Tokens one ``/generate`` may ask the engine for: Σ over its prompts of group size × (prompt + max new tokens)
+(``--max-request-tokens``; the trainer splits its requests to fit)."""
+MAX_SERVER_TOKENS = 2**22
+"""Tokens the requests of clients without the lease may hold at once, waiting or drawn (``--max-server-tokens``);
+the lease holder's requests always go in."""
 SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k")
+HOLDER = (("host", str, "text"), ("pid", int, "an integer"), ("run", str, "text"))
+"""A lease claim's holder: each field, its type, and the type's name in a refusal."""
+SECRET = "a lease claim carries the run's secret: 32..256 ASCII characters (the trainer keeps it in its run folder)"
 
 
 class Refused(Exception):
@@ -41,62 +57,103 @@ class Refused(Exception):
 # --- the lease ------------------------------------------------------------------------------------------
 
 
-def describe(holder: dict) -> str:
+def describe(holder: dict, reveal: bool = True) -> str:
+    """The holder as a refusal or a log line names it: its host, PID and run folder, or (``reveal`` false: a server
+    without an API key, where anyone may ask) its host alone."""
+    if not reveal:
+        return f"host {holder.get('host')}"
     return f"host {holder.get('host')}, PID {holder.get('pid')}, run folder {holder.get('run')}"
+
+
+def check_claim(claim) -> tuple[dict, str]:
+    """``(holder, secret)`` of a well-formed ``POST /lease`` body, or ``Refused(400)`` naming the first fault."""
+    if not isinstance(claim, dict) or not isinstance(claim.get("holder"), dict):
+        raise Refused(400, 'a lease claim is {"holder": {"host", "pid", "run"}, "secret"}')
+    holder = claim["holder"]
+    for key, kind, named in HOLDER:
+        if key not in holder:
+            raise Refused(400, f"a lease claim needs the holder's host, pid and run folder; {key!r} is missing")
+        value = holder[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise Refused(400, f"{key!r} must be {named}, got {json.dumps(value)[:40]}")
+        if isinstance(value, str) and not 0 < len(value) <= 4096:
+            raise Refused(400, f"{key!r} must be 1..4096 characters, got {len(value)}")
+    secret = claim.get("secret")
+    if not isinstance(secret, str) or not secret.isascii() or not 32 <= len(secret) <= 256:
+        raise Refused(400, SECRET)
+    return {key: holder[key] for key, _, _ in HOLDER}, secret
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 @dataclass
 class Leases:
-    """At most one lease at a time; ``clock`` is injectable so that expiry is tested without waiting."""
+    """At most one lease at a time; ``clock`` is injectable so that expiry is tested without waiting. ``reveal``:
+    whether refusals and ``status`` name the holder's PID and run folder (only behind an API key)."""
 
     seconds: float
     clock: object = time.monotonic
+    reveal: bool = False
     token: str | None = None
     holder: dict = field(default_factory=dict)
+    digest: str = ""
+    """The SHA-256 of the holder's run secret: a claim with the same secret takes the lease over."""
     renewed: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _live(self) -> bool:
         return self.token is not None and self.clock() - self.renewed < self.seconds
 
-    def claim(self, holder: dict) -> str:
-        """A new token for ``holder`` ({"host", "pid", "run"}), or ``Refused(409)`` naming the live holder."""
-        for key in ("host", "pid", "run"):
-            if not isinstance(holder.get(key), (str, int)) or isinstance(holder.get(key), bool):
-                raise Refused(400, f"a lease claim needs the holder's host, pid and run folder; {key!r} is missing")
+    def claim(self, holder: dict, secret: str) -> str:
+        """A new token for ``holder`` (checked by ``check_claim``), or ``Refused(409)`` naming the live holder
+        when ``secret`` is not the one it claimed with."""
+        digest = _digest(secret)
         with self._lock:
-            same_run = (self.holder.get("host"), self.holder.get("run")) == (holder["host"], holder["run"])
-            if self._live() and not same_run:
-                left = self.seconds - (self.clock() - self.renewed)
-                raise Refused(409, f"this server serves another trainer ({describe(self.holder)}); stop that run "
-                                   f"(kill {self.holder.get('pid')} on {self.holder.get('host')}), or wait: its lease "
-                                   f"lapses {left:.0f} s after it stops renewing it, or start another server")
-            self.token, self.renewed = secrets.token_hex(16), self.clock()
-            self.holder = {"host": holder["host"], "pid": holder["pid"], "run": holder["run"]}
+            if self._live() and not hmac.compare_digest(digest, self.digest):
+                raise Refused(409, self._serving_another())
+            self.token, self.renewed, self.digest = secrets.token_hex(16), self.clock(), digest
+            self.holder = dict(holder)
             return self.token
+
+    def _serving_another(self) -> str:
+        left = self.seconds - (self.clock() - self.renewed)
+        stop = (f"stop that run (kill {self.holder.get('pid')} on {self.holder.get('host')})" if self.reveal
+                else "stop that run (the server's log names its PID and run folder)")
+        return (f"this server serves another trainer ({describe(self.holder, self.reveal)}); {stop}, or wait: its "
+                f"lease lapses {left:.0f} s after it stops renewing it, or start another server")
 
     def check(self, token: str | None) -> None:
         """The request carries the live lease (and so renews it), or ``Refused(409)``."""
         with self._lock:
-            if token is None or not self._live() or not secrets.compare_digest(str(token), self.token):
-                now = f"it is held by {describe(self.holder)}" if self._live() else "nobody holds it now"
+            if not self._holds(token):
+                now = f"it is held by {describe(self.holder, self.reveal)}" if self._live() else "nobody holds it now"
                 raise Refused(409, f"this request does not carry the server's lease ({now}); weights are taken only "
                                    "from the trainer holding it")
             self.renewed = self.clock()
 
+    def _holds(self, token) -> bool:
+        # bytes: a header's text may be any Latin-1, which compare_digest refuses as str
+        return token is not None and self._live() and hmac.compare_digest(str(token).encode(), self.token.encode())
+
     def holds(self, token: str | None) -> bool:
         """Whether ``token`` is the live lease (renews nothing)."""
         with self._lock:
-            return token is not None and self._live() and secrets.compare_digest(str(token), self.token)
+            return self._holds(token)
 
     def release(self, token: str | None) -> None:
         self.check(token)
         with self._lock:
-            self.token, self.holder = None, {}
+            self.token, self.holder, self.digest = None, {}, ""
 
     def status(self) -> dict:
+        """``{"held"}``, with the holder as ``describe`` names it while it is live."""
         with self._lock:
-            return {"held": self._live(), **({"holder": dict(self.holder)} if self._live() else {})}
+            if not self._live():
+                return {"held": False}
+            shown = self.holder if self.reveal else {"host": self.holder.get("host")}
+            return {"held": True, "holder": dict(shown)}
 
 
 # --- /generate --------------------------------------------------------------------------------------------
@@ -166,6 +223,35 @@ def check_generate(request, vocab_size: int, max_model_len: int, max_group_size:
         top_p=_number(settings.get("top_p", 1.0), "top_p", 0.0, 1.0, low_open=True),
         top_k=_integer(settings.get("top_k", 0), "top_k", 0, vocab_size))
     return prompts, group_size, seeds, checked
+
+
+def request_tokens(prompts: list, group_size: int, new_tokens: int) -> int:
+    """What a ``/generate`` asks of the engine, in tokens: Σ over its prompts of group size × (prompt + max new
+    tokens), every completion at its longest (a temperature of 100 reaches it)."""
+    return group_size * sum(len(ids) + new_tokens for ids in prompts)
+
+
+def check_size(prompts: list, group_size: int, new_tokens: int, bound: int) -> int:
+    """The request's tokens (``request_tokens``), or ``Refused(413)`` naming them and ``bound``."""
+    tokens = request_tokens(prompts, group_size, new_tokens)
+    if tokens > bound:
+        raise Refused(413, f"this request asks for {tokens} tokens (over its prompts, group size × (prompt + "
+                           f"max_new_tokens)), over the server's bound of {bound} a request: "
+                           "send it in parts, or raise rollout-serve's --max-request-tokens")
+    return tokens
+
+
+def slices(prompts: list, group_size: int, new_tokens: int, bound: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]``: consecutive runs of whole prompts asking at most ``bound`` tokens each (a prompt
+    that asks more alone is a run of its own). A prompt's group stays whole: its completions share one seed."""
+    parts, start, size = [], 0, 0
+    for index, ids in enumerate(prompts):
+        cost = request_tokens([ids], group_size, new_tokens)
+        if index > start and size + cost > bound:
+            parts.append((start, index))
+            start, size = index, 0
+        size += cost
+    return parts + [(start, len(prompts))] if prompts else []
 
 
 # --- /weights ---------------------------------------------------------------------------------------------

@@ -1,22 +1,28 @@
-"""vLLM as the rollout engine in a process of its own (``--vllm-mode server``).
+"""A rollout engine (vLLM, or the builtin sampler) in a process of its own (``--rollout-mode server``).
 
-    auto-research vllm-serve --model M --port 8000            # one vLLM engine behind a small HTTP server
-    auto-research post-train --model M --sampler vllm --vllm-mode server --vllm-server 127.0.0.1:8000
+    auto-research rollout-serve --model M --port 8000            # one engine behind a small HTTP server
+    auto-research post-train --model M --sampler vllm --rollout-mode server --rollout-server 127.0.0.1:8000
 
 The protocol, all on one HTTP port (our own: vLLM's OpenAI server has no in-place weight push that works on
-the CPU). With ``--api-key`` (or ``AUTO_RESEARCH_API_KEY``) every request carries ``Authorization: Bearer KEY``.
+the CPU). With a key (``AUTO_RESEARCH_API_KEY`` on both sides; ``--api-key`` works but shows in the process list)
+every request carries ``Authorization: Bearer KEY``, the key's UTF-8 bytes (``authorization``).
 
 - ``GET /health`` → ``{"model", "fingerprint", "weights_version", "instance", "max_model_len", "dtype",
-  "vocab_size", "max_group_size", "lease"}`` (``instance``: random, one per server start). The fingerprint hashes the architecture's shape and the tokenizer's vocabulary:
-  a trainer whose ``--model`` differs is refused.
-- ``POST /lease`` with ``{"holder": {"host", "pid", "run"}}`` → ``{"lease", "seconds", "shared"}`` (the lease's
-  shared-memory buffer, or null), or 409 naming the trainer that holds it (``guard.Leases``: one per server).
-  ``/lease/renew`` and ``/lease/release`` carry the lease in an ``X-Lease`` header.
+  "vocab_size", "max_group_size", "max_request_tokens", "lease_seconds", "lease"}`` (``instance``: random, one
+  per server start). The fingerprint hashes the architecture's shape and the tokenizer's vocabulary: a trainer
+  whose ``--model`` differs is refused. ``lease`` is ``{"held"}`` and, while held, the holder: its host, PID and
+  run folder behind an API key, its host alone on a server without one.
+- ``POST /lease`` with ``{"holder": {"host", "pid", "run"}, "secret"}`` → ``{"lease", "seconds", "shared"}``
+  (the lease's shared-memory buffer, or null), or 409 while another run holds it (``guard.Leases``: one per
+  server; ``secret`` is the run's own, kept in its run folder, and only it takes a live lease over, for
+  ``--resume``). ``/lease/renew`` and ``/lease/release`` carry the lease in an ``X-Lease`` header.
 - ``POST /generate`` with ``{"prompt_ids", "group_size", "seeds", "settings"}`` (token ids, so both sides
   tokenize nothing differently; every sampling setting explicit) → ``{"completions", "logprobs",
   "weights_version", "instance"}``: the engine's processed log-probs of the drawn tokens, as colocated; the
   trainer checks the version and the instance against what it pushed. Open to any client (with the key):
-  drawing samples changes nothing.
+  drawing samples changes nothing. Bounded: a request asks for at most ``--max-request-tokens`` tokens (Σ over
+  its prompts of group size × (prompt + max new tokens), every completion counted at its longest), else 413;
+  the requests of clients without the lease hold at most ``--max-server-tokens`` at once, else 429.
 - ``POST /weights?part=N&last=0|1`` with the lease and a safetensors body: the policy's weights in parts of at
   most ``PART_BYTES``, gathered one parameter at a time on the trainer (FSDP2 shards too). Each part is checked
   as it comes (known names, shapes, dtype, finite values; ``guard.WeightPush``); at the last part, once every
@@ -28,15 +34,21 @@ the CPU). With ``--api-key`` (or ``AUTO_RESEARCH_API_KEY``) every request carrie
 
 Every refusal is a 4xx with one JSON line ``{"error": ...}`` and leaves the engine as it was; an engine failure
 is a 500 with its one-line cause. Each connection has its own thread and a read timeout, so a client that never
-sends its body blocks nobody; the engine serves one request at a time. Under torchrun every rank sends its own
-prompts (per-request seeds make the draws independent of which rank asks) and rank 0 holds the lease and pushes
-the weights after every optimizer step; every rank learns whether the push went in before anyone samples again.
-Between hosts weights go over HTTP, on the CPU and on GPUs alike (NCCL between trainer and server is not
-built: see docs/vllm.md).
+sends its body blocks nobody. The engine serves one request at a time, and the lease holder's first
+(``Turns``): a request carrying the live lease (every rank of the trainer sends it) waits only for the engine's
+current work, and another client's request is drawn in slices of whole prompts of at most ``SLICE_TOKENS``,
+the engine given up between them, so the trainer waits at most one slice. Priority rather than a time limit
+per request: an engine call cannot be cut short (vLLM's ``generate`` is one blocking call), so a deadline would
+bound nothing while it runs, and it would throw away the work done; slices only make the other client wait.
+Under torchrun every rank sends its own prompts (per-request seeds make the draws independent of which rank
+asks) and rank 0 holds the lease and pushes the weights after every optimizer step; every rank learns whether
+the push went in before anyone samples again. Between hosts weights go over HTTP, on the CPU and on GPUs alike
+(NCCL between trainer and server is not built: see docs/vllm.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -45,25 +57,28 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from threading import Lock
 from urllib.parse import parse_qs, urlparse
 
 import torch
 
 from auto_research.engine.rollout import SamplingSettings
-from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, Leases, Refused, check_generate,
-                                                describe, weight_spec)
+from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, MAX_REQUEST_TOKENS, MAX_SERVER_TOKENS,
+                                                Leases, Refused, check_claim, check_generate, check_size, describe,
+                                                slices, weight_spec)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
 from auto_research.engine.rollout.remote import pushed_weights
 from auto_research.errors import UserError, one_line
+from auto_research.http import API_KEY_VARIABLE, authorization, check_api_key
 
 PART_BYTES = 256 * 2**20
-API_KEY_VARIABLE = "AUTO_RESEARCH_API_KEY"
-"""The shared secret, on the server and the trainer alike (a flag would land in config.yaml and shell history)."""
+SLICE_TOKENS = 2**14
+"""A request without the lease is drawn in slices of whole prompts asking at most this many tokens (one prompt's
+group alone when it asks more): between two slices the lease holder's waiting requests go first."""
 
 
 def fingerprint(config, tokenizer) -> str:
@@ -80,6 +95,13 @@ def split_address(address: str, flag: str = "--rollout-server") -> tuple[str, in
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"{flag} {address!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
     return host, int(port)
+
+
+def server_key(flag: str | None) -> str | None:
+    """``rollout-serve``'s key: ``--api-key`` when given, else ``AUTO_RESEARCH_API_KEY``; checked."""
+    if flag is not None:
+        return check_api_key(flag, "--api-key")
+    return check_api_key(os.environ.get(API_KEY_VARIABLE), API_KEY_VARIABLE)
 
 
 # --- the server ---------------------------------------------------------------------------------------
@@ -105,162 +127,263 @@ class Limits:
     max_group_size: int = MAX_GROUP_SIZE
     shared_folder: Path | None = SHARED_FOLDER
     """Where a lease's shared-memory buffer is made (None: HTTP only)."""
+    max_request_tokens: int = MAX_REQUEST_TOKENS
+    max_server_tokens: int = MAX_SERVER_TOKENS
+    slice_tokens: int = SLICE_TOKENS
+
+
+class Turns:
+    """The engine, one request (or slice) at a time, the lease holder's first; and the tokens that the requests
+    of other clients hold, waiting or drawn, bounded (the holder's always go in)."""
+
+    def __init__(self, bound: int):
+        self.bound, self.others = bound, 0
+        self.busy, self.waiting_first = False, 0
+        self.version = 0
+        """The engine's weights' version: read and moved only while holding a turn."""
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self, first: bool):
+        """The engine is the caller's alone inside; ``first``: the lease holder's, served before any other waiting."""
+        with self._changed:
+            self.waiting_first += first
+            try:
+                self._changed.wait_for(lambda: not self.busy and (first or not self.waiting_first))
+            finally:
+                self.waiting_first -= first
+            self.busy = True
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.busy = False
+                self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def admitted(self, tokens: int, first: bool):
+        """Count ``tokens`` in hand while inside, or ``Refused(429)`` when another client's request would go over
+        the bound."""
+        with self._changed:
+            if not first and self.others + tokens > self.bound:
+                raise Refused(429, f"the server has {self.others} tokens of other clients' requests in hand; {tokens} "
+                                   f"more would go over its bound of {self.bound} (rollout-serve --max-server-tokens): "
+                                   "try again when they are answered")
+            self.others += 0 if first else tokens
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.others -= 0 if first else tokens
+
+
+@dataclass
+class Serving:
+    """What every request's handler shares: the engine and what guards it."""
+
+    sampler: object
+    served: Served
+    limits: Limits
+    leases: Leases
+    intake: Intake
+    turns: Turns
+    say: object
+    instance: str = ""
+    """This server's life (random): a trainer that sees another one knows the server restarted without its
+    weights."""
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One connection's requests (a thread each); ``self.server.serving`` is the engine and its guards."""
+
+    POSTS = {"/generate": "_generate", "/lease": "_lease", "/lease/renew": "_renew", "/lease/release": "_release",
+             "/weights": "_weights", "/weights/shared": "_shared"}
+
+    def setup(self):
+        self.serving: Serving = self.server.serving
+        self.timeout = self.serving.limits.read_timeout  # the socket's: a client that never sends blocks nobody
+        super().setup()
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self._respond(self._health)
+
+    def do_POST(self):
+        self._respond(self._post)
+
+    def _respond(self, work) -> None:
+        """``work()``'s (status, payload); a refusal as its 4xx line, an engine failure as a 500 line."""
+        try:
+            self._authorised()
+            status, payload = work()
+        except Refused as refused:
+            self.serving.say(f"refused {self.command} {self._path()}: {refused.status} {refused.message}")
+            status, payload = refused.status, {"error": refused.message}
+        except Exception as error:  # noqa: BLE001 - the engine's own failure: one line, the server stays up
+            self.serving.say(f"engine failure on {self.command} {self._path()}: {one_line(error)}")
+            status, payload = 500, {"error": f"the engine failed: {one_line(error)}"[:500]}
+        try:
+            self._answer(status, payload)
+        except OSError:  # the client went away
+            self.close_connection = True
+
+    def _answer(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        if status == 429:
+            self.send_header("Retry-After", "1")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _path(self) -> str:
+        return urlparse(self.path).path
+
+    def _authorised(self) -> None:
+        key = self.serving.limits.api_key
+        if key is None:
+            return
+        given = self.headers.get("Authorization", "").encode("latin-1")  # the bytes sent (read as Latin-1)
+        if not hmac.compare_digest(given, authorization(key).encode("latin-1")):
+            raise Refused(401, "missing or wrong API key (send the header Authorization: Bearer KEY; the "
+                               "trainer reads KEY from AUTO_RESEARCH_API_KEY)")
+
+    def _refuse(self, status: int, message: str):
+        """A refusal after which the rest of the body, if any, is not read: the connection closes."""
+        self.close_connection = True
+        raise Refused(status, message)
+
+    def _body(self, limit: int) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self._refuse(411, "a request body needs a Content-Length")
+        if not (length.isascii() and length.isdigit()):  # "²".isdigit() is true, and int() reads "١٢"
+            self._refuse(400, f"Content-Length must be a decimal number of bytes, got {length[:40]!r}")
+        if len(length) > 18 or int(length) > limit:
+            self._refuse(413, f"a body of {length[:40]} bytes is over this path's limit of {limit} bytes")
+        try:
+            body = self.rfile.read(int(length))
+        except (TimeoutError, OSError):
+            self._refuse(408, f"the body did not arrive within {self.serving.limits.read_timeout:g} s")
+        if len(body) < int(length):
+            self._refuse(400, f"the body ended after {len(body)} of {int(length)} bytes")
+        return body
+
+    def _json(self, limit: int = GENERATE_BYTES):
+        body = self._body(limit)
+        try:
+            return json.loads(body)
+        except RecursionError:
+            raise Refused(400, "the body nests too deep (JSON arrays and objects within each other, far beyond "
+                               "what any request of this server holds)") from None
+        except ValueError as error:
+            raise Refused(400, f"the body is not JSON ({str(error)[:100]})") from None
+
+    def _health(self):
+        if self._path() != "/health":
+            raise Refused(404, f"no such path {self._path()}")
+        serving, limits = self.serving, self.serving.limits
+        return 200, {"model": serving.served.name, "fingerprint": serving.served.fingerprint,
+                     "weights_version": serving.turns.version, "instance": serving.instance,
+                     "max_model_len": serving.sampler.max_model_len, "dtype": serving.served.dtype,
+                     "vocab_size": serving.served.vocab_size, "max_group_size": limits.max_group_size,
+                     "max_request_tokens": limits.max_request_tokens, "lease_seconds": limits.lease_seconds,
+                     "lease": serving.leases.status()}
+
+    def _post(self):
+        self.serving.intake.prune(self.serving.leases.holds)  # a lapsed lease's buffer goes
+        name = self.POSTS.get(self._path())
+        if name is None:
+            raise Refused(404, f"no such path {self._path()}")
+        return getattr(self, name)()
+
+    def _generate(self):
+        """Drawn whole for the lease holder, in slices between its turns for anyone else (see the module)."""
+        serving, limits = self.serving, self.serving.limits
+        prompts, group_size, seeds, settings = check_generate(
+            self._json(), serving.served.vocab_size, serving.sampler.max_model_len, limits.max_group_size)
+        new = settings.max_new_tokens
+        tokens = check_size(prompts, group_size, new, limits.max_request_tokens)
+        first = serving.leases.holds(self.headers.get("X-Lease"))
+        parts = [(0, len(prompts))] if first else slices(prompts, group_size, new, limits.slice_tokens)
+        completions, logprobs, version = [], [], None
+        with serving.turns.admitted(tokens, first):
+            for start, end in parts:
+                with serving.turns.turn(first):
+                    if version not in (None, serving.turns.version):  # stop drawing: the answer is void
+                        raise Refused(409, "the lease holder pushed new weights while this request was drawn (in "
+                                           "slices, between its requests): its samples would come from two versions; "
+                                           "send it again")
+                    version = serving.turns.version
+                    drawn, values = serving.sampler.generate(prompts[start:end], group_size, seeds[start:end],
+                                                             settings)
+                completions, logprobs = completions + drawn, logprobs + values
+        return 200, {"completions": completions, "logprobs": logprobs, "weights_version": version,
+                     "instance": serving.instance}
+
+    def _lease(self):
+        holder, secret = check_claim(self._json(2**16))
+        token = self.serving.leases.claim(holder, secret)
+        self.serving.say(f"lease taken by {describe(holder)}")
+        return 200, {"lease": token, "seconds": self.serving.limits.lease_seconds,
+                     "shared": self.serving.intake.offer(token)}
+
+    def _renew(self):
+        self._body(2**16)
+        self.serving.leases.check(self.headers.get("X-Lease"))
+        return 200, {"seconds": self.serving.limits.lease_seconds}
+
+    def _release(self):
+        self._body(2**16)
+        leases = self.serving.leases
+        holder = dict(leases.holder)
+        leases.release(self.headers.get("X-Lease"))
+        self.serving.intake.prune(leases.holds)
+        self.serving.say(f"lease released by {describe(holder)}")
+        return 200, {}
+
+    def _weights(self):
+        body = self._body(PART_BYTES + 2**20)  # read first: a client still sending would miss the answer
+        token = self.headers.get("X-Lease")
+        self.serving.leases.check(token)
+        query = parse_qs(urlparse(self.path).query)
+        try:
+            part, last = int(query["part"][0]), query.get("last", ["0"])[0] == "1"
+        except (KeyError, ValueError):
+            raise Refused(400, "/weights needs ?part=N (0, 1, ...) and last=0 or 1") from None
+        weights = self.serving.intake.part(token, part, last, body)
+        return self._load(weights) if last else (200, {"received": self.serving.intake.received()})
+
+    def _shared(self):
+        body = self._json(2**22)
+        token = self.headers.get("X-Lease")
+        self.serving.leases.check(token)
+        with self.serving.intake.lock:  # the views are read while the engine reloads: no other push meanwhile
+            return self._load(self.serving.intake.take_shared(token, body))
+
+    def _load(self, weights: dict):
+        """Every checked tensor into the engine, in place (the holder's turn: only it pushes); only then does the
+        version move."""
+        started, turns = time.perf_counter(), self.serving.turns
+        with turns.turn(first=True):
+            self.serving.sampler.load_named(iter(weights.items()))
+            turns.version += 1
+            version = turns.version
+        return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
 
 
 def make_server(sampler, served: Served, host: str, port: int, limits: Limits = Limits(), log=None,
                 clock=time.monotonic):
-    """An HTTP server in front of one engine (a ``VLLMSampler`` with ``generate``, ``load_named`` and
-    ``max_model_len``). Each connection has a thread of its own (a slow client blocks nobody else) and a read
-    timeout; the engine serves one request at a time. ``clock`` times the leases (tests move it by hand)."""
-    engine = Lock()
-    leases = Leases(limits.lease_seconds, clock)
-    intake = Intake(served.spec, limits.shared_folder)
-    state = {"version": 0, "instance": secrets.token_hex(8)}
-    """``instance``: this server's life; a trainer that sees another one knows the server restarted without its
-    weights."""
-    say = log or (lambda line: None)
-
-    class Handler(BaseHTTPRequestHandler):
-        timeout = limits.read_timeout
-
-        def log_message(self, *args):
-            pass
-
-        def _answer(self, status: int, payload: dict) -> None:
-            body = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _authorised(self) -> None:
-            if limits.api_key is None:
-                return
-            given = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {limits.api_key}".encode()):
-                raise Refused(401, "missing or wrong API key (send the header Authorization: Bearer KEY; the "
-                                   "trainer reads KEY from AUTO_RESEARCH_API_KEY)")
-
-        def _body(self, limit: int) -> bytes:
-            length = self.headers.get("Content-Length")
-            if length is None:
-                self.close_connection = True
-                raise Refused(411, "a request body needs a Content-Length")
-            if not length.strip().isdigit():
-                self.close_connection = True
-                raise Refused(400, f"Content-Length {length[:40]!r} is not a number of bytes")
-            if int(length) > limit:
-                self.close_connection = True
-                raise Refused(413, f"a body of {int(length)} bytes is over this path's limit of {limit} bytes")
-            try:
-                body = self.rfile.read(int(length))
-            except (TimeoutError, OSError):
-                self.close_connection = True
-                raise Refused(408, f"the body did not arrive within {limits.read_timeout:g} s") from None
-            if len(body) < int(length):
-                self.close_connection = True
-                raise Refused(400, f"the body ended after {len(body)} of {int(length)} bytes")
-            return body
-
-        def _json(self, limit: int = GENERATE_BYTES):
-            try:
-                return json.loads(self._body(limit))
-            except ValueError as error:
-                raise Refused(400, f"the body is not JSON ({str(error)[:100]})") from None
-
-        def _respond(self, work) -> None:
-            """``work()``'s (status, payload); a refusal as its 4xx line, an engine failure as a 500 line."""
-            try:
-                self._authorised()
-                status, payload = work()
-            except Refused as refused:
-                say(f"refused {self.command} {urlparse(self.path).path}: {refused.status} {refused.message}")
-                status, payload = refused.status, {"error": refused.message}
-            except Exception as error:  # noqa: BLE001 - the engine's own failure: one line, the server stays up
-                say(f"engine failure on {self.command} {urlparse(self.path).path}: {one_line(error)}")
-                status, payload = 500, {"error": f"the engine failed: {one_line(error)}"[:500]}
-            try:
-                self._answer(status, payload)
-            except OSError:  # the client went away
-                self.close_connection = True
-
-        def do_GET(self):
-            self._respond(self._get)
-
-        def do_POST(self):
-            self._respond(self._post)
-
-        def _get(self):
-            if urlparse(self.path).path != "/health":
-                raise Refused(404, f"no such path {urlparse(self.path).path}")
-            return 200, {"model": served.name, "fingerprint": served.fingerprint, "weights_version": state["version"],
-                         "instance": state["instance"],
-                         "max_model_len": sampler.max_model_len, "dtype": served.dtype,
-                         "vocab_size": served.vocab_size, "max_group_size": limits.max_group_size,
-                         "lease_seconds": limits.lease_seconds, "lease": leases.status()}
-
-        def _post(self):
-            url = urlparse(self.path)
-            intake.prune(leases.holds)  # a lapsed lease's buffer goes
-            if url.path == "/generate":
-                prompt_ids, group_size, seeds, settings = check_generate(
-                    self._json(), served.vocab_size, sampler.max_model_len, limits.max_group_size)
-                with engine:
-                    completions, logprobs = sampler.generate(prompt_ids, group_size, seeds, settings)
-                    version = state["version"]
-                return 200, {"completions": completions, "logprobs": logprobs, "weights_version": version,
-                             "instance": state["instance"]}
-            if url.path == "/lease":
-                claim = self._json(2**16)
-                holder = claim.get("holder") if isinstance(claim, dict) else None
-                token = leases.claim(holder if isinstance(holder, dict) else {})
-                say(f"lease taken by {describe(leases.holder)}")
-                return 200, {"lease": token, "seconds": limits.lease_seconds, "shared": intake.offer(token)}
-            if url.path == "/lease/renew":
-                self._body(2**16)
-                leases.check(self.headers.get("X-Lease"))
-                return 200, {"seconds": limits.lease_seconds}
-            if url.path == "/lease/release":
-                self._body(2**16)
-                holder = leases.status().get("holder", {})
-                leases.release(self.headers.get("X-Lease"))
-                intake.prune(leases.holds)
-                say(f"lease released by {describe(holder)}")
-                return 200, {}
-            if url.path == "/weights":
-                return self._weights(url)
-            if url.path == "/weights/shared":
-                body = self._json(2**22)
-                token = self.headers.get("X-Lease")
-                leases.check(token)
-                with intake.lock:  # the views are read while the engine reloads: no other push meanwhile
-                    return self._load(intake.take_shared(token, body))
-            raise Refused(404, f"no such path {url.path}")
-
-        def _weights(self, url):
-            body = self._body(PART_BYTES + 2**20)  # read first: a client still sending would miss the answer
-            token = self.headers.get("X-Lease")
-            leases.check(token)
-            query = parse_qs(url.query)
-            try:
-                part, last = int(query["part"][0]), query.get("last", ["0"])[0] == "1"
-            except (KeyError, ValueError):
-                raise Refused(400, "/weights needs ?part=N (0, 1, ...) and last=0 or 1") from None
-            weights = intake.part(token, part, last, body)
-            return self._load(weights) if last else (200, {"received": intake.received()})
-
-        def _load(self, weights: dict):
-            """Every checked tensor into the engine, in place; only then does the version move."""
-            started = time.perf_counter()
-            with engine:
-                sampler.load_named(iter(weights.items()))
-                state["version"] += 1
-                version = state["version"]
-            return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
-
+    """An HTTP server in front of one engine (a ``VLLMSampler`` or ``BuiltinEngine``: ``generate``,
+    ``load_named`` and ``max_model_len``); see ``Handler``. ``clock`` times the leases (tests move it by hand)."""
+    serving = Serving(sampler, served, limits, Leases(limits.lease_seconds, clock, reveal=limits.api_key is not None),
+                      Intake(served.spec, limits.shared_folder), Turns(limits.max_server_tokens),
+                      log or (lambda line: None), secrets.token_hex(8))
     server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads, server.intake = True, intake
+    server.daemon_threads, server.serving, server.intake = True, serving, serving.intake
     return server
 
 
@@ -275,13 +398,32 @@ def is_loopback(host: str) -> bool:
 def serve(config, log=print) -> None:
     """``auto-research rollout-serve``: load the model, start the engine (vLLM or the builtin sampler), answer
     until interrupted."""
-    from auto_research.engine.models import context_length, load_policy, resolve_device, resolve_dtype
-
-    api_key = config.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    api_key = server_key(config.api_key)
     if api_key is None and not is_loopback(config.host):
         log(f"warning: serving on {config.host}, beyond this machine, without an API key: anyone who reaches the "
             f"port can sample from the model and, while no trainer holds the lease, replace its weights; set "
-            f"{API_KEY_VARIABLE} (or --api-key) here and for the trainer")
+            f"{API_KEY_VARIABLE} here and for the trainer")
+    sampler, served = start_engine(config, log)
+    limits = Limits(api_key, config.lease_seconds, config.read_timeout, config.max_group_size,
+                    max_request_tokens=config.max_request_tokens, max_server_tokens=config.max_server_tokens)
+    server = make_server(sampler, served, config.host, config.port, limits, log)
+    log(f"serving {served.name} on http://{config.host}:{server.server_address[1]} "
+        f"({'API key required, ' if api_key else ''}a trainer's lease lapses {config.lease_seconds:g} s after its "
+        "last renewal; Ctrl-C stops)")
+    signal.signal(signal.SIGTERM, _interrupt)  # a plain kill stops it as Ctrl-C does: its shared buffer goes
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.intake.close()
+        server.server_close()
+
+
+def start_engine(config, log) -> tuple[object, Served]:
+    """``config``'s model in its engine (vLLM or the builtin sampler), and what the server knows of it."""
+    from auto_research.engine.models import context_length, load_policy, resolve_device, resolve_dtype
+
     device = resolve_device(config.device)
     if config.model is None:
         from auto_research.engine.tiny import build_model, build_tokenizer
@@ -312,22 +454,8 @@ def serve(config, log=print) -> None:
             f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'}, max_model_len {longest})")
         sampler = VLLMSampler(model, tokenizer, SamplingSettings(max_new_tokens=16), memory, dtype, longest,
                               config.seed)
-    served = Served(name, fingerprint(model.config, tokenizer), weight_spec(pushed_weights(model, dtype)),
-                    int(model.config.vocab_size), str(dtype).removeprefix("torch."))
-    limits = Limits(api_key, config.lease_seconds, config.read_timeout, config.max_group_size)
-    server = make_server(sampler, served, config.host, config.port, limits, log)
-    del model
-    log(f"serving {name} on http://{config.host}:{server.server_address[1]} "
-        f"({'API key required, ' if api_key else ''}a trainer's lease lapses {config.lease_seconds:g} s after its "
-        "last renewal; Ctrl-C stops)")
-    signal.signal(signal.SIGTERM, _interrupt)  # a plain kill stops it as Ctrl-C does: its shared buffer goes
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.intake.close()
-        server.server_close()
+    return sampler, Served(name, fingerprint(model.config, tokenizer), weight_spec(pushed_weights(model, dtype)),
+                           int(model.config.vocab_size), str(dtype).removeprefix("torch."))
 
 
 def _interrupt(*_) -> None:
