@@ -301,11 +301,14 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_good_checkpoint(tiny_model_d
     assert _checkpoints(run_dir) == ["step-000001", "step-000002"]
     assert run_folder.checkpoint_problem(run_dir / "checkpoints" / "step-000002") is None
     assert not [path for path in (run_dir / "checkpoints").iterdir() if path.name.startswith(".")]
-    # Full from the first checkpoint: nothing resumable, so no lone metrics.jsonl is left either.
+    # Full from the first checkpoint: nothing resumable, and the figures so far are kept (a failure never deletes
+    # them; a later run is told to start afresh with --overwrite).
     calls.extend([None, None])
     assert _run(tiny_model_dir, sums_jsonl, tmp_path / "first") == 2
     assert "no checkpoint had been saved yet" in capsys.readouterr().err
-    assert not (tmp_path / "first").exists()
+    first = tmp_path / "first" / "rloo-sums-seed42"
+    assert [json.loads(line)["step"] for line in (first / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert not [path for path in (first / "checkpoints").iterdir()]
 
 
 # --- tracebacks where one line belongs -------------------------------------------------------

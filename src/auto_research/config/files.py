@@ -3,13 +3,16 @@
 A key is a flag without its dashes (``learning-rate``, ``ppo-epochs``); a flag that switches something
 off (``--no-chat-template``) is written as its setting (``chat-template: false``); underscores may stand for
 dashes. A key no command takes is refused with the nearest one it does take, a value of the wrong type
-with what was expected, and a file that is not YAML with the line and column of the mistake.
+with what was expected, and a file that is not YAML with the line and column of the mistake. A key given
+twice in one mapping (YAML and JSON parsers keep the last silently), or two spellings of one setting
+(``learning_rate`` and ``learning-rate``), is refused naming both lines; so is a file that is not UTF-8.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -84,32 +87,111 @@ def takes(item, value) -> bool:
     return True
 
 
-def _parse(path: Path) -> dict:
+class _Repeated(Exception):
+    """A key given twice in one mapping of a config file: (key, first line, second line; None where unknown)."""
+
+
+def _text(path: Path) -> str:
+    """The file's text: UTF-8 (a byte-order mark allowed), else one line naming the first bad byte's line."""
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as error:
         raise UserError(f"--config {path}: cannot read ({error.strerror or error})") from None
-    if path.suffix == ".json":
-        try:
-            payload = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise UserError(f"--config {path}: not valid JSON at line {error.lineno}, column {error.colno} "
-                            f"({error.msg})") from None
-    else:
-        import yaml  # here only: a run without --config never needs it
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise UserError(f"--config {path}: not UTF-8 text (byte 0x{data[error.start]:02x} on line {line}); save it "
+                        "as UTF-8") from None
 
-        try:
-            payload = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-            raise UserError(f"--config {path}: not valid YAML{where} ({problem})") from None
+
+def _json_lines(text: str, key: str) -> list[int]:
+    """The lines where ``"key":`` is written (a message's pointer, not parsing)."""
+    return [text.count("\n", 0, found.start()) + 1
+            for found in re.finditer(re.escape(json.dumps(key)) + r"\s*:", text)]
+
+
+def _parse_json(path: Path, text: str) -> tuple[object, dict]:
+    def unique(pairs):
+        keys = [key for key, _ in pairs]
+        for key in keys:
+            if keys.count(key) > 1:
+                lines = _json_lines(text, key)
+                raise _Repeated(key, *(lines[:2] if len(lines) > 1 else (None, None)))
+        return dict(pairs)
+
+    try:
+        payload = json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as error:
+        raise UserError(f"--config {path}: not valid JSON at line {error.lineno}, column {error.colno} "
+                        f"({error.msg})") from None
+    lines = {}
+    for key in payload if isinstance(payload, dict) else ():
+        found = _json_lines(text, key)
+        lines[key] = found[0] if found else None
+    return payload, lines
+
+
+def _unique_key_loader():
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+    import yaml  # here only: a run without --config never needs it
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *defaults": keys written beside it override
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in seen:
+                        raise _Repeated(key, seen[key], key_node.start_mark.line + 1)
+                    seen[key] = key_node.start_mark.line + 1
+                except TypeError:  # an unhashable key: the base constructor says so
+                    break
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
+def _parse_yaml(path: Path, text: str) -> tuple[object, dict]:
+    import yaml  # here only: a run without --config never needs it
+
+    loader = _unique_key_loader()(text)
+    try:
+        node = loader.get_single_node()
+        payload = None if node is None else loader.construct_document(node)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise UserError(f"--config {path}: not valid YAML{where} ({problem})") from None
+    finally:
+        loader.dispose()
+    lines = {str(key.value): key.start_mark.line + 1 for key, _ in node.value} \
+        if isinstance(node, yaml.MappingNode) else {}
+    return payload, lines
+
+
+def _parse(path: Path) -> tuple[dict, dict]:
+    """The file's mapping of settings, and the line of each key (None where unknown)."""
+    text = _text(path)
+    try:
+        payload, lines = _parse_json(path, text) if path.suffix == ".json" else _parse_yaml(path, text)
+    except _Repeated as repeated:
+        key, first, second = repeated.args
+        raise UserError(f"--config {path}: {key!r} is given twice{_lines(first, second)}; keep one") from None
     if payload is None:
-        return {}
+        return {}, {}
     if not isinstance(payload, dict):
         raise UserError(f"--config {path}: expected a mapping of settings (key: value), got {type(payload).__name__}")
-    return payload
+    return payload, lines
+
+
+def _lines(first: int | None, second: int | None) -> str:
+    if first is None or second is None:
+        return ""
+    return f" (line {first})" if first == second else f" (lines {first} and {second})"
 
 
 def read_config_file(path: str | Path, classes, trl_names: bool = False) -> dict:
@@ -122,25 +204,34 @@ def read_config_file(path: str | Path, classes, trl_names: bool = False) -> dict
     path = Path(path)
     where = f"--config {path}"
     known = _flagged(classes)
-    settings, trl_settings = {}, {}
-    for raw_key, value in _parse(path).items():
+    payload, lines = _parse(path)
+    given_as, trl_keys = {}, {}  # field name → (the key as written, the key, the field); TRL name → key as written
+    for raw_key in payload:  # every key known, and each setting given once, before any value is judged
         key = str(raw_key).replace("_", "-")
         item = known.get(key)
         trl_name = key.replace("-", "_")
+        if item is None and not (trl_names and _is_trl(trl_name)):
+            names = list(known) + ([name.replace("_", "-") for name in _trl_names()] if trl_names else [])
+            nearest = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {nearest[0]}?" if nearest else ""
+            raise UserError(f"{where}: unknown key {raw_key!r}{hint}")
+        first = given_as[item.name][0] if item is not None and item.name in given_as else trl_keys.get(trl_name)
+        if first is not None:  # two spellings of one setting (learning_rate, learning-rate)
+            raise UserError(f"{where}: {first!r} and {raw_key!r} both set {key}"
+                            f"{_lines(lines.get(str(first)), lines.get(str(raw_key)))}; keep one")
         if item is not None:
-            try:
-                settings[item.name] = _check_type(where, key, value, item)
-                continue
-            except UserError:
-                if not (trl_names and _is_trl(trl_name)):
-                    raise
-        if trl_names and _is_trl(trl_name):
-            trl_settings[trl_name] = value
-            continue
-        names = list(known) + ([name.replace("_", "-") for name in _trl_names()] if trl_names else [])
-        nearest = difflib.get_close_matches(key, names, n=1)
-        hint = f"; did you mean {nearest[0]}?" if nearest else ""
-        raise UserError(f"{where}: unknown key {raw_key!r}{hint}")
+            given_as[item.name] = (raw_key, key, item)
+        trl_keys[trl_name] = raw_key
+    settings, trl_settings = {}, {}
+    for name, (raw_key, key, item) in given_as.items():
+        value = payload[raw_key]
+        if trl_names and _is_trl(key.replace("-", "_")) and not takes(item, value):
+            trl_settings[key.replace("-", "_")] = value  # ours by name, TRL's by value (warmup_steps: 0.1)
+        else:
+            settings[name] = _check_type(where, key, value, item)
+    for trl_name, raw_key in trl_keys.items():
+        if known.get(trl_name.replace("_", "-")) is None:
+            trl_settings[trl_name] = payload[raw_key]
     return {**settings, **_from_trl(where, trl_settings, settings, known)} if trl_settings else settings
 
 

@@ -4,13 +4,16 @@ staged in a temporary folder and renamed into place. Nothing is unpickled on loa
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from auto_research.engine.run_folder import PREFIX, checkpoint_dirs, write_manifest
@@ -75,6 +78,46 @@ def _save_model(model, folder: Path, state: dict | None, optimizer_state: dict) 
     atomic_write_json(folder / "optimizer.json", plain)
 
 
+def _write(staging: Path, model, tokenizer, optimizer_state: dict, rng: dict, trainer_state: dict, critic,
+           critic_optimizer_state: dict | None, model_state: dict | None, critic_state: dict | None,
+           in_flight: tuple[dict, list] | None) -> None:
+    """Every file of one checkpoint into ``staging``, the manifest last."""
+    _save_model(model, staging, model_state, optimizer_state)
+    tokenizer.save_pretrained(staging)
+    if critic is not None:
+        (staging / "critic").mkdir()
+        _save_model(critic, staging / "critic", critic_state, critic_optimizer_state)
+    save_file({key: value.contiguous() for key, value in rng["tensors"].items()}, str(staging / "rng.safetensors"))
+    extra = {}
+    if in_flight is not None:
+        save_file(in_flight[0], str(staging / IN_FLIGHT))
+        extra = {"in_flight": in_flight[1]}
+    atomic_write_json(staging / "trainer_state.json", {**trainer_state, "numpy_rng": rng["numpy"], **extra})
+    write_manifest(staging)
+    make_tree_shareable(staging)
+
+
+def _put_in_place(staging: Path, target: Path) -> None:
+    """Rename the staged checkpoint into place (over an earlier one of the same step: a resumed run's)."""
+    if target.exists():
+        trash = target.parent / f".{target.name}.old"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(target, trash)
+        os.replace(staging, target)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, target)
+
+
+def _as_os_error(error: SafetensorError) -> OSError:
+    """safetensors' failed write (a full disk: "I/O error: No space left on device (os error 28)") as the
+    OSError it wraps, so the loop answers it like any failed write: one line, the last good checkpoint named."""
+    found = re.search(r"(?:I/O error: )?([^:]*?) \(os error (\d+)\)", str(error))
+    if found is None:
+        return OSError(errno.EIO, f"safetensors could not write ({error})")
+    return OSError(int(found.group(2)), found.group(1).strip())
+
+
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, rng: dict, trainer_state: dict,
                     keep: int, critic=None, critic_optimizer_state: dict | None = None, model_state: dict | None = None,
                     critic_state: dict | None = None, in_flight: tuple[dict, list] | None = None) -> Path:
@@ -89,28 +132,12 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
     target = root / f"{PREFIX}{step:06d}"
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}."))
     try:
-        _save_model(model, staging, model_state, optimizer_state)
-        tokenizer.save_pretrained(staging)
-        if critic is not None:
-            (staging / "critic").mkdir()
-            _save_model(critic, staging / "critic", critic_state, critic_optimizer_state)
-        save_file({key: value.contiguous() for key, value in rng["tensors"].items()}, str(staging / "rng.safetensors"))
-        extra = {}
-        if in_flight is not None:
-            save_file(in_flight[0], str(staging / IN_FLIGHT))
-            extra = {"in_flight": in_flight[1]}
-        atomic_write_json(staging / "trainer_state.json", {**trainer_state, "step": step, "numpy_rng": rng["numpy"],
-                                                           **extra})
-        write_manifest(staging)
-        make_tree_shareable(staging)
-        if target.exists():
-            trash = root / f".{target.name}.old"
-            shutil.rmtree(trash, ignore_errors=True)
-            os.replace(target, trash)
-            os.replace(staging, target)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(staging, target)
+        try:
+            _write(staging, model, tokenizer, optimizer_state, rng, trainer_state | {"step": step}, critic,
+                   critic_optimizer_state, model_state, critic_state, in_flight)
+        except SafetensorError as error:
+            raise _as_os_error(error) from None
+        _put_in_place(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -122,15 +149,24 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
 IN_FLIGHT = "in_flight.safetensors"
 
 
+def _load(path: Path) -> dict:
+    """A checkpoint's tensors. The header was checked when the checkpoint was verified; a file changed since
+    then is one line, not safetensors' traceback."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise UserError(f"--resume: cannot read {path} ({error}); it changed after the checkpoint was verified") from None
+
+
 def read_in_flight(folder: Path) -> tuple[dict, list] | None:
     """The batches in flight a checkpoint holds (tensors, plain values), None when it holds none."""
     plain = json.loads((folder / "trainer_state.json").read_text()).get("in_flight")
-    return None if plain is None else (load_file(str(folder / IN_FLIGHT)), plain)
+    return None if plain is None else (_load(folder / IN_FLIGHT), plain)
 
 
 def load_weights(folder: Path, model) -> None:
     """The checkpoint's weights into a whole (not yet wrapped or sharded) model."""
-    weights = load_file(str(folder / "model.safetensors"))
+    weights = _load(folder / "model.safetensors")
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # Tied embeddings are saved once; anything else missing means a different model.
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
@@ -139,12 +175,12 @@ def load_weights(folder: Path, model) -> None:
 
 
 def read_optimizer_state(folder: Path) -> dict:
-    return _optimizer_from_files(load_file(str(folder / "optimizer.safetensors")),
+    return _optimizer_from_files(_load(folder / "optimizer.safetensors"),
                                  json.loads((folder / "optimizer.json").read_text()))
 
 
 def read_trainer_state(path: Path) -> tuple[dict, dict]:
     """(trainer_state, rng) of a checkpoint."""
     trainer_state = json.loads((path / "trainer_state.json").read_text())
-    rng = {"tensors": load_file(str(path / "rng.safetensors")), "numpy": trainer_state["numpy_rng"]}
+    rng = {"tensors": _load(path / "rng.safetensors"), "numpy": trainer_state["numpy_rng"]}
     return trainer_state, rng

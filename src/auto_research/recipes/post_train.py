@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from auto_research.config.generation import GenerationConfig
 from auto_research.engine.launch import environment_rank, environment_world_size
-from auto_research.engine.run_folder import checkpoint_dirs
+from auto_research.engine.run_folder import run_outputs
 from auto_research.errors import UserError
 from auto_research.locks import FolderLock
 from auto_research.train.prepare import check_settings, prepare
@@ -54,8 +54,9 @@ def post_train_generation(config: GenerationConfig, log=print, rows: list[dict] 
 
         return train_and_report(prepared, world, lock, log)
     except BaseException:
-        # A run that fails before it saved anything resumable leaves no folder it created behind.
-        if lock is not None and not checkpoint_dirs(config.run_dir):
+        # A run that fails before it wrote anything leaves no folder it created behind; one that wrote figures or
+        # checkpoints keeps them, whatever the failure.
+        if lock is not None and not run_outputs(config.run_dir):
             lock.remove_created()
         raise
     finally:

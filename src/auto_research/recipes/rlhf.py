@@ -29,7 +29,9 @@ OUTPUTS = ("preferences.jsonl", "reward-model", "runs", "rlhf-summary.json", "rl
 def run(config: RLHFConfig, log=print) -> dict:
     config.validate()
     check_writable_directory(config.output_dir)
-    with locked(config.output_dir, "rlhf pipeline"):
+    # A failure keeps what the pipeline wrote (pairs, the reward model, runs with their metrics).
+    with locked(config.output_dir, "rlhf pipeline", keep=lambda: any((Path(config.output_dir) / name).exists()
+                                                                    for name in OUTPUTS)):
         return _pipeline(config, Path(config.output_dir), log)
 
 

@@ -49,9 +49,12 @@ def restore(c: Components, state: LoopState, folder: Path, log) -> None:
             mine = {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
             batches = from_files(rollout_source(c, c.sampler, c.policy, c.sampling), mine, plain[c.world.rank])
         needed = min(c.config.max_staleness, c.config.steps - state.step)
+        batches = batches[:needed]  # a run shortened by --steps: the batches past its new end are not trained on
         if len(batches) != needed:  # their weights are gone: without them the rollout side would wait forever
             raise UserError(f"--resume: {folder} holds {len(batches)} batches in flight, and --max-staleness "
-                            f"{c.config.max_staleness} needs {needed} there; resume from another checkpoint")
+                            f"{c.config.max_staleness} needs {needed} there (a run drawn ahead is extended by "
+                            "--steps only from a checkpoint that many steps before its end); resume from another "
+                            "checkpoint")
         start_rollouts(c, state, batches)
     c.world.on_main(lambda: MetricsLog(c.config.run_dir).truncate(state.step))
     log(f"resumed from {folder} (step {state.step})")
@@ -77,11 +80,11 @@ class RunLoop:
             self.lock.check()
         if self.run_dir_ready:
             return
-        if not self.resumed:
-            if self.c.config.overwrite:
-                clear_run_folder(self.run_dir)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_resolved_config(self.run_dir / "config.yaml", self.c.config)
+        if not self.resumed and self.c.config.overwrite:
+            clear_run_folder(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Resumed too: --steps and the other settings a resumption may change are the run's now.
+        write_resolved_config(self.run_dir / "config.yaml", self.c.config)
         self.run_dir_ready = True
         self.metrics_log.open(self.resumed, self.log)
 
@@ -126,14 +129,8 @@ class RunLoop:
             kept = "rank 0 reports it"
         elif last_saved is not None:
             kept = f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{last_saved:06d}'}"
-        else:
+        else:  # the figures so far stay (a failure never deletes them); the folder goes only if it holds none
             kept = "no checkpoint had been saved yet"
-            # Nothing resumable was written: do not leave a lone metrics.jsonl for --resume to trip on.
-            if self.lock is not None and self.lock.created is not None:
-                self.lock.remove_created()
-            else:
-                for name in ("metrics.jsonl", "completions.jsonl"):
-                    (self.run_dir / name).unlink(missing_ok=True)
         return _user_error(f"cannot write to {self.run_dir}: {reason} (errno {error.errno}); {kept}", error)
 
     def _request_stop(self, signum, frame) -> None:
