@@ -43,7 +43,7 @@ CORE = ("trainer_state.json", "rng.safetensors", "optimizer.safetensors", "optim
 # no number (a run that ran out of memory may resume with them).
 RESUMABLE_DIFFERENCES = {"resume", "overwrite", "progress", "device", "threads", "output_dir", "report_to",
                          "tracker_project", "log_completions", "offload_reference", "gradient_checkpointing",
-                         "checkpoint_mlp", "steps", "eval_every", "checkpoint_every", "keep_checkpoints"}
+                         "checkpoint_mlp", "steps", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every"}
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
