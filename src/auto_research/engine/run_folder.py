@@ -27,11 +27,12 @@ from auto_research.files import atomic_write_json, sha256_of
 
 PREFIX = "step-"
 MANIFEST = "manifest.json"
-# Settings that may differ between a run and its resumption (the last three trade memory for time and change no
-# number: a run that ran out of memory may resume with them).
+# Settings that may differ between a run and its resumption (offload_reference, gradient_checkpointing and
+# checkpoint_mlp trade memory for time and change no number: a run that ran out of memory may resume with them;
+# max_rollout_mismatch changes nothing a run that goes on trains on: one stopped by it may resume with another).
 RESUMABLE_DIFFERENCES = {"resume", "overwrite", "progress", "device", "threads", "output_dir", "report_to",
                          "tracker_project", "log_completions", "offload_reference", "gradient_checkpointing",
-                         "checkpoint_mlp"}
+                         "checkpoint_mlp", "max_rollout_mismatch"}
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
