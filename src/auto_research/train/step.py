@@ -42,7 +42,7 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
     with timed("experience"):
         experience = build_experience(c, drawn.rollout, scores, step - 1, drawn.reference_logprobs)
         drift = drift_figures(c, experience)
-    check_mismatch(drift, c.config.max_rollout_mismatch, step)
+    check_mismatch(drift, c.config.max_rollout_mismatch, step, c.world.main)
     with timed("advantages"):
         advantages = estimate_advantages(c, experience, state.moving_average)
         if c.algorithm.moving_average is not None:  # the loop's baseline moves after the advantages used it
@@ -66,19 +66,22 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
     return {**row, **figures, **{f"time_{phase}": value for phase, value in seconds.items()}}
 
 
-def check_mismatch(drift: dict, bound: float, step: int) -> None:
+def check_mismatch(drift: dict, bound: float, step: int, main: bool = True) -> None:
     """Stop before the update when the sampler's log-probs are more than ``bound`` nats a token (on average) from
     the trainer's on the same tokens: its samples then do not come from the policy being trained (weights broken
     or replaced on the rollout side; healthy runs stay below 0.2, docs/vllm.md), and the truncated correction
-    would train on them as if they did. A mismatch that is not a number is never within a bound."""
+    would train on them as if they did. A mismatch that is not a number is never within a bound. Every rank has
+    the same figures and stops; rank 0 (``main``) says why."""
     mean = drift.get("rollout_logprob_diff_mean")
     if mean is None or mean <= bound:
         return
-    raise RolloutEngineError(
+    error = RolloutEngineError(
         f"step {step}: the sampler's log-probs are {mean:.3g} nats a token from the trainer's on its samples "
         f"(rollout_logprob_diff_mean; the largest {drift['rollout_logprob_diff_max']:.3g}), above "
         f"--max-rollout-mismatch {bound:g}: they were not drawn by the policy being trained (its weights went wrong "
         "on the rollout side, or another process changed them), so the step was not trained on them")
+    error.quiet = not main
+    raise error
 
 
 def _warn_unscored(state: LoopState, scores, step: int, log) -> None:

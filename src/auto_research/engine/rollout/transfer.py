@@ -71,8 +71,8 @@ def checksum(slot: torch.Tensor) -> str:
     """XXH3-64 of a contiguous tensor's bytes, in hex: what the trainer wrote into a slot, and what the server
     finds there. Not a cryptographic hash: it tells a slot changed after the trainer's copy (same-user processes
     can write the file; a forged collision would need one that could ptrace the trainer anyway). Chosen for
-    speed: on SmolLM2-135M's 621 MiB of slots it took 0.03 s on one core of this 2-core machine, where
-    zlib.crc32 took 0.20 s, sha1 0.58 s and blake2b 0.88 s (``docs/vllm.md``)."""
+    speed: over SmolLM2-135M's 621 MiB of slots, on one loaded core, 0.06 s where zlib.crc32 took 0.26 s, sha1
+    0.66 s and blake2b 1.14 s (``benchmarks/checksum.py``, ``docs/vllm.md``)."""
     return xxhash.xxh3_64_hexdigest(slot.reshape(-1).view(torch.uint8).numpy())
 
 
