@@ -212,6 +212,32 @@ def test_the_bound_is_a_positive_finite_number(tmp_path, capsys, value):
 # --- 3 and 4. --rollout-mode process: the rollout process and its trainer ----------------------------------------
 
 
+def test_a_server_that_dies_while_it_answers_is_a_failed_request_not_a_traceback():
+    """Killed mid-answer, a server leaves its client an answer shorter than its Content-Length (``IncompleteRead``,
+    seen when a rollout server was SIGKILLed during a draw): retried, then ``RequestFailed`` like a refused one."""
+    import socket
+    import threading
+
+    from auto_research.http import RequestFailed, request
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    answered = []
+
+    def answer_half() -> None:
+        for _ in range(3):
+            connection, _ = listener.accept()
+            with connection:
+                connection.recv(65536)
+                connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{")
+                answered.append(None)
+
+    threading.Thread(target=answer_half, daemon=True).start()
+    with listener, pytest.raises(RequestFailed) as caught:
+        request(f"http://127.0.0.1:{listener.getsockname()[1]}/generate", b"{}", "application/json", 10.0, 2, 0.01)
+    assert (caught.value.attempts, caught.value.status, len(answered)) == (3, None, 3)
+    assert caught.value.failure == "IncompleteRead(1 bytes read, 99 more expected)"
+
+
 def _alive(pid: int) -> bool:
     """A process that runs (or is stopped); a zombie nobody has reaped yet counts as gone."""
     try:
