@@ -19,24 +19,26 @@ from auto_research.engine.tiny import build_model, build_tokenizer
 PROMPTS = ["1+2=", "Q: what is 33+4?", "x", "7*8="]
 
 
-def start_builtin_server(port: int = 0):
-    """A builtin engine (the embedded architecture, seed 0) behind the real HTTP server, in this process."""
+def start_builtin_server(port: int = 0, shared_folder=None, model=None):
+    """A builtin engine (``model``, else the embedded architecture at seed 0) behind the real HTTP server, in this
+    process; shared-memory buffers in ``shared_folder`` (None: HTTP only)."""
     from auto_research.engine.rollout.guard import weight_spec
     from auto_research.engine.rollout.remote import pushed_weights
     from auto_research.engine.rollout.server import Limits, Served, fingerprint, make_server
 
     tokenizer = build_tokenizer()
-    served_model = build_model(tokenizer, seed=0)
+    served_model = model if model is not None else build_model(tokenizer, seed=0)
     engine = BuiltinEngine(served_model, tokenizer)
     served = Served("embedded", fingerprint(served_model.config, tokenizer),
                     weight_spec(pushed_weights(served_model, torch.float32)), served_model.config.vocab_size, "float32")
-    server = make_server(engine, served, "127.0.0.1", port, Limits(shared_folder=None))
+    server = make_server(engine, served, "127.0.0.1", port, Limits(shared_folder=shared_folder))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, engine
 
 
 def stop(server) -> None:
     server.shutdown()
+    server.intake.close()
     server.server_close()
 
 

@@ -308,8 +308,9 @@ def _through_shared_memory(server, offer, lease, weights, version):
     writer = SharedWriter(offer)
     for name, tensor in weights.items():
         writer.write(name, torch.zeros_like(tensor))  # the slots held something else before this push
+    writer.commit()  # never posted: the push below starts afresh
+    for name, tensor in weights.items():
         writer.write(name, tensor)
-    writer.names = sorted(weights)
     status, answer = _call(server, "/weights/shared", writer.commit(), lease)
     assert status == 200 and json.loads(answer)["weights_version"] == version + 1, answer
     by_shared = draws()
@@ -321,6 +322,13 @@ def _through_shared_memory(server, offer, lease, weights, version):
         writer.write(name, tensor)
     status, answer = _call(server, "/weights/shared", writer.commit(), lease)
     assert (status, json.loads(answer)) == (400, {"error": f"tensor {first!r} has NaN or infinite values"})
+    for name, tensor in weights.items():
+        writer.write(name, tensor)
+    writer.views[first].zero_()  # finite garbage, written after the trainer's copy and its checksum
+    status, answer = _call(server, "/weights/shared", writer.commit(), lease)
+    assert (status, json.loads(answer)) == (400, {"error": f"tensor {first!r} in the shared buffer is not what the "
+                                                           f"trainer wrote (its checksum differs: another process "
+                                                           f"wrote to {offer['path']}); the engine keeps its weights"})
     for name, tensor in weights.items():
         writer.write(name, torch.full_like(tensor, 0.5))  # scribbled, never handed over
     assert draws() == by_shared  # the same weights and version: vLLM kept copies, not views of the file

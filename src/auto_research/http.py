@@ -7,6 +7,7 @@ sent as its bytes (``authorization``), or refused in one line where HTTP cannot 
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import unicodedata
@@ -55,7 +56,8 @@ def request(url: str, data: bytes | None, content_type: str, timeout: float, ret
             failure = f"HTTP {error.code} {error.reason}" + (f": {detail[:200]}" if detail else "")
             if error.code < 500:
                 break
-        except (urllib.error.URLError, OSError, TimeoutError) as error:  # refused, dropped, timed out
+        except (urllib.error.URLError, OSError, TimeoutError, http.client.HTTPException) as error:
+            # refused, dropped (mid-answer too: IncompleteRead, a server killed while it answered), timed out
             failure, status, detail = str(getattr(error, "reason", error)) or type(error).__name__, None, None
     raise RequestFailed(failure, attempt + 1, status, detail)
 

@@ -161,6 +161,9 @@ def rlhf(args: argparse.Namespace) -> int:
 
 def rollout_serve(args: argparse.Namespace) -> int:
     from auto_research.config.recipes import ServeConfig
+    from auto_research.orphans import stop_with_trainer
+
+    stop_with_trainer()  # a trainer's own rollout process (--rollout-mode process) ends with it, from its start
 
     load_config_file(args, [ServeConfig])
     config = ServeConfig(**given(args, ServeConfig)).validate()

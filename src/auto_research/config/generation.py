@@ -198,6 +198,11 @@ class GenerationConfig(EnvironmentSettings):
     rollout_correction_cap: float = setting(2.0, "C of the truncated importance weight min(w, C); sequence-mask "
                                                  "drops completions whose weight is above C or below 1/C",
                                             "sampling", type=float)
+    max_rollout_mismatch: float = setting(1.0, "stop the run, before it trains on a batch, when the sampler's "
+                                               "log-probs are further than this from the trainer's, in nats a token "
+                                               "on average (rollout_logprob_diff_mean; another engine or stale "
+                                               "weights only): healthy runs measured 1e-5 to 0.15, a sampler with "
+                                               "broken weights 4.3 (docs/vllm.md)", "sampling", type=float)
 
     # --- optimisation ---
     micro_batch_size: int | None = setting(None, "completions per forward/backward, any size, and per sampling call "
@@ -388,6 +393,7 @@ class GenerationConfig(EnvironmentSettings):
         if self.rollout_correction is not None:
             check_choice("--rollout-correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         check_positive_finite("--rollout-correction-cap", self.rollout_correction_cap)
+        check_positive_finite("--max-rollout-mismatch", self.max_rollout_mismatch)
         if self.rollout_correction_cap < 1:
             raise UserError(f"--rollout-correction-cap must be >= 1 (a weight truncated below 1 down-weights every "
                             f"sample), got {self.rollout_correction_cap}")

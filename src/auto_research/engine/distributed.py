@@ -27,9 +27,7 @@ import contextlib
 import datetime
 import os
 import signal
-import sys
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from auto_research.engine import onednn
 from auto_research.engine.launch import environment_rank, environment_world_size
 from auto_research.errors import UserError
-
-
-PARENT_POLL_SECONDS = 1.0
-"""How often a rank checks that its launcher is alive."""
+from auto_research.orphans import PARENT_POLL_SECONDS, say, watch_parent
 
 
 def stop_with_launcher(rank: int, poll: float = PARENT_POLL_SECONDS) -> threading.Thread | None:
@@ -54,30 +49,20 @@ def stop_with_launcher(rank: int, poll: float = PARENT_POLL_SECONDS) -> threadin
 
     torchrun starts each worker in a session of its own, so killing the agent's process group leaves the
     workers running: they would go on training, saving and pruning checkpoints while a requeued job resumes
-    from the same folder. A daemon thread watches the parent: once the process is re-parented (to init or a
-    subreaper), the rank SIGKILLs itself at once, so it writes nothing more (every file here is written
-    beside and renamed into place, so nothing is left half-written either). The 30-minute collective
-    timeout would take far too long; ``PR_SET_PDEATHSIG`` fires when the launching *thread* exits, which is
-    not what is meant, so the parent is polled instead (``poll`` seconds apart).
+    from the same folder. A daemon thread watches the parent (``orphans.watch_parent``): once the process is
+    re-parented, the rank SIGKILLs itself at once, so it writes nothing more (every file here is written beside
+    and renamed into place, so nothing is left half-written either). The 30-minute collective timeout would
+    take far too long.
     """
     parent = os.getppid()
     if parent <= 1:
         return None
 
-    def watch() -> None:
-        while True:
-            time.sleep(poll)
-            if os.getppid() != parent:
-                try:
-                    os.write(sys.stderr.fileno(), f"auto-research: rank {rank}: the launcher (PID {parent}) is gone; "
-                                                  "stopping now\n".encode())
-                except (OSError, ValueError):
-                    pass
-                os.kill(os.getpid(), signal.SIGKILL)
+    def gone() -> None:
+        say(f"rank {rank}: the launcher (PID {parent}) is gone; stopping now")
+        os.kill(os.getpid(), signal.SIGKILL)
 
-    thread = threading.Thread(target=watch, name="auto-research-launcher-watch", daemon=True)
-    thread.start()
-    return thread
+    return watch_parent(parent, gone, poll)
 
 
 class PeerFailed(UserError):

@@ -39,11 +39,13 @@ CORE = ("trainer_state.json", "rng.safetensors", "optimizer.safetensors", "optim
 """The files every checkpoint holds, whatever the run (``required_files`` adds the rest)."""
 # Settings that may differ between a run and its resumption: what to do with the folder, where the run computes,
 # how long it runs (the learning rate follows the new --steps from the resumed update on), how often it
-# evaluates and saves, where its figures go and what is shown; and three that trade memory for time and change
-# no number (a run that ran out of memory may resume with them).
+# evaluates and saves, where its figures go and what is shown; three that trade memory for time and change
+# no number (a run that ran out of memory may resume with them); and max_rollout_mismatch, which changes nothing a
+# run that goes on trains on (one stopped by it may resume with another).
 RESUMABLE_DIFFERENCES = {"resume", "overwrite", "progress", "device", "threads", "output_dir", "report_to",
                          "tracker_project", "log_completions", "offload_reference", "gradient_checkpointing",
-                         "checkpoint_mlp", "steps", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every"}
+                         "checkpoint_mlp", "steps", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every",
+                         "max_rollout_mismatch"}
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:

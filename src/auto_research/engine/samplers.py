@@ -57,6 +57,9 @@ class SamplerRecord:
     """Can sample while the trainer trains, with weights of its own (``--max-staleness`` ≥ 1)."""
     pushes_weights: bool = False
     """Holds a copy of the weights, pushed after every optimizer step (timed as ``weight_sync_seconds``)."""
+    started_by_the_user: bool = False
+    """A server the user started (and restarts after it fails); every other engine is the run's own, started anew
+    by ``--resume``."""
 
 
 def _builtin(needs: SamplerNeeds):
@@ -119,10 +122,12 @@ SAMPLERS: dict[str, SamplerRecord] = {
     "builtin": SamplerRecord("builtin", _builtin, is_the_trainer=True, runs_apart=True),
     "vllm": SamplerRecord("vllm", _vllm, _require_vllm, _check_servable, pushes_weights=True),
     # A server may live in an environment of its own: the trainer needs no vLLM.
-    "vllm-server": SamplerRecord("vllm-server", _server("vllm"), runs_apart=True, pushes_weights=True),
+    "vllm-server": SamplerRecord("vllm-server", _server("vllm"), runs_apart=True, pushes_weights=True,
+                                 started_by_the_user=True),
     # The builtin sampler in a process of its own (auto-research rollout-serve --engine builtin): its draws are
     # the in-process sampler's, from weights pushed to it, without sharing the trainer's interpreter lock.
-    "builtin-server": SamplerRecord("builtin-server", _server("builtin"), runs_apart=True, pushes_weights=True),
+    "builtin-server": SamplerRecord("builtin-server", _server("builtin"), runs_apart=True, pushes_weights=True,
+                                    started_by_the_user=True),
     # The same server, started and stopped by the run itself on cores of its own (--rollout-mode process).
     "builtin-process": SamplerRecord("builtin-process", _builtin_process, runs_apart=True, pushes_weights=True),
 }

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from auto_research.engine import checkpoint as checkpoints
 from auto_research.engine.run_folder import PREFIX, clear_run_folder
+from auto_research.engine.samplers import sampler_record
 from auto_research.errors import RewardError, RolloutEngineError, TrainingInterrupted, UserError
 from auto_research.progress import Progress
 from auto_research.train.components import Components, parameter_counts
@@ -185,8 +186,10 @@ class RunLoop:
                              "kept the last checkpoint" if state.step > 0 else "nothing was written")
                     raise _user_error(f"{error}; {where}", error) from None
                 except RolloutEngineError as error:  # a server gone mid-step: the weights may be a step ahead
+                    again = "restart the server, then continue" if sampler_record(config).started_by_the_user else \
+                        "continue"  # the run's own engine (its process too) starts anew with it
                     kept = (f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{last_saved:06d}'}"
-                            " (restart the server, then continue with the same command and --resume)"
+                            f" ({again} with the same command and --resume)"
                             if last_saved else "no checkpoint had been saved yet")
                     raise _user_error(f"{error}; {kept}", error) from None
                 state.step = step

@@ -21,7 +21,8 @@ from auto_research.train.update import Advantages
 
 
 def step_metrics(c: Components, step: int, experience: Experience, advantages: Advantages, actor: dict,
-                 critic: dict, elapsed: float, totals: dict) -> dict:
+                 critic: dict, elapsed: float, totals: dict, drift: dict) -> dict:
+    """The step's row; ``drift``: ``drift_figures`` of its experience (computed once, before the update)."""
     config, mask, K, gather = c.config, experience.mask, c.config.group_size, c.world.gather
     scores = experience.scores
     scored = gather(scores.scored)
@@ -42,7 +43,7 @@ def step_metrics(c: Components, step: int, experience: Experience, advantages: A
     return {
         "step": step,
         **actor,
-        **_drift(c, experience),
+        **drift,
         "objective": float(objective.mean()),
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(unbiased=False)) if rewards.numel() else float("nan"),
@@ -61,8 +62,9 @@ def step_metrics(c: Components, step: int, experience: Experience, advantages: A
     }
 
 
-def _drift(c: Components, experience: Experience) -> dict:
-    """The sampler/trainer mismatch over every rank's tokens, and the correction's weights (another sampler only)."""
+def drift_figures(c: Components, experience: Experience) -> dict:
+    """The sampler/trainer mismatch over every rank's tokens, and the correction's weights (another sampler or stale
+    weights only; ``{}`` otherwise). Every rank gets the same figures (collectives: every rank calls it)."""
     if experience.drift is None:
         return {}
     drift, mask = experience.drift, experience.mask

@@ -16,11 +16,11 @@ import torch
 
 from auto_research.engine.heap import release_free_memory
 from auto_research.engine.samplers import sampler_record
-from auto_research.errors import RewardError
+from auto_research.errors import RewardError, RolloutEngineError
 from auto_research.train.components import Components
 from auto_research.train.experience import build_experience
 from auto_research.train.in_flight import start_rollouts
-from auto_research.train.metrics import step_metrics
+from auto_research.train.metrics import drift_figures, step_metrics
 from auto_research.train.rollouts import agreed_scores, rollout_figures
 from auto_research.train.state import LoopState
 from auto_research.train.update import estimate_advantages, moving_average_after, update_actor, update_critic
@@ -41,6 +41,8 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
     _warn_unscored(state, scores, step, log)
     with timed("experience"):
         experience = build_experience(c, drawn.rollout, scores, step - 1, drawn.reference_logprobs)
+        drift = drift_figures(c, experience)
+    check_mismatch(drift, c.config.max_rollout_mismatch, step, c.world.main)
     with timed("advantages"):
         advantages = estimate_advantages(c, experience, state.moving_average)
         if c.algorithm.moving_average is not None:  # the loop's baseline moves after the advantages used it
@@ -55,12 +57,31 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
             state.critic_updates += c.updates_per_step
     with timed("weight_sync"):
         rollouts.publish(step, c.policy)
-    row = step_metrics(c, step, experience, advantages, actor, critic, time.perf_counter() - started, state.totals)
+    row = step_metrics(c, step, experience, advantages, actor, critic, time.perf_counter() - started, state.totals,
+                       drift)
     if sampler_record(c.config).pushes_weights:
         row["weight_sync_seconds"] = seconds["weight_sync"]
     seconds["score"] += drawn.seconds["score"]
     figures = rollout_figures(c.world, drawn, step, c.config.dynamic_sampling)
     return {**row, **figures, **{f"time_{phase}": value for phase, value in seconds.items()}}
+
+
+def check_mismatch(drift: dict, bound: float, step: int, main: bool = True) -> None:
+    """Stop before the update when the sampler's log-probs are more than ``bound`` nats a token (on average) from
+    the trainer's on the same tokens: its samples then do not come from the policy being trained (weights broken
+    or replaced on the rollout side; healthy runs stay below 0.2, docs/vllm.md), and the truncated correction
+    would train on them as if they did. A mismatch that is not a number is never within a bound. Every rank has
+    the same figures and stops; rank 0 (``main``) says why."""
+    mean = drift.get("rollout_logprob_diff_mean")
+    if mean is None or mean <= bound:
+        return
+    error = RolloutEngineError(
+        f"step {step}: the sampler's log-probs are {mean:.3g} nats a token from the trainer's on its samples "
+        f"(rollout_logprob_diff_mean; the largest {drift['rollout_logprob_diff_max']:.3g}), above "
+        f"--max-rollout-mismatch {bound:g}: they were not drawn by the policy being trained (its weights went wrong "
+        "on the rollout side, or another process changed them), so the step was not trained on them")
+    error.quiet = not main
+    raise error
 
 
 def _warn_unscored(state: LoopState, scores, step: int, log) -> None:

@@ -6,20 +6,28 @@ The child listens on 127.0.0.1 only, with a random API key that only this proces
 the model the run loaded (the architecture and tokenizer; the trainer pushes its weights before any draw). Its
 cores come from ``--rollout-cores`` (default: the last core this process may use); the trainer keeps the others:
 its main thread is pinned to them and torch uses that many threads, unless ``--threads`` says otherwise.
+
+The child stops with its trainer, whichever way the trainer ends: at ``close``, and, when the trainer is SIGKILLed,
+by watching it (``orphans.stop_with_trainer``: its server then stops as on SIGTERM, removing its shared-memory
+buffer). When the child dies first, the trainer's line says so, with its exit status.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import secrets
+import signal
 import subprocess
 import sys
 import threading
 import time
 
 from auto_research.engine.rollout.client import ServerSampler
-from auto_research.errors import UserError
+from auto_research.engine.rollout.transfer import sweep
+from auto_research.errors import RolloutEngineError, UserError
+from auto_research.orphans import TRAINER_VARIABLE
 
 START_SECONDS = 300.0
 
@@ -35,7 +43,8 @@ class RolloutProcess(ServerSampler):
         command = [sys.executable, "-m", "auto_research", "rollout-serve", "--engine", "builtin", "--host",
                    "127.0.0.1", "--port", "0", "--threads", str(len(cores)), "--offline", "--model",
                    str(needs.model_name), "--device", "cpu"]
-        environment = {**os.environ, "AUTO_RESEARCH_API_KEY": self.key, "OMP_NUM_THREADS": str(len(cores))}
+        environment = {**os.environ, "AUTO_RESEARCH_API_KEY": self.key, "OMP_NUM_THREADS": str(len(cores)),
+                       TRAINER_VARIABLE: str(os.getpid())}
         self.child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                       env=environment, preexec_fn=lambda: os.sched_setaffinity(0, cores))
         address = self._wait_for_address()
@@ -54,8 +63,17 @@ class RolloutProcess(ServerSampler):
     def _wait_for_address(self) -> str:
         lines: queue.Queue = queue.Queue()
         seen: list[str] = []
-        threading.Thread(target=lambda: [lines.put(line) for line in self.child.stderr] + [lines.put(None)],
-                         daemon=True).start()
+        self.last_said: collections.deque = collections.deque(maxlen=1)
+        """The child's last line on stderr (its cause of death, when it raised)."""
+
+        def read() -> None:
+            for line in self.child.stderr:
+                lines.put(line)
+                if line.strip():
+                    self.last_said.append(line.strip())
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
         deadline = time.monotonic() + START_SECONDS
         while time.monotonic() < deadline:
             try:
@@ -72,6 +90,35 @@ class RolloutProcess(ServerSampler):
         last = next((line for line in reversed(seen) if line), "no output")
         raise UserError(f"--rollout-mode process: the rollout process did not start ({last})")
 
+    def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None
+              ) -> dict:
+        """The server's answer; when the request failed because the child died, one line that says so (the user
+        started no server to restart: ``--resume`` starts a new child)."""
+        try:
+            return super()._call(path, body, content_type, retries)
+        except RolloutEngineError:
+            death = self._death()
+            if death is None:
+                raise
+            raise RolloutEngineError(f"--rollout-mode process: this run's rollout process (PID {self.child.pid}) "
+                                     f"{death}") from None
+
+    def _death(self) -> str | None:
+        """How the child ended ("was killed by SIGKILL", "exited with status 1 (its last line: MemoryError)"), or
+        None while it runs. A request that failed for its death failed after its retries, by when it has ended; a
+        second's grace covers the rest."""
+        try:
+            status = self.child.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            return None
+        if status < 0:  # a signal (the OOM killer's SIGKILL, ...): its last line is an ordinary log line
+            try:
+                return f"was killed by {signal.Signals(-status).name}"
+            except ValueError:
+                return f"was killed by signal {-status}"
+        said = self.last_said[-1] if self.last_said else ""
+        return f"exited with status {status}" + (f" (its last line: {said[:200]})" if said else "")
+
     def _stop_child(self) -> None:
         if self.child.poll() is None:
             self.child.terminate()
@@ -80,6 +127,7 @@ class RolloutProcess(ServerSampler):
             except subprocess.TimeoutExpired:
                 self.child.kill()
                 self.child.wait()
+        sweep()  # a child that could not stop cleanly (killed) left its shared buffer behind
 
     def close(self) -> None:
         try:

@@ -29,8 +29,9 @@ every request carries ``Authorization: Bearer KEY``, the key's UTF-8 bytes (``au
   expected tensor is in, the engine reloads them in place and empties its prefix cache →
   ``{"weights_version", "seconds"}``. A push that fails a check is dropped whole and the engine keeps its
   weights: a reload that misses tensors would leave vLLM sampling from unprocessed ones.
-- ``POST /weights/shared`` with the lease and ``{"nonce", "names"}``: the same push through the shared-memory
-  buffer the lease's answer offered (``"shared"``), for a trainer on the server's host (``transfer.py``).
+- ``POST /weights/shared`` with the lease and ``{"nonce", "names", "checksums"}``: the same push through the
+  shared-memory buffer the lease's answer offered (``"shared"``), for a trainer on the server's host; each slot is
+  checked against the checksum the trainer took after its copy (``transfer.py``).
 
 Every refusal is a 4xx with one JSON line ``{"error": ...}`` and leaves the engine as it was; an engine failure
 is a 500 with its one-line cause. Each connection has its own thread and a read timeout, so a client that never
