@@ -124,6 +124,7 @@ class FunctionRunner:
         mask = [int(value) for value in mask]
         logprobs = [_finite(where, "logprobs", value, position) if owned else 0.0
                     for position, (value, owned) in enumerate(zip(logprobs, mask))]
+        _check_probabilities(where, ids, logprobs)
         reward = item["reward"]
         if reward is not None:
             reward = _finite(where, "reward", reward)
@@ -182,6 +183,20 @@ def _finite(where: str, key: str, value, position: int | None = None) -> float:
     if isinstance(value, (str, bool)) or not math.isfinite(number):
         raise RewardError(f"{where}: {key!r} is {value!r}{at}, not a finite number")
     return number
+
+
+LOGPROB_ROUNDING = 1e-4
+"""How far above 0 a log-probability may lie by rounding (an engine's float16/bfloat16 log-softmax)."""
+
+
+def _check_probabilities(where: str, ids: list[int], logprobs: list[float]) -> None:
+    """A log-probability above 0 (beyond rounding) is no probability: it would weight the sample's correction by
+    exp(log π − log μ) ≈ 0, so the run would learn nothing, silently. Refused, naming the token."""
+    for position, value in enumerate(logprobs):
+        if value > LOGPROB_ROUNDING:
+            raise RewardError(f"{where}: 'logprobs' is {value:g} at position {position} (token {ids[position]}), "
+                              "above 0: a log-probability is at most 0 (give the sampler's log-probs of the tokens "
+                              "it drew, as context.generate returns them)")
 
 
 def function_runner(prepared, config, tokenizer, policy, sampler, settings: SamplingSettings) -> FunctionRunner:
