@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shutil
 import sys
 import textwrap
@@ -237,13 +238,13 @@ def test_bad_rollout_functions_are_one_line_and_exit_2(tiny_model_dir, sums_json
         return lines[-1][len("auto-research: error: "):]
 
     assert error("--rollout-function", "no_such_module_xyz:fn") == (
-        "--rollout-function 'no_such_module_xyz:fn': cannot import no_such_module_xyz (No module named "
-        "'no_such_module_xyz')")
+        "--rollout-function 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz' (no "
+        f"no_such_module_xyz.py in the working folder {os.getcwd()} or on the import path)")
     assert error("--rollout-function", f"{loops}:missing") == (
         f"--rollout-function '{loops}:missing': {loops} has no 'missing'")
     assert error("--rollout-function", "my_loops:NOT_A_FUNCTION") == (
-        "--rollout-function 'my_loops:NOT_A_FUNCTION' is not callable (a function: fn(rows, context) -> a list of "
-        "dicts)")
+        "--rollout-function 'my_loops:NOT_A_FUNCTION': NOT_A_FUNCTION is int, not callable (a function: "
+        "fn(rows, context) -> a list of dicts)")
     assert error("--rollout-function", "my_loops:two_turns", "--environment", "my_loops:make_env") == (
         "--rollout-function runs its own loop: give it without --environment and --tools")
     assert error("--rollout-function", "my_loops:two_turns", "--algorithm", "remax") == (

@@ -22,10 +22,10 @@ from typing import Callable
 
 from auto_research.data.types import Example
 from auto_research.engine.rollout import Rollout, SamplingSettings
-from auto_research.envs import load_object
 from auto_research.envs.rollout import greedy_generate, row_of, trajectory_rollout
 from auto_research.envs.trajectory import Generate, Trajectory, turn_seed
 from auto_research.errors import RewardError, UserError, one_line
+from auto_research.user_code import load_user_object
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs", "loss_mask", "reward")
 """The keys every returned dict has; ``truncated``, ``text`` and ``turns`` are optional."""
@@ -55,11 +55,7 @@ class RolloutContext:
 def load_rollout_function(spec) -> tuple[str, Callable]:
     """``--rollout-function module:fn`` (or ``path/file.py:fn``), or a function from Python: (its name, it)."""
     if isinstance(spec, str):
-        function = load_object(spec, "--rollout-function")
-        if not callable(function):
-            raise UserError(f"--rollout-function {spec!r} is not callable (a function: fn(rows, context) -> a list "
-                            "of dicts)")
-        return spec, function
+        return spec, load_user_object(spec, "--rollout-function", "a function: fn(rows, context) -> a list of dicts")
     if not callable(spec):
         raise UserError(f"rollout_function: {type(spec).__name__} is not callable (a function: fn(rows, context) -> "
                         "a list of dicts)")
