@@ -486,7 +486,7 @@ def test_an_environment_that_hangs_past_the_env_timeout_fails_those_samples_and_
     done = run_cli(*args, env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _rows(tmp_path / "out" / "rloo-sums-seed42")
-    # Each step resets 2 prompts × K = 4 environments, every other one hangs: 4 of its 8 samples time out.
+    # Each step resets 2 prompts × K 4 = 8 environments, every other one hangs: 4 of its 8 samples time out.
     assert [(row["env_timeouts"], row["tool_timeouts"], row["environment_errors"], row["unscored_samples"])
             for row in rows] == [(4, 0, 4, 4)] * 2
 

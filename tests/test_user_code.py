@@ -23,7 +23,7 @@ from auto_research.errors import UserError
 from auto_research.rewards.gold import load_judge
 from auto_research.rewards.loading import load_reward
 from auto_research.rewards.verifiers import BUILT_IN
-from auto_research.user_code import load_user_object, resolved_spec
+from auto_research.user_code import load_user_object, resolved_settings, resolved_spec
 from conftest import run_cli
 
 CODE = '''
@@ -175,6 +175,10 @@ def test_a_spec_is_recorded_in_the_form_that_finds_it_from_any_folder(code):
     assert (config.reward, config.environment, config.tools, config.rollout_function, config.judge) == (
         ["gsm8k", f"{here}:score"], f"{here}:make_env", f"{here}:add,json:dumps", f"{here}:loop", f"{here}:judge")
     assert config.filled() == config  # recorded once: filling again changes nothing
+    # A checkpoint saved before code was recorded so (its specs as typed) compares equal from the folder it ran in.
+    saved = {"reward": ["gsm8k", f"{name}:score"], "tools": f"{name}:add, json:dumps", "judge": None, "steps": 3}
+    assert {**saved, **resolved_settings(saved)} == {"reward": config.reward, "tools": config.tools, "judge": None,
+                                                     "steps": 3}
 
 
 # --- from the command line, from another working folder -----------------------------------------------------

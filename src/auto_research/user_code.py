@@ -60,6 +60,28 @@ def resolved_specs(text: str | None) -> str | None:
     return ",".join(resolved_spec(item.strip()) for item in text.split(",") if item.strip())
 
 
+USER_CODE_SETTINGS = ("reward", "judge", "environment", "tools", "rollout_function")
+"""The run settings that name user code: a list of specs (reward), a comma-separated list (tools), or one spec."""
+
+
+def resolved_settings(settings: dict) -> dict:
+    """Those of ``settings`` (field name → value: a config's, or a checkpoint's saved config) that name user code,
+    each resolved (``resolved_spec``): what a run records, and what a resumed run is compared with (a run saved
+    before code was recorded resolved compares equal from the folder it ran in)."""
+    resolved = {}
+    for key in USER_CODE_SETTINGS:
+        if key not in settings:
+            continue
+        value = settings[key]
+        if key == "tools":
+            resolved[key] = resolved_specs(value)
+        elif isinstance(value, list):
+            resolved[key] = [resolved_spec(item) for item in value]
+        else:
+            resolved[key] = resolved_spec(value)
+    return resolved
+
+
 def _module_file(folder: Path, module: str) -> Path | None:
     """The source file of dotted ``module`` inside ``folder`` (``a/b.py`` or ``a/b/__init__.py``), if there is one."""
     parts = module.split(".")

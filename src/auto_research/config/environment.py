@@ -60,11 +60,9 @@ class EnvironmentSettings:
     def resolved_user_code(self) -> dict:
         """The settings that name user code, each in the form that finds it from any working folder (a module of
         the working folder as its absolute file): what a run records, so that it resumes from anywhere."""
-        from auto_research.user_code import resolved_spec, resolved_specs  # noqa: PLC0415
+        from auto_research.user_code import USER_CODE_SETTINGS, resolved_settings  # noqa: PLC0415
 
-        return {"reward": [resolved_spec(spec) for spec in self.reward], "judge": resolved_spec(self.judge),
-                "environment": resolved_spec(self.environment), "tools": resolved_specs(self.tools),
-                "rollout_function": resolved_spec(self.rollout_function)}
+        return resolved_settings({key: getattr(self, key) for key in USER_CODE_SETTINGS})
 
     def check_environment(self, needs_greedy: bool) -> None:
         for flag, seconds in (("--env-timeout", self.env_timeout), ("--tool-timeout", self.tool_timeout)):

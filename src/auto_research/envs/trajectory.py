@@ -8,7 +8,7 @@ broke PPO's convergence (verl #3720, #3960). So each trajectory's ids are built 
 - the model's tokens exactly as the sampler drew them (loss mask 1, the sampler's log-probs);
 - the environment's or a tool's message as the *text the template adds* for it (the rest of the assistant
   turn after the model's own end-of-turn token, the new message, the next generation prompt), tokenized on its
-  own (loss mask 0, log-prob 0).
+  own (loss mask 0, log-prob 0), the message cut to the trajectory's room first (``fit``).
 
 Every trajectory of a batch advances one turn at a time; each turn draws one completion per live trajectory
 from its own seed (the prompt's seed, the trajectory's index in its group and the turn), so which batch or
