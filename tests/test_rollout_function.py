@@ -337,7 +337,7 @@ def test_a_well_formed_return_ignores_log_probs_off_the_mask_and_takes_tensors()
 
 LIES = """
 def certain(rows, context):
-    \"\"\"The sampler's tokens, reported as if each had probability 1 (log-prob 0): a policy that is no such thing.\"\"\"
+    \"\"\"The sampler's tokens reported as if each had probability 1 (log-prob 0): a policy it is not.\"\"\"
     prompts = [context.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in rows]
     ids, _ = context.generate(prompts, list(context.seeds))
     return [{"prompt_ids": p, "completion_ids": c, "logprobs": [0.0] * len(c), "loss_mask": [1] * len(c),

@@ -54,8 +54,8 @@ def make_env(row):
 def loop(rows, context):
     prompts = [context.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in rows]
     ids, logprobs = context.generate(prompts, list(context.seeds))
-    return [{"prompt_ids": p, "completion_ids": c, "logprobs": l, "loss_mask": [1] * len(c), "reward": float(len(c) % 2)}
-            for p, c, l in zip(prompts, ids, logprobs)]
+    return [{"prompt_ids": p, "completion_ids": c, "logprobs": l, "loss_mask": [1] * len(c),
+             "reward": float(len(c) % 2)} for p, c, l in zip(prompts, ids, logprobs)]
 
 NOT_CALLABLE = 3
 '''
@@ -116,7 +116,8 @@ def test_every_flag_gets_the_same_one_line_errors_naming_it(code, flag):
     (folder / "imports_missing.py").write_text("import no_such_dependency_xyz\n")
     assert _refused(flag, "no_colon") == (
         f"{flag} 'no_colon': expected "
-        + (f"a built-in ({', '.join(BUILT_IN)}), " if flag == "--reward" else "gold or " if flag == "--judge" else "") + "module:name (found from the working folder) or path/file.py:name, e.g. my_code:my_function")
+        + (f"a built-in ({', '.join(BUILT_IN)}), " if flag == "--reward" else "gold or " if flag == "--judge" else "")
+        + "module:name (found from the working folder) or path/file.py:name, e.g. my_code:my_function")
     assert _refused(flag, "no_such_module_xyz:f") == (
         f"{flag} 'no_such_module_xyz:f': cannot import module 'no_such_module_xyz' (no no_such_module_xyz.py in the "
         f"working folder {folder} or on the import path)")

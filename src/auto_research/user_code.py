@@ -166,7 +166,8 @@ def _import(flag: str, spec, where: str):
         place = f"{os.path.abspath(error.filename)}:{error.lineno}" if error.filename else where
         raise UserError(f"{flag} {spec!r}: syntax error in {place} ({error.msg})") from None
     except ModuleNotFoundError as error:
-        if not is_file(where) and error.name is not None and (where == error.name or where.startswith(f"{error.name}.")):
+        missing = error.name is not None and (where == error.name or where.startswith(f"{error.name}."))
+        if missing and not is_file(where):
             raise UserError(f"{flag} {spec!r}: cannot import module {where!r} (no {where.replace('.', '/')}.py in "
                             f"the working folder {os.getcwd()} or on the import path)") from None
         raise UserError(f"{flag} {spec!r}: importing {where} failed ({one_line(error)})") from None
