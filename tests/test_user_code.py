@@ -220,19 +220,25 @@ def test_each_form_of_each_flag_runs_from_the_command_line_and_the_run_resumes_f
     for folder in (code, elsewhere, third):
         folder.mkdir()
     (code / "my_code.py").write_text(textwrap.dedent(CODE))
-    _run(tools_model, sums_jsonl, tmp_path / "by-module", code, "--reward", "my_code:score", "--environment",
-         "my_code:make_env", "--tools", "my_code:add", "--judge", "my_code:judge")
-    run_dir = tmp_path / "by-module" / "rloo-sums-seed42"
+    relative, absolute = "../code/my_code.py", f"{code}/my_code.py"
+    # --environment, --tools, --reward and --judge in one run; --rollout-function (with neither of the first two)
+    # in its own: module:name from the folder that holds it, the file forms from another, relative and absolute.
+    runs = {"module": (code, "--environment", "my_code:make_env", "--tools", "my_code:add", "--reward", "my_code:score",
+                       "--judge", "my_code:judge"),
+            "files": (elsewhere, "--environment", f"{relative}:make_env", "--tools", f"{absolute}:add", "--reward",
+                      f"{relative}:score", "--judge", f"{absolute}:judge"),
+            "files-swapped": (elsewhere, "--environment", f"{absolute}:make_env", "--tools", f"{relative}:add",
+                              "--reward", f"{absolute}:score", "--judge", f"{relative}:judge"),
+            "loop-module": (code, "--rollout-function", "my_code:loop"),
+            "loop-relative": (elsewhere, "--rollout-function", f"{relative}:loop"),
+            "loop-absolute": (elsewhere, "--rollout-function", f"{absolute}:loop")}
+    for name, (cwd, *flags) in runs.items():
+        _run(tools_model, sums_jsonl, tmp_path / name, cwd, *flags)
+    run_dir = tmp_path / "module" / "rloo-sums-seed42"
     recorded = (run_dir / "config.yaml").read_text()
-    assert f"environment: {code}/my_code.py:make_env" in recorded and "my_code:" not in recorded
-    # The file forms from another folder, relative and absolute; the rollout function's too.
-    _run(tools_model, sums_jsonl, tmp_path / "by-file", elsewhere, "--reward", "../code/my_code.py:score",
-         "--environment", f"{code}/my_code.py:make_env", "--tools", f"{code}/my_code.py:add", "--judge",
-         "../code/my_code.py:judge")
-    _run(tools_model, sums_jsonl, tmp_path / "loop", elsewhere, "--rollout-function", "../code/my_code.py:loop",
-         "--reward", f"{code}/my_code.py:score")
+    assert f"environment: {absolute}:make_env" in recorded and "my_code:" not in recorded
     # The run's config.yaml from a third folder: the same code found, and --resume agrees it is the same run.
-    again = _run(tools_model, sums_jsonl, tmp_path / "by-module", third, "--config", str(run_dir / "config.yaml"),
+    again = _run(tools_model, sums_jsonl, tmp_path / "module", third, "--config", str(run_dir / "config.yaml"),
                  "--resume")
     assert "different settings" not in again.stderr
 
