@@ -334,8 +334,8 @@ def test_bad_environments_and_tools_are_one_line_and_exit_2_before_any_work(tiny
         return lines[0][len("auto-research: error: "):]
 
     assert error("--environment", "no_such_module_xyz:make_env") == (
-        "--environment 'no_such_module_xyz:make_env': cannot import no_such_module_xyz (No module named "
-        "'no_such_module_xyz')")
+        "--environment 'no_such_module_xyz:make_env': cannot import module 'no_such_module_xyz' (no "
+        f"no_such_module_xyz.py in the working folder {os.getcwd()} or on the import path)")
     assert error("--environment", "sums_game:make_nothing") == (
         "--environment 'sums_game:make_nothing': sums_game has no 'make_nothing'")
     assert error("--environment", "sums_game:make_nostep") == (
@@ -401,3 +401,157 @@ def test_tools_in_training_answer_calls_and_the_task_s_verifier_scores_the_final
                                                              + [0] * len(ids(f"\ntool: {a + b}</s>\nassistant: "))
                                                              + [1] * (len(ids(str(a + b))) + 1))
     assert "tool: " + str(a + b) in drawn.rollout.completions[0]  # the table shows the whole conversation
+
+
+# --- limits: timeouts and failures, from the command line ------------------------------------------------------
+
+LIMITS = '''
+import itertools, pathlib, time
+
+HERE = pathlib.Path(__file__).parent
+_resets = itertools.count()
+
+
+class Sometimes:
+    """Every other reset() (counted over the process) hangs past any timeout; the others play one turn."""
+    def reset(self):
+        if next(_resets) % 2:
+            time.sleep(600)  # abandoned: the process ends without waiting for it
+        return None
+    def step(self, text):
+        return None, float(len(text) % 3), True
+
+def make_sometimes(row):
+    return Sometimes()
+
+
+class HangsWhenFlagged:
+    """step() hangs once the file "hang" exists beside this module, after writing "hanging" there."""
+    def reset(self):
+        return None
+    def step(self, text):
+        if (HERE / "hang").exists():
+            (HERE / "hanging").write_text("")
+            time.sleep(600)
+        return "more", float(len(text) % 3), False
+
+def make_flagged(row):
+    return HangsWhenFlagged()
+
+
+class Broken:
+    def __init__(self, how):
+        self.how = how
+    def reset(self):
+        if self.how == "reset":
+            raise ConnectionError("the simulator is down")
+        return None
+    def step(self, text):
+        return {"four": (None, 1.0, True, {}), "lots": (None, "lots", True)}[self.how]
+
+def make_reset(row):
+    return Broken("reset")
+
+def make_four(row):
+    return Broken("four")
+
+def make_lots(row):
+    return Broken("lots")
+
+def make_first_row(row):
+    return Broken(row["no_such_field"])
+'''
+
+
+@pytest.fixture
+def limits(tmp_path):
+    """LIMITS as the file limits_envs.py in a folder of its own (given to the runs by path)."""
+    folder = tmp_path / "limits"
+    folder.mkdir()
+    (folder / "limits_envs.py").write_text(LIMITS)
+    return folder
+
+
+def _with(environment: str, args: list[str]) -> list[str]:
+    """``_cli``'s arguments with another --environment."""
+    return [environment if a == "sums_game:make_env" else a for a in args]
+
+
+def test_an_environment_that_hangs_past_the_env_timeout_fails_those_samples_and_the_run_goes_on(tiny_model_dir,
+                                                                                               sums_jsonl, tmp_path,
+                                                                                               limits):
+    args = _with(f"{limits}/limits_envs.py:make_sometimes",
+                 _cli(tiny_model_dir, sums_jsonl, tmp_path / "out", "--steps", "2", "--eval-every", "0",
+                      "--evaluation-examples", "2", "--env-timeout", "1"))
+    done = run_cli(*args, env={"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = _rows(tmp_path / "out" / "rloo-sums-seed42")
+    # Each step resets 2 prompts × K 4 = 8 environments, every other one hangs: 4 of its 8 samples time out.
+    assert [(row["env_timeouts"], row["tool_timeouts"], row["environment_errors"], row["unscored_samples"])
+            for row in rows] == [(4, 0, 4, 4)] * 2
+
+
+def test_a_sigterm_while_the_environment_hangs_stops_the_run_at_the_timeout_keeping_its_checkpoint(tiny_model_dir,
+                                                                                                  sums_jsonl, tmp_path,
+                                                                                                  limits):
+    import signal
+    import time
+
+    args = _with(f"{limits}/limits_envs.py:make_flagged",
+                 _cli(tiny_model_dir, sums_jsonl, tmp_path / "out", "--steps", "200", "--checkpoint-every", "1",
+                      "--eval-every", "0", "--env-timeout", "1"))
+    process = subprocess.Popen([sys.executable, "-m", "auto_research", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    checkpoints = tmp_path / "out" / "rloo-sums-seed42" / "checkpoints"
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (checkpoints / "step-000001").is_dir() and process.poll() is None:
+            time.sleep(0.05)
+        (limits / "hang").write_text("")
+        while time.time() < deadline and not (limits / "hanging").exists() and process.poll() is None:
+            time.sleep(0.05)
+        assert (limits / "hanging").exists(), "the environment never hung"
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 2, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("auto-research: error: the run was asked to stop while step() ran, and it ran past "
+                           "--env-timeout 1 s: this step is given up; saved the last good step ("), last
+    assert "Traceback" not in stderr
+    saved = sorted(path.name for path in checkpoints.iterdir() if path.name.startswith("step-"))
+    assert saved and all((checkpoints / name / "trainer_state.json").is_file() for name in saved)
+
+
+def test_when_the_environment_fails_every_sample_the_one_line_names_its_own_error(tiny_model_dir, sums_jsonl,
+                                                                                  tmp_path, limits, capsys):
+    from auto_research.cli import main
+
+    def error(spec: str) -> str:
+        assert main(_with(spec, _cli(tiny_model_dir, sums_jsonl, tmp_path / "out", "--eval-every", "0"))) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert not any("Traceback" in line for line in lines)
+        return lines[-1][len("auto-research: error: "):]
+
+    envs = f"{limits}/limits_envs.py"
+    assert error(f"{envs}:make_reset") == (
+        "no sample of step 1 could be scored: the environment failed on 8 of 8 samples (the first: ConnectionError: "
+        "the simulator is down); nothing was written")
+    assert error(f"{envs}:make_four") == (
+        "no sample of step 1 could be scored: the environment failed on 8 of 8 samples (the first: TypeError: step() "
+        "must return (observation, reward, done), got (None, 1.0, True, {})); nothing was written")
+    assert error(f"{envs}:make_lots") == (
+        "no sample of step 1 could be scored: the environment failed on 8 of 8 samples (the first: ValueError: "
+        "step()'s reward is 'lots', not a finite number (or None)); nothing was written")
+    # A factory that raises on the first training row, or whose module raises when imported: before any work.
+    assert error(f"{envs}:make_first_row") == (
+        f"--environment {envs}:make_first_row: making the environment for the first training row raised KeyError: "
+        "'no_such_field'")
+    (limits / "raises_on_import.py").write_text("raise OSError('no licence for the simulator')\n")
+    assert error(f"{limits}/raises_on_import.py:make") == (
+        f"--environment '{limits}/raises_on_import.py:make': importing {limits}/raises_on_import.py failed "
+        "(OSError: no licence for the simulator)")
+    assert not list((tmp_path / "out").glob("*/metrics.jsonl"))  # nothing was trained or written

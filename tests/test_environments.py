@@ -6,6 +6,7 @@ the ids, masks, rewards and flags are checked exactly."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 
@@ -246,11 +247,14 @@ def test_bad_environments_and_tools_are_refused_in_one_line(tokenizer, env_modul
             call(*args)
         return str(caught.value)
 
-    assert refused(EnvironmentFactory.load, "no_such_module_xyz:make") .startswith(
-        "--environment 'no_such_module_xyz:make': cannot import no_such_module_xyz (")
+    assert refused(EnvironmentFactory.load, "no_such_module_xyz:make") == (
+        "--environment 'no_such_module_xyz:make': cannot import module 'no_such_module_xyz' (no no_such_module_xyz.py "
+        f"in the working folder {os.getcwd()} or on the import path)")
     assert refused(EnvironmentFactory.load, f"{env_module}:make_nothing") == (
         f"--environment '{env_module}:make_nothing': {env_module} has no 'make_nothing'")
-    assert refused(EnvironmentFactory.load, "make_env") == "--environment 'make_env': expected module:name, e.g. my_envs:make_env"
+    assert refused(EnvironmentFactory.load, "make_env") == (
+        "--environment 'make_env': expected module:name (found from the working folder) or path/file.py:name, e.g. "
+        "my_code:my_function")
     assert refused(EnvironmentFactory.load, f"{env_module}:make_nostep", {}) == (
         f"--environment {env_module}:make_nostep: the object it returns has no reset/step methods (an environment "
         "has reset() and step(text); got NoStep)")
@@ -266,3 +270,210 @@ def test_bad_environments_and_tools_are_refused_in_one_line(tokenizer, env_modul
     assert refused(check_template_takes_tools, build_tokenizer(), schemas, "tiny") == (
         "--tools: tiny's tokenizer has no chat template, so the model cannot be shown tools")
     check_template_takes_tools(tokenizer, schemas, "tiny-chatml")  # takes tools: no error
+
+
+# --- limits: timeouts, bounds on what an environment or a tool sends back, arguments checked ----------------------
+
+class Hangs:
+    """An environment of ours whose ``where`` ("make", "reset" or "step") blocks until ``release`` is set (at most
+    60 s: a test never leaves a thread behind for long), for rows whose secret is 3; the others answer at once."""
+
+    def __init__(self, row, where, release):
+        self.secret, self.where, self.release = row["secret"], where, release
+        self._block("make")
+
+    def _block(self, where):
+        if where == self.where and self.secret == 3:
+            self.release.wait(60)
+
+    def reset(self):
+        self._block("reset")
+        return None
+
+    def step(self, text):
+        self._block("step")
+        return None, 1.0, True
+
+
+@pytest.fixture
+def release():
+    """An event every blocked call waits on; set at the end, so that the abandoned threads end with the test."""
+    import threading
+
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+@pytest.mark.parametrize("where, what", [("make", "make_env(row)"), ("reset", "reset()"), ("step", "step()")])
+def test_a_call_into_the_environment_past_the_env_timeout_fails_its_sample_and_the_others_go_on(tokenizer, release,
+                                                                                               where, what):
+    from auto_research.envs.rollout import EpisodeRunner, episode_figures
+    from auto_research.engine.distributed import World
+    from auto_research.data.types import Example
+
+    factory = EnvironmentFactory(lambda row: Hangs(row, where, release), "hangs", timeout=1.0)
+    model = ScriptedModel(tokenizer, lambda last: "5")
+    runner = EpisodeRunner(model, tokenizer, factory, {}, SETTINGS, 3, 200,
+                           (tokenizer.convert_tokens_to_ids("<|im_end|>"),))
+    examples = [Example("Guess.", "3", fields={"secret": 3}), Example("Guess.", "4", fields={"secret": 4})]
+    hung, answered = runner.trajectories(examples, 1, [1, 2])
+    assert hung.failed == f"EnvironmentTimeout: {what} ran past --env-timeout 1 s (its thread is left running)"
+    assert (hung.timed_out, hung.reward, hung.live) == ("environment", None, False)
+    assert (answered.failed, answered.timed_out, answered.reward, answered.turns) == (None, None, 1.0, 1)
+    figures = episode_figures(World(), runner.sample(examples, 1, [1, 2]))
+    assert (figures["env_timeouts"], figures["tool_timeouts"], figures["environment_errors"]) == (1, 0, 1)
+
+
+def test_a_tool_call_past_the_tool_timeout_fails_its_sample(tokenizer, release):
+    def slow(x: int) -> int:
+        """Blocks.
+
+        Args:
+            x: anything
+        """
+        release.wait(60)
+        return x
+
+    conversation = Conversation(tokenizer, [tool_schema(slow)], (tokenizer.convert_tokens_to_ids("<|im_end|>"),))
+    model = ScriptedModel(tokenizer, lambda last: '<tool_call>{"name": "slow", "arguments": {"x": 1}}</tool_call>')
+    episode = Episode(None, {}, {"slow": slow}, tool_timeout=1.0)
+    [trajectory] = run_episodes(model, conversation, [episode], ["go"], [1], SETTINGS, 3, 500)
+    assert trajectory.failed == "ToolTimeout: tool slow ran past --tool-timeout 1 s (its thread is left running)"
+    assert (trajectory.timed_out, trajectory.reward, trajectory.tool_calls) == ("tool", None, 1)
+
+
+def test_abandoned_calls_are_bounded_and_a_stop_request_gives_the_step_up(release, monkeypatch):
+    from auto_research.envs import deadline
+
+    with pytest.raises(deadline.EnvironmentTimeout):  # below the bound: this sample's failure only
+        deadline.bounded(lambda: release.wait(60), 0.5, deadline.EnvironmentTimeout, "step()")
+    assert deadline.abandoned() >= 1
+    monkeypatch.setattr(deadline, "MAX_ABANDONED", 0)  # past it: the run stops
+    with pytest.raises(deadline.StuckCalls, match=r"calls into the environment or tools are still running past their "
+                                                  r"timeouts \(the last: step\(\), past --env-timeout\)"):
+        deadline.bounded(lambda: release.wait(60), 0.5, deadline.EnvironmentTimeout, "step()")
+    monkeypatch.setattr(deadline, "MAX_ABANDONED", 10**6)
+    deadline.request_stop()
+    try:
+        with pytest.raises(deadline.Stopped, match=r"^the run was asked to stop while tool f ran, and it ran past "
+                                                   r"--tool-timeout 0.5 s: this step is given up$"):
+            deadline.bounded(lambda: release.wait(60), 0.5, deadline.ToolTimeout, "tool f")
+        assert deadline.bounded(lambda: 7, 0.5, deadline.ToolTimeout, "tool f") == 7  # a call in time is answered
+    finally:
+        deadline.clear_stop()
+    with pytest.raises(ValueError, match="its own"):  # the call's own exception, raised in the caller
+        deadline.bounded(lambda: (_ for _ in ()).throw(ValueError("its own")), 5, deadline.ToolTimeout, "tool f")
+
+
+class CountingTokenizer:
+    """The tokenizer, counting the characters it is asked to tokenize."""
+
+    def __init__(self, tokenizer):
+        self.inner, self.characters = tokenizer, 0
+
+    def __call__(self, text, **options):
+        self.characters += len(text)
+        return self.inner(text, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_10_mb_observation_is_cut_to_the_trajectory_s_room_before_it_is_tokenized(tokenizer):
+    class Flood:
+        def reset(self):
+            return None
+
+        def step(self, text):
+            return "x" * 10_000_000, 0.0, False
+
+    counting = CountingTokenizer(tokenizer)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    conversation = Conversation(counting, None, (end,))
+    model = ScriptedModel(tokenizer, lambda last: "5")
+    budget = 60
+    [trajectory] = run_episodes(model, conversation, [Episode(Flood(), {})], ["Guess."], [1], SETTINGS, 3, budget)
+    first_reply = len(tokenizer("5", add_special_tokens=False)["input_ids"]) + 1
+    assert len(trajectory.ids) <= budget and trajectory.truncated
+    observation = trajectory.messages[2]["content"]
+    assert observation == "x" * len(observation) and 0 < len(observation) < budget  # cut by tokens to fit
+    # The environment's message took at most the room left after the model's first reply, one token kept for the
+    # model's next turn, which it took.
+    environment_tokens = len(trajectory.loss_mask) - sum(trajectory.loss_mask)
+    assert environment_tokens <= budget - first_reply - 1 and trajectory.turns == 2
+    # What was tokenized: a few times the room (the characters' bound, then the cut), never the 10 MB.
+    assert counting.characters < 20 * budget + 1000
+
+
+def test_tool_arguments_that_do_not_fit_the_hints_are_answered_as_errors_without_calling_the_tool(tokenizer):
+    from auto_research.envs.tools import ToolCall, answer
+
+    called = []
+
+    def mul(a: int, b: int) -> str:
+        """Repeat.
+
+        Args:
+            a: a count
+            b: another
+        """
+        called.append((a, b))
+        return "ok"
+
+    def mean(values: list[float], label: str = "m", exact: bool = False) -> float:
+        """Mean.
+
+        Args:
+            values: numbers
+            label: a name
+            exact: whether exact
+        """
+        called.append(values)
+        return sum(values) / len(values)
+
+    tools = {"mul": mul, "mean": mean}
+    schemas = {name: tool_schema(function) for name, function in tools.items()}
+
+    def answered(name, **arguments):
+        return answer(ToolCall(name, arguments), tools, schemas)
+
+    assert answered("mul", a="xy", b=5000000) == ('error: mul: argument \'a\' must be an integer, got "xy"', True)
+    assert answered("mul", a=2, b=2.5) == ("error: mul: argument 'b' must be an integer, got 2.5", True)
+    assert answered("mul", a=True, b=2) == ("error: mul: argument 'a' must be an integer, got true", True)
+    assert answered("mul", a=2) == ("error: mul: missing argument 'b'", True)
+    assert answered("mul", a=2, b=3, c=4) == ("error: mul: unknown argument 'c' (arguments: a, b)", True)
+    assert answered("mean", values=[1, "2"]) == ("error: mean: argument 'values'[1] must be a number, got \"2\"", True)
+    assert answered("mean", values=[1.0, 2], exact="yes") == (
+        "error: mean: argument 'exact' must be true or false, got \"yes\"", True)
+    assert called == []  # none of them was called
+    assert answered("mul", a=2, b=3) == ("ok", False) and answered("mean", values=[1, 2.0]) == ("1.5", False)
+    assert called == [(2, 3), [1, 2.0]]
+
+
+@pytest.mark.parametrize("returned, failure", [
+    ((None, 1.0, True, {}), "TypeError: step() must return (observation, reward, done), got (None, 1.0, True, {})"),
+    ((None, "lots", True), "ValueError: step()'s reward is 'lots', not a finite number (or None)"),
+    ((None, [1.0], True), "ValueError: step()'s reward is [1.0], not a finite number (or None)"),
+    ((None, float("nan"), True), "ValueError: step()'s reward is nan, not a finite number (or None)"),
+    (("go on", 1e308, False), "ValueError: the sum of step()'s rewards is inf, not a finite number (or None)"),
+])
+def test_an_environment_that_returns_the_wrong_thing_fails_its_sample_in_its_own_words(tokenizer, returned, failure):
+    class Wrong:
+        def reset(self):
+            return None
+
+        def step(self, text):
+            return returned
+
+    conversation = Conversation(tokenizer, None, (tokenizer.convert_tokens_to_ids("<|im_end|>"),))
+    model = ScriptedModel(tokenizer, lambda last: "5")
+    [trajectory] = run_episodes(model, conversation, [Episode(Wrong(), {})], ["Guess."], [1], SETTINGS, 2, 500)
+    assert (trajectory.failed, trajectory.reward, trajectory.timed_out) == (failure, None, None)
+
+
+def test_a_factory_that_raises_on_the_first_row_is_one_line(env_module):
+    with pytest.raises(UserError) as caught:
+        EnvironmentFactory.load(f"{env_module}:make_guess", {"no_secret": 1})
+    assert str(caught.value) == (f"--environment {env_module}:make_guess: making the environment for the first "
+                                 "training row raised KeyError: 'secret'")

@@ -231,7 +231,7 @@ BAD = [
     (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer, got 0"),
     (["--max-new-tokens", "40"], "exceed the model's context of 32 tokens"),
     (["--reward", "no_such_module:score"], "cannot import module 'no_such_module'"),
-    (["--reward", "json:no_such_function"], "module 'json' has no function 'no_such_function'"),
+    (["--reward", "json:no_such_function"], "--reward 'json:no_such_function': json has no 'no_such_function'"),
     (["--reward-model", "/no/such/reward-model"], "--reward-model /no/such/reward-model: no such model folder"),
     (["--resume"], "--resume: no valid checkpoint in"),
     (["--kl-estimator", "k9"], "--kl-estimator 'k9': choose one of k1, k2, k3"),

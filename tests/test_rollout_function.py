@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shutil
 import sys
 import textwrap
@@ -237,13 +238,13 @@ def test_bad_rollout_functions_are_one_line_and_exit_2(tiny_model_dir, sums_json
         return lines[-1][len("auto-research: error: "):]
 
     assert error("--rollout-function", "no_such_module_xyz:fn") == (
-        "--rollout-function 'no_such_module_xyz:fn': cannot import no_such_module_xyz (No module named "
-        "'no_such_module_xyz')")
+        "--rollout-function 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz' (no "
+        f"no_such_module_xyz.py in the working folder {os.getcwd()} or on the import path)")
     assert error("--rollout-function", f"{loops}:missing") == (
         f"--rollout-function '{loops}:missing': {loops} has no 'missing'")
     assert error("--rollout-function", "my_loops:NOT_A_FUNCTION") == (
-        "--rollout-function 'my_loops:NOT_A_FUNCTION' is not callable (a function: fn(rows, context) -> a list of "
-        "dicts)")
+        "--rollout-function 'my_loops:NOT_A_FUNCTION': NOT_A_FUNCTION is int, not callable (a function: "
+        "fn(rows, context) -> a list of dicts)")
     assert error("--rollout-function", "my_loops:two_turns", "--environment", "my_loops:make_env") == (
         "--rollout-function runs its own loop: give it without --environment and --tools")
     assert error("--rollout-function", "my_loops:two_turns", "--algorithm", "remax") == (
@@ -304,6 +305,9 @@ FUNCTION = "--rollout-function my_loops:fn"
     (_changed(logprobs=[-0.1, 0.0, math.inf]), f"{FUNCTION}: row 1: 'logprobs' is inf at position 2, not a finite "
                                                "number"),
     (_changed(reward=math.nan), f"{FUNCTION}: row 1: 'reward' is nan, not a finite number"),
+    (_changed(logprobs=[-0.1, 0.0, 50.0]), f"{FUNCTION}: row 1: 'logprobs' is 50 at position 2 (token 14), above 0: a "
+                                           "log-probability is at most 0 (give the sampler's log-probs of the tokens "
+                                           "it drew, as context.generate returns them)"),
     (_changed(completion_ids=list(range(12, 21)), logprobs=[0.0] * 9, loss_mask=[1] * 9),
      f"{FUNCTION}: row 1: 'completion_ids' holds 9 tokens, more than context.max_tokens 8 (--max-trajectory-tokens)"),
     (_changed(prompt_ids=list(range(10, 24))), f"{FUNCTION}: row 1: 'prompt_ids' and 'completion_ids' hold 17 "
@@ -316,6 +320,11 @@ def test_a_malformed_return_names_the_row_and_the_key(returned, message):
     assert str(raised.value) == message
 
 
+def test_a_log_prob_above_zero_by_rounding_is_taken():
+    rollout = _runner(_changed(logprobs=[5e-5, 0.0, 0.0])).sample([Example("1+1=", "2")], 2, [5])
+    assert rollout.sampler_logprobs[1, 0].item() == pytest.approx(5e-5)
+
+
 def test_a_well_formed_return_ignores_log_probs_off_the_mask_and_takes_tensors():
     rollout = _runner(lambda rows: [{**item, "completion_ids": torch.tensor(item["completion_ids"]), "reward": None,
                                      "truncated": True, "text": "shown"} for item in _good(rows)]).sample(
@@ -324,3 +333,46 @@ def test_a_well_formed_return_ignores_log_probs_off_the_mask_and_takes_tensors()
     assert rollout.loss_mask.tolist() == [[1, 0, 1]] * 2 and rollout.completions == ["shown", "shown"]
     assert [(row["truncated"], row["environment_reward"], row["reply"]) for row in rollout.episodes] == [
         (True, None, "shown")] * 2
+
+
+LIES = """
+def certain(rows, context):
+    \"\"\"The sampler's tokens reported as if each had probability 1 (log-prob 0): a policy it is not.\"\"\"
+    prompts = [context.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in rows]
+    ids, _ = context.generate(prompts, list(context.seeds))
+    return [{"prompt_ids": p, "completion_ids": c, "logprobs": [0.0] * len(c), "loss_mask": [1] * len(c),
+             "reward": float(len(c) + k % 2)} for k, (p, c) in enumerate(zip(prompts, ids))]
+"""
+
+
+def test_a_step_whose_correction_weights_all_vanish_stops_the_run_as_a_mismatch(tiny_model_dir, sums_jsonl, tmp_path,
+                                                                                 capsys):
+    """The tiny random model gives each token about 1/260: log-probs of 0 put every sequence's weight
+    π/μ ≈ 260^-2 per two tokens, below 1e-6 for any completion of 3 tokens (--max-new-tokens 3, no EOS)."""
+    from auto_research.cli import main
+
+    (tmp_path / "lies.py").write_text(LIES)
+    args = _cli(tiny_model_dir, sums_jsonl, tmp_path / "out", "--rollout-function", f"{tmp_path}/lies.py:certain",
+                "--max-staleness", "1", "--rollout-correction", "sequence-tis", "--max-new-tokens", "3",
+                "--eval-every", "0")
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert not any("Traceback" in line for line in lines)
+    assert lines[-1].startswith("auto-research: error: every rollout-correction weight of this step is below 1e-06 "
+                                "(the largest here "), lines[-1]
+    assert ("the sampler's log-probs do not match the policy's, a mismatch, not learning (check the log-probs the "
+            "sampler or the --rollout-function returns)") in lines[-1]
+
+
+def test_the_weights_check_counts_the_trained_tokens_only():
+    from auto_research.algorithms.correction import check_weights, importance_weights
+    from auto_research.engine.distributed import World
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    vanished = importance_weights(torch.tensor([[-8.0, -8.0, 50.0], [-14.0, 50.0, 50.0]]), mask, "sequence-tis", 2.0)
+    assert vanished.max().item() == pytest.approx(math.exp(-14))  # e^-16 and e^-14, the masked 50s left out
+    with pytest.raises(RewardError, match=r"^every rollout-correction weight of this step is below 1e-06 \(the "
+                                          r"largest here 8.32e-07\)"):
+        check_weights(World(), vanished, mask)
+    one_kept = importance_weights(torch.tensor([[-8.0, -8.0, 0.0], [-1.0, 0.0, 0.0]]), mask, "sequence-tis", 2.0)
+    check_weights(World(), one_kept, mask)  # one sequence's weight e^-1: the step learns from it

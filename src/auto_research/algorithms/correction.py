@@ -23,6 +23,12 @@ from __future__ import annotations
 
 import torch
 
+from auto_research.errors import RewardError
+
+VANISHED = 1e-6
+"""A step whose every correction weight is below this has nothing to learn from: its sampler's log-probs do not
+describe the policy (``check_weights``)."""
+
 
 def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, cap: float) -> torch.Tensor:
     """(B, T) weights of each token's loss term (see the module docstring), 0 where masked."""
@@ -52,3 +58,18 @@ def mismatch(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mas
     k3 = (log_ratio.exp() - 1 - log_ratio) * mask
     return {"absolute": difference.sum(), "maximum": difference.max() if difference.numel() else difference.sum(),
             "k3": k3.sum(), "tokens": mask.double().sum()}
+
+
+def check_weights(world, weights: torch.Tensor, mask: torch.Tensor) -> None:
+    """Every weight of a step below ``VANISHED`` on every rank's trained tokens: the sampler's log-probs are far
+    from the policy's (a log-prob above 0 from a rollout function, weights that are not the policy's), so the
+    step's gradient would be ≈ 0 and the run would go on learning nothing. A ``RewardError`` on every rank."""
+    trained = mask.bool()
+    counts = world.total(torch.tensor([float((weights[trained] >= VANISHED).sum()), float(trained.sum())],
+                                      dtype=torch.float64))
+    kept, tokens = counts.tolist()
+    if tokens and not kept:
+        largest = float(weights[trained].max()) if bool(trained.any()) else 0.0
+        raise RewardError(f"every rollout-correction weight of this step is below {VANISHED:g} (the largest here "
+                          f"{largest:.3g}): the sampler's log-probs do not match the policy's, a mismatch, not "
+                          "learning (check the log-probs the sampler or the --rollout-function returns)")

@@ -5,6 +5,7 @@ loaded)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from auto_research.config.fields import setting
@@ -13,14 +14,14 @@ from auto_research.errors import UserError
 
 @dataclass
 class EnvironmentSettings:
-    environment: str | None = setting(None, "module:factory (or path/file.py:factory): make_env(row) returns an "
-                                            "object with reset() and step(text) -> (observation, reward, done), "
-                                            "talked to for up to --max-turns turns (TRL's environment_factory "
-                                            "shape too)", "environment")
-    tools: str | None = setting(None, "module:fn,module:fn: plain functions the model may call (their type hints "
-                                      "and docstrings are the schema shown through the chat template)",
+    environment: str | None = setting(None, "module:factory (from the working folder) or path/file.py:factory: "
+                                            "make_env(row) returns an object with reset() and step(text) -> "
+                                            "(observation, reward, done), talked to for up to --max-turns turns "
+                                            "(TRL's environment_factory shape too)", "environment")
+    tools: str | None = setting(None, "module:fn,path/file.py:fn,...: plain functions the model may call (their "
+                                      "type hints and docstrings are the schema shown through the chat template)",
                                 "environment")
-    rollout_function: str | None = setting(None, "module:fn (or path/file.py:fn): your own rollout loop, "
+    rollout_function: str | None = setting(None, "module:fn or path/file.py:fn: your own rollout loop, "
                                                  "fn(rows, context) -> one dict per trajectory with prompt_ids, "
                                                  "completion_ids, logprobs, loss_mask and reward "
                                                  "(context.generate draws from the run's sampler; "
@@ -28,6 +29,12 @@ class EnvironmentSettings:
     max_turns: int = setting(4, "the most model turns of a trajectory with --environment or --tools; one that "
                                 "reaches it (or --max-trajectory-tokens) is flagged truncated", "environment",
                              type=int)
+    env_timeout: float = setting(60.0, "seconds an environment's make_env(row), reset(), step() or get_reward() may "
+                                       "take; one that runs past it fails its sample (unscored, counted in "
+                                       "env_timeouts) and the run goes on; 0: no limit", "environment", type=float)
+    tool_timeout: float = setting(30.0, "seconds a tool call may take; one that runs past it fails its sample "
+                                        "(counted in tool_timeouts) and the run goes on; 0: no limit",
+                                  "environment", type=float)
     max_trajectory_tokens: int | None = setting(None, "the most tokens after the prompt in a multi-turn trajectory, "
                                                       "the model's and the environment's (default: --max-new-tokens "
                                                       "× --max-turns)", "environment", type=int)
@@ -50,7 +57,17 @@ class EnvironmentSettings:
         multi_turn = self.multi_turn if multi_turn is None else multi_turn
         return self.trajectory_tokens(multi_turn) + (self.max_new_tokens if multi_turn else 0)
 
+    def resolved_user_code(self) -> dict:
+        """The settings that name user code, each in the form that finds it from any working folder (a module of
+        the working folder as its absolute file): what a run records, so that it resumes from anywhere."""
+        from auto_research.user_code import USER_CODE_SETTINGS, resolved_settings  # noqa: PLC0415
+
+        return resolved_settings({key: getattr(self, key) for key in USER_CODE_SETTINGS})
+
     def check_environment(self, needs_greedy: bool) -> None:
+        for flag, seconds in (("--env-timeout", self.env_timeout), ("--tool-timeout", self.tool_timeout)):
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise UserError(f"{flag} must be a number of seconds >= 0 (0: no limit), got {seconds}")
         if self.max_turns < 1:
             raise UserError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.max_trajectory_tokens is not None and self.max_trajectory_tokens < 1:

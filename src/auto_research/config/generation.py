@@ -315,10 +315,12 @@ class GenerationConfig(EnvironmentSettings):
 
     def filled(self) -> "GenerationConfig":
         """A copy with the dataset's presets in place of unset (None) settings, and the algorithm record's defaults
-        (KL placement and estimator, aggregation, clip range, std, correction, overlong buffer)."""
+        (KL placement and estimator, aggregation, clip range, std, correction, overlong buffer); user code named
+        as it is found from any folder (``user_code.resolved_spec``)."""
         preset = GENERATION_PRESETS[self.dataset if self.dataset in GENERATION_PRESETS else "jsonl"]
         values = {key: value for key, value in preset.items() if getattr(self, key) is None}
         filled = replace(self, **values)
+        filled = replace(filled, **filled.resolved_user_code())
         record = get_algorithm(self.algorithm)
         if filled.eval_every is None:
             filled.eval_every = max(1, filled.steps // 10)
@@ -449,8 +451,10 @@ class GenerationConfig(EnvironmentSettings):
         if self.dataset in PREFERENCE_DATASETS and not self.reward_model and not self.reward:
             raise UserError(f"{self.dataset} is optimised against a learned reward model: give --reward-model "
                             "(auto-research rlhf samples the preference pairs and trains one), or --reward")
-        if self.judge is not None and self.judge != "gold" and ":" not in self.judge:
-            raise UserError(f"--judge {self.judge!r}: give gold or module:function")
+        if self.judge is not None and self.judge != "gold":
+            from auto_research.user_code import FORMS, split_spec  # noqa: PLC0415
+
+            split_spec(self.judge, "--judge", f"gold or {FORMS}")  # the loader's own check, before any work
         for weight in self.reward_weights or ():
             if not math.isfinite(weight):
                 raise UserError(f"--reward-weights must be finite numbers, got {weight}")

@@ -32,6 +32,7 @@ from auto_research.engine.safetensors_header import safetensors_problem
 from auto_research.errors import UserError
 from auto_research.files import atomic_write_json, sha256_of
 from auto_research.train.state import saved_problem
+from auto_research.user_code import resolved_settings
 
 PREFIX = "step-"
 MANIFEST = "manifest.json"
@@ -218,7 +219,7 @@ def resumable_checkpoint(config, log, world_size: int = 1) -> Path:
     as before (the only way the resumed run stays exact)."""
     folder = verified_checkpoint(config.run_dir, log)
     state = json.loads((folder / "trainer_state.json").read_text())
-    saved = state["config"]
+    saved = {**state["config"], **resolved_settings(state["config"])}  # user code as recorded since (user_code.py)
     if state.get("world_size", 1) != world_size:
         raise UserError(f"--resume: the run in {config.run_dir} ran on {state.get('world_size', 1)} process(es), this "
                         f"command on {world_size}: gradients summed in another order would not continue it exactly; "

@@ -20,35 +20,15 @@ the object itself (a ``step`` method makes it ours), as TRL-style reward functio
 
 from __future__ import annotations
 
-import importlib
 import inspect
+import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from auto_research.errors import UserError
-
-
-def load_object(spec: str, flag: str):
-    """``module:name`` (a module on the path, or a ``path/to/file.py``) → the object; one line otherwise."""
-    module_name, _, name = str(spec).partition(":")
-    if not module_name or not name:
-        raise UserError(f"{flag} {spec!r}: expected module:name, e.g. my_envs:make_env")
-    try:
-        if module_name.endswith(".py"):
-            from importlib.util import module_from_spec, spec_from_file_location  # noqa: PLC0415
-
-            found = spec_from_file_location(module_name.rsplit("/", 1)[-1][:-3], module_name)
-            if found is None:
-                raise ModuleNotFoundError(module_name)
-            module = module_from_spec(found)
-            found.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except (ImportError, FileNotFoundError) as error:
-        raise UserError(f"{flag} {spec!r}: cannot import {module_name} ({error})") from None
-    if not hasattr(module, name):
-        raise UserError(f"{flag} {spec!r}: {module_name} has no {name!r}")
-    return getattr(module, name)
+from auto_research.envs.deadline import EnvironmentTimeout, bounded
+from auto_research.errors import UserError, one_line
+from auto_research.user_code import load_user_object
 
 
 def _takes_no_argument(factory) -> bool:
@@ -74,41 +54,74 @@ class EnvironmentFactory:
     spec: str = "environment"
     trl: bool = False
     """TRL's shape: made with no argument, tools are its public methods, ``reset(**row)`` appends."""
+    timeout: float = 0.0
+    """--env-timeout: the most seconds making an environment, and each call into it, may take (0: no limit)."""
 
     @classmethod
-    def load(cls, spec: str, sample_row: dict | None = None) -> "EnvironmentFactory":
-        factory = load_object(spec, "--environment")
-        if not callable(factory):
-            raise UserError(f"--environment {spec!r} is not callable (a factory: make_env(row) -> environment)")
-        made = cls(factory, spec)
-        made.trl = _takes_no_argument(factory)
-        made.episode(sample_row or {})  # the shape is checked now, not at the first step
+    def load(cls, spec, sample_row: dict | None = None, timeout: float = 0.0) -> "EnvironmentFactory":
+        """``spec`` (``module:factory`` or ``path/file.py:factory``, or a factory from Python), checked now on
+        ``sample_row``: the factory is found and makes, from a dataset row, an object of either shape."""
+        if isinstance(spec, str):
+            factory = load_user_object(spec, "--environment", "a factory: make_env(row) -> environment")
+        else:
+            factory, spec = spec, getattr(spec, "__name__", "environment")
+        made = cls(factory, spec, _takes_no_argument(factory), timeout)
+        made.checked_episode(sample_row or {})
         return made
 
-    def episode(self, row: dict, tools: dict[str, Callable] | None = None) -> "Episode":
-        environment = self.factory() if self.trl else self.factory(row)
+    def checked_episode(self, row: dict, tools: dict[str, Callable] | None = None) -> "Episode":
+        """``episode`` on a row before any work: a factory that raises (or hangs) is one line."""
+        try:
+            return self.episode(row, tools)
+        except UserError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the user's factory: one line, not a traceback
+            raise UserError(f"--environment {self.spec}: making the environment for the first training row "
+                            f"raised {one_line(error)}") from None
+
+    def episode(self, row: dict, tools: dict[str, Callable] | None = None, tool_timeout: float = 0.0) -> "Episode":
+        make = self.factory if self.trl else (lambda: self.factory(row))
+        environment = bounded(make, self.timeout, EnvironmentTimeout, "make_env(row)")
         step, reset = getattr(environment, "step", None), getattr(environment, "reset", None)
         if callable(step):
             if not callable(reset):
                 raise UserError(f"--environment {self.spec}: the object it returns has step but no reset method "
                                 "(an environment has reset() and step(text))")
-            return Episode(environment, row, dict(tools or {}), trl=False)
+            return Episode(environment, row, dict(tools or {}), False, timeout=self.timeout, tool_timeout=tool_timeout)
         methods = public_methods(environment)
         if not self.trl or not methods:
             raise UserError(f"--environment {self.spec}: the object it returns has no reset/step methods "
                             f"(an environment has reset() and step(text); got {type(environment).__name__})")
-        return Episode(environment, row, {**methods, **(tools or {})}, trl=True)
+        return Episode(environment, row, {**methods, **(tools or {})}, True, timeout=self.timeout,
+                       tool_timeout=tool_timeout)
+
+
+def reward_value(value, where: str) -> float:
+    """An environment's reward as a float: a finite number, or a ``ValueError`` naming what it returned."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if isinstance(value, (str, bytes)) or not math.isfinite(number):
+        raise ValueError(f"{where} is {reprlib.repr(value)}, not a finite number (or None)")
+    return number
 
 
 @dataclass
 class Episode:
-    """One trajectory's environment behind one interface, whatever its shape."""
+    """One trajectory's environment behind one interface, whatever its shape. Every call into the environment
+    is bounded by ``timeout`` (``deadline.bounded``), a tool's by ``tool_timeout``."""
 
     environment: object | None
     row: dict
     tools: dict[str, Callable] = field(default_factory=dict)
     trl: bool = False
     rewards: list[float] = field(default_factory=list)
+    timeout: float = 0.0
+    tool_timeout: float = 0.0
+
+    def _call(self, call: Callable, what: str):
+        return bounded(call, self.timeout, EnvironmentTimeout, what)
 
     def first_message(self, prompt: str) -> str:
         """The first user message: ours replaces the prompt when reset() returns text; TRL's appends to it."""
@@ -116,9 +129,9 @@ class Episode:
             return prompt
         if self.trl:
             reset = getattr(self.environment, "reset", None)
-            extra = reset(**self.row) if callable(reset) else None
+            extra = self._call(lambda: reset(**self.row), "reset(**row)") if callable(reset) else None
             return prompt if extra is None else f"{prompt}{extra}"
-        first = self.environment.reset()
+        first = self._call(self.environment.reset, "reset()")
         return prompt if first is None else str(first)
 
     @property
@@ -128,17 +141,20 @@ class Episode:
 
     def step(self, text: str) -> tuple[str | None, bool]:
         """The environment's answer to a reply: (observation, done); its reward is kept."""
-        answer = self.environment.step(text)
+        answer = self._call(lambda: self.environment.step(text), "step()")
         if not (isinstance(answer, tuple) and len(answer) == 3):
-            raise TypeError(f"step() must return (observation, reward, done), got {answer!r}"[:200])
+            raise TypeError(f"step() must return (observation, reward, done), got {reprlib.repr(answer)}")
         observation, reward, done = answer
         if reward is not None:
-            self.rewards.append(float(reward))
+            self.rewards.append(reward_value(reward, "step()'s reward"))
         return (None if observation is None else str(observation)), bool(done)
 
     def final_reward(self) -> float | None:
         """The environment's rewards summed (ours), or ``get_reward()`` (TRL's); None when there are none."""
         if self.trl:
             get_reward = getattr(self.environment, "get_reward", None)
-            return None if get_reward is None else float(get_reward())
-        return sum(self.rewards) if self.rewards else None
+            if get_reward is None:
+                return None
+            value = self._call(get_reward, "get_reward()")
+            return None if value is None else reward_value(value, "get_reward()'s value")
+        return reward_value(sum(self.rewards), "the sum of step()'s rewards") if self.rewards else None

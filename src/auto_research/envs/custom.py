@@ -22,10 +22,10 @@ from typing import Callable
 
 from auto_research.data.types import Example
 from auto_research.engine.rollout import Rollout, SamplingSettings
-from auto_research.envs import load_object
 from auto_research.envs.rollout import greedy_generate, row_of, trajectory_rollout
 from auto_research.envs.trajectory import Generate, Trajectory, turn_seed
 from auto_research.errors import RewardError, UserError, one_line
+from auto_research.user_code import load_user_object
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs", "loss_mask", "reward")
 """The keys every returned dict has; ``truncated``, ``text`` and ``turns`` are optional."""
@@ -55,11 +55,7 @@ class RolloutContext:
 def load_rollout_function(spec) -> tuple[str, Callable]:
     """``--rollout-function module:fn`` (or ``path/file.py:fn``), or a function from Python: (its name, it)."""
     if isinstance(spec, str):
-        function = load_object(spec, "--rollout-function")
-        if not callable(function):
-            raise UserError(f"--rollout-function {spec!r} is not callable (a function: fn(rows, context) -> a list "
-                            "of dicts)")
-        return spec, function
+        return spec, load_user_object(spec, "--rollout-function", "a function: fn(rows, context) -> a list of dicts")
     if not callable(spec):
         raise UserError(f"rollout_function: {type(spec).__name__} is not callable (a function: fn(rows, context) -> "
                         "a list of dicts)")
@@ -124,6 +120,7 @@ class FunctionRunner:
         mask = [int(value) for value in mask]
         logprobs = [_finite(where, "logprobs", value, position) if owned else 0.0
                     for position, (value, owned) in enumerate(zip(logprobs, mask))]
+        _check_probabilities(where, ids, logprobs)
         reward = item["reward"]
         if reward is not None:
             reward = _finite(where, "reward", reward)
@@ -182,6 +179,20 @@ def _finite(where: str, key: str, value, position: int | None = None) -> float:
     if isinstance(value, (str, bool)) or not math.isfinite(number):
         raise RewardError(f"{where}: {key!r} is {value!r}{at}, not a finite number")
     return number
+
+
+LOGPROB_ROUNDING = 1e-4
+"""How far above 0 a log-probability may lie by rounding (an engine's float16/bfloat16 log-softmax)."""
+
+
+def _check_probabilities(where: str, ids: list[int], logprobs: list[float]) -> None:
+    """A log-probability above 0 (beyond rounding) is no probability: it would weight the sample's correction by
+    exp(log π − log μ) ≈ 0, so the run would learn nothing, silently. Refused, naming the token."""
+    for position, value in enumerate(logprobs):
+        if value > LOGPROB_ROUNDING:
+            raise RewardError(f"{where}: 'logprobs' is {value:g} at position {position} (token {ids[position]}), "
+                              "above 0: a log-probability is at most 0 (give the sampler's log-probs of the tokens "
+                              "it drew, as context.generate returns them)")
 
 
 def function_runner(prepared, config, tokenizer, policy, sampler, settings: SamplingSettings) -> FunctionRunner:

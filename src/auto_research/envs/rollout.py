@@ -18,22 +18,18 @@ import torch
 
 from auto_research.data.types import Example
 from auto_research.engine.rollout import Rollout, SamplingSettings
-from auto_research.envs import EnvironmentFactory, Episode, _takes_no_argument
+from auto_research.envs import EnvironmentFactory, Episode
 from auto_research.envs.tools import load_tools, tool_schema
 from auto_research.envs.trajectory import Conversation, Generate, Trajectory, run_episodes, turn_seed
-from auto_research.errors import UserError
+from auto_research.errors import RewardError, UserError
 
 
-def load_environment(environment, tools, sample_row: dict) -> tuple[EnvironmentFactory | None, dict[str, Callable]]:
+def load_environment(environment, tools, sample_row: dict, timeout: float = 0.0
+                     ) -> tuple[EnvironmentFactory | None, dict[str, Callable]]:
     """``--environment`` and ``--tools`` (specs, or from Python a factory and functions), checked now: the factory
-    is found and makes, from a dataset row, an object of either shape; each tool has a schema."""
-    factory = None
-    if isinstance(environment, str):
-        factory = EnvironmentFactory.load(environment, sample_row)
-    elif environment is not None:
-        factory = EnvironmentFactory(environment, getattr(environment, "__name__", "environment"))
-        factory.trl = _takes_no_argument(environment)
-        factory.episode(sample_row)
+    is found and makes, from a dataset row, an object of either shape (within ``timeout`` seconds, --env-timeout);
+    each tool has a schema."""
+    factory = None if environment is None else EnvironmentFactory.load(environment, sample_row, timeout)
     loaded: dict[str, Callable] = {}
     for item in ([tools] if isinstance(tools, str) else list(tools or ())):
         if isinstance(item, str):
@@ -56,13 +52,13 @@ def runner_for(config, factory: EnvironmentFactory | None, tools: dict[str, Call
     if needs_greedy:
         raise UserError(f"--environment/--tools with {config.algorithm} is not built (its greedy baseline is one "
                         "single-turn completion)")
-    shown = factory.episode(sample_row, tools).tools if factory is not None else tools
+    shown = factory.checked_episode(sample_row, tools).tools if factory is not None else tools
     if shown:
         check_template_takes_tools(tokenizer, [tool_schema(function) for function in shown.values()], model_name)
     settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     return EpisodeRunner(sampler.generate_ids, tokenizer, factory, tools, settings, config.max_turns,
-                         config.trajectory_tokens(True), tuple(eos), pad, scores_replies)
+                         config.trajectory_tokens(True), tuple(eos), pad, scores_replies, config.tool_timeout)
 
 
 def row_of(example: Example) -> dict:
@@ -96,15 +92,17 @@ class EpisodeRunner:
     pad: int = 0
     scores_replies: bool = True
     """Whether the reward functions score the final reply (else the environment's rewards alone count)."""
+    tool_timeout: float = 0.0
+    """--tool-timeout: the most seconds a tool call may take (0: no limit); --env-timeout is the factory's."""
 
     def episode(self, row: dict) -> Episode:
         if self.factory is None:
-            return Episode(None, row, dict(self.tools))
+            return Episode(None, row, dict(self.tools), tool_timeout=self.tool_timeout)
         try:
-            return self.factory.episode(row, self.tools)
-        except UserError:
+            return self.factory.episode(row, self.tools, self.tool_timeout)
+        except (UserError, RewardError):
             raise
-        except Exception as error:  # noqa: BLE001 - make_env(row) raised: this sample is unscored
+        except Exception as error:  # noqa: BLE001 - make_env(row) raised (or hung): this sample is unscored
             return _Unmade(error)
 
     def trajectories(self, examples: list[Example], group_size: int, seeds: list[int]) -> list[Trajectory]:
@@ -163,7 +161,7 @@ def trajectory_rollout(tokenizer, trajectories: list[Trajectory], group_size: in
     texts = [tokenizer.decode(t.ids, skip_special_tokens=False) if t.text is None else t.text for t in trajectories]
     episodes = [{"turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
                  "truncated": t.truncated, "environment_reward": t.reward, "failed": t.failed,
-                 "reply": _final_reply(t)} for t in trajectories]
+                 "timed_out": t.timed_out, "reply": _final_reply(t)} for t in trajectories]
     return Rollout(torch.cat([prompt, completion], dim=1), prompt_mask, span, texts, group_size, logprobs * owned,
                    None, False, None, owned, episodes)
 
@@ -192,14 +190,28 @@ def episode_rewards(reward: Callable, prompts: list[str], rollout: Rollout, exam
 
 def episode_figures(world, rollout: Rollout) -> dict:
     """turns_mean, tool_calls_mean, tool_errors (a count) and truncated_fraction over every rank's trajectories,
-    and the environment's failures (counted in the unscored samples too)."""
+    and the environment's failures (counted in the unscored samples too), of which env_timeouts and
+    tool_timeouts ran past --env-timeout and --tool-timeout."""
     rows = rollout.episodes or []
     sums = world.total(torch.tensor([float(len(rows)), float(sum(r["turns"] for r in rows)),
                                      float(sum(r["tool_calls"] for r in rows)),
                                      float(sum(r["tool_errors"] for r in rows)),
                                      float(sum(bool(r["truncated"]) for r in rows)),
-                                     float(sum(r["failed"] is not None for r in rows))], dtype=torch.float64))
-    count, turns, calls, errors, cut, failed = sums.tolist()
+                                     float(sum(r["failed"] is not None for r in rows)),
+                                     float(sum(r.get("timed_out") == "environment" for r in rows)),
+                                     float(sum(r.get("timed_out") == "tool" for r in rows))], dtype=torch.float64))
+    count, turns, calls, errors, cut, failed, environment_timeouts, tool_timeouts = sums.tolist()
     count = max(count, 1.0)
     return {"turns_mean": turns / count, "tool_calls_mean": calls / count, "tool_errors": int(errors),
-            "truncated_fraction": cut / count, "environment_errors": int(failed)}
+            "truncated_fraction": cut / count, "environment_errors": int(failed),
+            "env_timeouts": int(environment_timeouts), "tool_timeouts": int(tool_timeouts)}
+
+
+def environment_failures(rollout: Rollout) -> str | None:
+    """Why a step's samples are unscored when the environment failed on them: how many, and the first one's
+    error in the environment's own words (its exception's type and text); None when it failed on none."""
+    failures = [row["failed"] for row in rollout.episodes or () if row.get("failed") is not None]
+    if not failures:
+        return None
+    return (f"the environment failed on {len(failures)} of {len(rollout.episodes)} samples (the first: "
+            f"{failures[0]})")

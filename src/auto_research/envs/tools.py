@@ -3,7 +3,8 @@
 A tool's type hints and docstring (Google style: a description, then ``Args:``) give the JSON schema passed
 to the chat template's ``tools=`` (transformers' ``get_json_schema``, so that every template that takes
 tools reads it). A call is parsed from the model's reply in the tool-call format its template teaches,
-and answered as a ``tool`` message; a tool that raises answers with its error, which the model sees.
+and answered as a ``tool`` message; a tool that raises answers with its error, which the model sees, and so do
+arguments that do not fit the schema (checked before the call, which is then not made).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from auto_research.envs import load_object
-from auto_research.errors import UserError
+from auto_research.envs.deadline import CallTimeout, ToolTimeout, bounded
+from auto_research.errors import RewardError, UserError
+from auto_research.user_code import load_user_object
 
 SENTINEL_TOOL = "auto_research_probe_tool"
 
@@ -34,9 +36,7 @@ def load_tools(spec: str | None) -> dict[str, Callable]:
     """``--tools module:fn,module:fn`` → {name: function}, each with a schema (checked now)."""
     tools: dict[str, Callable] = {}
     for item in [part.strip() for part in (spec or "").split(",") if part.strip()]:
-        function = load_object(item, "--tools")
-        if not callable(function):
-            raise UserError(f"--tools {item!r} is not a function")
+        function = load_user_object(item, "--tools", "a tool: a function with type hints and a docstring")
         tool_schema(function)
         tools[function.__name__] = function
     return tools
@@ -114,13 +114,75 @@ def parse_calls(text: str, form: str) -> tuple[list[ToolCall], int]:
     return calls, broken
 
 
-def answer(call: ToolCall, tools: dict[str, Callable]) -> tuple[str, bool]:
-    """The tool's answer as text, and whether it was an error (an unknown tool, bad arguments, a raise)."""
+_KINDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
+          "array": "a list", "object": "an object", "null": "null"}
+
+
+def _is(value, kind: str) -> bool:
+    """Whether a JSON value is of a JSON schema type (a bool is no number, as Python's hints mean it)."""
+    checks = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
+              "array": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict),
+              "null": lambda v: v is None}
+    return checks.get(kind, lambda v: True)(value)
+
+
+def value_problem(value, schema: dict, where: str) -> str | None:
+    """What is wrong with ``value`` for a parameter's schema (from the tool's type hints), or None: its type,
+    its enum, a list's items (recursively)."""
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    if value is None and schema.get("nullable"):
+        return None
+    if kinds and not any(_is(value, kind) for kind in kinds):
+        wanted = " or ".join(_KINDS.get(kind, kind) for kind in kinds)
+        return f"{where} must be {wanted}, got {json.dumps(value)[:60]}"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"{where} must be one of {json.dumps(schema['enum'])[:80]}, got {json.dumps(value)[:60]}"
+    if isinstance(value, list):
+        positional = schema.get("prefixItems") or []
+        for index, item in enumerate(value):
+            item_schema = positional[index] if index < len(positional) else schema.get("items") or {}
+            problem = value_problem(item, item_schema, f"{where}[{index}]")
+            if problem is not None:
+                return problem
+    return None
+
+
+def arguments_problem(arguments: dict, schema: dict) -> str | None:
+    """What is wrong with a call's arguments for its tool's schema (names, required ones, types), or None."""
+    parameters = schema.get("function", {}).get("parameters", {})
+    properties = parameters.get("properties", {})
+    unknown = [name for name in arguments if name not in properties]
+    if unknown:
+        return f"unknown argument {unknown[0]!r} (arguments: {', '.join(properties) or 'none'})"
+    missing = [name for name in parameters.get("required", []) if name not in arguments]
+    if missing:
+        return f"missing argument {missing[0]!r}"
+    for name, value in arguments.items():
+        problem = value_problem(value, properties[name], f"argument {name!r}")
+        if problem is not None:
+            return problem
+    return None
+
+
+def answer(call: ToolCall, tools: dict[str, Callable], schemas: dict[str, dict] | None = None,
+           timeout: float = 0.0) -> tuple[str, bool]:
+    """The tool's answer as text, and whether it was an error (an unknown tool, arguments that do not fit its
+    schema, a raise): the model sees it. A call whose arguments do not fit is not made. One that runs past
+    ``timeout`` seconds raises ``ToolTimeout`` (its sample fails)."""
     function = tools.get(call.name)
     if function is None:
         return f"error: no tool named {call.name!r} (tools: {', '.join(sorted(tools)) or 'none'})", True
+    schema = (schemas or {}).get(call.name)
+    problem = arguments_problem(call.arguments, schema) if schema is not None else None
+    if problem is not None:
+        return f"error: {call.name}: {problem}", True
     try:
-        result = function(**call.arguments)
+        result = bounded(lambda: function(**call.arguments), timeout, ToolTimeout, f"tool {call.name}")
+    except (CallTimeout, RewardError):
+        raise
     except Exception as error:  # noqa: BLE001 - the model sees its tool's error and may try again
         text = str(error).strip().splitlines()
         return f"error: {type(error).__name__}: {text[0] if text else ''}".rstrip(": "), True

@@ -8,7 +8,7 @@ broke PPO's convergence (verl #3720, #3960). So each trajectory's ids are built 
 - the model's tokens exactly as the sampler drew them (loss mask 1, the sampler's log-probs);
 - the environment's or a tool's message as the *text the template adds* for it (the rest of the assistant
   turn after the model's own end-of-turn token, the new message, the next generation prompt), tokenized on its
-  own (loss mask 0, log-prob 0).
+  own (loss mask 0, log-prob 0), the message cut to the trajectory's room first (``fit``).
 
 Every trajectory of a batch advances one turn at a time; each turn draws one completion per live trajectory
 from its own seed (the prompt's seed, the trajectory's index in its group and the turn), so which batch or
@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from auto_research.envs import Episode
+from auto_research.envs.deadline import CallTimeout, ToolTimeout
 from auto_research.envs.tools import answer, call_format, parse_calls
-from auto_research.errors import UserError, one_line
+from auto_research.errors import RewardError, UserError, one_line
 
 Generate = Callable[[list[list[int]], list[int], object], tuple[list[list[int]], list[list[float]]]]
 """``generate(prompt_ids, seeds, settings)``: one completion (ids) and its log-probs per prompt, from its seed."""
@@ -41,6 +42,8 @@ class Conversation:
     def __init__(self, tokenizer, tools: list[dict] | None, eos: tuple[int, ...]):
         self.tokenizer, self.tools, self.eos = tokenizer, tools or None, tuple(eos)
         self.templated = bool(getattr(tokenizer, "chat_template", None))
+        self.schemas = {schema["function"]["name"]: schema for schema in tools or ()}
+        """Each tool's schema by name: a call's arguments are checked against it before the call."""
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=generation_prompt,
@@ -48,6 +51,10 @@ class Conversation:
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def content_ids(self, text: str) -> list[int]:
+        """A message's text alone as ids (to cut it by tokens)."""
+        return self._ids(text)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         if not self.templated:
@@ -89,6 +96,8 @@ class Trajectory:
     truncated: bool = False
     failed: str | None = None
     """The environment's error, in one line: the trajectory's reward is then None (left out of its baseline)."""
+    timed_out: str | None = None
+    """"environment" or "tool" when the failure is a call that ran past --env-timeout or --tool-timeout."""
     live: bool = True
     text: str | None = None
     """What the completion tables show for the whole trajectory (a rollout function's); None: its ids decoded."""
@@ -104,18 +113,7 @@ def run_episodes(generate: Generate, conversation: Conversation, episodes: list[
     """Each episode's trajectory, all advanced together one turn at a time. ``seeds[i]`` is episode i's own seed
     (``turn_seed`` of its prompt's); ``max_tokens`` bounds what follows the prompt."""
     form = call_format(conversation.tokenizer)
-    trajectories = []
-    for episode, prompt in zip(episodes, prompts):
-        try:
-            first = episode.first_message(prompt)
-            messages = [{"role": "user", "content": first}]
-            trajectory = Trajectory(conversation.prompt_ids(messages), messages=messages)
-        except UserError:
-            raise
-        except Exception as error:  # noqa: BLE001 - the environment's reset raised: this sample is unscored
-            trajectory = Trajectory(conversation.prompt_ids([{"role": "user", "content": prompt}]),
-                                    messages=[{"role": "user", "content": prompt}], failed=one_line(error), live=False)
-        trajectories.append(trajectory)
+    trajectories = [_started(conversation, episode, prompt) for episode, prompt in zip(episodes, prompts)]
     for turn in range(max_turns):
         live = [index for index, trajectory in enumerate(trajectories) if trajectory.live]
         if not live:
@@ -129,13 +127,39 @@ def run_episodes(generate: Generate, conversation: Conversation, episodes: list[
         if trajectory.failed is None:
             try:
                 trajectory.reward = episode.final_reward()
-            except Exception as error:  # noqa: BLE001 - TRL's get_reward raised
-                trajectory.failed = one_line(error)
+            except (UserError, RewardError):
+                raise
+            except Exception as error:  # noqa: BLE001 - TRL's get_reward raised, or the rewards are not numbers
+                _fail(trajectory, error)
     return trajectories
+
+
+def _fail(trajectory: Trajectory, error: Exception) -> None:
+    """The sample fails: unscored, the error kept in one line (a timeout counted by its kind)."""
+    trajectory.failed, trajectory.live = one_line(error), False
+    if isinstance(error, CallTimeout):
+        trajectory.timed_out = "tool" if isinstance(error, ToolTimeout) else "environment"
+
+
+def _started(conversation: Conversation, episode: Episode, prompt: str) -> Trajectory:
+    """A trajectory's first message (the environment's reset) as its prompt; an environment that fails there
+    leaves the row's prompt and an unscored sample."""
+    try:
+        messages = [{"role": "user", "content": episode.first_message(prompt)}]
+        return Trajectory(conversation.prompt_ids(messages), messages=messages)
+    except (UserError, RewardError):
+        raise
+    except Exception as error:  # noqa: BLE001 - the environment's reset raised: this sample is unscored
+        trajectory = Trajectory(conversation.prompt_ids([{"role": "user", "content": prompt}]),
+                                messages=[{"role": "user", "content": prompt}])
+        _fail(trajectory, error)
+        return trajectory
 
 
 def _take_turn(trajectory: Trajectory, episode: Episode, conversation: Conversation, form: str, tokens: list[int],
                logprobs: list[float], last_turn: bool, max_tokens: int) -> None:
+    """The model's reply appended, then what answers it (tool results, or the environment's observation) as the
+    next turn's start; the trajectory ends when nothing answers, the environment is done, or tokens run out."""
     room = max_tokens - len(trajectory.ids)
     tokens, logprobs = tokens[:room], logprobs[:room]
     trajectory.append(tokens, logprobs)
@@ -146,37 +170,76 @@ def _take_turn(trajectory: Trajectory, episode: Episode, conversation: Conversat
     if not ended and len(trajectory.ids) >= max_tokens:
         trajectory.truncated, trajectory.live = True, False
         return
-    calls, broken = parse_calls(text, form) if episode.tools else ([], 0)
-    new = []
-    if calls or broken:
-        trajectory.tool_calls += len(calls) + broken
-        trajectory.tool_errors += broken
-        for call in calls:
-            content, error = answer(call, episode.tools)
-            trajectory.tool_errors += int(error)
-            new.append({"role": "tool", "name": call.name, "content": content})
-        if broken:
-            new.append({"role": "tool", "content": "error: the tool call could not be read as JSON with a name and "
-                                                   "arguments"})
-    elif episode.steps:
-        try:
-            observation, done = episode.step(text)
-        except Exception as error:  # noqa: BLE001 - the environment raised: this sample is left unscored
-            trajectory.failed, trajectory.live = one_line(error), False
-            return
-        if done or observation is None:
-            trajectory.live = False
-            return
-        new.append({"role": "user", "content": observation})
-    else:  # a reply without a tool call ends a tools-only (or TRL-shaped) episode
+    try:
+        new = _answers(trajectory, episode, conversation, form, text)
+    except (UserError, RewardError):
+        raise
+    except Exception as error:  # noqa: BLE001 - the environment (or a tool) failed: this sample is unscored
+        _fail(trajectory, error)
+        return
+    if not new:  # the environment is done, or a tools-only (or TRL-shaped) episode's reply called no tool
         trajectory.live = False
         return
     if last_turn:
         trajectory.truncated, trajectory.live = True, False
         return
-    following = conversation.continuation(trajectory.messages, new, ended)
-    if len(trajectory.ids) + len(following) >= max_tokens:
+    fitted = fit(conversation, trajectory.messages, new, ended, max_tokens - len(trajectory.ids))
+    if fitted is None:
         trajectory.truncated, trajectory.live = True, False
         return
+    following, new = fitted
     trajectory.append(following, None)
     trajectory.messages += new
+
+
+def _answers(trajectory: Trajectory, episode: Episode, conversation: Conversation, form: str, text: str
+             ) -> list[dict]:
+    """What answers the model's reply: each tool call's answer as a ``tool`` message (an error the model sees
+    for a bad one), counted; else the environment's observation (ours); none when the episode ends there."""
+    calls, broken = parse_calls(text, form) if episode.tools else ([], 0)
+    if not (calls or broken):
+        if not episode.steps:
+            return []
+        observation, done = episode.step(text)
+        return [] if done or observation is None else [{"role": "user", "content": observation}]
+    trajectory.tool_calls += len(calls) + broken
+    trajectory.tool_errors += broken
+    new = []
+    for call in calls:
+        content, error = answer(call, episode.tools, conversation.schemas, episode.tool_timeout)
+        trajectory.tool_errors += int(error)
+        new.append({"role": "tool", "name": call.name, "content": content})
+    if broken:
+        new.append({"role": "tool", "content": "error: the tool call could not be read as JSON with a name and "
+                                               "arguments"})
+    return new
+
+
+CHARACTERS_PER_TOKEN = 4
+"""The byte bound before tokenizing: a message is cut to this many characters per token of room first (a
+token rarely spans more), so a huge observation costs what fits, not its whole length."""
+MIN_CHARACTERS = 256
+
+
+def fit(conversation: Conversation, history: list[dict], new: list[dict], ended: bool, room: int
+        ) -> tuple[list[int], list[dict]] | None:
+    """The ids that answer the model's last reply, within ``room`` tokens with one left for the model's next
+    turn, and the messages as cut to fit; None when even the template's own tokens do not fit. Each message is
+    cut to ``CHARACTERS_PER_TOKEN`` × room characters (at least ``MIN_CHARACTERS``) before anything is
+    tokenized; then, when the ids are still too many, the messages lose their last tokens, the last message's
+    first."""
+    limit = max(CHARACTERS_PER_TOKEN * room, MIN_CHARACTERS)
+    new = [{**message, "content": str(message["content"])[:limit]} for message in new]
+    following = conversation.continuation(history, new, ended)
+    excess = len(following) - (room - 1)
+    if excess <= 0:
+        return following, new
+    for message in reversed(new):
+        if excess <= 0:
+            break
+        ids = conversation.content_ids(message["content"])
+        kept = max(0, len(ids) - excess)
+        excess -= len(ids) - kept
+        message["content"] = conversation.tokenizer.decode(ids[:kept], skip_special_tokens=False)
+    following = conversation.continuation(history, new, ended)
+    return (following, new) if len(following) < room else None

@@ -10,8 +10,8 @@ arithmetic partial credit, which a tiny proxy learns poorly, so over-optimisatio
 from __future__ import annotations
 
 from auto_research.errors import RewardError, UserError, one_line
-from auto_research.rewards.loading import load_callable
 from auto_research.rewards.verifiers import arithmetic_reward
+from auto_research.user_code import FORMS, load_user_object
 
 GOLD_LENGTH = 4
 
@@ -52,7 +52,8 @@ def load_judge(spec: str, task):
             raise UserError(f"--judge gold: {task.name} has no gold judge (preference-generate has one); "
                             "give --judge module:function")
         return task.gold_judge
-    function = load_callable(spec, "--judge")
+    function = load_user_object(spec, "--judge", "a judge: fn(prompt, response_a, response_b) -> probability",
+                                f"gold or {FORMS}")
     return lambda prompt, a, b, example: function(prompt, a, b)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from auto_research.engine import checkpoint as checkpoints
 from auto_research.engine.run_folder import PREFIX, clear_run_folder
 from auto_research.engine.samplers import sampler_record
+from auto_research.envs import deadline
 from auto_research.errors import RewardError, RolloutEngineError, TrainingInterrupted, UserError
 from auto_research.progress import Progress
 from auto_research.train.components import Components, parameter_counts
@@ -138,6 +139,7 @@ class RunLoop:
         if self.stop_signal is not None:  # a second Ctrl-C (or SIGTERM) stops at once
             raise KeyboardInterrupt
         self.stop_signal = signum
+        deadline.request_stop()  # a hung environment call stops the step at its timeout (envs/deadline.py)
         name = "interrupt" if signum == signal.SIGINT else "SIGTERM"
         self.log(f"\n{name}: finishing this step, saving a checkpoint, then stopping (send it again to abort)")
 
@@ -216,6 +218,7 @@ class RunLoop:
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
+            deadline.clear_stop()
             if c.rollouts is not None:
                 c.rollouts.close()
             bar.close()

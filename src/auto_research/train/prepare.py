@@ -87,5 +87,5 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
         from auto_research.envs.rollout import load_environment, row_of  # noqa: PLC0415 - user code, on demand
 
         factory, functions = load_environment(environment or config.environment, list(tools) + [config.tools or ""],
-                                              row_of(task.train[0]))
+                                              row_of(task.train[0]), config.env_timeout)
     return Prepared(config, task, resume_from, rewards, judge, factory, functions, own)

@@ -191,8 +191,10 @@ def agreed_scores(world, drawn: Drawn, step: int, group_size: int) -> Scores:
     rewards = torch.tensor([0.0 if value is None else value for value in values])
     unscored, total = (int(x) for x in world.total(torch.tensor([int((~scored).sum()), len(values)])))
     if unscored == total:
-        raise RewardError(f"no sample of step {step} could be scored: the reward returned None for all {unscored} "
-                          "completions")
+        from auto_research.envs.rollout import environment_failures  # noqa: PLC0415
+
+        reason = environment_failures(drawn.rollout) or f"the reward returned None for all {unscored} completions"
+        raise RewardError(f"no sample of step {step} could be scored: {reason}")
     greedy_rewards = None
     if drawn.greedy_rewards is not None:
         greedy_rewards = torch.tensor([0.0 if v is None else v for v in drawn.greedy_rewards]).repeat_interleave(

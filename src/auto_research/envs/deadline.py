@@ -1,0 +1,109 @@
+"""Calls into the user's environment and tools, bounded in time (``--env-timeout``, ``--tool-timeout``).
+
+Python cannot stop a thread. A bounded call runs in a daemon thread of its own while the caller waits for it up
+to the limit; one that runs past the limit is abandoned: the caller gets ``EnvironmentTimeout`` or
+``ToolTimeout`` (that sample's failure; the run goes on), and the thread is left running until the call returns,
+or until the process ends (a daemon thread does not keep it alive). Nothing of that sample, its environment
+object included, is used again. So a hung call leaks one thread: at most ``MAX_ABANDONED`` of them may be running
+at once, past which the run stops with one line (``StuckCalls``) rather than pile up a thread per sample.
+
+Once the run is asked to stop (Ctrl-C, SIGTERM: ``request_stop``), a call that runs past its limit stops the step
+(``Stopped``, the run keeping its last good checkpoint) instead of failing its sample and going on to the next
+sample's call: a hung environment delays the stop by one limit, not by one limit per sample.
+
+A thread of its own rather than a process: an environment object lives in the trainer's process (it is made from
+a row and talked to turn by turn), and TRL-shaped environments hand their bound methods over as tools; neither
+could be moved to another process without pickling the user's objects.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from auto_research.errors import RewardError
+
+MAX_ABANDONED = 32
+"""Abandoned calls (threads still running past their limit) at most, before the run stops."""
+
+_abandoned: list[threading.Thread] = []
+_lock = threading.Lock()
+_stopping = threading.Event()
+
+
+class CallTimeout(Exception):
+    """A call into the user's code ran past its limit: that sample fails, the run goes on."""
+
+    flag = "--env-timeout"
+
+    def __init__(self, what: str, seconds: float):
+        super().__init__(f"{what} ran past {self.flag} {seconds:g} s (its thread is left running)")
+
+
+class EnvironmentTimeout(CallTimeout):
+    flag = "--env-timeout"
+
+
+class ToolTimeout(CallTimeout):
+    flag = "--tool-timeout"
+
+
+class StuckCalls(RewardError):
+    """Too many abandoned calls are still running: the environment or a tool hangs for good."""
+
+
+class Stopped(RewardError):
+    """A call ran past its limit after the run was asked to stop: the step is given up, not finished."""
+
+
+def request_stop() -> None:
+    """The run was asked to stop (the training loop's signal handler)."""
+    _stopping.set()
+
+
+def clear_stop() -> None:
+    """The run that asked has ended (a later run in this process starts afresh)."""
+    _stopping.clear()
+
+
+def bounded(call: Callable, seconds: float, timeout: type[CallTimeout], what: str):
+    """``call()``'s value (or its exception), waiting at most ``seconds`` (0: no limit, called in this thread)."""
+    if not seconds:
+        return call()
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, raised there
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name=f"auto-research {what}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        _abandon(thread, what, timeout.flag)
+        if _stopping.is_set():
+            raise Stopped(f"the run was asked to stop while {what} ran, and it ran past {timeout.flag} {seconds:g} s: "
+                          "this step is given up")
+        raise timeout(what, seconds)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _abandon(thread: threading.Thread, what: str, flag: str) -> None:
+    with _lock:
+        _abandoned[:] = [running for running in _abandoned if running.is_alive()]
+        _abandoned.append(thread)
+        running = len(_abandoned)
+    if running > MAX_ABANDONED:
+        raise StuckCalls(f"{running} calls into the environment or tools are still running past their timeouts "
+                         f"(the last: {what}, past {flag}); Python cannot stop them, so the run stops rather than "
+                         "leave more threads behind")
+
+
+def abandoned() -> int:
+    """How many abandoned calls are still running."""
+    with _lock:
+        return sum(thread.is_alive() for thread in _abandoned)

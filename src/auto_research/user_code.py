@@ -1,0 +1,191 @@
+"""The user's own code, named on the command line: ``--reward``, ``--environment``, ``--tools``,
+``--rollout-function``, ``--judge``. One loader for all of them, so each flag takes the same two forms:
+
+- ``module:name``: a module found from the working folder (put on the import path, as ``python -c`` does), or
+  anywhere else on the path (an installed package, ``PYTHONPATH``);
+- ``path/file.py:name``: a file, relative to the working folder or absolute. Its folder goes on the import path
+  (as ``python path/file.py`` puts it), so it imports the modules beside it; a file inside a package (a folder
+  with ``__init__.py``) is imported as that package's module, so its relative imports work too.
+
+``resolved_spec`` rewrites a ``module:name`` found in the working folder as the absolute ``file.py:name`` it
+names, without importing anything: a run records that (config.yaml, trainer_state.json), so ``--config
+<run>/config.yaml`` and ``--resume`` find the same code from any folder. Light: no torch, no user code imported
+until ``load_user_object``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import sys
+from pathlib import Path
+
+from auto_research.errors import UserError, one_line
+
+FORMS = "module:name (found from the working folder) or path/file.py:name"
+
+
+def split_spec(spec, flag: str, forms: str = FORMS) -> tuple[str, str]:
+    """``(module or file, name)`` of a spec; one line when it has not the shape of either form."""
+    where, colon, name = str(spec).rpartition(":")
+    if not colon or not where.strip() or not all(part.isidentifier() for part in name.split(".")):
+        raise UserError(f"{flag} {spec!r}: expected {forms}, e.g. my_code:my_function")
+    return where, name
+
+
+def is_file(where: str) -> bool:
+    return where.endswith(".py")
+
+
+def resolved_spec(spec):
+    """The spec in the form that finds the same code from any working folder: a file's absolute path, or a
+    ``module:name`` whose module lies in the working folder as that file's; any other spec (a built-in reward, a
+    module of an installed package, a malformed spec that the loader will refuse) as it was."""
+    if not isinstance(spec, str):
+        return spec
+    where, colon, name = spec.rpartition(":")
+    if not colon or not where.strip():
+        return spec
+    if is_file(where):
+        return f"{os.path.abspath(os.path.expanduser(where))}:{name}"
+    found = _module_file(Path.cwd(), where)
+    return f"{found}:{name}" if found is not None else spec
+
+
+def resolved_specs(text: str | None) -> str | None:
+    """``resolved_spec`` of each item of a comma-separated list (``--tools``)."""
+    if not text:
+        return text
+    return ",".join(resolved_spec(item.strip()) for item in text.split(",") if item.strip())
+
+
+USER_CODE_SETTINGS = ("reward", "judge", "environment", "tools", "rollout_function")
+"""The run settings that name user code: a list of specs (reward), a comma-separated list (tools), or one spec."""
+
+
+def resolved_settings(settings: dict) -> dict:
+    """Those of ``settings`` (field name → value: a config's, or a checkpoint's saved config) that name user code,
+    each resolved (``resolved_spec``): what a run records, and what a resumed run is compared with (a run saved
+    before code was recorded resolved compares equal from the folder it ran in)."""
+    resolved = {}
+    for key in USER_CODE_SETTINGS:
+        if key not in settings:
+            continue
+        value = settings[key]
+        if key == "tools":
+            resolved[key] = resolved_specs(value)
+        elif isinstance(value, list):
+            resolved[key] = [resolved_spec(item) for item in value]
+        else:
+            resolved[key] = resolved_spec(value)
+    return resolved
+
+
+def _module_file(folder: Path, module: str) -> Path | None:
+    """The source file of dotted ``module`` inside ``folder`` (``a/b.py`` or ``a/b/__init__.py``), if there is one."""
+    parts = module.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return None
+    base = folder.joinpath(*parts)
+    for candidate in (base.parent / f"{parts[-1]}.py", base / "__init__.py"):
+        if candidate.is_file():
+            return candidate.absolute()
+    return None
+
+
+def _package_of(path: Path) -> tuple[Path, str]:
+    """(the folder to import from, the dotted name) of a source file: inside folders with ``__init__.py`` it is
+    their package's module (``pkg/sub.py`` → ``pkg.sub`` from pkg's parent)."""
+    parts = [] if path.name == "__init__.py" else [path.stem]
+    folder = path.parent
+    while (folder / "__init__.py").is_file() and folder.name.isidentifier() and folder.parent != folder:
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return folder, ".".join(parts)
+
+
+def _on_path(folder: str) -> None:
+    if folder not in sys.path and not (folder == os.getcwd() and "" in sys.path):
+        sys.path.insert(0, folder)
+
+
+def _import_file(path: Path):
+    """The module of a source file, imported once (a second flag naming the same file gets the same module). By
+    its package's dotted name when nothing else holds that name; else under a name of its own."""
+    folder, dotted = _package_of(path)
+    _on_path(str(folder))
+    if dotted and all(part.isidentifier() for part in dotted.split(".")):
+        held = sys.modules.get(dotted)
+        if held is None or _same_file(held, path):
+            try:
+                module = importlib.import_module(dotted)
+            except ModuleNotFoundError as error:
+                if error.name is None or not (dotted == error.name or dotted.startswith(f"{error.name}.")):
+                    raise
+            else:
+                if _same_file(module, path):
+                    return module
+    # A module of the same name (the standard library's, another folder's) already answers to it.
+    private = f"_user_code_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}_{path.stem}"
+    if private in sys.modules:
+        return sys.modules[private]
+    from importlib.util import module_from_spec, spec_from_file_location  # noqa: PLC0415
+
+    found = spec_from_file_location(private, path)
+    module = module_from_spec(found)
+    sys.modules[private] = module  # dataclasses and pickle look a module up by its name
+    try:
+        found.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(private, None)
+        raise
+    return module
+
+
+def _same_file(module, path: Path) -> bool:
+    file = getattr(module, "__file__", None)
+    return file is not None and os.path.realpath(file) == os.path.realpath(path)
+
+
+def _import(flag: str, spec, where: str):
+    """The module a spec names; one line for a module or file not found, a syntax error, or an exception raised
+    while it is imported."""
+    importlib.invalidate_caches()  # a file written since the last import (a test's, a notebook's) is seen
+    try:
+        if is_file(where):
+            path = Path(os.path.abspath(os.path.expanduser(where)))
+            if not path.is_file():
+                raise UserError(f"{flag} {spec!r}: no such file {path}")
+            return _import_file(path)
+        _on_path(os.getcwd())
+        return importlib.import_module(where)
+    except UserError:
+        raise
+    except SyntaxError as error:
+        place = f"{os.path.abspath(error.filename)}:{error.lineno}" if error.filename else where
+        raise UserError(f"{flag} {spec!r}: syntax error in {place} ({error.msg})") from None
+    except ModuleNotFoundError as error:
+        missing = error.name is not None and (where == error.name or where.startswith(f"{error.name}."))
+        if missing and not is_file(where):
+            raise UserError(f"{flag} {spec!r}: cannot import module {where!r} (no {where.replace('.', '/')}.py in "
+                            f"the working folder {os.getcwd()} or on the import path)") from None
+        raise UserError(f"{flag} {spec!r}: importing {where} failed ({one_line(error)})") from None
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's module raised while it was imported
+        raise UserError(f"{flag} {spec!r}: importing {where} failed ({one_line(error)})") from None
+
+
+def load_user_object(spec, flag: str, expected: str = "a function", forms: str = FORMS):
+    """The callable a spec names, in either form (the module docstring); every failure one line naming ``flag``:
+    a malformed spec, a module or file not found, a syntax error, an exception at import, a missing name, or an
+    object that is not callable (``expected`` says what it should be)."""
+    where, name = split_spec(spec, flag, forms)
+    module = _import(flag, spec, where)
+    found = module
+    for part in name.split("."):
+        if not hasattr(found, part):
+            raise UserError(f"{flag} {spec!r}: {where} has no {name!r}")
+        found = getattr(found, part)
+    if not callable(found):
+        raise UserError(f"{flag} {spec!r}: {name} is {type(found).__name__}, not callable ({expected})")
+    return found
