@@ -85,6 +85,15 @@ def test_a_component_s_invalid_value_is_that_sample_s_failure_and_its_own_values
     assert big == [None] and big.causes == ["the weighted sum of the rewards returned a value beyond ±1,000,000"]
 
 
+def test_the_one_line_gives_each_cause_with_its_count_most_frequent_first():
+    from auto_research.train.rollouts import unscored_reasons
+
+    assert unscored_reasons({}, 8, 8, "completions") == "the reward returned None for all 8 completions"
+    assert unscored_reasons({"reward 'f' returned nan": 2, "the environment's reward was inf": 1}, 8, 8,
+                            "completions") == ("the reward returned None for 5 of 8 completions, reward 'f' returned "
+                                               "nan for 2, the environment's reward was inf for 1")
+
+
 @pytest.mark.parametrize("function, shown", [("all_nan", "nan"), ("all_inf", "-inf"),
                                              ("all_huge", "a value beyond ±1,000,000")])
 def test_a_reward_invalid_for_every_sample_is_one_line_naming_the_function(tiny_model_dir, sums_jsonl, tmp_path,
