@@ -160,7 +160,9 @@ def test_dynamic_sampling_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp_
         assert len(lines) == 1, lines
         return lines[0].removeprefix("auto-research: error: ")
 
-    assert error("--max-refills", "-1") == "--max-refills must be >= 0, got -1"
+    for value in ("-1", "65", "1000000"):
+        assert error("--max-refills", value) == (f"--max-refills must be in 0..64 (each refill is a sampling round "
+                                                 f"of the step), got {value}")
     assert error("--algorithm", "remax") == ("--dynamic-sampling with remax is not built (a refilled prompt would need "
                                              "its greedy baseline too)")
 
@@ -189,3 +191,28 @@ def test_two_processes_refill_the_same_slots_as_one(tiny_model_dir, sums_jsonl, 
     final = {name: load_file(str(tmp_path / name / "rloo-sums-seed42" / "checkpoints" / "step-000003" /
                                  "model.safetensors")) for name in ("one", "two")}
     assert max(float((final["two"][k] - final["one"][k]).abs().max()) for k in final["one"]) <= 1e-5
+
+
+def test_a_constant_reward_ends_each_step_after_its_bounded_refills_with_one_warning(tiny_model_dir, sums_jsonl,
+                                                                                     tmp_path, monkeypatch, capsys):
+    """No group ever has signal: each of the 2 slots takes its 8 refills (16 > 4 per slot), the step trains on its
+    first groups, and the run warns once, not every step."""
+    from auto_research.cli import main
+
+    (tmp_path / "constant_reward.py").write_text("def one(prompts, completions, rows):\n"
+                                                 "    return [1.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["post-train", "--model", str(tiny_model_dir), "--dataset", str(sums_jsonl), "--steps", "2",
+                 "--prompts-per-step", "2", "--max-new-tokens", "2", "--evaluation-examples", "4", "--eval-every", "0",
+                 "--offline", "--device", "cpu", "--no-progress", "--reward", "constant_reward:one",
+                 "--dynamic-sampling", "--max-refills", "8", "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    rows = [json.loads(line) for line in (tmp_path / "out" / "rloo-sums-seed42" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert [(row["refills"], row["prompts_sampled"], row["no_signal_groups"], row["trained_no_signal_fraction"])
+            for row in rows] == [(16, 18, 18, 1.0)] * 2
+    assert err.count("warning: step 1 refilled 16 groups for 2 prompt slots, and 18 of the 18 groups sampled had no "
+                     "signal (all K rewards equal): is the reward constant on most prompts? (--max-refills bounds it; "
+                     "warned once per run)") == 1
+    assert "step 2 refilled" not in err

@@ -143,9 +143,10 @@ def test_nan_reward_saves_last_good_step_and_exits_2(tiny_model_dir, sums_jsonl,
                  "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path / "out")])
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2
-    # The baseline evaluation is call 1, step 1 is call 2, step 2 returns NaN.
-    assert "reward 'my_rewards:nan_on_third_call' returned nan for prompt" in error
-    assert "saved the last good step (1)" in error
+    # The baseline evaluation is call 1, step 1 is call 2, step 2 returns NaN for every sample: none is scored.
+    assert error.startswith("auto-research: error: no sample of step 2 could be scored: reward "
+                            "'my_rewards:nan_on_third_call' returned nan for all 8 completions; saved the last good "
+                            "step (1)")
     checkpoint = tmp_path / "out" / "rloo-sums-seed42" / "checkpoints" / "step-000001"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == 1
 
@@ -245,7 +246,7 @@ BAD = [
     (["--ppo-mini-batches", "3", "--prompts-per-step", "4"], "--ppo-mini-batches 3 must divide --prompts-per-step 4"),
     (["--algorithm", "grpo", "--kl-in", "reward"], "grpo's advantage does not use the shaped reward"),
     (["--reward-weights", "1,2"], "--reward-weights has 2 values for 1 rewards"),
-    (["--temperature", "0"], "--temperature must be a finite number > 0"),
+    (["--temperature", "0"], "--temperature 0 is greedy decoding: a prompt's K completions would be identical"),
 ]
 
 

@@ -81,6 +81,25 @@ def test_logprobs_equal_the_trainers_on_the_same_tokens(engine):
     assert alone.completions == rollout.completions[8:12]
 
 
+def test_temperature_0_is_greedy_with_k_copies_and_the_temperature_1_log_probs(engine):
+    """vLLM refuses n > 1 when greedy: the K completions are its one greedy completion, repeated; the builtin
+    sampler's greedy completion, and the trainer's temperature-1 log-probs of its tokens (never NaN)."""
+    from auto_research.engine.rollout.builtin import sample
+
+    sampler, model, tokenizer = engine
+    sampler.load_weights(model)  # an earlier test may have left other weights in the engine
+    sampler.settings = SamplingSettings(8, 0.0)
+    prompts = ["1+2=", "what is 33+4?", "x"]
+    rollout = sampler.sample(prompts, 3, [11, 12, 13])
+    greedy = sample(model, tokenizer, prompts, 1, 8, greedy=True)
+    assert rollout.token_lists() == [row for row in greedy.token_lists() for _ in range(3)]
+    with torch.no_grad():
+        trainer = token_logprobs(model, rollout.sequences, rollout.prompt_mask, rollout.completion_mask, 1.0)
+    mask = rollout.completion_mask.bool()
+    assert torch.isfinite(rollout.sampler_logprobs).all()
+    assert (trainer - rollout.sampler_logprobs)[mask].abs().max() < 1e-4
+
+
 def test_weight_sync_puts_the_trainers_weights_in_the_engine(engine):
     """A step's worth of change to the weights, LoRA merged or not: stale, the engine's log-probs are far from
     the trainer's; after ``load_weights`` they are back at the fp32 level."""

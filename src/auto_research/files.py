@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -58,8 +59,32 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def finite_or_null(value: object) -> object:
+    """``value`` with every NaN and ±inf float in it (in dicts, lists and tuples, at any depth) replaced by None.
+    JSON has no NaN: a figure that could not be computed is written as null, never a ``ValueError`` that loses
+    the run's other figures."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
+
+
+def json_text(payload: object, indent: int | None = None) -> str:
+    """The one JSON encoding of everything a run writes (``finite_or_null``, then strict JSON)."""
+    return json.dumps(finite_or_null(payload), indent=indent, allow_nan=False)
+
+
 def atomic_write_json(path: str | os.PathLike, payload: object) -> Path:
-    return atomic_write_text(path, json.dumps(payload, indent=2, allow_nan=False) + "\n")
+    return atomic_write_text(path, json_text(payload, indent=2) + "\n")
+
+
+def append_json_lines(path: str | os.PathLike, rows: list) -> None:
+    """Rows appended to a JSON-lines file (metrics.jsonl, completions.jsonl), one ``json_text`` a line."""
+    with Path(path).open("a") as stream:
+        stream.write("".join(json_text(row) + "\n" for row in rows))
 
 
 def check_writable_directory(path: str | os.PathLike) -> Path:

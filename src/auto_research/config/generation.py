@@ -22,12 +22,16 @@ from auto_research.config.fields import (CANDIDATE_DATASETS, EMBEDDED_MODEL_DATA
                                          json_ready, setting)
 from auto_research.config.environment import EnvironmentSettings
 from auto_research.config.loss import by_algorithm, check_loss, having
-from auto_research.config.rollout import check_rollout_engine, check_staleness
+from auto_research.config.rollout import check_rollout_engine, check_staleness, check_temperature
 from auto_research.errors import UserError
 from auto_research.rewards.verifiers import VERIFIERS
 
 SCHEDULES = ("constant", "linear", "cosine")
 SAMPLERS = ("builtin", "vllm")
+MAX_REFILLS = 64
+"""The most refills one slot may take in a step (--max-refills): each is a sampling round of its own, so a reward
+that is constant on most prompts would otherwise hold step 1 for as long as the bound allows (1,000,000 never
+ends). 64 tries at a slot where a prompt with signal turns up 1 time in 20 miss with probability 0.04."""
 
 
 # Per-dataset defaults for settings the user leaves unset. arithmetic-generate's
@@ -192,9 +196,9 @@ class GenerationConfig(EnvironmentSettings):
                                                   "their slots with fresh prompts, up to --max-refills times each, "
                                                   "before the step trains (DAPO; default: the algorithm's, on for "
                                                   "dapo)", "sampling", action=argparse.BooleanOptionalAction)
-    max_refills: int = setting(4, "with --dynamic-sampling, the most fresh prompts one slot may try; a slot still "
-                                  "without signal trains on its first group (trained_no_signal_fraction)",
-                               "sampling", type=int)
+    max_refills: int = setting(4, "with --dynamic-sampling, the most fresh prompts one slot may try (at most "
+                                  f"{MAX_REFILLS}); a slot still without signal trains on its first group "
+                                  "(trained_no_signal_fraction)", "sampling", type=int)
     rollout_correction_cap: float = setting(2.0, "C of the truncated importance weight min(w, C); sequence-mask "
                                                  "drops completions whose weight is above C or below 1/C",
                                             "sampling", type=float)
@@ -386,9 +390,10 @@ class GenerationConfig(EnvironmentSettings):
                 raise UserError("--warmup-ratio and --warmup-steps both set the warmup: give one")
         if self.keep_checkpoints < 1:
             raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
-        for flag, value in (("--learning-rate", self.learning_rate), ("--temperature", self.temperature),
-                            ("--max-grad-norm", self.max_grad_norm), ("--value-clip", self.value_clip),
-                            ("--lora-alpha", self.lora_alpha)):
+        if self.temperature is not None:
+            check_temperature(self.temperature)
+        for flag, value in (("--learning-rate", self.learning_rate), ("--max-grad-norm", self.max_grad_norm),
+                            ("--value-clip", self.value_clip), ("--lora-alpha", self.lora_alpha)):
             if value is not None:
                 check_positive_finite(flag, value)
         check_choice("--sampler", self.sampler, SAMPLERS)
@@ -402,8 +407,9 @@ class GenerationConfig(EnvironmentSettings):
         check_choice("--rollout-mode", self.vllm_mode, ("colocate", "server", "process"))
         check_rollout_engine(self)
         check_staleness(self)
-        if self.max_refills < 0:
-            raise UserError(f"--max-refills must be >= 0, got {self.max_refills}")
+        if not 0 <= self.max_refills <= MAX_REFILLS:
+            raise UserError(f"--max-refills must be in 0..{MAX_REFILLS} (each refill is a sampling round of the step), "
+                            f"got {self.max_refills}")
         if self.dynamic_sampling and algorithm.needs_greedy:
             raise UserError(f"--dynamic-sampling with {self.algorithm} is not built (a refilled prompt would need its "
                             "greedy baseline too)")

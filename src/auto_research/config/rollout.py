@@ -11,6 +11,33 @@ from auto_research.config.fields import parse_cores
 from auto_research.errors import UserError
 
 
+MIN_TEMPERATURE = 0.01
+"""The smallest sampling temperature above 0 (0 is greedy decoding, on every engine). vLLM raises any temperature
+in (0, 0.01) to 0.01 (with a warning), so another engine sampling below it would draw from another distribution;
+and far below it logits / T overflow (at 1e-300 every logit is ±inf and the softmax NaN)."""
+
+
+def temperature_problem(value: float) -> str | None:
+    """Why a sampling temperature is refused (a request's: 0 is greedy), or None."""
+    if not (math.isfinite(value) and value >= 0):
+        return f"must be a finite number >= 0, got {value}"
+    if 0 < value < MIN_TEMPERATURE:
+        return (f"{value:g} is below the smallest sampling temperature, {MIN_TEMPERATURE:g} (vLLM raises anything "
+                f"lower to it; far lower, logits / T overflow); 0 is greedy decoding")
+    return None
+
+
+def check_temperature(value: float) -> None:
+    """A run's --temperature: a sampling temperature (``temperature_problem``), and not 0: greedy decoding draws
+    a prompt's K completions alike, so no group would carry a signal to train on."""
+    problem = temperature_problem(value)
+    if problem is None and value == 0:
+        problem = ("0 is greedy decoding: a prompt's K completions would be identical and no group would carry a "
+                   f"signal to train on; sample at a temperature >= {MIN_TEMPERATURE:g}")
+    if problem is not None:
+        raise UserError(f"--temperature {problem}")
+
+
 def check_rollout_engine(config) -> None:
     """Where the rollout engine runs (--rollout-mode, --rollout-server, --rollout-memory, --rollout-cores)."""
     if config.vllm_memory is not None:

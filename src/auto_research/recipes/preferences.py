@@ -42,6 +42,7 @@ from auto_research.engine.models import load_policy
 from auto_research.engine.rollout import prompt_seed
 from auto_research.engine.rollout.builtin import sample
 from auto_research.rewards.gold import gold_scores
+from auto_research.report.tables import figure
 from auto_research.rewards.reward_model import RewardModel
 
 LABEL_TEMPERATURE = 0.15
@@ -75,9 +76,10 @@ def label_pairs(prompts, examples, first, second, seed: int, scorer=gold_scores)
         "pairs": len(rows),
         "identical_pairs_dropped": identical,
         "gold_ties": ties,
-        # Over pairs the gold scorer orders: how often the noisy label agrees with it.
-        "label_agreement": sum(agreement) / len(agreement) if agreement else float("nan"),
-        "label_ceiling": sum(ceiling) / len(ceiling) if ceiling else float("nan"),
+        # Over pairs the gold scorer orders: how often the noisy label agrees with it (None when it orders none:
+        # a small --pairs of answers the gold scorer ties, as a warm start's often are).
+        "label_agreement": sum(agreement) / len(agreement) if agreement else None,
+        "label_ceiling": sum(ceiling) / len(ceiling) if ceiling else None,
         "label_temperature": LABEL_TEMPERATURE,
     }
     return rows, statistics
@@ -104,17 +106,19 @@ def make_preferences(model_dir: Path, task, output: Path, pairs: int, seed: int,
     rows, statistics = label_pairs(prompts, examples, first, second, seed, task.gold)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    agreement, ceiling = figure(statistics["label_agreement"], 3), figure(statistics["label_ceiling"], 3)
     log(f"labelled {statistics['pairs']} preference pairs with the gold scorer and Bradley–Terry noise "
-        f"(τ = {LABEL_TEMPERATURE}): labels agree with the gold order on {statistics['label_agreement']:.3f} of the "
-        f"pairs it orders (expected {statistics['label_ceiling']:.3f}) -> {output}")
+        f"(τ = {LABEL_TEMPERATURE}): labels agree with the gold order on {agreement} of the "
+        f"{len(rows) - statistics['gold_ties']} pairs it orders (expected {ceiling}) -> {output}")
     return statistics
 
 
-def gold_accuracy_of_reward_model(reward_model_dir: Path, rows: list[dict]) -> float:
-    """On pairs the gold scorer orders: how often the proxy orders them the same way."""
+def gold_accuracy_of_reward_model(reward_model_dir: Path, rows: list[dict]) -> float | None:
+    """On pairs the gold scorer orders: how often the proxy orders them the same way; None when it orders none
+    of ``rows`` (there is nothing to measure: written as null, shown as n/a)."""
     ordered = [row for row in rows if row["gold_chosen"] != row["gold_rejected"]]
     if not ordered:
-        return float("nan")
+        return None
     reward = RewardModel(str(reward_model_dir), "cpu", offline=True)  # as the RL runs will score
     prompts = [r["prompt"] for r in ordered]
     better = reward(prompts, [r["chosen"] if r["gold_chosen"] > r["gold_rejected"] else r["rejected"] for r in ordered], None)

@@ -12,8 +12,6 @@ exactly as training did (``rewards/reward_model.score_texts``).
 
 from __future__ import annotations
 
-import json
-import math
 import random
 import shutil
 import sys
@@ -30,7 +28,7 @@ from auto_research.engine.models import quiet_transformers, resolve_device
 from auto_research.engine.sources import check_model_source
 from auto_research.engine.tiny import build_model, build_tokenizer
 from auto_research.errors import UserError, one_line
-from auto_research.files import check_writable_directory
+from auto_research.files import atomic_write_json, check_writable_directory
 from auto_research.locks import entries, locked
 from auto_research.progress import Progress
 from auto_research.report.plots import calibration_plot
@@ -184,8 +182,7 @@ def train_reward_model(model_name: str | None, pairs: list[Pair], output_dir: Pa
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
-    clean = {key: (None if isinstance(value, float) and not math.isfinite(value) else value) for key, value in metrics.items()}
-    (output_dir / "metrics.json").write_text(json.dumps(clean, indent=2))
+    atomic_write_json(output_dir / "metrics.json", metrics)
     calibration_plot(output_dir / "calibration.png", metrics)
     return {**metrics, "evaluation_indices": order[:held]}
 

@@ -21,6 +21,7 @@ from auto_research.recipes import preferences
 from auto_research.recipes.compare import run_child
 from auto_research.recipes.reward_model import preference_pairs, train_reward_model
 from auto_research.report import plots, tables
+from auto_research.report.tables import figure
 from auto_research.train.warm_start import ensure_warm_started
 
 OUTPUTS = ("preferences.jsonl", "reward-model", "runs", "rlhf-summary.json", "rlhf-summary.md", "rlhf.png")
@@ -67,9 +68,11 @@ def _pipeline(config: RLHFConfig, output: Path, log) -> dict:
     reward_metrics["label_agreement"] = label_stats["label_agreement"]
     reward_metrics["label_ceiling"] = label_stats["label_ceiling"]
     atomic_write_json(output / "reward-model" / "metrics.json", reward_metrics)
-    log(f"      held-out pairwise accuracy {reward_metrics['pairwise_accuracy']:.3f} against the noisy labels "
-        f"(their own agreement with the gold order: {label_stats['label_agreement']:.3f}, expected "
-        f"{label_stats['label_ceiling']:.3f}); {reward_metrics['gold_order_accuracy']:.3f} against the gold order")
+    ordered = sum(row["gold_chosen"] != row["gold_rejected"] for row in held_rows)
+    log(f"      held-out pairwise accuracy {figure(reward_metrics['pairwise_accuracy'], 3)} against the noisy labels "
+        f"(their own agreement with the gold order: {figure(label_stats['label_agreement'], 3)}, expected "
+        f"{figure(label_stats['label_ceiling'], 3)}); {figure(reward_metrics['gold_order_accuracy'], 3)} against the "
+        f"gold order on the {ordered} of {len(held_rows)} held-out pairs it orders")
     stages["reward_model"] = time.perf_counter() - started - sum(stages.values())
     stages["runs"] = []
     results = []

@@ -31,9 +31,10 @@ def _metrics_of(metrics: dict) -> list[str]:
     return [*METRICS, *(key for key in OPTIONAL_METRICS if key in metrics.get("final", {}))]
 
 
-def _cell(value) -> str:
-    """A figure to 4 decimals; n/a where none could be computed (a reward that scored nothing)."""
-    return "n/a" if value is None else f"{value:.4f}"
+def figure(value, digits: int = 4) -> str:
+    """A figure to ``digits`` decimals; n/a where none could be computed (None, or NaN: a reward that scored
+    nothing, a held-out set with no pair the gold scorer orders)."""
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
 
 def column_names(metrics: dict) -> tuple[str, str]:
@@ -46,7 +47,7 @@ def before_after_table(metrics: dict) -> str:
     before, after = column_names(metrics)
     rows = [f"| metric | {before} | {after} |", "|---|---:|---:|"]
     for key in _metrics_of(metrics):
-        rows.append(f"| {LABELS[key]} | {_cell(metrics['baseline'].get(key))} | {_cell(metrics['final'][key])} |")
+        rows.append(f"| {LABELS[key]} | {figure(metrics['baseline'].get(key))} | {figure(metrics['final'][key])} |")
     return "\n".join(rows)
 
 
@@ -54,7 +55,7 @@ def console_table(metrics: dict) -> str:
     before, after = column_names(metrics)
     lines = [f"{'metric':<16}{before:>12}{after:>12}"]
     for key in _metrics_of(metrics):
-        lines.append(f"{LABELS[key]:<16}{_cell(metrics['baseline'].get(key)):>12}{_cell(metrics['final'][key]):>12}")
+        lines.append(f"{LABELS[key]:<16}{figure(metrics['baseline'].get(key)):>12}{figure(metrics['final'][key]):>12}")
     lines.append(f"{'relative acc.':<16}{'':>12}{metrics['relative_accuracy']:>+12.4f}")
     return "\n".join(lines)
 
@@ -96,7 +97,7 @@ def run_report(metrics: dict) -> str:
         lines.append("| step | loss | " + " | ".join(LABELS[key] for key in METRICS) + " |")
         lines.append("|---:|---:|" + "---:|" * len(METRICS))
         for row in history:
-            cells = " | ".join(_cell(row[key]) for key in METRICS)
+            cells = " | ".join(figure(row[key]) for key in METRICS)
             lines.append(f"| {int(row['step'])} | {row['loss']:.4f} | {cells} |")
     shown = metrics.get("completions")
     if shown and shown["rows"]:
@@ -234,20 +235,20 @@ def rlhf_table(summary: dict) -> str:
         + ", RL runs " + ", ".join(f"{value:.0f}" for value in summary["stage_seconds"]["runs"]) + ".",
         "",
         f"Labels: {labels['pairs']} pairs, gold scorer with Bradley–Terry noise (τ = {labels['label_temperature']}); "
-        f"on the pairs the gold scorer orders, the labels agree with it on {labels['label_agreement']:.3f} "
-        f"(the noise model's expectation: {labels['label_ceiling']:.3f}).",
-        f"Proxy reward model: held-out pairwise accuracy {proxy['pairwise_accuracy']:.3f} against the labels, "
-        f"{proxy['gold_order_accuracy']:.3f} against the gold order ({proxy['evaluation_pairs']} held-out pairs).",
+        f"on the pairs the gold scorer orders, the labels agree with it on {figure(labels['label_agreement'], 3)} "
+        f"(the noise model's expectation: {figure(labels['label_ceiling'], 3)}).",
+        f"Proxy reward model: held-out pairwise accuracy {figure(proxy['pairwise_accuracy'], 3)} against the labels, "
+        f"{figure(proxy['gold_order_accuracy'], 3)} against the gold order ({proxy['evaluation_pairs']} held-out pairs).",
         "",
         "| algorithm | β | seed | gold win rate | gold reward (before → after) | proxy reward (before → after) "
         "| accuracy (before → after) | KL |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in summary["runs"]:
-        lines.append(f"| {run['algorithm']} | {run['beta']:g} | {run['seed']} | {_cell(run['win_rate'])} | "
-                     f"{_cell(run['gold_reward'][0])} → {_cell(run['gold_reward'][1])} | "
-                     f"{_cell(run['proxy_reward'][0])} → {_cell(run['proxy_reward'][1])} | "
-                     f"{_cell(run['accuracy'][0])} → {_cell(run['accuracy'][1])} | {_cell(run['kl'])} |")
+        lines.append(f"| {run['algorithm']} | {run['beta']:g} | {run['seed']} | {figure(run['win_rate'])} | "
+                     f"{figure(run['gold_reward'][0])} → {figure(run['gold_reward'][1])} | "
+                     f"{figure(run['proxy_reward'][0])} → {figure(run['proxy_reward'][1])} | "
+                     f"{figure(run['accuracy'][0])} → {figure(run['accuracy'][1])} | {figure(run['kl'])} |")
     return "\n".join(lines)
 
 

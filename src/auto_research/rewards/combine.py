@@ -2,7 +2,10 @@
 
 Every reward is called on a whole batch as ``reward(prompts, completions, examples)`` and returns one
 float, or None, per completion. None means "cannot score this one": the sample is left out of its
-group's baseline. A sample that any component cannot score is left out.
+group's baseline. A sample that any component cannot score is left out. So is one given a value that is not a
+finite number within ±``MAX_REWARD`` (NaN, ±inf, 1e308), by any source: a reward function, the reward model,
+a reward server or an environment (``checked``); that value is counted (``invalid_rewards``) and its cause kept,
+so that a step where every sample fails says which reward gave what.
 """
 
 from __future__ import annotations
@@ -19,6 +22,83 @@ from auto_research.errors import RewardError, one_line
 from auto_research.rewards.loading import POSITIONAL, calling_convention
 from auto_research.rewards.reward_model import RewardModel
 from auto_research.rewards.verifiers import BUILT_IN
+
+
+MAX_REWARD = 1e6
+"""The largest reward magnitude scored. Baselines, standard deviations and the loss take differences and squares
+of rewards in float32 (at most 3.4e38): a reward of 1e308 is inf there, and one of 1e20 squares to inf. A bound
+of a million keeps every figure finite and is far beyond any reward scale in use (a reward of 2e6 is a bug far
+more often than a scale)."""
+
+
+def reward_problem(value) -> str | None:
+    """Why a number cannot be scored ("nan", "inf", "a value beyond ±1,000,000"), or None when it can."""
+    number = float(value)
+    if not math.isfinite(number):
+        return str(number)
+    return f"a value beyond ±{MAX_REWARD:,.0f}" if abs(number) > MAX_REWARD else None
+
+
+class Scored(list):
+    """A batch's rewards, one float or None per completion (what every reward returns: a list), and how they came
+    to be: ``parts``, {a component's metric name: its own value for each completion, None where it gave none or an
+    invalid one}; ``causes``, for each completion, why it is unscored when it is not for a plain None ("reward
+    'f' returned nan"), else None."""
+
+    def __init__(self, values=(), parts: dict | None = None, causes: list | None = None):
+        super().__init__(values)
+        self.parts = {} if parts is None else {name: list(part) for name, part in parts.items()}
+        self.causes = [None] * len(self) if causes is None else list(causes)
+
+    def rows(self, start: int, stop: int) -> "Scored":
+        return Scored(self[start:stop], {name: part[start:stop] for name, part in self.parts.items()},
+                      self.causes[start:stop])
+
+    @staticmethod
+    def join(pieces: list["Scored"]) -> "Scored":
+        names = [name for name in pieces[0].parts if all(name in piece.parts for piece in pieces)] if pieces else []
+        return Scored([value for piece in pieces for value in piece],
+                      {name: [value for piece in pieces for value in piece.parts[name]] for name in names},
+                      [cause for piece in pieces for cause in piece.causes])
+
+
+def checked(values, source: str = "the reward", parts: dict | None = None, causes: list | None = None) -> Scored:
+    """``values`` as ``Scored``: each a float, or None where it was None or invalid (``reward_problem``; a weighted
+    sum that overflowed, an environment's NaN). An invalid value's cause is the one given in ``causes`` (or that
+    ``values`` holds, when it is ``Scored``), else "``source`` returned nan"; so are the parts."""
+    parts = getattr(values, "parts", None) if parts is None else parts
+    causes = getattr(values, "causes", None) if causes is None else causes
+    causes = [None] * len(values) if causes is None else list(causes)
+    kept = []
+    for index, value in enumerate(values):
+        problem = None if value is None else reward_problem(value)
+        if problem is not None:
+            causes[index] = causes[index] or f"{source} returned {problem}"
+        kept.append(None if value is None or problem is not None else float(value))
+    return Scored(kept, parts, causes)
+
+
+def invalid_count(scored) -> int:
+    """The values of a batch left unscored for being invalid (not for a plain None)."""
+    return sum(cause is not None for cause in getattr(scored, "causes", ()))
+
+
+def metric_names(components: list[tuple[str, Callable]]) -> list[str]:
+    """Each component's name in the metrics (``rewards/<name>/mean``), as TRL names them: a function's
+    ``__name__`` (a built-in's own name; a lambda's, the name it was given), a reward model's last path part,
+    ``reward_url`` for --reward-url; the second and later components of one name get _2, _3 …"""
+    labels = []
+    for name, function in components:
+        if name.startswith("reward-model:"):
+            label = name.removeprefix("reward-model:").rstrip("/").split("/")[-1]
+        elif name in BUILT_IN or name.startswith("reward-url:"):
+            label = name.split(":")[0].replace("-", "_")
+        else:
+            label = getattr(function, "__name__", None) or type(function).__name__
+            label = name.rsplit(":", 1)[-1] if label == "<lambda>" else label
+        labels.append(label)
+    return [label if labels[:index].count(label) == 0 else f"{label}_{labels[:index].count(label) + 1}"
+            for index, label in enumerate(labels)]
 
 
 def with_row_fields(function: Callable) -> Callable:
@@ -70,20 +150,40 @@ def _settle(pending: dict[int, object]) -> dict[int, object]:
 
 @dataclass
 class CombinedReward:
-    """Weighted sum of reward components; None when any component gives None.
+    """Weighted sum of reward components; None when any component gives None or an invalid value
+    (``reward_problem``), that value's cause kept (``Scored``), and each component's own values.
 
-    A component that raises, or returns anything but a list (or tuple, NumPy
-    array, tensor) of one value per completion, is a RewardError naming it.
+    A component that raises, or returns anything but a list (or tuple, NumPy array, tensor) of one number or
+    None per completion, is a RewardError naming it.
     """
 
     components: list[tuple[str, Callable, float]]
+    names: list[str] | None = None
+    """Each component's name in the metrics (``metric_names``); None: the components' own names."""
     takes_completion_ids = True
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], examples: Sequence[Example],
-                 completion_ids: list[list[int]] | None = None) -> list[float | None]:
+                 completion_ids: list[list[int]] | None = None) -> Scored:
         total: list[float | None] = [0.0] * len(completions)
+        causes: list[str | None] = [None] * len(completions)
+        parts = {}
+        outcomes = self._outcomes(prompts, completions, examples, completion_ids)
+        names = self.names or [name for name, _, _ in self.components]
+        for (name, _, weight), label, values in zip(self.components, names, outcomes):
+            part = []
+            for index, value in enumerate(self._values(name, values, prompts, completions)):
+                problem = None if value is None else reward_problem(value)
+                if problem is not None:
+                    causes[index] = causes[index] or f"reward {name!r} returned {problem}"
+                part.append(None if value is None or problem is not None else float(value))
+                total[index] = None if total[index] is None or part[-1] is None else total[index] + weight * part[-1]
+            parts[label] = part
+        return checked(total, "the weighted sum of the rewards", parts, causes)
+
+    def _outcomes(self, prompts, completions, examples, completion_ids) -> list:
+        """Each component's return (or the exception it raised), async components awaited together."""
         outcomes, pending = {}, {}
-        for index, (name, function, _) in enumerate(self.components):
+        for index, (_, function, _) in enumerate(self.components):
             try:
                 if getattr(function, "takes_completion_ids", False):
                     value = function(list(prompts), list(completions), list(examples), completion_ids)
@@ -94,29 +194,26 @@ class CombinedReward:
             (pending if inspect.isawaitable(value) else outcomes)[index] = value
         if pending:
             outcomes.update(_settle(pending))
-        for index, (name, function, weight) in enumerate(self.components):
-            values = outcomes[index]
-            if isinstance(values, Exception):
-                raise RewardError(f"reward {name!r} raised {one_line(values)} on a batch of {len(completions)} "
-                                  f"completions (first prompt {prompts[0]!r})") from None
-            if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
-                values = values.tolist()  # NumPy arrays and tensors
-            if not isinstance(values, (list, tuple)):
-                raise RewardError(f"reward {name!r} returned {type(values).__name__}, not a list of one float "
-                                  f"(or None) per completion")
-            if len(values) != len(completions):
-                raise RewardError(f"reward {name!r} returned {len(values)} values for {len(completions)} completions")
-            for index, value in enumerate(values):
-                if value is None or total[index] is None:
-                    total[index] = None
-                    continue
-                if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-                    raise RewardError(
-                        f"reward {name!r} returned {value!r} for prompt {prompts[index]!r} "
-                        f"(completion {completions[index]!r}); rewards must be finite numbers or None"
-                    )
-                total[index] += weight * float(value)
-        return total
+        return [outcomes[index] for index in range(len(self.components))]
+
+    @staticmethod
+    def _values(name: str, values, prompts, completions) -> list:
+        """A component's return as a list of one number or None per completion, or a RewardError naming it."""
+        if isinstance(values, Exception):
+            raise RewardError(f"reward {name!r} raised {one_line(values)} on a batch of {len(completions)} "
+                              f"completions (first prompt {prompts[0]!r})") from None
+        if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+            values = values.tolist()  # NumPy arrays and tensors
+        if not isinstance(values, (list, tuple)):
+            raise RewardError(f"reward {name!r} returned {type(values).__name__}, not a list of one float "
+                              f"(or None) per completion")
+        if len(values) != len(completions):
+            raise RewardError(f"reward {name!r} returned {len(values)} values for {len(completions)} completions")
+        for index, value in enumerate(values):
+            if value is not None and not isinstance(value, numbers.Real):
+                raise RewardError(f"reward {name!r} returned {value!r} for prompt {prompts[index]!r} "
+                                  f"(completion {completions[index]!r}); rewards must be numbers or None")
+        return list(values)
 
     @property
     def reward_model(self) -> RewardModel | None:
@@ -133,4 +230,6 @@ def build_reward(resolved: list[tuple[str, Callable, bool]], weights: list[float
     if reward_model:
         functions.append((f"reward-model:{reward_model}", RewardModel(reward_model, device, offline)))
     weights = [1.0] * len(functions) if weights is None else weights
-    return CombinedReward([(name, function, weight) for (name, function), weight in zip(functions, weights)])
+    names = metric_names([(name, function) for name, function, _ in resolved]
+                         + ([(functions[-1][0], functions[-1][1])] if reward_model else []))
+    return CombinedReward([(name, function, weight) for (name, function), weight in zip(functions, weights)], names)

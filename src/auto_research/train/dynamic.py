@@ -1,6 +1,6 @@
 """Dynamic sampling (DAPO's, Yu et al. 2025, §3.2): a group whose K scores are all equal carries no task signal
 (its leave-one-out or group-normalised advantage is zero but for the KL), so it is dropped and its slot refilled
-with a fresh prompt, up to ``--max-refills`` times, before the step trains.
+with a fresh prompt, up to ``--max-refills`` times (at most ``MAX_REFILLS``, 64), before the step trains.
 
 Each of a step's ``--prompts-per-step`` slots fills itself: slot j's refill r is a prompt drawn by a generator
 of its own, seeded by (run seed, step, j, r), and sampled with a seed of its own. So the batch a step trains on
@@ -17,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+REFILL_WARNING = 4
+"""Refills per slot in one step beyond which the run warns once (a reward constant on most prompts?): the
+default --max-refills never passes it; a larger one may, up to ``config.generation.MAX_REFILLS`` per slot."""
 
 REFILL_SEED_OFFSET = 1_000_003
 """Refill r of slot j samples with ``prompt_seed(seed, step, OFFSET·r + j)``: apart from every dataset index."""

@@ -1,8 +1,10 @@
 """Held-out evaluation: greedy completions, exact-match accuracy, reward, entropy and KL.
 
 Entropy and KL(π ‖ π_ref) are exact per-token values over the whole
-vocabulary at each position of the greedy completion, summed over the
-completion and averaged over prompts, so they carry no sampling noise.
+vocabulary at each position of the greedy completion, so they carry no
+sampling noise. ``entropy`` is per token (over every held-out completion's
+tokens), as in each step's row of metrics.jsonl; ``kl_from_reference`` is
+summed over a completion and averaged over prompts, as the row's ``kl``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from auto_research.engine.logprobs import completion_logits
 from auto_research.engine.rollout.builtin import sample
 from auto_research.envs.rollout import episode_rewards
 from auto_research.errors import RewardError
+from auto_research.rewards.combine import checked
 from auto_research.rewards.gold import win_rate as judged
 from auto_research.rewards.verifiers import is_correct
 
@@ -39,7 +42,7 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
     ``episodes`` (envs.rollout.EpisodeRunner): greedy multi-turn trajectories instead, the verifier and the
     reward functions on the final reply, the table showing the whole conversation, ``turns_mean`` added.
     """
-    correct, rewards, entropies, kls, golds, turns = [], [], [], [], [], []
+    correct, rewards, entropies, kls, golds, turns, tokens = [], [], [], [], [], [], []
     rank, size = shard
     for start in range(rank * batch_size, len(prompts), batch_size * size):
         batch_prompts = prompts[start : start + batch_size]
@@ -58,6 +61,7 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
             values = reward(batch_prompts, rollout.completions, batch_examples, rollout.token_lists())
         else:
             values = reward(batch_prompts, rollout.completions, batch_examples)
+        values = checked(values)  # an invalid value (NaN, an environment's inf) is unscored, as in training
         rewards += [value for value in values if value is not None]
         if details is not None:
             details.update({start + i: (text, value, bool(verdict))
@@ -70,6 +74,7 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
         mask = rollout.trained_mask.float()
         log_p = _distributions(model, rollout, temperature)
         entropies += (-(log_p.exp() * log_p).sum(-1) * mask).sum(-1).tolist()
+        tokens += mask.sum(-1).tolist()
         if reference is None:
             kls += [0.0] * len(batch_prompts)
         else:
@@ -77,8 +82,8 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
             kls += ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum(-1).tolist()
     count = max(len(prompts), 1)
     sums = total(torch.tensor([sum(correct), sum(rewards), len(rewards), sum(entropies), sum(kls), sum(golds),
-                               sum(turns)], dtype=torch.float64))
-    correct_count, reward_sum, scored, entropy_sum, kl_sum, gold_sum, turn_sum = sums.tolist()
+                               sum(turns), sum(tokens)], dtype=torch.float64))
+    correct_count, reward_sum, scored, entropy_sum, kl_sum, gold_sum, turn_sum, token_count = sums.tolist()
     extra = {"gold_reward": gold_sum / count} if gold is not None else {}
     if episodes is not None:
         extra["turns_mean"] = turn_sum / count
@@ -87,7 +92,7 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
         "accuracy": correct_count / count,
         # None when the reward could score no held-out completion (written as null, shown as n/a).
         "mean_reward": reward_sum / scored if scored else None,
-        "entropy": entropy_sum / count,
+        "entropy": entropy_sum / max(token_count, 1.0),  # per token, as the rows' entropy
         "kl_from_reference": kl_sum / count,
     }
 

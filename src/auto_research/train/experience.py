@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,13 @@ class Scores:
     """Completions the reward could not score, over every rank."""
     samples: int = 0
     """Completions scored or not, over every rank."""
+    invalid: int = 0
+    """Completions unscored for an invalid reward (NaN, ±inf, beyond ±MAX_REWARD: ``rewards.combine``), over
+    every rank."""
+    causes: dict = field(default_factory=dict)
+    """{why a completion is unscored: how many}, over every rank (a plain None is not listed)."""
+    functions: dict = field(default_factory=dict)
+    """Each reward function's ``reward/<name>`` (the mean) and ``reward/<name>/std`` (``rollouts.function_figures``)."""
 
 
 @dataclass(frozen=True)

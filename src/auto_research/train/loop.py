@@ -5,7 +5,6 @@ step kept, and the metrics.json payload at the end. ``rl_step`` itself touches n
 
 from __future__ import annotations
 
-import math
 import signal
 from pathlib import Path
 
@@ -15,6 +14,8 @@ from auto_research.engine.samplers import sampler_record
 from auto_research.envs import deadline
 from auto_research.errors import RewardError, RolloutEngineError, TrainingInterrupted, UserError
 from auto_research.progress import Progress
+from auto_research.report.tables import figure
+from auto_research.rewards.combine import MAX_REWARD
 from auto_research.train.components import Components, parameter_counts
 from auto_research.config.files import write_resolved_config
 from auto_research.train.evaluation import held_out, win_rate
@@ -30,10 +31,6 @@ def _user_error(message: str, cause: BaseException) -> UserError:
     error = UserError(message)
     error.quiet = getattr(cause, "quiet", False)
     return error
-
-
-def _figure(value: float | None) -> str:
-    return "n/a" if value is None or not math.isfinite(value) else f"{value:.3f}"
 
 
 def restore(c: Components, state: LoopState, folder: Path, log) -> None:
@@ -162,7 +159,7 @@ class RunLoop:
         self.c.world.on_main(lambda: self.metrics_log.evaluation(0, state.baseline))
         self._completions(0, table)
         self.log(f"before training: held-out accuracy {state.baseline['accuracy']:.3f}, "
-                 f"mean reward {_figure(state.baseline['mean_reward'])}")
+                 f"mean reward {figure(state.baseline['mean_reward'], 3)}")
 
     def run(self) -> dict:
         c, state, config = self.c, self.state, self.c.config
@@ -196,7 +193,7 @@ class RunLoop:
                     raise _user_error(f"{error}; {kept}", error) from None
                 state.step = step
                 c.world.on_main(lambda: self._append(row))
-                postfix = {"reward": _figure(row["reward_mean"]), "kl": f"{row['kl']:.3f}"}
+                postfix = {"reward": figure(row["reward_mean"], 3), "kl": f"{row['kl']:.3f}"}
                 if config.eval_every and (step % config.eval_every == 0 or step == config.steps):
                     self._evaluate(step, row)
                 if state.history:
@@ -224,7 +221,10 @@ class RunLoop:
             bar.close()
             self.metrics_log.close()
         if state.totals["unscored_samples"]:
-            self.log(f"warning: {state.totals['unscored_samples']} samples of this run could not be scored (reward None)")
+            invalid = state.totals["invalid_rewards"]
+            why = f"; {invalid} of them for a value not a finite number within ±{MAX_REWARD:,.0f}" if invalid else ""
+            self.log(f"warning: {state.totals['unscored_samples']} samples of this run could not be scored (reward "
+                     f"None{why})")
         return self.payload()
 
     def _evaluate(self, step: int, row: dict) -> None:
@@ -304,6 +304,7 @@ class RunLoop:
                 "optimizer_updates": state.updates,
                 "no_signal_groups": state.totals["no_signal_groups"],
                 "unscored_samples": state.totals["unscored_samples"],
+                "invalid_rewards": state.totals["invalid_rewards"],
                 "training_seconds": state.totals["seconds"],
                 "tokens_per_second": state.totals["generated_tokens"] / max(state.totals["seconds"], 1e-9),
                 "critic_updates": state.critic_updates,

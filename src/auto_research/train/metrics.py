@@ -3,6 +3,11 @@
 ``objective`` is the paper's E[r − β·KL] over the sampled completions (it should rise); ``pg_loss`` is
 the surrogate whose gradient is the policy gradient. Per-sequence figures are gathered from every rank
 in rank order (each rank holds whole groups), so the row is the same on 1 or N processes.
+
+One meaning per name: ``entropy`` is per token (as the held-out evaluation's), ``kl`` summed over a completion
+(as ``kl_from_reference``); ``reward/<name>`` (the mean) and ``reward/<name>/std`` are each reward function's own (unweighted)
+values, TRL's names. A count in metrics.json's ``training`` is the sum of the rows' figure of the same name
+(``no_signal_groups``, ``unscored_samples``, ``invalid_rewards``).
 """
 
 from __future__ import annotations
@@ -13,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from auto_research.algorithms.candidate import groups_without_signal
-from auto_research.files import atomic_write_text
+from auto_research.files import append_json_lines, atomic_write_text, finite_or_null
 from auto_research.train.components import Components
 from auto_research.train.experience import Experience
 from auto_research.train.update import Advantages
@@ -23,7 +27,7 @@ from auto_research.train.update import Advantages
 def step_metrics(c: Components, step: int, experience: Experience, advantages: Advantages, actor: dict,
                  critic: dict, elapsed: float, totals: dict, drift: dict) -> dict:
     """The step's row; ``drift``: ``drift_figures`` of its experience (computed once, before the update)."""
-    config, mask, K, gather = c.config, experience.mask, c.config.group_size, c.world.gather
+    config, mask, gather = c.config, experience.mask, c.world.gather
     scores = experience.scores
     scored = gather(scores.scored)
     all_rewards = gather(scores.rewards.double())
@@ -31,13 +35,12 @@ def step_metrics(c: Components, step: int, experience: Experience, advantages: A
     kl_sequence = gather(experience.kl.sum(1).double())
     objective = (all_rewards - config.beta * kl_sequence)[scored]
     sequence_advantages = gather(((advantages.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)).double())
-    no_signal = groups_without_signal(sequence_advantages.view(-1, K).numpy())
     lengths = gather(mask.sum(1).double())
     entropy = float(gather(experience.entropy.sum(1).double()).sum())
     generated = int(lengths.sum())
     sequences = lengths.shape[0]
-    totals["no_signal_groups"] += no_signal
     totals["unscored_samples"] += int((~scored).sum())
+    totals["invalid_rewards"] += scores.invalid
     totals["generated_tokens"] += generated
     totals["seconds"] += elapsed
     return {
@@ -47,14 +50,15 @@ def step_metrics(c: Components, step: int, experience: Experience, advantages: A
         "objective": float(objective.mean()),
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(unbiased=False)) if rewards.numel() else float("nan"),
+        **scores.functions,
         "kl": float(kl_sequence.mean()),
         "entropy": entropy / max(generated, 1),
         "completion_length": generated / sequences,
         "advantage_mean": float(sequence_advantages.mean()),
         "advantage_std": float(sequence_advantages.double().std(unbiased=False)),
         "advantage_abs_max": float(sequence_advantages.abs().max()),
-        "no_signal_fraction": no_signal / (sequences // K),
         "unscored_samples": int((~scored).sum()),
+        "invalid_rewards": scores.invalid,
         **critic,
         "learning_rate": c.optimizer.param_groups[0]["lr"],
         "tokens_per_second": generated / elapsed,
@@ -107,9 +111,8 @@ class MetricsLog:
             getattr(self, method)(*args)
 
     def append(self, row: dict) -> None:
-        clean = {key: value if not isinstance(value, float) or math.isfinite(value) else None for key, value in row.items()}
-        with self.path.open("a") as stream:
-            stream.write(json.dumps(clean, allow_nan=False) + "\n")
+        clean = finite_or_null(row)
+        append_json_lines(self.path, [clean])
         if self.trackers is not None:
             self.trackers.scalars({f"train/{key}": value for key, value in clean.items()
                                    if key != "step" and isinstance(value, (int, float))}, row["step"])
@@ -126,9 +129,7 @@ class MetricsLog:
         if self.pending is not None:
             self.pending.append(("completions", (step, table)))
             return
-        with (self.path.parent / COMPLETIONS).open("a") as stream:
-            for row in table:
-                stream.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
+        append_json_lines(self.path.parent / COMPLETIONS, [{"step": step, **row} for row in table])
         if self.trackers is not None:
             self.trackers.table("eval/completions", table, step)
 

@@ -17,7 +17,9 @@ trainer's, in ``agreed_scores``.
 
 from __future__ import annotations
 
+import math
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -27,6 +29,7 @@ import torch
 from auto_research.data.types import Example
 from auto_research.engine.rollout import Rollout, Sampler, concatenate, prompt_seed
 from auto_research.errors import RewardError
+from auto_research.rewards.combine import Scored, checked, invalid_count, reward_problem
 from auto_research.train.dynamic import REFILL_SEED_OFFSET, fill, has_signal, refill_index
 from auto_research.train.experience import Batch, Scores
 
@@ -111,7 +114,7 @@ def produce(source: RolloutSource, rng: np.random.Generator, step: int, version:
     rewards = greedy_rewards = failure = None
     try:
         rewards = score(source, batch, rollout)
-        greedy_rewards = source.reward(batch.prompts, greedy.completions, batch.examples) if greedy else None
+        greedy_rewards = checked(source.reward(batch.prompts, greedy.completions, batch.examples)) if greedy else None
     except RewardError as error:
         failure = str(error)
     counts = signal_counts(rewards, K) if failure is None else None
@@ -134,16 +137,35 @@ def sample_batch(source: RolloutSource, batch: Batch) -> Rollout:
     return source.sampler.sample(batch.prompts, source.group_size, batch.seeds)
 
 
-def score(source: RolloutSource, batch: Batch, rollout: Rollout) -> list:
-    """Each sample's task reward (None: unscored); a trajectory's is its environment's plus the reward
-    functions' on its final reply (``envs.rollout.episode_rewards``)."""
+def score(source: RolloutSource, batch: Batch, rollout: Rollout) -> Scored:
+    """Each sample's task reward (None: unscored, or invalid: ``combine.checked``); a trajectory's is its
+    environment's plus the reward functions' on its final reply (``envs.rollout.episode_rewards``)."""
     K = source.group_size
     prompts, examples = [p for p in batch.prompts for _ in range(K)], [e for e in batch.examples for _ in range(K)]
     if rollout.episodes is not None:
         from auto_research.envs.rollout import episode_rewards  # noqa: PLC0415
 
-        return episode_rewards(source.reward, prompts, rollout, examples, source.episodes.scores_replies)
-    return source.reward(prompts, rollout.completions, examples, rollout.token_lists())
+        replies = []  # what the reward functions gave the final replies: their parts and causes
+
+        def reward(*arguments):
+            replies.append(source.reward(*arguments))
+            return replies[-1]
+
+        values = episode_rewards(reward, prompts, rollout, examples, source.episodes.scores_replies)
+        return _episode_scores(values, rollout.episodes, replies[0] if replies else None)
+    return checked(source.reward(prompts, rollout.completions, examples, rollout.token_lists()))
+
+
+def _episode_scores(values: list, episodes: list[dict], replies) -> Scored:
+    """A batch of trajectories' rewards, checked: an environment's own invalid reward (NaN, ±inf, too large) is
+    that trajectory's failure, named; the reward functions' parts and causes are kept."""
+    values, causes = list(values), list(getattr(replies, "causes", None) or [None] * len(values))
+    for index, row in enumerate(episodes):
+        problem = None if row["environment_reward"] is None else reward_problem(row["environment_reward"])
+        if problem is not None:
+            values[index], causes[index] = None, f"the environment's reward was {problem}"
+    return checked(values, "the environment's reward plus the reward functions'", getattr(replies, "parts", None),
+                   causes)
 
 
 def signal_counts(rewards: list, group_size: int, refills: int = 0, trained_no_signal: int | None = None) -> dict:
@@ -178,42 +200,78 @@ def refill(source: RolloutSource, step: int, batch: Batch, rollout: Rollout, rew
     chosen = Batch([b.indices[i] for (b, _, _), i in parts], [b.prompts[i] for (b, _, _), i in parts],
                    [b.examples[i] for (b, _, _), i in parts], [b.seeds[i] for (b, _, _), i in parts])
     pieces = concatenate([r.rows(i * K, (i + 1) * K) for (_, r, _), i in parts], source.pad_token_id)
-    scores = [value for (_, _, s), i in parts for value in s[i * K: (i + 1) * K]]
+    scores = Scored.join([s.rows(i * K, (i + 1) * K) for (_, _, s), i in parts])
     return chosen, pieces, scores, counts
 
 
 def agreed_scores(world, drawn: Drawn, step: int, group_size: int) -> Scores:
     """The rollout's task rewards, agreed over every rank: a reward that failed on one rank stops every rank
-    (each would otherwise wait for the others); a step in which no completion could be scored is an error."""
+    (each would otherwise wait for the others); a step in which no completion could be scored is an error that
+    says why (each cause and how many it struck). With the rewards, every reward function's own mean and
+    standard deviation (``function_figures``) and the invalid values' count."""
     world.agree(RewardError(drawn.failure) if drawn.failure is not None else None, RewardError)
     values = drawn.rewards
     scored = torch.tensor([value is not None for value in values])
     rewards = torch.tensor([0.0 if value is None else value for value in values])
-    unscored, total = (int(x) for x in world.total(torch.tensor([int((~scored).sum()), len(values)])))
+    unscored, total, invalid = (int(x) for x in world.total(torch.tensor(
+        [int((~scored).sum()), len(values), invalid_count(values)])))
+    causes = {}
+    if unscored:  # on every rank alike: the gather is a collective
+        for part in world.gather_objects(Counter(cause for cause in getattr(values, "causes", ()) if cause)):
+            causes.update({cause: causes.get(cause, 0) + count for cause, count in part.items()})
     if unscored == total:
         from auto_research.envs.rollout import environment_failures  # noqa: PLC0415
 
-        reason = environment_failures(drawn.rollout) or f"the reward returned None for all {unscored} completions"
+        reason = environment_failures(drawn.rollout) or unscored_reasons(causes, unscored, total, "completions")
         raise RewardError(f"no sample of step {step} could be scored: {reason}")
     greedy_rewards = None
     if drawn.greedy_rewards is not None:
         greedy_rewards = torch.tensor([0.0 if v is None else v for v in drawn.greedy_rewards]).repeat_interleave(
             group_size)
-    return Scores(rewards, scored, greedy_rewards, unscored, total)
+    return Scores(rewards, scored, greedy_rewards, unscored, total, invalid, causes,
+                  function_figures(world, getattr(values, "parts", {})))
+
+
+def unscored_reasons(causes: dict, unscored: int, total: int, noun: str) -> str:
+    """"reward 'f' returned nan for all 4 completions", or each cause with its count, most frequent first (a
+    plain None is "the reward returned None")."""
+    counted = dict(causes)
+    if unscored > sum(causes.values()):
+        counted["the reward returned None"] = unscored - sum(causes.values())
+    ordered = sorted(counted.items(), key=lambda item: -item[1])
+    (first, count), rest = ordered[0], ordered[1:]
+    share = f"all {count}" if count == total else f"{count} of {total}"
+    return f"{first} for {share} {noun}" + "".join(f", {cause} for {number}" for cause, number in rest)
+
+
+def function_figures(world, parts: dict) -> dict:
+    """Each reward function's mean and (population) standard deviation over the samples it gave a value, over
+    every rank: ``reward/<name>`` (the mean) and ``reward/<name>/std`` (None where it gave none)."""
+    if not parts:
+        return {}
+    sums = world.total(torch.tensor([[sum(v for v in part if v is not None), sum(v * v for v in part if v is not None),
+                                      sum(v is not None for v in part)] for part in parts.values()],
+                                    dtype=torch.float64))
+    figures = {}
+    for name, (total, squares, count) in zip(parts, sums.tolist()):
+        mean = total / count if count else None
+        figures[f"reward/{name}"] = mean
+        figures[f"reward/{name}/std"] = math.sqrt(max(squares / count - mean * mean, 0.0)) if count else None
+    return figures
 
 
 def rollout_figures(world, drawn: Drawn, step: int, dynamic: bool = False) -> dict:
     """Staleness (versions between the weights that drew a sample and the policy it updates, version step − 1)
     over every rank's samples, the rollout side's own times for this batch, and the groups without signal
-    among those sampled (before dynamic sampling's filter; with it, also those trained on, refills and prompts
-    sampled), over every rank."""
+    (``dynamic.has_signal``: no two scored rewards differ) among those sampled, a count and a fraction (before
+    dynamic sampling's filter; with it, also those trained on, refills and prompts sampled), over every rank."""
     staleness = world.gather(((step - 1) - drawn.rollout.policy_versions).double())
     counts = drawn.counts or {"groups_sampled": 0, "no_signal_sampled": 0, "refills": 0, "trained_no_signal": 0}
     sampled, no_signal, refills, trained = (int(x) for x in world.total(torch.tensor(
         [counts["groups_sampled"], counts["no_signal_sampled"], counts["refills"], counts["trained_no_signal"]])))
     figures = {"staleness_mean": float(staleness.mean()), "staleness_max": int(staleness.max()),
                "time_sample": drawn.seconds["sample"], "time_sampler_idle": drawn.seconds["idle"],
-               "no_signal_fraction": no_signal / max(sampled, 1)}
+               "no_signal_groups": no_signal, "no_signal_fraction": no_signal / max(sampled, 1)}
     if drawn.rollout.episodes is not None:
         from auto_research.envs.rollout import episode_figures  # noqa: PLC0415
 
@@ -271,6 +329,8 @@ def to_files(batches: list[Drawn]) -> tuple[dict, list]:
         plain.append({"step": drawn.step, "indices": drawn.batch.indices, "seeds": drawn.batch.seeds,
                       "completions": drawn.rollout.completions, "group_size": drawn.rollout.group_size,
                       "trained_distribution": drawn.rollout.trained_distribution, "rewards": drawn.rewards,
+                      "reward_parts": getattr(drawn.rewards, "parts", None),
+                      "reward_causes": getattr(drawn.rewards, "causes", None),
                       "greedy_rewards": drawn.greedy_rewards, "failure": drawn.failure,
                       "numpy_after": drawn.numpy_after, "seconds": drawn.seconds, "counts": drawn.counts,
                       "episodes": drawn.rollout.episodes})
@@ -285,7 +345,9 @@ def from_files(source: RolloutSource, tensors: dict, plain: list) -> list[Drawn]
                           saved["group_size"], parts["sampler_logprobs"], parts["sampler_entropy"],
                           saved["trained_distribution"], parts["policy_versions"], parts["loss_mask"],
                           saved.get("episodes"))
+        rewards = saved["rewards"] if saved["rewards"] is None else Scored(
+            saved["rewards"], saved.get("reward_parts"), saved.get("reward_causes"))
         batches.append(Drawn(saved["step"], batch_of(source, saved["indices"], saved["seeds"]), rollout,
-                             saved["rewards"], saved["greedy_rewards"], saved["failure"], saved["numpy_after"],
+                             rewards, saved["greedy_rewards"], saved["failure"], saved["numpy_after"],
                              saved["seconds"], tensors.get(f"{index}/reference_logprobs"), saved.get("counts")))
     return batches

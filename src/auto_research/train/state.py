@@ -11,7 +11,7 @@ import numpy as np
 
 
 def _totals() -> dict:
-    return {"no_signal_groups": 0, "unscored_samples": 0, "generated_tokens": 0, "seconds": 0.0}
+    return {"no_signal_groups": 0, "unscored_samples": 0, "invalid_rewards": 0, "generated_tokens": 0, "seconds": 0.0}
 
 
 @dataclass
@@ -35,6 +35,7 @@ class LoopState:
     """The last evaluation's completion table, {"step", "rows"} (--log-completions)."""
     totals: dict = field(default_factory=_totals)
     warned_unscored: bool = False
+    warned_refills: bool = False
 
     @classmethod
     def fresh(cls, seed: int) -> "LoopState":
@@ -52,7 +53,7 @@ class LoopState:
         self.step = saved["step"]
         self.moving_average = saved["algorithm_state"].get("moving_average", 0.0)
         self.history, self.baseline = saved["history"], saved["baseline"]
-        self.updates, self.totals = saved["updates"], saved["totals"]
+        self.updates, self.totals = saved["updates"], {**_totals(), **saved["totals"]}  # an older run's lacks some
         self.critic_updates = saved.get("critic_updates", 0)
         self.baseline_completions = saved.get("baseline_completions")
         self.completions = saved.get("completions")

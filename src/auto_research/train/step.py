@@ -20,8 +20,9 @@ from auto_research.errors import RewardError, RolloutEngineError
 from auto_research.train.components import Components
 from auto_research.train.experience import build_experience
 from auto_research.train.in_flight import start_rollouts
+from auto_research.train.dynamic import REFILL_WARNING
 from auto_research.train.metrics import drift_figures, step_metrics
-from auto_research.train.rollouts import agreed_scores, rollout_figures
+from auto_research.train.rollouts import agreed_scores, rollout_figures, unscored_reasons
 from auto_research.train.state import LoopState
 from auto_research.train.update import estimate_advantages, moving_average_after, update_actor, update_critic
 
@@ -63,6 +64,9 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
         row["weight_sync_seconds"] = seconds["weight_sync"]
     seconds["score"] += drawn.seconds["score"]
     figures = rollout_figures(c.world, drawn, step, c.config.dynamic_sampling)
+    state.totals["no_signal_groups"] += figures["no_signal_groups"]
+    if c.config.dynamic_sampling:
+        _warn_refills(state, figures, c.config.prompts_per_step, step, log)
     return {**row, **figures, **{f"time_{phase}": value for phase, value in seconds.items()}}
 
 
@@ -87,8 +91,19 @@ def check_mismatch(drift: dict, bound: float, step: int, main: bool = True) -> N
 def _warn_unscored(state: LoopState, scores, step: int, log) -> None:
     if scores.unscored and not state.warned_unscored:
         state.warned_unscored = True
-        log(f"warning: the reward returned None for {scores.unscored} of {scores.samples} samples at step {step}; "
-            "they are left out of their groups' baselines (counted in unscored_samples; warned once per run)")
+        invalid = ", those with an invalid value also in invalid_rewards" if scores.invalid else ""
+        log(f"warning: {unscored_reasons(scores.causes, scores.unscored, scores.samples, 'samples')} at step {step}; "
+            f"they are left out of their groups' baselines (counted in unscored_samples{invalid}; warned once per run)")
+
+
+def _warn_refills(state: LoopState, figures: dict, prompts_per_step: int, step: int, log) -> None:
+    """Dynamic sampling that refilled more than ``REFILL_WARNING`` groups per slot in one step: most groups have
+    no signal (a constant reward, a task far too easy or too hard), and each refill costs a sampling round."""
+    if figures["refills"] > REFILL_WARNING * prompts_per_step and not state.warned_refills:
+        state.warned_refills = True
+        log(f"warning: step {step} refilled {figures['refills']} groups for {prompts_per_step} prompt slots, and "
+            f"{figures['no_signal_groups']} of the {figures['prompts_sampled']} groups sampled had no signal (all K "
+            "rewards equal): is the reward constant on most prompts? (--max-refills bounds it; warned once per run)")
 
 
 HEAP_RETURNED_BEFORE = ("waiting_for_rollouts", "update_actor")

@@ -4,6 +4,7 @@ Every setting that shapes the distribution is an argument (``SamplingSettings``)
 ``generation_config`` (repetition penalty, suppressed tokens, min_p …) is never read. Token t of a
 sample is logits/temperature → top-k → top-p → an inverse-CDF draw at a uniform from the prompt's own
 generator, so the samples of a prompt do not depend on which other prompts share its batch or process.
+Temperature 0 is greedy decoding (the argmax, log-probs of the temperature-1 distribution), as in vLLM.
 """
 
 from __future__ import annotations
@@ -69,6 +70,23 @@ def draw(logits: torch.Tensor, uniforms: torch.Tensor, probabilities: torch.Tens
     return index.clamp(max=logits.shape[-1] - 1)
 
 
+def next_token(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """Each row's next token (logits/temperature → top-k → top-p → ``draw``), its log-prob under the distribution
+    it was drawn from and that distribution's entropy. Temperature 0 is greedy decoding: the argmax, with its
+    log-prob and the entropy of the temperature-1 distribution, unfiltered (vLLM's ``processed_logprobs`` for a
+    greedy request): finite, where logits / 0 would be NaN."""
+    if temperature == 0:
+        probabilities = logits.double().softmax(-1)
+        token = logits.argmax(-1)
+    else:
+        logits = logits / temperature if temperature != 1.0 else logits
+        filtered = filter_logits(logits, top_k, top_p).double()
+        probabilities = filtered.softmax(-1)
+        token = draw(filtered, uniforms, probabilities)
+    logprob = probabilities.gather(-1, token.unsqueeze(-1)).squeeze(-1).log().float()
+    return token, logprob, -torch.special.xlogy(probabilities, probabilities).sum(-1).float()
+
+
 def _prefill(model, input_ids, attention, repeats: int):
     """The prompts' forward, once per prompt: its last logits and the KV cache, then each repeated ``repeats``
     times for the K samples (a cache that cannot be repeated is made by a forward over the repeated rows)."""
@@ -109,8 +127,9 @@ def sample(
     seeds: list[int] | None = None,
     drop_finished: bool = True,
 ) -> Rollout:
-    """K samples for each prompt (or one greedy completion each when ``greedy``), with the sampler's
-    log-probabilities of the drawn tokens and the entropy of each token's distribution. Prompts are texts or
+    """K samples for each prompt (or one greedy completion each when ``greedy``: no log-probs), with the sampler's
+    log-probabilities of the drawn tokens and the entropy of each token's distribution (``next_token``;
+    ``temperature`` 0: K greedy completions, with temperature 1's log-probs). Prompts are texts or
     token ids (``encode_prompts``). Each prompt is prefilled once and its KV cache shared by its K samples.
     Without ``seeds`` the uniforms come from torch's global generator. With ``drop_finished`` (the default) a
     row that has ended leaves the decode batch and its KV cache at once (``droppable``), so the forward's work
@@ -152,12 +171,8 @@ def sample(
                 if greedy:
                     token = logits.argmax(-1)
                 else:
-                    logits = logits / temperature if temperature != 1.0 else logits
-                    filtered = filter_logits(logits, top_k, top_p).double()
-                    probabilities = filtered.softmax(-1)
-                    token = draw(filtered, uniforms[live, t], probabilities)
-                    logprobs[live, t] = probabilities.gather(-1, token.unsqueeze(-1)).squeeze(-1).log().float()
-                    entropies[live, t] = -torch.special.xlogy(probabilities, probabilities).sum(-1).float()
+                    token, logprobs[live, t], entropies[live, t] = next_token(logits, uniforms[live, t], temperature,
+                                                                              top_k, top_p)
                 token = torch.where(finished[live], torch.full_like(token, pad), token)
                 completion_ids[live, t] = token
                 finished[live] |= torch.isin(token, eos)
@@ -181,7 +196,9 @@ def sample(
     texts = tokenizer.batch_decode(completion_ids * mask + pad * (1 - mask), skip_special_tokens=True)
     sampled = logprobs[:, :steps] * mask if logprobs is not None else None
     entropy = entropies[:, :steps] * mask if entropies is not None else None
-    unfiltered = not greedy and not top_k and top_p >= 1.0
+    # The training model's own distribution, as the trainer computes it (logits / T): not at temperature 0, whose
+    # log-probs are temperature 1's.
+    unfiltered = not greedy and not top_k and top_p >= 1.0 and temperature != 0
     return Rollout(sequences, prompt_mask, mask, texts, repeats, sampled, entropy, unfiltered)
 
 

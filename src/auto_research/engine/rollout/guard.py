@@ -28,6 +28,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from auto_research.config.rollout import temperature_problem
+
 MAX_GROUP_SIZE = 256
 """Completions per prompt a request may ask for (``--max-group-size`` raises it)."""
 MAX_PROMPTS = 4096
@@ -217,9 +219,12 @@ def check_generate(request, vocab_size: int, max_model_len: int, max_group_size:
                            f"max_model_len {max_model_len}")
     from auto_research.engine.rollout import SamplingSettings  # noqa: PLC0415 - torch, only once checked
 
+    temperature = _number(settings.get("temperature", 1.0), "temperature", 0.0, 100.0)
+    if temperature_problem(temperature):  # 0 is greedy; (0, MIN_TEMPERATURE) is refused, as by the trainer's flag
+        raise Refused(400, f"temperature {temperature_problem(temperature)}")
     checked = SamplingSettings(
         max_new_tokens=new_tokens,
-        temperature=_number(settings.get("temperature", 1.0), "temperature", 0.0, 100.0),
+        temperature=temperature,
         top_p=_number(settings.get("top_p", 1.0), "top_p", 0.0, 1.0, low_open=True),
         top_k=_integer(settings.get("top_k", 0), "top_k", 0, vocab_size))
     return prompts, group_size, seeds, checked

@@ -126,16 +126,21 @@ class VLLMSampler:
 
         if len(seeds) != len(prompt_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
+        # Temperature 0 is greedy, which vLLM draws once per prompt (it refuses n > 1): the K completions are that
+        # one, repeated. Its log-probs are those of the temperature-1 distribution, as the builtin engine's.
+        greedy = (settings or self.settings).temperature == 0
         with _process_kept():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids],
-                                        [self.sampling_params(group_size, seed, settings) for seed in seeds],
-                                        use_tqdm=False)
+                                        [self.sampling_params(1 if greedy else group_size, seed, settings)
+                                         for seed in seeds], use_tqdm=False)
         completions, logprobs = [], []
         for output in outputs:
             for sample in sorted(output.outputs, key=lambda one: one.index):
                 tokens = list(sample.token_ids)
-                completions.append(tokens)
-                logprobs.append([step[token].logprob for step, token in zip(sample.logprobs, tokens)])
+                values = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
+                for _ in range(group_size if greedy else 1):
+                    completions.append(list(tokens))
+                    logprobs.append(list(values))
         return completions, logprobs
 
     def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
