@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from auto_research.algorithms.registry import REGISTRY, candidate_algorithms
+from auto_research.algorithms.registry import candidate_algorithms
 from auto_research.cli.flags import flag_names, given, load_config_file
 from auto_research.config.candidate import CandidateConfig
 from auto_research.config.generation import GenerationConfig
@@ -91,10 +91,12 @@ def compare(args: argparse.Namespace) -> int:
     group_sizes = options.group_size_list()
     seeds = options.seed_list() or [settings.get("seed", 42)]
     if is_generation_dataset(dataset):
-        algorithms = options.algorithm_list(list(REGISTRY))
+        runs = options.generation_runs(group_sizes)
         from auto_research.recipes.compare import compare_generation
 
-        result = compare_generation(GenerationConfig(**settings), algorithms, seeds, group_sizes, log=_stderr)
+        result = compare_generation(GenerationConfig(**settings), runs, seeds, log=_stderr,
+                                    samples_per_step=options.samples_per_step,
+                                    drop_checkpoints=options.drop_checkpoints)
         print(result["table"])
         print()
         for path in result["paths"]:
@@ -102,6 +104,9 @@ def compare(args: argparse.Namespace) -> int:
         return 0
     if len(group_sizes) > 1:
         raise UserError("several --group-size values are for the generation level; the candidate level takes one")
+    if options.samples_per_step is not None or options.drop_checkpoints:
+        raise UserError("--samples-per-step and --drop-checkpoints are for the generation level; the candidate level "
+                        "has neither prompts per step nor checkpoints")
     config = _candidate({**settings, "group_size": group_sizes[0]}, dataset)
     algorithms = options.algorithm_list(candidate_algorithms())
     for name in algorithms:

@@ -213,6 +213,13 @@ def verified_checkpoint(run_dir: Path, log) -> Path:
     raise UserError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'} verifies: {problems[0]}")
 
 
+def differing_settings(saved: dict, current: dict) -> list[str]:
+    """'key (was a, now b)' for each setting (``to_json`` keys) in which a run's saved settings and this command's
+    differ, beyond those a resumed run may change."""
+    return [f"{key} (was {saved.get(key)!r}, now {current[key]!r})" for key in sorted(current)
+            if key not in RESUMABLE_DIFFERENCES and key in saved and saved[key] != current[key]]
+
+
 def resumable_checkpoint(config, log, world_size: int = 1) -> Path:
     """The checkpoint ``--resume`` continues from, after checking that the run's settings are unchanged but for
     ``RESUMABLE_DIFFERENCES`` (--steps no lower than the checkpoint's step) and that it runs on as many processes
@@ -225,11 +232,10 @@ def resumable_checkpoint(config, log, world_size: int = 1) -> Path:
                         f"command on {world_size}: gradients summed in another order would not continue it exactly; "
                         f"resume with the same number, or start a new run from the weights with --model {folder}")
     current = config.to_json()
-    differing = sorted(key for key in current if key not in RESUMABLE_DIFFERENCES and key in saved
-                       and saved[key] != current[key])
+    differing = differing_settings(saved, current)
     if differing:
         raise UserError(f"--resume: the run in {config.run_dir} was started with different settings: "
-                        + ", ".join(f"{key} (was {saved.get(key)!r}, now {current[key]!r})" for key in differing))
+                        + ", ".join(differing))
     if config.steps < state["step"]:
         raise UserError(f"--resume --steps {config.steps}: the run in {config.run_dir} has a checkpoint at step "
                         f"{state['step']} already (a run is not shortened below its last checkpoint): give --steps "

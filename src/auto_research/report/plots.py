@@ -83,8 +83,13 @@ def generation_comparison_plot(path: Path, dataset: str, tag: str, results: dict
         per_step = runs[0]["samples_per_step"]
         points = [[{"step": 0.0, **run["baseline"]}, *run["history"]] for run in runs]
         steps = [row["step"] for row in points[0]]
+        samples = [step * per_step for step in steps]
         accuracy = [statistics.fmean(run[i]["accuracy"] for run in points) for i in range(len(steps))]
-        axes[0].plot([step * per_step for step in steps], accuracy, marker="o", markersize=3, label=label)
+        line = axes[0].plot(samples, accuracy, marker="o", markersize=3, label=label)[0]
+        if len(points) > 1:  # the seeds' band: mean ± their sample standard deviation at each evaluation
+            spread = [statistics.stdev(run[i]["accuracy"] for run in points) for i in range(len(steps))]
+            axes[0].fill_between(samples, [m - s for m, s in zip(accuracy, spread)],
+                                 [m + s for m, s in zip(accuracy, spread)], color=line.get_color(), alpha=0.15)
         kl = [statistics.fmean(run[i]["kl_from_reference"] for run in points) for i in range(len(steps))]
         reward = [statistics.fmean(run[i]["mean_reward"] or 0.0 for run in points) for i in range(len(steps))]
         line = axes[1].plot(kl, reward, marker="o", markersize=3, label=label)[0]
@@ -94,7 +99,7 @@ def generation_comparison_plot(path: Path, dataset: str, tag: str, results: dict
             axes[1].plot(kl, gold, marker="x", markersize=3, linestyle="--", color=line.get_color(),
                          label=f"{label}: gold reward")
     axes[0].set_xlabel("samples generated")
-    axes[0].set_ylabel("held-out greedy accuracy")
+    axes[0].set_ylabel("held-out greedy accuracy (band: ± std over seeds)")
     axes[1].set_xlabel("KL(π ‖ π_ref) of held-out greedy completions")
     axes[1].set_ylabel("held-out mean reward")
     for axis in axes:
@@ -103,6 +108,28 @@ def generation_comparison_plot(path: Path, dataset: str, tag: str, results: dict
     if any("gold_reward" in run["final"] for runs in results.values() for run in runs):
         axes[1].legend(fontsize=7)
     figure.suptitle(f"{dataset}: {tag}")
+    figure.tight_layout()
+    return atomic_write_bytes(path, _png(figure, 120))
+
+
+def frontier_plot(path: Path, curves: dict[str, list[tuple[float, float]]], points: dict[str, tuple[float, float]],
+                  title: str) -> Path:
+    """PNG: the reward of the sampled completions against their KL(π ‖ π_ref), the RLOO paper's frontier (up and
+    to the left is better). ``curves``: per run, (KL, reward) points in training order, the last one ringed;
+    ``points``: labelled single (KL, reward) points (an ablation's final values), drawn as crosses."""
+    figure, axis = plt.subplots(figsize=(7, 4.8))
+    for label, curve in curves.items():
+        kl, reward = zip(*curve)
+        line = axis.plot(kl, reward, marker="o", markersize=3, linewidth=1, label=label)[0]
+        axis.plot(kl[-1], reward[-1], marker="o", markersize=9, fillstyle="none", color=line.get_color())
+    for label, (kl, reward) in points.items():
+        axis.plot([kl], [reward], marker="x", markersize=7, color="black")
+        axis.annotate(label, (kl, reward), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    axis.set_xlabel("KL(π ‖ π_ref) of the sampled completions, per completion")
+    axis.set_ylabel("mean reward of the sampled completions")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    axis.set_title(title, fontsize=10)
     figure.tight_layout()
     return atomic_write_bytes(path, _png(figure, 120))
 

@@ -54,6 +54,7 @@ def step_metrics(c: Components, step: int, experience: Experience, advantages: A
         "kl": float(kl_sequence.mean()),
         "entropy": entropy / max(generated, 1),
         "completion_length": generated / sequences,
+        "completions": sequences,  # samples this step trained on: compare checks equal samples from these
         "advantage_mean": float(sequence_advantages.mean()),
         "advantage_std": float(sequence_advantages.double().std(unbiased=False)),
         "advantage_abs_max": float(sequence_advantages.abs().max()),
