@@ -109,10 +109,12 @@ def sums(tmp_path_factory):
     return path
 
 
+# --warmup-steps 10: a data file's preset warmup until it became none. The bounds on how far one process's
+# numbers may be from two processes' (fp32 sums in another order, grown by each update) were set under it.
 RUN = ["post-train", "--dataset", "DATA", "--model", "MODEL", "--prompts-per-step", "4", "--group-size", "4",
        "--max-new-tokens", "4", "--evaluation-examples", "4", "--learning-rate", "3e-3", "--offline", "--no-progress",
        "--seed", "3", "--sampler", "vllm", "--vllm-mode", "server", "--temperature", "1.0", "--device", "cpu",
-       "--threads", "1", "--micro-batch-size", "4", "--eval-every", "0"]
+       "--threads", "1", "--micro-batch-size", "4", "--eval-every", "0", "--warmup-steps", "10"]
 TWENTY = ("--steps", "20", "--checkpoint-every", "0", "--reward", "match")
 
 
