@@ -8,23 +8,8 @@ import os
 
 from auto_research.algorithms.registry import get_algorithm
 from auto_research.config.fields import parse_cores
+from auto_research.engine.temperature import MIN_TEMPERATURE, temperature_problem
 from auto_research.errors import UserError
-
-
-MIN_TEMPERATURE = 0.01
-"""The smallest sampling temperature above 0 (0 is greedy decoding, on every engine). vLLM raises any temperature
-in (0, 0.01) to 0.01 (with a warning), so another engine sampling below it would draw from another distribution;
-and far below it logits / T overflow (at 1e-300 every logit is ±inf and the softmax NaN)."""
-
-
-def temperature_problem(value: float) -> str | None:
-    """Why a sampling temperature is refused (a request's: 0 is greedy), or None."""
-    if not (math.isfinite(value) and value >= 0):
-        return f"must be a finite number >= 0, got {value}"
-    if 0 < value < MIN_TEMPERATURE:
-        return (f"{value:g} is below the smallest sampling temperature, {MIN_TEMPERATURE:g} (vLLM raises anything "
-                f"lower to it; far lower, logits / T overflow); 0 is greedy decoding")
-    return None
 
 
 def check_temperature(value: float) -> None:

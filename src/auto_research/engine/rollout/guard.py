@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from auto_research.config.rollout import temperature_problem
+from auto_research.engine.temperature import temperature_problem
 
 MAX_GROUP_SIZE = 256
 """Completions per prompt a request may ask for (``--max-group-size`` raises it)."""
