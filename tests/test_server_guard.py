@@ -18,7 +18,8 @@ from safetensors.torch import save
 
 from auto_research.engine.rollout import SamplingSettings
 from auto_research.engine.rollout.guard import Leases, Refused, WeightPush, check_claim, check_generate
-from auto_research.engine.rollout.server import Limits, Served, is_loopback, make_server
+from auto_research.engine.rollout.serve import is_loopback
+from auto_research.engine.rollout.server import Limits, Served, make_server
 
 HOLDER = {"host": "node-a", "pid": 111, "run": "/runs/one"}
 SECRET, OTHER_SECRET = "5" * 64, "6" * 64

@@ -179,7 +179,7 @@ def rollout_serve(args: argparse.Namespace) -> int:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    from auto_research.engine.rollout.server import serve
+    from auto_research.engine.rollout.serve import serve
 
     serve(config, log=_stderr)
     return 0
