@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from auto_research.data.types import Example
-from auto_research.algorithms.correction import check_weights, importance_weights, mismatch
+from auto_research.algorithms.correction import importance_weights, mismatch
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
 from auto_research.engine.rollout import Rollout
 from auto_research.engine.samplers import sampler_record
@@ -143,7 +143,6 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
         # Another engine or older weights sampled: how far μ is from π_old, and the weights that correct it.
         weights = importance_weights(old_logprobs - rollout.sampler_logprobs, mask, c.config.rollout_correction,
                                      c.config.rollout_correction_cap)
-        check_weights(c.world, weights, mask)
         drift = mismatch(old_logprobs, rollout.sampler_logprobs, mask)
     return Experience(rollout, scores, old_logprobs, entropy, kl, reference_logprobs, values, weights, drift)
 

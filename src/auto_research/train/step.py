@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from auto_research.algorithms.correction import check_weights
 from auto_research.engine.heap import release_free_memory
 from auto_research.engine.samplers import sampler_record
 from auto_research.errors import RewardError, RolloutEngineError
@@ -32,18 +33,14 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
     started, seconds = time.perf_counter(), {}
     timed, rollouts = _timer(c, seconds), c.rollouts or start_rollouts(c, state)
     with timed("waiting_for_rollouts"):  # at --max-staleness 0, the trainer idles while the batch is drawn
-        try:
-            drawn = rollouts.take(step)
-        except RewardError as error:  # a rollout function's bad return on this rank: the others are told, below
-            c.world.agree(error, RewardError)  # the collective that agreed_scores holds on every other rank
-            raise
+        drawn = _take(c, rollouts, step)
     with timed("score"):
         scores = agreed_scores(c.world, drawn, step, c.config.group_size)
     _warn_unscored(state, scores, step, log)
     with timed("experience"):
         experience = build_experience(c, drawn.rollout, scores, step - 1, drawn.reference_logprobs)
         drift = drift_figures(c, experience)
-    check_mismatch(drift, c.config.max_rollout_mismatch, step, c.world.main)
+    _check_sampler(c, experience, drift, step)
     with timed("advantages"):
         advantages = estimate_advantages(c, experience, state.moving_average)
         if c.algorithm.moving_average is not None:  # the loop's baseline moves after the advantages used it
@@ -54,20 +51,41 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
         state.updates += c.updates_per_step
     with timed("update_critic"):
         critic = update_critic(c, experience, advantages, state.updates)
-        if c.critic is not None:
-            state.critic_updates += c.updates_per_step
+        state.critic_updates += c.updates_per_step if c.critic is not None else 0
     with timed("weight_sync"):
         rollouts.publish(step, c.policy)
     row = step_metrics(c, step, experience, advantages, actor, critic, time.perf_counter() - started, state.totals,
                        drift)
-    if sampler_record(c.config).pushes_weights:
-        row["weight_sync_seconds"] = seconds["weight_sync"]
+    return {**row, **_rollout_row(c, state, drawn, seconds, step, log)}
+
+
+def _take(c: Components, rollouts, step: int):
+    """The step's drawn batch; a rollout function's bad return on this rank is told to the others (the collective
+    ``agreed_scores`` holds on every other rank) before it is raised."""
+    try:
+        return rollouts.take(step)
+    except RewardError as error:
+        c.world.agree(error, RewardError)
+        raise
+
+
+def _check_sampler(c: Components, experience, drift: dict, step: int) -> None:
+    """Before the update: the sampler's log-probs within --max-rollout-mismatch of the trainer's, and some of the
+    correction's weights alive (``correction.check_weights``)."""
+    check_mismatch(drift, c.config.max_rollout_mismatch, step, c.world.main)
+    if experience.rollout_weights is not None:
+        check_weights(c.world, experience.rollout_weights, experience.mask)
+
+
+def _rollout_row(c: Components, state: LoopState, drawn, seconds: dict, step: int, log) -> dict:
+    """The rollout side's figures of the step (groups, refills, the weight sync's time) and its phases' times."""
+    extra = {"weight_sync_seconds": seconds["weight_sync"]} if sampler_record(c.config).pushes_weights else {}
     seconds["score"] += drawn.seconds["score"]
     figures = rollout_figures(c.world, drawn, step, c.config.dynamic_sampling)
     state.totals["no_signal_groups"] += figures["no_signal_groups"]
     if c.config.dynamic_sampling:
         _warn_refills(state, figures, c.config.prompts_per_step, step, log)
-    return {**row, **figures, **{f"time_{phase}": value for phase, value in seconds.items()}}
+    return {**extra, **figures, **{f"time_{phase}": value for phase, value in seconds.items()}}
 
 
 def check_mismatch(drift: dict, bound: float, step: int, main: bool = True) -> None:
