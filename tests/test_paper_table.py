@@ -74,7 +74,7 @@ def test_the_paper_table_runs_at_equal_samples_writes_its_table_and_figures_and_
     # Again without --resume: the finished runs are refused, not overwritten.
     with pytest.raises(SystemExit) as stopped:
         paper_table.main(_args(tiny_model, tmp_path))
-    assert stopped.value.code == 2 and "continue it with --resume" in capsys.readouterr().err
+    assert stopped.value.code == 2 and "holds a finished run without its checkpoints" in capsys.readouterr().err
     # With --resume: read, not trained again.
     paper_table.main(_args(tiny_model, tmp_path, "--resume"))
     err = capsys.readouterr().err

@@ -333,9 +333,9 @@ def test_reward_arrays_are_accepted(tiny_model_dir, sums_jsonl, tmp_path, reward
 
 @pytest.mark.parametrize("source, message", [
     ("def score(prompts, completions, rows)\n    return []\n", "syntax error in"),
-    ("import no_such_dependency_xyz\n", "importing 'broken_reward' failed (ModuleNotFoundError: No module named "
+    ("import no_such_dependency_xyz\n", "broken_reward.py failed (ModuleNotFoundError: No module named "
                                         "'no_such_dependency_xyz')"),
-    ("raise RuntimeError('needs an API key')\n", "importing 'broken_reward' failed (RuntimeError: needs an API key)"),
+    ("raise RuntimeError('needs an API key')\n", "broken_reward.py failed (RuntimeError: needs an API key)"),
 ])
 def test_a_reward_module_that_cannot_be_imported_is_one_line(tiny_model_dir, sums_jsonl, tmp_path, source, message):
     (tmp_path / "broken_reward.py").write_text(source)

@@ -269,6 +269,9 @@ def check_run_folder(config) -> None:
     found = run_outputs(config.run_dir)
     if found:
         steps = checkpoint_dirs(config.run_dir)
+        if not steps and "metrics.json" in found:  # finished, its checkpoints removed (compare --drop-checkpoints)
+            raise UserError(f"{config.run_dir} holds a finished run without its checkpoints ({', '.join(found)}): "
+                            "compare --resume reads it as it is; or start afresh with --overwrite (which deletes it)")
         if not steps:
             raise UserError(f"{config.run_dir} holds an earlier run that stopped before its first checkpoint "
                             f"({', '.join(found)}): start afresh with --overwrite (which deletes it)")
