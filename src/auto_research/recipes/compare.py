@@ -46,7 +46,10 @@ def compare_generation(base: GenerationConfig, algorithms: list[str], seeds: lis
             for seed in seeds:
                 folder = output / f"k{K}" if len(group_sizes) > 1 else output
                 config = replace(base, algorithm=algorithm, group_size=K, seed=seed, output_dir=folder).filled()
-                prepare(config, log)  # every run's settings are checked before the first one starts
+                prepared = prepare(config, log)  # every run's settings are checked before the first one starts
+                if prepared.task.verifier is None:
+                    raise UserError(f"compare ranks algorithms by held-out accuracy, and {prepared.task.name}'s rows "
+                                    "have no answers; run post-train for each algorithm instead")
                 check_unlocked(config.run_dir)
                 planned.append(config)
     # torch (the warm start) and matplotlib only now that every run's settings have passed.
