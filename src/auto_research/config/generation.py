@@ -260,6 +260,8 @@ class GenerationConfig(EnvironmentSettings):
                                       "shows the last); 0 = none", "run", type=int)
     progress: bool = setting(True, "no progress bar or progress lines", "run", flag="--no-progress",
                              action="store_false")
+    verbose: bool = setting(False, "show everything the engines print: vLLM's INFO lines and the known-harmless "
+                                   "warnings hidden otherwise (docs/vllm.md)", "run", action="store_true")
 
     @property
     def dataset_name(self) -> str:

@@ -31,7 +31,7 @@ MANIFEST = "manifest.json"
 # number: a run that ran out of memory may resume with them).
 RESUMABLE_DIFFERENCES = {"resume", "overwrite", "progress", "device", "threads", "output_dir", "report_to",
                          "tracker_project", "log_completions", "offload_reference", "gradient_checkpointing",
-                         "checkpoint_mlp"}
+                         "checkpoint_mlp", "verbose"}
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
