@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -158,33 +159,40 @@ def conversation_prompt(path, number: int, messages: tuple[dict, ...]) -> tuple[
     return messages[:last_user + 1], reply
 
 
-def _fields(where, number: int, row: dict, prompt_field: str | None, answer_field: str | None):
-    """The prompt's and the answer's fields (None: no answers), named by the flags or found in the first row, and
-    the hint each missing-field error gives."""
+class _Fields(NamedTuple):
+    """A dataset's prompt and answer fields (answer None: no answers), and the hint each one's missing-field line
+    gives."""
+    prompt: str
+    answer: str | None
+    prompt_hint: str
+    answer_hint: str
+
+
+def _fields(where, number: int, row: dict, prompt_field: str | None, answer_field: str | None) -> _Fields:
+    """The fields, named by the flags or found in the first row."""
     found = prompt_field or next((name for name in PROMPT_FIELDS if name in row), None)
     prompt_hint = ("the prompt is found in 'prompt' or 'messages', or name it with --prompt-field" if prompt_field
                    is None else "--prompt-field names the prompt's field")
     if found is None:
         raise missing_field(where, number, row, PROMPT_FIELDS[0], prompt_hint)
     if answer_field == NO_ANSWERS or (answer_field is None and ANSWER_FIELD not in row):
-        return found, None, prompt_hint, ""
+        return _Fields(found, None, prompt_hint, "")
     answer_hint = ("the first row has an answer, so every row needs one (--answer-field none: rows without "
                    "answers)" if answer_field is None else
                    "--answer-field names the answer's field (none: rows without answers)")
-    return found, answer_field or ANSWER_FIELD, prompt_hint, answer_hint
+    return _Fields(found, answer_field or ANSWER_FIELD, prompt_hint, answer_hint)
 
 
-def _example(where, number: int, row: dict, fields: tuple, solution_field: str | None) -> Example:
-    prompt_field, answer_field, prompt_hint, answer_hint = fields
-    if prompt_field not in row:
-        raise missing_field(where, number, row, prompt_field, prompt_hint)
-    messages = messages_field(where, number, row, prompt_field)
+def _example(where, number: int, row: dict, fields: _Fields, solution_field: str | None) -> Example:
+    if fields.prompt not in row:
+        raise missing_field(where, number, row, fields.prompt, fields.prompt_hint)
+    messages = messages_field(where, number, row, fields.prompt)
     solution = text_field(where, number, row, solution_field) if solution_field else None
-    if messages and prompt_field == "messages":
+    if messages and fields.prompt == "messages":
         messages, reply = conversation_prompt(where, number, messages)
         solution = solution or reply
-    prompt = messages[-1]["content"] if messages else text_field(where, number, row, prompt_field)
-    answer = _answer_text(where, number, row, answer_field, answer_hint) if answer_field else None
+    prompt = messages[-1]["content"] if messages else text_field(where, number, row, fields.prompt)
+    answer = _answer_text(where, number, row, fields.answer, fields.answer_hint) if fields.answer else None
     return Example(prompt, answer, solution, row, messages)
 
 
@@ -224,7 +232,7 @@ def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str | 
                         "must be left to train on")
     else:
         held = evaluation_examples
-    answered = fields[1] is not None
+    answered = fields.answer is not None
     if verifier is not None and not answered:
         raise UserError(f"--verifier {verifier} judges answers, and the rows of {where} have none ({NO_ANSWERS_WHY})")
     return Task(name, rows[:-held], rows[-held:], rows[:-held], verifier=(verifier or "match") if answered else None,
