@@ -152,3 +152,134 @@ def test_a_critic_of_another_vocabulary_is_refused(tiny_model_dir, sums_jsonl, t
     error = capsys.readouterr().err
     assert f"--critic-model {folder}: its vocabulary has 49 tokens, the policy's 260" in error
     assert not (tmp_path / "out").exists()
+
+
+# --- data as TRL users have it: rows without answers, `messages` conversations, fields found by themselves ---
+
+TOY_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}|{% endfor %}"
+                "{% if add_generation_prompt %}a:{% endif %}")  # short: the tiny model's context is 32 tokens
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture
+def chat_model_dir(tiny_model_dir, tmp_path):
+    """The tiny model with a chat template (conversations need one)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "chat-model"
+    shutil.copytree(tiny_model_dir, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TOY_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _run(model, data, output, *extra):
+    return main(["post-train", "--model", str(model), "--dataset", str(data), "--steps", "2", "--prompts-per-step",
+                 "2", "--max-new-tokens", "3", "--evaluation-examples", "3", "--eval-every", "1", "--log-completions",
+                 "3", "--offline", "--device", "cpu", "--no-progress", "--output-dir", str(output), *extra])
+
+
+def test_rows_without_answers_train_on_a_user_reward_and_report_no_accuracy(tiny_model_dir, tmp_path, monkeypatch,
+                                                                           capsys):
+    """A TRL-style reward-only dataset (a prompt column, no answer): the verifier's default reward is refused in one
+    line; with the user's reward it runs, held-out accuracy is null and the mean reward is the user's."""
+    data = _jsonl(tmp_path / "noanswer.jsonl", [{"prompt": f"{a}+{b}="} for a in range(4) for b in range(4)])
+    (tmp_path / "answerless_rewards.py").write_text(
+        "def length(completions, **kwargs):\n    return [float(len(text)) for text in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _run(tiny_model_dir, data, tmp_path / "refused") == 2
+    error = capsys.readouterr().err.strip()
+    assert error.endswith("noanswer has no answers (the first row has no 'answer' field, or --answer-field none), so "
+                          "the default reward, its verifier, has nothing to compare with: give --reward "
+                          "module:function, --reward-model or --reward-url (or --answer-field)"), error
+    assert not (tmp_path / "refused").exists()
+    assert _run(tiny_model_dir, data, tmp_path / "runs", "--reward", "answerless_rewards:length") == 0, \
+        capsys.readouterr().err
+    run_dir = tmp_path / "runs" / "rloo-noanswer-seed42"
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["baseline"]["accuracy"] is None and metrics["final"]["accuracy"] is None
+    assert metrics["relative_accuracy"] is None
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in steps if "reward_mean" in row] == [1, 2]
+    table = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert len(table) == 9 and all(row["answer"] is None and row["correct"] is None for row in table)
+    assert all(row["reward"] == len(row["completion"]) for row in table)  # the user's reward, by hand
+    final = [row for row in table if row["step"] == 2]
+    assert metrics["final"]["mean_reward"] == pytest.approx(sum(row["reward"] for row in final) / 3)
+    assert "No accuracy: the rows have no answers" in (run_dir / "report.md").read_text()
+    # --answer-field none says so of rows that have an answer column: the verifier may not read it.
+    answered = _jsonl(tmp_path / "answered.jsonl", [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)])
+    assert _run(tiny_model_dir, answered, tmp_path / "none", "--answer-field", "none", "--reward", "match") == 2
+    assert "--reward match compares completions with the rows' answers, and answered has none" in \
+        capsys.readouterr().err
+
+
+def test_a_messages_column_is_the_prompt_up_to_its_last_user_turn(chat_model_dir, tmp_path, capsys):
+    """TRL's conversational `messages` column, found without --prompt-field: the prompt is the conversation up to
+    its last user turn (the reply that follows is dropped from it, and kept as sft's demonstration)."""
+    from auto_research.engine.models import format_prompt
+    from transformers import AutoTokenizer
+
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{a}+{b}="},
+                          {"role": "assistant", "content": str(a + b)}], "answer": str(a + b)}
+            for a in range(4) for b in range(4)]
+    data = _jsonl(tmp_path / "chats.jsonl", rows)
+    task = tasks.jsonl_task(data, None, None, evaluation_examples=3)
+    example = task.train[0]
+    assert example.messages == tuple(rows[0]["messages"][:2]) and example.solution == "0" and example.answer == "0"
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    assert format_prompt(tokenizer, example.messages, True) == "s:Be brief.|u:0+0=|a:"
+    assert _run(chat_model_dir, data, tmp_path / "runs") == 0, capsys.readouterr().err
+    run_dir = tmp_path / "runs" / "rloo-chats-seed42"
+    assert isinstance(json.loads((run_dir / "metrics.json").read_text())["final"]["accuracy"], float)
+    table = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert [row["prompt"] for row in table[:3]] == ["3+1=", "3+2=", "3+3="]  # the held-out rows' user turns
+
+
+def test_conversations_are_cut_and_continued_as_trl_reads_them(chat_model_dir):
+    """A `messages` conversation ends at its last user turn (later turns dropped, the next assistant turn its reply);
+    one without a user turn is refused; a `prompt` conversation ending with an assistant turn is continued, as TRL
+    renders prompt-only data (continue_final_message), not closed and followed by a new turn."""
+    from auto_research.engine.models import format_prompt
+    from auto_research.errors import UserError
+    from transformers import AutoTokenizer
+
+    user, assistant = ({"role": role, "content": text} for role, text in (("user", "a?"), ("assistant", "b")))
+    later = ({"role": "user", "content": "c?"}, {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"})
+    assert tasks.conversation_prompt("f", 1, (user, assistant) + later) == ((user, assistant) + later, None)
+    assert tasks.conversation_prompt("f", 1, (user, assistant) + later[:2]) == ((user, assistant, later[0]), "d")
+    with pytest.raises(UserError, match="^f:3: field 'messages' has no user message"):
+        tasks.conversation_prompt("f", 3, ({"role": "system", "content": "s"}, assistant))
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    assert format_prompt(tokenizer, (user, {"role": "assistant", "content": "The answer is"}), True) == \
+        "u:a?|a:The answer is"
+
+
+@pytest.mark.parametrize("rows, flags, message", [
+    ([{"question": "1+1=", "answer": "2"}], [],
+     "rows.jsonl:1: row has no field 'prompt' (fields: question, answer); the prompt is found in 'prompt' or "
+     "'messages', or name it with --prompt-field"),
+    ([{"question": "1+1=", "answer": "2"}], ["--prompt-field", "query"],
+     "rows.jsonl:1: row has no field 'query' (fields: question, answer); --prompt-field names the prompt's field"),
+    ([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}], [],
+     "rows.jsonl:2: row has no field 'answer' (fields: prompt); the first row has an answer, so every row needs one "
+     "(--answer-field none: rows without answers)"),
+    ([{"prompt": "1+1="}], ["--answer-field", "gold"],
+     "rows.jsonl:1: row has no field 'gold' (fields: prompt); --answer-field names the answer's field (none: rows "
+     "without answers)"),
+], ids=["no-prompt", "named-prompt", "answer-in-first-row-only", "named-answer"])
+def test_a_missing_field_lists_the_columns_and_the_flag(tiny_model_dir, tmp_path, capsys, rows, flags, message):
+    data = _jsonl(tmp_path / "rows.jsonl", rows + [{"prompt": "3+3=", "answer": "6"}] * 3)
+    assert main(["post-train", "--model", str(tiny_model_dir), "--dataset", str(data), "--offline", "--device", "cpu",
+                 "--output-dir", str(tmp_path / "out"), *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == f"auto-research: error: {tmp_path}/{message}", lines
+    assert not (tmp_path / "out").exists()

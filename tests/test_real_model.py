@@ -102,3 +102,64 @@ def test_a_real_model_trains_saves_reloads_and_resumes_exactly(smollm2_dir, tmp_
     with torch.no_grad():
         trained, reloaded = token_logprobs(trainer.components.policy, *arguments), token_logprobs(model, *arguments)
     assert torch.equal(trained, reloaded)
+
+
+def test_the_packaged_tools_model_shows_tools_and_reads_back_its_calls(smollm2_dir):
+    """smollm2-135m-instruct-tools: SmolLM2's weights (linked, not copied) with our tool-calling template. Without
+    tools it renders as the model's own template; with them the system turn lists each schema and the
+    <tool_call> format, which envs/tools.py reads (hermes); a call drawn by the model is answered by the tool as
+    a <tool_response> turn, appended token by token (envs/trajectory.py)."""
+    import os
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from auto_research.engine.packaged import materialise
+    from auto_research.engine.rollout import SamplingSettings
+    from auto_research.envs import Episode
+    from auto_research.envs.tools import call_format, check_template_takes_tools, tool_schema
+    from auto_research.envs.trajectory import Conversation, run_episodes
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    folder = Path(materialise("smollm2-135m-instruct-tools", log=lambda text: None))
+    assert os.path.samefile(folder / "model.safetensors", smollm2_dir / "model.safetensors")
+    tokenizer, plain = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(smollm2_dir)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == plain.apply_chat_template(chat, tokenize=False)
+    schema = tool_schema(add)
+    check_template_takes_tools(tokenizer, [schema], "smollm2-135m-instruct-tools")  # plain's is refused there
+    assert call_format(tokenizer) == "hermes"
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    replies = iter([call, "It is 5."])
+
+    def generate(prompt_ids, seeds, settings):
+        ids = tokenizer(next(replies), add_special_tokens=False)["input_ids"] + [end]
+        return [ids], [[-0.5] * len(ids)]
+
+    conversation = Conversation(tokenizer, [schema], (end,))
+    [trajectory] = run_episodes(generate, conversation, [Episode(None, {}, {"add": add})], ["What is 2 + 3?"], [1],
+                                SamplingSettings(max_new_tokens=64), max_turns=3, max_tokens=400)
+    assert trajectory.messages[2] == {"role": "tool", "name": "add", "content": "5"}
+    assert (trajectory.turns, trajectory.tool_calls, trajectory.tool_errors) == (2, 1, 0)
+    text = tokenizer.decode(trajectory.prompt_ids + trajectory.ids)
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM") and \
+        json.dumps(schema) in system and "<tool_call>" in system
+    assert text.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n" + call +
+                         "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\nIt is 5.<|im_end|>")
+    # A structured tool call (a dataset's, OpenAI's shape) renders as the model writes one.
+    structured = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"},
+         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+             "name": "add", "arguments": {"a": 2, "b": 3}}}]}], tools=[schema], tokenize=False)
+    assert structured.endswith("<|im_start|>assistant\n" + call + "<|im_end|>\n")

@@ -131,7 +131,9 @@ def sft(args: argparse.Namespace) -> int:
 
     result = recipe.run(config)
     for row in result["history"]:
-        print(f"step {row['step']:>6}  loss {row['loss']:.4f}  held-out accuracy {row['held_out_accuracy']:.3f}")
+        accuracy = row["held_out_accuracy"]  # None: the rows have no answers to check
+        print(f"step {row['step']:>6}  loss {row['loss']:.4f}  held-out accuracy "
+              f"{'n/a' if accuracy is None else f'{accuracy:.3f}'}")
     print(f"wrote {result['output_dir']}")
     return 0
 

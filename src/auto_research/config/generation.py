@@ -282,6 +282,8 @@ class GenerationConfig(EnvironmentSettings):
                                     type=int)
     run_name: str | None = setting(None, "the run folder's name under --output-dir, also the trackers' run name",
                                    "run", default_text="ALGORITHM-DATASET-seedSEED")
+    verbose: bool = setting(False, "show everything the engines print: vLLM's INFO lines and the known-harmless "
+                                   "warnings hidden otherwise (docs/vllm.md)", "run", action="store_true")
 
     @property
     def dataset_name(self) -> str:

@@ -54,10 +54,17 @@ def describe_json(value) -> str:
     return JSON_TYPES.get(type(value), type(value).__name__)
 
 
-def text_field(path, number: int, row: dict, name: str) -> str:
-    """``row[name]`` as text; a missing field or one that is not a JSON string is a UserError naming the line."""
+def missing_field(path, number: int, row: dict, name: str, hint: str = "") -> UserError:
+    """The one line for a row without the field ``name``: the row's fields, and ``hint`` (which flag names it)."""
+    return UserError(f"{path}:{number}: row has no field {name!r} (fields: {', '.join(map(str, row)) or 'none'})"
+                     + (f"; {hint}" if hint else ""))
+
+
+def text_field(path, number: int, row: dict, name: str, hint: str = "") -> str:
+    """``row[name]`` as text; a missing field or one that is not a JSON string is a UserError naming the line
+    (and, for a missing one, ``hint``: how to name another field)."""
     if name not in row:
-        raise UserError(f"{path}:{number}: row has no field {name!r} (fields: {', '.join(row) or 'none'})")
+        raise missing_field(path, number, row, name, hint)
     value = row[name]
     if not isinstance(value, str):
         raise UserError(f"{path}:{number}: field {name!r} is {describe_json(value)} ({json.dumps(value)[:40]}), expected text")

@@ -11,15 +11,17 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from auto_research.config.fields import HUB_DATASET, IN_MEMORY
 from auto_research.data.gsm8k import ensure_gsm8k, read_gsm8k
-from auto_research.data.rows import describe_json, iter_jsonl, load_rows, messages_field, text_field
+from auto_research.data.rows import describe_json, iter_jsonl, load_rows, messages_field, missing_field, text_field
 from auto_research.data.types import Example, Task
 from auto_research.errors import UserError
 from auto_research.rewards.gold import GOLD_SCORERS, judge_of
+from auto_research.rewards.verifiers import BUILT_IN, SCORES_ALONE
 
 
 # --- arithmetic-generate ---------------------------------------------------------
@@ -120,18 +122,81 @@ def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int | None, evaluat
 DEFAULT_HELD_OUT = 128
 """A JSONL dataset holds out its last min(128, rows // 5) rows unless --evaluation-examples says how many."""
 
+PROMPT_FIELDS = ("prompt", "messages")
+"""Where a row's prompt is found when --prompt-field names none, the first that the first row has: TRL's prompt
+column (text, or a conversation), else a ``messages`` conversation (TRL's conversational language-modeling
+format, whose prompt is the conversation up to its last user turn: ``conversation_prompt``)."""
+ANSWER_FIELD = "answer"
+NO_ANSWERS = "none"
+"""--answer-field none: the rows have no answers (reward-only data); the user's rewards score completions alone."""
+NO_ANSWERS_WHY = f"the first row has no {ANSWER_FIELD!r} field, or --answer-field {NO_ANSWERS}"
 
-def _answer_text(path, number: int, row: dict, name: str) -> str:
+
+def _answer_text(path, number: int, row: dict, name: str, hint: str) -> str:
     """An answer may be text or a JSON number (written as Python prints it: 12, 0.5); nothing else."""
     value = row.get(name)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if name in row and not isinstance(value, str):
         raise UserError(f"{path}:{number}: field {name!r} is {describe_json(value)}, expected text or a number")
-    return text_field(path, number, row, name)
+    return text_field(path, number, row, name, hint)
 
 
-def jsonl_task(path, prompt_field: str, answer_field: str, evaluation_examples: int | None = None,
+def conversation_prompt(path, number: int, messages: tuple[dict, ...]) -> tuple[tuple[dict, ...], str | None]:
+    """A ``messages`` conversation's prompt and reply: the messages up to its last user turn, and the assistant
+    turn that follows it (None when there is none), a demonstration for ``sft``.
+
+    TRL reads a ``messages`` column as a whole conversation to train on (its language-modeling format) and prompts
+    its RL trainers with a ``prompt`` column that ends where the model's turn begins (a final user turn gets the
+    generation prompt: ``trl.data_utils.apply_chat_template``). The same meaning here: the model writes the turn
+    after the last user message, and whatever the data holds from there on is the reference reply, not prompt."""
+    last_user = max((index for index, message in enumerate(messages) if message["role"] == "user"), default=None)
+    if last_user is None:
+        raise UserError(f"{path}:{number}: field 'messages' has no user message; its prompt is the conversation up "
+                        "to the last user turn")
+    after = messages[last_user + 1:]
+    reply = after[0]["content"] if after and after[0]["role"] == "assistant" else None
+    return messages[:last_user + 1], reply
+
+
+class _Fields(NamedTuple):
+    """A dataset's prompt and answer fields (answer None: no answers), and the hint each one's missing-field line
+    gives."""
+    prompt: str
+    answer: str | None
+    prompt_hint: str
+    answer_hint: str
+
+
+def _fields(where, number: int, row: dict, prompt_field: str | None, answer_field: str | None) -> _Fields:
+    """The fields, named by the flags or found in the first row."""
+    found = prompt_field or next((name for name in PROMPT_FIELDS if name in row), None)
+    prompt_hint = ("the prompt is found in 'prompt' or 'messages', or name it with --prompt-field" if prompt_field
+                   is None else "--prompt-field names the prompt's field")
+    if found is None:
+        raise missing_field(where, number, row, PROMPT_FIELDS[0], prompt_hint)
+    if answer_field == NO_ANSWERS or (answer_field is None and ANSWER_FIELD not in row):
+        return _Fields(found, None, prompt_hint, "")
+    answer_hint = ("the first row has an answer, so every row needs one (--answer-field none: rows without "
+                   "answers)" if answer_field is None else
+                   "--answer-field names the answer's field (none: rows without answers)")
+    return _Fields(found, answer_field or ANSWER_FIELD, prompt_hint, answer_hint)
+
+
+def _example(where, number: int, row: dict, fields: _Fields, solution_field: str | None) -> Example:
+    if fields.prompt not in row:
+        raise missing_field(where, number, row, fields.prompt, fields.prompt_hint)
+    messages = messages_field(where, number, row, fields.prompt)
+    solution = text_field(where, number, row, solution_field) if solution_field else None
+    if messages and fields.prompt == "messages":
+        messages, reply = conversation_prompt(where, number, messages)
+        solution = solution or reply
+    prompt = messages[-1]["content"] if messages else text_field(where, number, row, fields.prompt)
+    answer = _answer_text(where, number, row, fields.answer, fields.answer_hint) if fields.answer else None
+    return Example(prompt, answer, solution, row, messages)
+
+
+def jsonl_task(path, prompt_field: str | None, answer_field: str | None, evaluation_examples: int | None = None,
                solution_field: str | None = None, verifier: str | None = None) -> Task:
     """Rows of a local JSONL file; the last ``evaluation_examples`` rows are held out (see ``rows_task``)."""
     path = Path(path)
@@ -141,24 +206,23 @@ def jsonl_task(path, prompt_field: str, answer_field: str, evaluation_examples: 
                      evaluation_examples, solution_field, verifier)
 
 
-def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str, answer_field: str,
+def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str | None, answer_field: str | None,
               evaluation_examples: int | None = None, solution_field: str | None = None,
               verifier: str | None = None) -> Task:
     """(number, dict) rows → a task; the last ``evaluation_examples`` rows are held out.
 
-    Prompts are JSON strings or conversations (lists of {role, content} messages); solutions strings; answers may be strings or numbers.
-    Anything else (null, a list, an object) is refused with its row number rather
-    than turned into text such as "None". ``where`` names the rows in messages.
+    Prompts are JSON strings or conversations (lists of {role, content} messages); solutions strings; answers may
+    be strings or numbers. Anything else (null, a list, an object) is refused with its row number rather than
+    turned into text such as "None". ``where`` names the rows in messages. A field left None is found in the first
+    row (``PROMPT_FIELDS``; the answer in ``answer`` when it has one); rows without answers (``answer_field``
+    "none", or no ``answer`` in the first row) make a task whose ``verifier`` is None.
     """
-    rows = []
+    rows, fields = [], None
     for number, row in numbered_rows:
         if not isinstance(row, dict):
             raise UserError(f"{where}:{number}: expected a dict (a JSON object), got {type(row).__name__}")
-        messages = messages_field(where, number, row, prompt_field)
-        prompt = messages[-1]["content"] if messages else text_field(where, number, row, prompt_field)
-        answer = _answer_text(where, number, row, answer_field)
-        solution = text_field(where, number, row, solution_field) if solution_field else None
-        rows.append(Example(prompt, answer, solution, row, messages))
+        fields = fields or _fields(where, number, row, prompt_field, answer_field)
+        rows.append(_example(where, number, row, fields, solution_field))
     if len(rows) < 2:
         raise UserError(f"{where}: needs at least 2 rows (one to train on, one to evaluate), found {len(rows)}")
     if evaluation_examples is None:
@@ -168,8 +232,28 @@ def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str, a
                         "must be left to train on")
     else:
         held = evaluation_examples
-    return Task(name, rows[:-held], rows[-held:], rows[:-held], verifier=verifier or "match",
-                source=f"{source} ({len(rows) - held} train, {held} held out)")
+    answered = fields.answer is not None
+    if verifier is not None and not answered:
+        raise UserError(f"--verifier {verifier} judges answers, and the rows of {where} have none ({NO_ANSWERS_WHY})")
+    return Task(name, rows[:-held], rows[-held:], rows[:-held], verifier=(verifier or "match") if answered else None,
+                source=f"{source} ({len(rows) - held} train, {held} held out"
+                       + ("" if answered else "; no answers: rewards score completions alone") + ")")
+
+
+def check_answers(task: Task, rewards: list, reward_model: str | None, scored_elsewhere: bool) -> None:
+    """Rows without answers run when nothing needs an answer: the user's rewards, a reward model or a reward URL
+    score the completions (or an environment or rollout function its episodes). A built-in verifier reward, named
+    or the default, would compare completions with answers there are none of: refused in one line."""
+    if task.verifier is not None:
+        return
+    needing = [name for name, _, user in rewards if not user and name in BUILT_IN and name not in SCORES_ALONE]
+    if needing:
+        raise UserError(f"--reward {needing[0]} compares completions with the rows' answers, and {task.name} has "
+                        f"none ({NO_ANSWERS_WHY}); give --answer-field, or rewards that score completions alone")
+    if not rewards and not reward_model and not scored_elsewhere:
+        raise UserError(f"{task.name} has no answers ({NO_ANSWERS_WHY}), so the default reward, its verifier, "
+                        "has nothing to compare with: give --reward module:function, --reward-model or --reward-url "
+                        "(or --answer-field)")
 
 
 def load_task(config, rows: list[dict] | None = None) -> Task:
@@ -189,17 +273,16 @@ def load_task(config, rows: list[dict] | None = None) -> Task:
             raise UserError(f"dataset {config.dataset}: an in-memory dataset needs its rows (pass dataset=[...] to the "
                             "Python API's post_train)")
         task = rows_task(enumerate(rows, start=1), "rows", config.dataset_name, f"{len(rows)} rows in memory",
-                         config.prompt_field or "prompt", config.answer_field or "answer", config.evaluation_examples,
-                         verifier=config.verifier)
+                         config.prompt_field, config.answer_field, config.evaluation_examples, verifier=config.verifier)
     elif config.dataset.endswith(".jsonl"):
-        task = jsonl_task(config.dataset, config.prompt_field or "prompt", config.answer_field or "answer",
-                          config.evaluation_examples, verifier=config.verifier)
+        task = jsonl_task(config.dataset, config.prompt_field, config.answer_field, config.evaluation_examples,
+                          verifier=config.verifier)
     else:  # .json, .parquet, .csv, a save_to_disk folder, or hf:owner/name, through Hugging Face datasets
         source = config.dataset[len(HUB_DATASET):] if config.dataset.startswith(HUB_DATASET) else config.dataset
         loaded = load_rows(source, config.offline)
         task = rows_task(enumerate(loaded, start=1), config.dataset, config.dataset_name,
-                         f"{source} ({len(loaded)} rows, read with datasets)", config.prompt_field or "prompt",
-                         config.answer_field or "answer", config.evaluation_examples, verifier=config.verifier)
+                         f"{source} ({len(loaded)} rows, read with datasets)", config.prompt_field,
+                         config.answer_field, config.evaluation_examples, verifier=config.verifier)
     for flag, wanted, available, what in (
         ("--maximum-examples", config.maximum_examples, len(task.train), "training prompts"),
         ("--evaluation-examples", config.evaluation_examples, len(task.evaluation), "held-out prompts"),

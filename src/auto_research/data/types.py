@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 class Example:
     prompt: str
     """The text the model is asked to continue (before any chat template)."""
-    answer: str
-    """What the verifier compares a completion against."""
+    answer: str | None
+    """What the verifier compares a completion against; None in rows without answers (reward-only data)."""
     solution: str | None = None
-    """A reference completion, for supervised fine-tuning."""
+    """A reference completion, for supervised fine-tuning (a ``messages`` row's final assistant turn)."""
     fields: dict = field(default_factory=dict)
     """The dataset row as read, for user reward functions."""
     messages: tuple | None = None
@@ -29,8 +29,9 @@ class Task:
     """Held-out prompts for greedy evaluation."""
     demonstrations: list[Example]
     """Prompt + solution pairs for supervised fine-tuning."""
-    verifier: str
-    """Name of the built-in reward that checks answers (rewards/verifiers.py)."""
+    verifier: str | None
+    """Name of the built-in reward that checks answers (rewards/verifiers.py); None when the rows have no answers:
+    then held-out accuracy is not measured (null) and the held-out mean reward is the evaluation's figure."""
     source: str
     gold: object = None
     """A hidden gold scorer (prompts, completions, examples) → floats, evaluated but never trained on."""

@@ -91,14 +91,18 @@ def load_policy(name: str, device: str, dtype, offline: bool, log=None, keep_ada
 
 def format_prompt(tokenizer, prompt, use_chat_template: bool) -> str:
     """The prompt as the model sees it: through the chat template when it has one. A conversation (a sequence of
-    ``{role, content}`` messages) needs the template: refused in one line without it."""
+    ``{role, content}`` messages) needs the template: refused in one line without it. As TRL renders a
+    prompt-only conversation (``trl.data_utils.apply_chat_template``): one that ends with the assistant's turn is
+    continued (its text is the start of the completion), any other gets the generation prompt."""
     if not isinstance(prompt, str):
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("conversational prompts ({role, content} messages) need a model with a chat template, "
                             "and this tokenizer has none; give plain-text prompts")
         if not use_chat_template:
             raise UserError("conversational prompts are rendered with the chat template: drop --no-chat-template")
-        return tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        continued = prompt[-1]["role"] == "assistant"
+        return tokenizer.apply_chat_template(list(prompt), add_generation_prompt=not continued,
+                                             continue_final_message=continued, tokenize=False)
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
     return prompt

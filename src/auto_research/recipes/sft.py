@@ -42,6 +42,9 @@ def _fine_tune(config: SFTConfig, task_config: GenerationConfig) -> dict:
     if config.model is not None:
         check_model_source(config.model, config.offline)
     task = load_task(task_config)
+    if any(example.solution is None and example.answer is None for example in task.demonstrations):
+        raise UserError(f"sft trains on each row's answer (or a messages conversation's final assistant turn), and "
+                        f"{task.name}'s rows have none")
     quiet_transformers()
     if config.threads:
         torch.set_num_threads(config.threads)

@@ -56,7 +56,8 @@ def console_table(metrics: dict) -> str:
     lines = [f"{'metric':<16}{before:>12}{after:>12}"]
     for key in _metrics_of(metrics):
         lines.append(f"{LABELS[key]:<16}{figure(metrics['baseline'].get(key)):>12}{figure(metrics['final'][key]):>12}")
-    lines.append(f"{'relative acc.':<16}{'':>12}{metrics['relative_accuracy']:>+12.4f}")
+    if metrics["relative_accuracy"] is not None:  # None: rows without answers
+        lines.append(f"{'relative acc.':<16}{'':>12}{metrics['relative_accuracy']:>+12.4f}")
     return "\n".join(lines)
 
 
@@ -68,8 +69,9 @@ def markdown_table(table: list[dict]) -> str:
     lines = ["| prompt | completion | answer | reward | correct |", "|---|---|---|---:|:---:|"]
     for row in table:
         reward = "–" if row["reward"] is None else f"{row['reward']:.3f}"
-        lines.append(f"| {cell(row['prompt'])} | {cell(row['completion'])} | {cell(row['answer'])} | {reward} | "
-                     f"{'✓' if row['correct'] else '✗'} |")
+        verdict = "–" if row["correct"] is None else "✓" if row["correct"] else "✗"
+        answer = "–" if row["answer"] is None else cell(row["answer"])
+        lines.append(f"| {cell(row['prompt'])} | {cell(row['completion'])} | {answer} | {reward} | {verdict} |")
     return "\n".join(lines)
 
 
@@ -82,7 +84,9 @@ def run_report(metrics: dict) -> str:
         before_after_table(metrics),
         "",
         f"Relative accuracy: {metrics['relative_accuracy']:+.4f} "
-        f"(({column_names(metrics)[1]} − {column_names(metrics)[0]}) / {column_names(metrics)[0]} accuracy).",
+        f"(({column_names(metrics)[1]} − {column_names(metrics)[0]}) / {column_names(metrics)[0]} accuracy)."
+        if metrics["relative_accuracy"] is not None else "No accuracy: the rows have no answers (the mean reward "
+        "is the held-out figure).",
         "",
         "## Training",
         "",

@@ -91,5 +91,7 @@ BUILT_IN: dict[str, Callable] = {
     "exact": _verifier_reward("exact"),
     "format": format_reward,
 }
+SCORES_ALONE = frozenset({"format"})
+"""The built-in rewards that read no answer: the only ones rows without answers can be scored with."""
 
 

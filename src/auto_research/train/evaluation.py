@@ -30,8 +30,8 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
              temperature: float = 1.0, batch_size: int = 64, shard: tuple[int, int] = (0, 1),
              total=lambda tensor: tensor, gold=None, completions: dict | None = None, details: dict | None = None,
              detail_count: int = 0, episodes=None) -> dict[str, float]:
-    """accuracy, mean_reward (over the completions the reward could score), entropy and
-    kl_from_reference of greedy completions.
+    """accuracy (None without a verifier: rows without answers), mean_reward (over the completions the reward
+    could score), entropy and kl_from_reference of greedy completions.
 
     Under several processes, ``shard`` = (rank, size) deals out the fixed batches of
     ``batch_size`` prompts (batch b to rank b mod size) and ``total`` adds the sums up, so
@@ -53,7 +53,9 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
             rollout = episodes.greedy(model, batch_examples)
             turns += [row["turns"] for row in rollout.episodes]
         replies = rollout.completions if episodes is None else [row["reply"] for row in rollout.episodes]
-        verdicts = [is_correct(verifier, text, example) for text, example in zip(replies, batch_examples)]
+        # Rows without answers (verifier None) have no verdicts: accuracy is null, the mean reward says how it did.
+        verdicts = [is_correct(verifier, text, example) if verifier else None
+                    for text, example in zip(replies, batch_examples)]
         correct += verdicts
         if episodes is not None:
             values = episode_rewards(reward, batch_prompts, rollout, batch_examples, episodes.scores_replies)
@@ -64,7 +66,7 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
         values = checked(values)  # an invalid value (NaN, an environment's inf) is unscored, as in training
         rewards += [value for value in values if value is not None]
         if details is not None:
-            details.update({start + i: (text, value, bool(verdict))
+            details.update({start + i: (text, value, verdict)
                             for i, (text, value, verdict) in enumerate(zip(rollout.completions, values, verdicts))
                             if start + i < detail_count})
         if gold is not None:
@@ -81,15 +83,15 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
             log_q = _distributions(reference, rollout, temperature)
             kls += ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum(-1).tolist()
     count = max(len(prompts), 1)
-    sums = total(torch.tensor([sum(correct), sum(rewards), len(rewards), sum(entropies), sum(kls), sum(golds),
-                               sum(turns), sum(tokens)], dtype=torch.float64))
+    sums = total(torch.tensor([sum(map(bool, correct)), sum(rewards), len(rewards), sum(entropies), sum(kls),
+                               sum(golds), sum(turns), sum(tokens)], dtype=torch.float64))
     correct_count, reward_sum, scored, entropy_sum, kl_sum, gold_sum, turn_sum, token_count = sums.tolist()
     extra = {"gold_reward": gold_sum / count} if gold is not None else {}
     if episodes is not None:
         extra["turns_mean"] = turn_sum / count
     return {
         **extra,
-        "accuracy": correct_count / count,
+        "accuracy": correct_count / count if verifier else None,
         # None when the reward could score no held-out completion (written as null, shown as n/a).
         "mean_reward": reward_sum / scored if scored else None,
         "entropy": entropy_sum / max(token_count, 1.0),  # per token, as the rows' entropy
@@ -98,8 +100,10 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 8) -> float:
-    """Exact-match accuracy of greedy completions on the task's held-out prompts."""
+def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 8) -> float | None:
+    """Exact-match accuracy of greedy completions on the task's held-out prompts (None: rows without answers)."""
+    if task.verifier is None:
+        return None
     correct = 0
     for start in range(0, len(task.evaluation), 128):
         batch = task.evaluation[start : start + 128]

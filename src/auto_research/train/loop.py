@@ -158,7 +158,7 @@ class RunLoop:
             raise _user_error(f"{error} (evaluation before training)", error) from None
         self.c.world.on_main(lambda: self.metrics_log.evaluation(0, state.baseline))
         self._completions(0, table)
-        self.log(f"before training: held-out accuracy {state.baseline['accuracy']:.3f}, "
+        self.log(f"before training: held-out accuracy {figure(state.baseline['accuracy'], 3)}, "
                  f"mean reward {figure(state.baseline['mean_reward'], 3)}")
 
     def run(self) -> dict:
@@ -197,7 +197,7 @@ class RunLoop:
                 if config.eval_every and (step % config.eval_every == 0 or step == config.steps):
                     self._evaluate(step, row)
                 if state.history:
-                    postfix["acc"] = f"{state.history[-1]['accuracy']:.3f}"
+                    postfix["acc"] = figure(state.history[-1]["accuracy"], 3)
                 bar.update(postfix)
                 # A signal that reached one rank stops them all after this step.
                 if c.world.any(self.stop_signal is not None) and self.stop_signal is None:
@@ -282,7 +282,9 @@ class RunLoop:
             "model": c.model_name,
             "baseline": baseline,
             "final": final,
-            "relative_accuracy": (final["accuracy"] - baseline["accuracy"]) / max(baseline["accuracy"], 1e-12),
+            # None for rows without answers (no accuracy measured).
+            "relative_accuracy": None if baseline["accuracy"] is None else
+            (final["accuracy"] - baseline["accuracy"]) / max(baseline["accuracy"], 1e-12),
             "training": {
                 "steps": config.steps,
                 "learning_rate": config.learning_rate,

