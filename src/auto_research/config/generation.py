@@ -84,9 +84,12 @@ class GenerationConfig(EnvironmentSettings):
     # --- data and model ---
     model: str | None = setting(None, "local folder or hub id of a causal LM (default: the embedded tiny model, "
                                       "arithmetic-generate only)", "data")
-    prompt_field: str | None = setting(None, "prompt field of a .jsonl dataset, text (default: prompt)", "data")
-    answer_field: str | None = setting(None, "answer field of a .jsonl dataset, text or a number (default: answer)",
-                                       "data")
+    prompt_field: str | None = setting(None, "prompt field of a data file: text, or a conversation (a list of "
+                                             "{role, content})", "data", default_text="prompt, else messages (up to "
+                                             "its last user turn)")
+    answer_field: str | None = setting(None, "answer field of a data file, text or a number; none: rows without "
+                                             "answers, scored by --reward or --reward-model only", "data",
+                                       default_text="answer when the first row has one")
     evaluation_examples: int | None = setting(None, "held-out prompts evaluated (default: per dataset)", "data",
                                               type=int)
     verifier: str | None = setting(None, "how a data file's held-out answers are judged, and its reward when none is "
