@@ -78,6 +78,16 @@ def test_no_import_circle_among_the_package_modules():
     assert _cycle(edges) is None, " → ".join(_cycle(edges))
 
 
+
+def test_the_lower_layers_import_nothing_above_them():
+    """engine/ knows no run settings (config/), and rewards/ no tasks (data/): what both need of a higher layer
+    lives below them (``engine/launch.parse_cores``, ``auto_research.example.Example``)."""
+    graph = _graph()
+    upward = sorted(f"{name} → {target}" for name, targets in graph.items() for target in targets
+                    for low, high in (("engine", "config"), ("rewards", "data"))
+                    if name.startswith(f"auto_research.{low}") and target.startswith(f"auto_research.{high}"))
+    assert not upward, upward
+
 def test_no_source_file_is_over_450_lines():
     long = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")
             if len(path.read_text().splitlines()) > 450}

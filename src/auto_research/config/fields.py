@@ -179,20 +179,3 @@ def check_generation_dataset(name: str) -> None:
 def json_ready(payload: dict) -> dict:
     """A config's fields as JSON values (paths as text)."""
     return {key: str(value) if isinstance(value, Path) else value for key, value in payload.items()}
-
-
-def parse_cores(text: str | None, available: set[int]) -> set[int]:
-    """``--rollout-cores``: a comma list of CPU numbers or ranges (``1``, ``2-3``, ``0,4``); None: the last core."""
-    if text is None:
-        return {max(available)}
-    cores: set[int] = set()
-    for part in str(text).split(","):
-        first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
-            raise UserError(f"--rollout-cores {text!r}: expected CPU numbers or ranges, e.g. 1 or 2-3")
-        cores.update(range(int(first), int(last or first) + 1))
-    if not cores <= available:
-        raise UserError(f"--rollout-cores {text!r}: this process may run on CPUs {sorted(available)} only")
-    if cores == available:
-        raise UserError(f"--rollout-cores {text!r} takes every CPU this process may use; leave the trainer one")
-    return cores

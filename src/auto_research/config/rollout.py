@@ -7,7 +7,7 @@ import math
 import os
 
 from auto_research.algorithms.registry import get_algorithm
-from auto_research.config.fields import parse_cores
+from auto_research.engine.launch import parse_cores
 from auto_research.engine.temperature import MIN_TEMPERATURE, temperature_problem
 from auto_research.errors import UserError
 

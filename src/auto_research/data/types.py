@@ -1,23 +1,13 @@
-"""The types a task is made of: leaf module, imported by data, rewards and training alike."""
+"""The types a task is made of: ``Task``, and its rows, ``Example`` (defined in ``auto_research.example``, below
+the rewards that score it, and re-exported here)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from auto_research.example import Example
 
-@dataclass(frozen=True)
-class Example:
-    prompt: str
-    """The text the model is asked to continue (before any chat template)."""
-    answer: str | None
-    """What the verifier compares a completion against; None in rows without answers (reward-only data)."""
-    solution: str | None = None
-    """A reference completion, for supervised fine-tuning (a ``messages`` row's final assistant turn)."""
-    fields: dict = field(default_factory=dict)
-    """The dataset row as read, for user reward functions."""
-    messages: tuple | None = None
-    """A conversational prompt (TRL's format): the ``{role, content}`` messages, rendered with the model's chat
-    template; ``prompt`` is then the last message's content, for logs."""
+__all__ = ["Example", "Task"]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""What a process knows of its launch before torch is imported: its rank, the number of processes, and the
-settings that depend on that number. Light, so that a setting torchrun cannot honour fails at once."""
+"""What a process knows of its launch before torch is imported: its rank, the number of processes, the settings
+that depend on that number, and the CPUs a rollout process may take (``--rollout-cores``). Light, so that a setting
+torchrun cannot honour fails at once, and so that both the settings (config/) and the engine may import it."""
 
 from __future__ import annotations
 
@@ -33,3 +34,20 @@ def check_world(config, size: int | None = None) -> None:
         raise UserError(f"--prompts-per-step {config.prompts_per_step} must be a multiple of the number of processes "
                         f"({size}) times --ppo-mini-batches ({config.ppo_mini_batches}): each rank takes whole groups "
                         "of every mini-batch")
+
+
+def parse_cores(text: str | None, available: set[int]) -> set[int]:
+    """``--rollout-cores``: a comma list of CPU numbers or ranges (``1``, ``2-3``, ``0,4``); None: the last core."""
+    if text is None:
+        return {max(available)}
+    cores: set[int] = set()
+    for part in str(text).split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise UserError(f"--rollout-cores {text!r}: expected CPU numbers or ranges, e.g. 1 or 2-3")
+        cores.update(range(int(first), int(last or first) + 1))
+    if not cores <= available:
+        raise UserError(f"--rollout-cores {text!r}: this process may run on CPUs {sorted(available)} only")
+    if cores == available:
+        raise UserError(f"--rollout-cores {text!r} takes every CPU this process may use; leave the trainer one")
+    return cores

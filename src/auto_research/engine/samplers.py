@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from auto_research.engine.launch import parse_cores
 from auto_research.errors import UserError
 
 
@@ -96,7 +97,6 @@ def _server(engine: str):
 
 
 def _builtin_process(needs: SamplerNeeds):
-    from auto_research.config.fields import parse_cores  # noqa: PLC0415
     from auto_research.engine.rollout.process import RolloutProcess  # noqa: PLC0415
 
     cores = parse_cores(needs.config.rollout_cores, set(os.sched_getaffinity(0)))

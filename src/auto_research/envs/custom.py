@@ -20,7 +20,7 @@ import numbers
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from auto_research.data.types import Example
+from auto_research.example import Example
 from auto_research.engine.rollout import Rollout, SamplingSettings
 from auto_research.envs.rollout import greedy_generate, row_of, trajectory_rollout
 from auto_research.envs.trajectory import Generate, Trajectory, turn_seed

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from auto_research.data.types import Example
+from auto_research.example import Example
 from auto_research.engine.rollout import Rollout, SamplingSettings
 from auto_research.envs import EnvironmentFactory, Episode
 from auto_research.envs.tools import load_tools, tool_schema

@@ -17,7 +17,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from auto_research.data.types import Example
+from auto_research.example import Example
 from auto_research.errors import RewardError, one_line
 from auto_research.rewards.loading import POSITIONAL, calling_convention
 from auto_research.rewards.reward_model import RewardModel

@@ -10,7 +10,7 @@ import math
 import re
 from typing import Callable
 
-from auto_research.data.types import Example
+from auto_research.example import Example
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 

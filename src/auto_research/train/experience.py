@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from auto_research.data.types import Example
+from auto_research.example import Example
 from auto_research.algorithms.correction import importance_weights, mismatch
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
 from auto_research.engine.rollout import Rollout

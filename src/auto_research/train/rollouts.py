@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from auto_research.data.types import Example
+from auto_research.example import Example
 from auto_research.engine.rollout import Rollout, Sampler, concatenate, prompt_seed
 from auto_research.errors import RewardError
 from auto_research.rewards.combine import Scored, checked, invalid_count, reward_problem
