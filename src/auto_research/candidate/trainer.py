@@ -19,6 +19,7 @@ from auto_research.algorithms.registry import get_algorithm
 from auto_research.candidate.groups import CandidateGroups, arithmetic_groups, gsm8k_groups
 from auto_research.config.candidate import CandidateConfig
 from auto_research.data.gsm8k import ensure_gsm8k, read_gsm8k
+from auto_research.data.registry import TaskRecord, task_record
 from auto_research.errors import UserError
 
 EPS = LOG_EPSILON
@@ -32,13 +33,23 @@ class CandidateData:
 
 
 def load_data(config: CandidateConfig) -> CandidateData:
-    """Train and validation groups for the configured dataset, drawn in protocol order."""
+    """Train and validation groups for the configured dataset (its record's loader, data/registry.py), drawn in
+    protocol order."""
+    return task_record(config.dataset, "candidate").load(config)
+
+
+def arithmetic_data(record: TaskRecord, config: CandidateConfig) -> CandidateData:
+    """``arithmetic-smoke``: problems generated from the run's seed."""
     n = config.maximum_examples
-    if config.dataset == "arithmetic-smoke":
-        rng = np.random.default_rng(config.seed)
-        train = arithmetic_groups(n, rng)
-        validation = arithmetic_groups(max(64, n // 4), rng)
-        return CandidateData(train, validation, f"embedded arithmetic-smoke (generated from seed {config.seed})")
+    rng = np.random.default_rng(config.seed)
+    train = arithmetic_groups(n, rng)
+    validation = arithmetic_groups(max(64, n // 4), rng)
+    return CandidateData(train, validation, f"embedded {record.name} (generated from seed {config.seed})")
+
+
+def gsm8k_data(record: TaskRecord, config: CandidateConfig) -> CandidateData:
+    """``gsm8k-candidate``: GSM8K's first problems, their distractors drawn from the seed."""
+    n = config.maximum_examples
     directory = ensure_gsm8k(config.dataset_dir, config.offline)
     train_rows = read_gsm8k(directory / "train.jsonl", n)
     validation_rows = read_gsm8k(directory / "test.jsonl", max(32, n // 4))

@@ -14,7 +14,7 @@ from auto_research.cli.flags import flag_names, given, load_config_file
 from auto_research.config.candidate import CandidateConfig
 from auto_research.config.generation import GenerationConfig
 from auto_research.config.options import CompareOptions, PostTrainOptions
-from auto_research.config.fields import check_candidate_dataset, is_generation_dataset
+from auto_research.config.fields import GENERATION_DATASETS, check_candidate_dataset, is_generation_dataset
 from auto_research.engine.launch import environment_rank
 from auto_research.errors import UserError
 
@@ -39,7 +39,7 @@ def _candidate(settings: dict, dataset: str) -> CandidateConfig:
     extra = [name for name in settings if name not in CANDIDATE_FIELDS]
     if extra:
         flag = flag_names(GenerationConfig)[extra[0]]
-        raise UserError(f"{flag} applies to the generation level only (arithmetic-generate, gsm8k-generate, .jsonl); "
+        raise UserError(f"{flag} applies to the generation level only ({', '.join(GENERATION_DATASETS)}, .jsonl); "
                         f"{dataset} is a candidate-level dataset")
     return CandidateConfig(**{**settings, "dataset": dataset})
 

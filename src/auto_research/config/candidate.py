@@ -8,6 +8,7 @@ from pathlib import Path
 from auto_research.algorithms.registry import candidate_algorithms, check_group_size, get_algorithm
 from auto_research.config.fields import (check_candidate_dataset, check_non_negative_finite, check_positive_finite,
                                          default_dataset_dir, json_ready, setting)
+from auto_research.data.registry import about_tasks
 from auto_research.errors import UserError
 
 
@@ -16,7 +17,7 @@ class CandidateConfig:
     """One candidate-level run (docs/candidate-protocol.md); the fields with a section are the shared run flags."""
 
     algorithm: str = setting("rloo", "name in the algorithm registry")
-    dataset: str = setting("arithmetic-smoke", "arithmetic-smoke (embedded) or gsm8k-candidate (GSM8K files)")
+    dataset: str = setting("arithmetic-smoke", about_tasks("candidate"))
     maximum_examples: int = setting(512, "N train problems; validation uses max(32, N // 4) (gsm8k) or "
                                          "max(64, N // 4) (arithmetic)", type=int)
     steps: int = setting(100, "policy updates; each draws one problem and K of its candidates", type=int)

@@ -1,5 +1,6 @@
 """What every config dataclass is made of: fields that are also command-line flags, the checks they
-share (written once), and the names of the datasets. Light: no NumPy, no torch, so ``--help`` is fast.
+share (written once), and the checks of a dataset's name (the names are the task registry's, data/registry.py).
+Light: no NumPy, no torch, so ``--help`` is fast.
 """
 
 from __future__ import annotations
@@ -10,21 +11,20 @@ import re
 from dataclasses import field
 from pathlib import Path
 
+from auto_research.data.registry import task_names, task_record
+from auto_research.data.rows import DATA_FILE_KINDS, HUB_DATASET, IN_MEMORY, data_file_kinds
 from auto_research.errors import UserError
 
-CANDIDATE_DATASETS = ("arithmetic-smoke", "gsm8k-candidate")
-PREFERENCE_DATASETS = ("preference-generate", "preference-arithmetic")
-GENERATION_DATASETS = ("arithmetic-generate", "gsm8k-generate", *PREFERENCE_DATASETS)
-EMBEDDED_MODEL_DATASETS = ("arithmetic-generate", *PREFERENCE_DATASETS)
+# The built-in tasks' names, made from their records (data/registry.py), for the settings that name them.
+CANDIDATE_DATASETS = task_names("candidate")
+PREFERENCE_DATASETS = task_names("generation", "preference")
+GENERATION_DATASETS = task_names("generation")
+EMBEDDED_MODEL_DATASETS = task_names("generation", "embedded_model")
 DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
 
-IN_MEMORY = "memory:"
-"""Prefix of an in-memory dataset's name (the Python API: rows passed as a list of dicts)."""
-
-# Prompt files read through Hugging Face ``datasets`` (besides .jsonl, which the project reads itself,
-# line by line, with line numbers in its messages); ``hf:owner/name`` is a hub dataset (online).
-DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-HUB_DATASET = "hf:"
+# The data files a --dataset may name (data/rows.py lists them, beside the reader); ``hf:owner/name`` is a hub
+# dataset (online).
+DATA_FILE_SUFFIXES = tuple(DATA_FILE_KINDS)
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
@@ -141,7 +141,7 @@ def is_data_source(name: str) -> bool:
 
 def is_generation_dataset(name: str) -> bool:
     """The generation level's datasets: the named ones, data files and folders, rows in memory."""
-    return name in GENERATION_DATASETS or is_data_source(name) or name.startswith(IN_MEMORY)
+    return task_record(name, "generation") is not None or is_data_source(name) or name.startswith(IN_MEMORY)
 
 
 def looks_like_a_file(name: str) -> bool:
@@ -149,31 +149,32 @@ def looks_like_a_file(name: str) -> bool:
 
 
 def _not_a_data_file(name: str) -> UserError:
-    return UserError(f"--dataset {name}: a data file must be .jsonl (JSON Lines), .json, .parquet or .csv, or a "
-                     "folder written by datasets' save_to_disk")
+    return UserError(f"--dataset {name}: a data file must be {data_file_kinds().replace('.jsonl', '.jsonl (JSON Lines)')}"
+                     ", or a folder written by datasets' save_to_disk")
 
 
 def check_candidate_dataset(name: str) -> None:
     if is_generation_dataset(name):
         raise UserError(f"{name} is a generation-level dataset; 'compare' and --seeds run the candidate "
-                        f"level ({', '.join(CANDIDATE_DATASETS)})")
-    if name in CANDIDATE_DATASETS:
+                        f"level ({', '.join(task_names('candidate'))})")
+    if task_record(name, "candidate") is not None:
         return
     if looks_like_a_file(name):
         raise _not_a_data_file(name)
-    raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}, or a .jsonl file")
+    raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(task_names())}, or a .jsonl file")
 
 
 def check_generation_dataset(name: str) -> None:
     """One line for a dataset the generation level cannot take, saying what it can."""
     if is_generation_dataset(name):
         return
-    if name in CANDIDATE_DATASETS:
+    generation = ", ".join(task_names("generation"))
+    if task_record(name, "candidate") is not None:
         raise UserError(f"{name} is a candidate-level dataset (no text to generate); the generation level takes "
-                        f"{', '.join(GENERATION_DATASETS)} or a .jsonl file")
+                        f"{generation} or a .jsonl file")
     if looks_like_a_file(name):
         raise _not_a_data_file(name)
-    raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(GENERATION_DATASETS)}, or a .jsonl file")
+    raise UserError(f"unknown dataset {name!r}; choose one of: {generation}, or a .jsonl file")
 
 
 def json_ready(payload: dict) -> dict:

@@ -23,6 +23,7 @@ from auto_research.config.fields import (CANDIDATE_DATASETS, EMBEDDED_MODEL_DATA
 from auto_research.config.environment import EnvironmentSettings
 from auto_research.config.loss import by_algorithm, check_loss, having
 from auto_research.config.rollout import check_rollout_engine, check_staleness, check_temperature
+from auto_research.data.registry import generation_presets
 from auto_research.errors import UserError
 from auto_research.rewards.verifiers import VERIFIERS
 
@@ -34,22 +35,8 @@ that is constant on most prompts would otherwise hold step 1 for as long as the 
 ends). 64 tries at a slot where a prompt with signal turns up 1 time in 20 miss with probability 0.04."""
 
 
-# Per-dataset defaults for settings the user leaves unset. arithmetic-generate's
-# were chosen so that its CPU demo learns within minutes (see README, "CPU demo").
-GENERATION_PRESETS = {
-    "arithmetic-generate": dict(steps=600, learning_rate=3e-4, prompts_per_step=32, temperature=1.5,
-                                max_new_tokens=6, evaluation_examples=500, warmup_steps=10),
-    # Against a learned reward model (auto-research rlhf): shorter, with evaluations for the KL curves.
-    "preference-generate": dict(steps=300, learning_rate=3e-4, prompts_per_step=32, temperature=1.5,
-                                max_new_tokens=6, evaluation_examples=500, warmup_steps=10, eval_every=50),
-    "preference-arithmetic": dict(steps=300, learning_rate=3e-4, prompts_per_step=32, temperature=1.5,
-                                  max_new_tokens=6, evaluation_examples=500, warmup_steps=10, eval_every=50),
-    "gsm8k-generate": dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0,
-                           max_new_tokens=256, evaluation_examples=128, warmup_steps=10),
-    # A JSONL file holds out its last min(128, rows // 5) rows unless --evaluation-examples is given.
-    "jsonl": dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0,
-                  max_new_tokens=128, warmup_steps=0),
-}
+# Per-dataset defaults for settings the user leaves unset: each task record's, and a data file's (data/registry.py).
+GENERATION_PRESETS = generation_presets()
 WARMUP_SHARE = 10
 """A preset's warmup is at most steps // WARMUP_SHARE updates (a short run is not spent warming up)."""
 

@@ -7,9 +7,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from auto_research.algorithms.registry import REGISTRY
-from auto_research.config.fields import (check_device, check_generation_dataset, check_non_negative_finite,
-                                         check_positive_finite, check_positive_integers, comma_list,
-                                         default_dataset_dir, json_ready, setting)
+from auto_research.config.fields import (check_choice, check_device, check_generation_dataset,
+                                         check_non_negative_finite, check_positive_finite, check_positive_integers,
+                                         comma_list, default_dataset_dir, json_ready, setting)
+from auto_research.data.registry import gold_names, task_names, task_record
 from auto_research.errors import UserError
 
 
@@ -34,8 +35,7 @@ class SFTConfig:
 
     output_dir: Path | None = setting(None, "where the fine-tuned model is saved", type=Path, required=True)
     model: str | None = setting(None, "folder or hub id", default_text="a fresh embedded tiny model")
-    dataset: str = setting("arithmetic-generate", "arithmetic-generate, gsm8k-generate, preference-generate or a "
-                                                  ".jsonl file")
+    dataset: str = setting("arithmetic-generate", f"{', '.join(task_names('generation'))} or a .jsonl file")
     prompt_field: str | None = setting(None, "prompt field of a .jsonl dataset", default_text="prompt")
     answer_field: str | None = setting(None, "field of a .jsonl dataset trained on as the completion",
                                        default_text="answer")
@@ -112,9 +112,9 @@ class RLHFConfig:
 
     model: str | None = setting(None, "starting policy and reward-model backbone",
                                 default_text="the embedded tiny model, warm-started on arithmetic")
-    gold: str = setting("length", "the hidden gold scorer: length (preference-generate: 4-character answers) or "
-                                  "arithmetic (preference-arithmetic: partial credit for the sum, which fools a tiny "
-                                  "proxy; over-optimisation shows)", choices=("length", "arithmetic"))
+    gold: str = setting("length", "the hidden gold scorer, and with it the preference task: " + "; ".join(
+        f"{gold} ({name}: {task_record(name).gold_about})" for gold, name in gold_names().items()),
+                        choices=tuple(gold_names()))
     algorithms: str = setting("rloo", "comma-separated")
     betas: str = setting("0.05", "comma-separated β values: a sweep")
     seeds: str = setting("42", "comma-separated")
@@ -129,12 +129,13 @@ class RLHFConfig:
 
     @property
     def dataset(self) -> str:
-        return "preference-generate" if self.gold == "length" else "preference-arithmetic"
+        return gold_names()[self.gold]
 
     def validate(self) -> "RLHFConfig":
         unknown = [name for name in self.algorithm_list() if name not in REGISTRY]
         if unknown:
             raise UserError(f"--algorithms {self.algorithms!r}: choose from {', '.join(REGISTRY)}")
+        check_choice("--gold", self.gold, tuple(gold_names()))
         for beta in self.beta_list():
             check_non_negative_finite("--betas", beta)
         self.seed_list()

@@ -14,6 +14,18 @@ from pathlib import Path
 from auto_research.errors import UserError, one_line
 
 DATA_FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+"""The data files a --dataset may name, each suffix → the ``datasets`` builder that reads it (a task reads .jsonl
+itself, with ``iter_jsonl``, so that its messages name the line)."""
+HUB_DATASET = "hf:"
+"""Prefix of a Hugging Face hub dataset's name (``hf:owner/name``: online)."""
+IN_MEMORY = "memory:"
+"""Prefix of an in-memory dataset's name (the Python API: rows passed as a list of dicts)."""
+
+
+def data_file_kinds() -> str:
+    """``.jsonl, .json, .parquet or .csv``: the data files' suffixes, for messages and help texts."""
+    *rest, last = DATA_FILE_KINDS
+    return f"{', '.join(rest)} or {last}"
 
 
 def iter_jsonl(path: str | os.PathLike):
@@ -72,8 +84,8 @@ def text_field(path, number: int, row: dict, name: str, hint: str = "") -> str:
 
 
 def load_rows(dataset: str, offline: bool) -> list[dict]:
-    """Rows of a dataset through Hugging Face ``datasets``: a .jsonl, .json, .parquet or .csv file, a
-    folder written by ``save_to_disk``, or a hub name when online."""
+    """Rows of a dataset through Hugging Face ``datasets``: a data file (``DATA_FILE_KINDS``), a folder written by
+    ``save_to_disk``, or a hub name when online."""
     path = Path(dataset).expanduser()
     try:
         # Imported here, not at the top: datasets takes about a second to import, and only these formats need it.
@@ -93,7 +105,7 @@ def load_rows(dataset: str, offline: bool) -> list[dict]:
                 return []
             loaded = datasets.load_dataset(DATA_FILE_KINDS[path.suffix], data_files=str(path), split="train")
         elif path.exists():
-            raise UserError(f"--dataset {dataset}: give a .jsonl, .json, .parquet or .csv file, or a save_to_disk folder")
+            raise UserError(f"--dataset {dataset}: give a {data_file_kinds()} file, or a save_to_disk folder")
         else:
             if offline:
                 raise UserError(f"--dataset {dataset}: no such file or folder, and hub datasets need a connection (offline)")

@@ -1,7 +1,8 @@
 """Generation-level tasks: prompts, answers for the verifier, and demonstrations.
 
-- ``arithmetic-generate``: procedural two-number addition, embedded (no download).
-- ``gsm8k-generate``: GSM8K questions; the verifier checks the final number.
+- the built-in tasks, loaded by their records' loaders (data/registry.py): ``arithmetic-generate``, procedural
+  two-number addition, embedded (no download); ``gsm8k-generate``, GSM8K questions, the verifier checks the final
+  number; ``preference-generate`` and ``preference-arithmetic``, arithmetic prompts with a hidden gold scorer.
 - a local JSONL file: ``--dataset PATH.jsonl --prompt-field F --answer-field G``; .json, .parquet,
   .csv files, ``save_to_disk`` folders and ``hf:owner/name`` hub datasets through Hugging Face datasets.
 """
@@ -15,12 +16,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from auto_research.config.fields import HUB_DATASET, IN_MEMORY
 from auto_research.data.gsm8k import ensure_gsm8k, read_gsm8k
-from auto_research.data.rows import describe_json, iter_jsonl, load_rows, messages_field, missing_field, text_field
+from auto_research.data.registry import TaskRecord, task_record
+from auto_research.data.rows import (HUB_DATASET, IN_MEMORY, describe_json, iter_jsonl, load_rows, messages_field,
+                                     missing_field, text_field)
 from auto_research.data.types import Example, Task
 from auto_research.errors import UserError
-from auto_research.rewards.gold import GOLD_SCORERS, judge_of
+from auto_research.rewards.gold import judge_of
 from auto_research.rewards.verifiers import BUILT_IN, SCORES_ALONE
 
 
@@ -71,13 +73,15 @@ def arithmetic_task() -> Task:
 
 
 def preference_task(name: str = "preference-generate") -> Task:
-    """preference-generate (gold: 4-character answers) or preference-arithmetic (gold: the arithmetic
-    partial credit): arithmetic prompts, a learned reward, and a hidden gold judge (rewards/gold.py)."""
+    """A preference task (preference-generate, gold: 4-character answers; preference-arithmetic, gold: the arithmetic
+    partial credit): arithmetic prompts, a learned reward, and a hidden gold judge (its record's gold scorer,
+    rewards/gold.py). It starts from arithmetic-generate's warm-started model (``base``)."""
+    record = task_record(name, "generation")
     task = arithmetic_task()
-    scorer = GOLD_SCORERS[name]
-    what = "a preference for 4-character answers" if name == "preference-generate" else "the arithmetic partial credit"
-    return replace(task, name=name, gold=scorer, gold_judge=judge_of(scorer), base="arithmetic-generate",
-                   source=task.source + f"; gold: {what}, hidden from the learner")
+    scorer = record.gold_scorer()
+    return replace(task, name=name, gold=scorer, gold_judge=judge_of(scorer), base=task.name,
+                   source=task.source + f"; gold: {record.gold_about}, hidden from the learner")
+
 
 
 # --- GSM8K -------------------------------------------------------------------------
@@ -256,18 +260,30 @@ def check_answers(task: Task, rewards: list, reward_model: str | None, scored_el
                         "(or --answer-field)")
 
 
+# --- the records' loaders: (record, settings) → Task -------------------------------------------------------
+
+
+def load_arithmetic(record: TaskRecord, settings) -> Task:
+    return arithmetic_task()
+
+
+def load_preference(record: TaskRecord, settings) -> Task:
+    return preference_task(record.name)
+
+
+def load_gsm8k(record: TaskRecord, settings) -> Task:
+    return gsm8k_task(settings.dataset_dir, settings.offline, settings.maximum_examples, settings.evaluation_examples)
+
+
 def load_task(config, rows: list[dict] | None = None) -> Task:
     """The configured generation-level task, with --maximum-examples and --evaluation-examples applied.
 
     ``rows`` are the dicts of an in-memory dataset (the Python API: ``config.dataset`` is
     ``memory:<name>``). Asking for more prompts than the dataset has is refused, never silently capped.
     """
-    if config.dataset == "arithmetic-generate":
-        task = arithmetic_task()
-    elif config.dataset in ("preference-generate", "preference-arithmetic"):
-        task = preference_task(config.dataset)
-    elif config.dataset == "gsm8k-generate":
-        task = gsm8k_task(config.dataset_dir, config.offline, config.maximum_examples, config.evaluation_examples)
+    record = task_record(config.dataset, "generation")
+    if record is not None:
+        task = record.load(config)
     elif config.dataset.startswith(IN_MEMORY):
         if rows is None:
             raise UserError(f"dataset {config.dataset}: an in-memory dataset needs its rows (pass dataset=[...] to the "

@@ -12,14 +12,11 @@ from pathlib import Path
 
 from auto_research.candidate.trainer import load_data, train
 from auto_research.config.candidate import CandidateConfig
+from auto_research.data.registry import task_record
 from auto_research.files import atomic_write_json, atomic_write_text, check_writable_directory
 from auto_research.locks import FolderLock, check_unlocked
 from auto_research.progress import Progress
 from auto_research.report import tables
-
-COMPARISON_TAGS = {"gsm8k-candidate": "gsm8k", "arithmetic-smoke": "arithmetic"}
-"""Short names in comparison files: classic-post-training-<tag>-seed42.json."""
-
 
 def _run_all(configs: list[CandidateConfig]) -> list[dict]:
     for config in configs:
@@ -72,7 +69,9 @@ def compare(config: CandidateConfig, algorithms: list[str], seeds: list[int]) ->
     paths = _write_runs(configs, runs)
     by_algorithm = {name: [run for run in runs if run["algorithm"] == name] for name in algorithms}
     summaries = {name: tables.summarise_seeds(group) for name, group in by_algorithm.items()}
-    stem = Path(config.output_dir) / f"classic-post-training-{COMPARISON_TAGS[config.dataset]}-{tables.seeds_tag(seeds)}"
+    # The task's short name (its record's tag): classic-post-training-gsm8k-seed42.json.
+    tag = task_record(config.dataset, "candidate").tag
+    stem = Path(config.output_dir) / f"classic-post-training-{tag}-{tables.seeds_tag(seeds)}"
     payload = {
         "dataset": config.dataset,
         "seeds": seeds,

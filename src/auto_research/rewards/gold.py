@@ -1,5 +1,5 @@
-"""Hidden gold scorers and judges: what a preference task is really scored by (never trained on),
-and the held-out win rate against the starting policy.
+"""Hidden gold scorers and judges: what a preference task is really scored by (never trained on; each task's
+record names its scorer, data/registry.py), and the held-out win rate against the starting policy.
 
 ``preference-generate``'s gold scorer is an annotator who likes answers of ``GOLD_LENGTH`` (4)
 characters, 1 − |length − 4| / 4 (at least 0): a property a tiny reward model can learn, and one it
@@ -26,10 +26,6 @@ def arithmetic_gold(prompts, completions, examples) -> list[float]:
     Hard for a tiny reward model to learn from pairs, so its proxy is easily fooled: the task on which
     over-optimisation shows (the gold reward falls while the proxy climbs)."""
     return arithmetic_reward(prompts, completions, examples)
-
-
-# Embedded preference datasets → their hidden gold scorer.
-GOLD_SCORERS = {"preference-generate": gold_scores, "preference-arithmetic": arithmetic_gold}
 
 
 def judge_of(scorer):

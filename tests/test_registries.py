@@ -1,0 +1,85 @@
+"""The registries of names: a task, a sampler, a rollout mode … is one record, and every help text, check and
+loader is made from the records (data/registry.py, engine/samplers.py, algorithms/)."""
+
+from __future__ import annotations
+
+import pytest
+
+from auto_research.cli import build_parser
+from auto_research.config.candidate import CandidateConfig
+from auto_research.config.fields import check_candidate_dataset, check_generation_dataset
+from auto_research.config.generation import GenerationConfig
+from auto_research.data import registry
+from auto_research.data.types import Example, Task
+from auto_research.errors import UserError
+
+
+def _help(command: str, monkeypatch) -> str:
+    monkeypatch.setenv("COLUMNS", "2000")  # one line a flag: a name is never broken at its hyphen
+    return build_parser(command)._subparsers._group_actions[0].choices[command].format_help()
+
+
+def test_every_task_is_in_the_dataset_help_and_taken_by_dataset(monkeypatch):
+    dataset_help = next(line for line in _help("post-train", monkeypatch).splitlines()
+                        if line.strip().startswith("--dataset DATASET"))
+    assert len(registry.TASKS) == 6
+    for name, record in registry.TASKS.items():
+        assert name in dataset_help
+        if record.level == "candidate":
+            CandidateConfig(dataset=name).validate()
+        else:
+            # A preference task trains against a learned reward model; gsm8k-generate has no embedded model.
+            GenerationConfig(dataset=name, model=None if record.embedded_model else "some/model",
+                             reward_model="some/reward-model" if record.preference else None).validate()
+    with pytest.raises(UserError, match="unknown dataset 'arithmetic'; choose one of: arithmetic-smoke, "
+                                        "gsm8k-candidate, arithmetic-generate, gsm8k-generate, preference-generate, "
+                                        "preference-arithmetic, or a .jsonl file"):
+        check_candidate_dataset("arithmetic")
+
+
+def test_the_records_carry_what_the_lists_said():
+    assert registry.task_names("generation", "embedded_model") == ("arithmetic-generate", "preference-generate",
+                                                                  "preference-arithmetic")
+    assert registry.task_names("generation", "preference") == ("preference-generate", "preference-arithmetic")
+    assert registry.gold_names() == {"length": "preference-generate", "arithmetic": "preference-arithmetic"}
+    presets = registry.generation_presets()
+    assert list(presets) == ["arithmetic-generate", "gsm8k-generate", "preference-generate", "preference-arithmetic",
+                             "jsonl"]
+    assert presets["preference-arithmetic"] == dict(steps=300, learning_rate=3e-4, prompts_per_step=32,
+                                                    temperature=1.5, max_new_tokens=6, evaluation_examples=500,
+                                                    warmup_steps=10, eval_every=50)
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.register(registry.TASKS["gsm8k-generate"])
+
+
+def _fake_task(record, settings) -> Task:
+    rows = [Example(f"{a}+1=", str(a + 1)) for a in range(5)]
+    return Task(record.name, rows[:3], rows[3:], rows[:3], verifier="match", source=f"seen {settings.dataset}")
+
+
+def test_a_new_task_is_one_record(monkeypatch):
+    from auto_research.data.tasks import load_task
+
+    with pytest.raises(UserError, match="unknown dataset 'counting'"):
+        check_generation_dataset("counting")
+    monkeypatch.setitem(registry.TASKS, "counting", registry.TaskRecord("counting", "generation", _fake_task,
+                                                                        "a test's"))
+    check_generation_dataset("counting")
+    with pytest.raises(UserError, match="counting is a generation-level dataset"):
+        check_candidate_dataset("counting")
+    task = load_task(GenerationConfig(dataset="counting", model="some/model").validate().filled())
+    assert task.name == "counting" and task.source == "seen counting"
+    assert [example.prompt for example in task.train] == ["0+1=", "1+1=", "2+1="]
+    assert [example.answer for example in task.evaluation] == ["4", "5"]
+
+
+def test_a_new_candidate_task_is_one_record(monkeypatch):
+    from auto_research.candidate.trainer import load_data
+
+    monkeypatch.setitem(registry.TASKS, "counting-candidate", registry.TaskRecord(
+        "counting-candidate", "candidate", lambda record, config: ("data of", record.name, config.seed), "a test's",
+        tag="counting"))
+    config = CandidateConfig(dataset="counting-candidate", seed=7).validate()
+    assert load_data(config) == ("data of", "counting-candidate", 7)
+    with pytest.raises(UserError, match="counting-candidate is a candidate-level dataset"):
+        check_generation_dataset("counting-candidate")
