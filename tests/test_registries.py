@@ -83,3 +83,40 @@ def test_a_new_candidate_task_is_one_record(monkeypatch):
     assert load_data(config) == ("data of", "counting-candidate", 7)
     with pytest.raises(UserError, match="counting-candidate is a candidate-level dataset"):
         check_generation_dataset("counting-candidate")
+
+
+# --- the choices: each list once, where the code that acts on them lives ------------------------------------
+
+
+def test_samplers_and_rollout_modes_come_from_the_engine_registry():
+    from auto_research.engine import samplers
+
+    assert {(record.engine, record.mode) for record in samplers.SAMPLERS.values()} == {
+        ("builtin", "colocate"), ("vllm", "colocate"), ("vllm", "server"), ("builtin", "server"),
+        ("builtin", "process")}
+    assert all(name == samplers.sampler_key(record.engine, record.mode) for name, record in samplers.SAMPLERS.items())
+    assert samplers.served_engines() == ("vllm", "builtin")
+    with pytest.raises(ValueError, match="its mode one of colocate, server, process"):
+        samplers.register(samplers.SamplerRecord("builtin", "remote", lambda needs: None))
+    with pytest.raises(UserError, match=r"^--rollout-mode 'remote': choose one of colocate, server, process$"):
+        GenerationConfig(vllm_mode="remote").validate()
+    with pytest.raises(UserError, match=r"^--sampler 'sglang': choose one of builtin, vllm$"):
+        GenerationConfig(sampler="sglang").validate()
+
+
+def test_a_new_rollout_mode_is_taken_once_registered(monkeypatch):
+    from auto_research.engine import samplers
+
+    monkeypatch.setitem(samplers.ROLLOUT_MODES, "fleet", "several servers")
+    monkeypatch.setattr(samplers, "SAMPLERS", dict(samplers.SAMPLERS))
+    samplers.register(samplers.SamplerRecord("builtin", "fleet", lambda needs: None))
+    config = GenerationConfig(vllm_mode="fleet").validate()
+    assert samplers.sampler_record(config).name == "builtin-fleet"
+
+
+def test_the_vllm_memory_default_is_written_once():
+    from auto_research.engine.samplers import vllm_memory
+
+    assert vllm_memory(None, "cpu") == (0.05, "host memory for its KV cache")
+    assert vllm_memory(None, "cuda:0") == (0.3, "device memory")
+    assert vllm_memory(0.5, "cpu")[0] == vllm_memory(0.5, "cuda")[0] == 0.5

@@ -24,11 +24,12 @@ from auto_research.config.environment import EnvironmentSettings
 from auto_research.config.loss import by_algorithm, check_loss, having
 from auto_research.config.rollout import check_rollout_engine, check_staleness, check_temperature
 from auto_research.data.registry import generation_presets
+from auto_research.engine.samplers import ENGINES, ROLLOUT_MODES
 from auto_research.errors import UserError
 from auto_research.rewards.verifiers import VERIFIERS
 
 SCHEDULES = ("constant", "linear", "cosine")
-SAMPLERS = ("builtin", "vllm")
+SAMPLERS = tuple(ENGINES)  # engine/samplers.py lists them
 MAX_REFILLS = 64
 """The most refills one slot may take in a step (--max-refills): each is a sampling round of its own, so a reward
 that is constant on most prompts would otherwise hold step 1 for as long as the bound allows (1,000,000 never
@@ -396,7 +397,7 @@ class GenerationConfig(EnvironmentSettings):
         if self.rollout_correction_cap < 1:
             raise UserError(f"--rollout-correction-cap must be >= 1 (a weight truncated below 1 down-weights every "
                             f"sample), got {self.rollout_correction_cap}")
-        check_choice("--rollout-mode", self.vllm_mode, ("colocate", "server", "process"))
+        check_choice("--rollout-mode", self.vllm_mode, ROLLOUT_MODES)
         check_rollout_engine(self)
         check_staleness(self)
         if not 0 <= self.max_refills <= MAX_REFILLS:

@@ -11,6 +11,7 @@ from auto_research.config.fields import (check_choice, check_device, check_gener
                                          check_non_negative_finite, check_positive_finite, check_positive_integers,
                                          comma_list, default_dataset_dir, json_ready, setting)
 from auto_research.data.registry import gold_names, task_names, task_record
+from auto_research.engine.samplers import VLLM_MEMORY_CPU, VLLM_MEMORY_GPU, served_engines
 from auto_research.errors import UserError
 
 
@@ -160,8 +161,8 @@ class ServeConfig:
     """``auto-research rollout-serve`` (alias ``vllm-serve``): one rollout engine behind an HTTP port, for
     ``--rollout-mode server``."""
 
-    engine: str = setting("vllm", "the rollout engine: vllm, or builtin (the trainer's own sampler in a process of "
-                                  "its own: no vLLM needed)")
+    engine: str = setting("vllm", f"the rollout engine: {' or '.join(served_engines())} (builtin: the trainer's own "
+                                  "sampler in a process of its own, no vLLM needed)")
 
     model: str | None = setting(None, "folder, hub id, .gguf or packaged name (the trainer pushes its weights at "
                                       "its start and after every step, so only the architecture and tokenizer "
@@ -169,7 +170,7 @@ class ServeConfig:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on (0: any free one, printed)", type=int)
     vllm_memory: float | None = setting(None, "on a GPU, the share of its memory vLLM may take; on the CPU, the "
-                                              "share of host memory for its KV cache", default_text="0.3 GPU, 0.05 CPU",
+                                              "share of host memory for its KV cache", default_text=f"{VLLM_MEMORY_GPU} GPU, {VLLM_MEMORY_CPU} CPU",
                                         flag="--rollout-memory", aliases=("--vllm-memory",), type=float)
     max_model_len: int | None = setting(None, "longest prompt + completion served",
                                         default_text="the model's context, at most 4096", type=int)
@@ -195,8 +196,8 @@ class ServeConfig:
     def validate(self) -> "ServeConfig":
         from auto_research.engine.sources import require_vllm
 
-        if self.engine not in ("vllm", "builtin"):
-            raise UserError(f"--engine must be vllm or builtin, got {self.engine!r}")
+        if self.engine not in served_engines():
+            raise UserError(f"--engine must be {' or '.join(served_engines())}, got {self.engine!r}")
         if self.engine == "vllm":
             require_vllm()
         elif self.vllm_memory is not None or self.dtype != "auto":

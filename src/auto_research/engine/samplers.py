@@ -1,6 +1,11 @@
 """The rollout engines a run can sample with, by name: one record each, so that no phase of a run compares
 ``--sampler`` strings. Light: an engine is imported only when its record builds one.
 
+The choices are listed once, here: ``ENGINES`` (--sampler, rollout-serve --engine) and ``ROLLOUT_MODES``
+(--rollout-mode); the settings' checks and help texts are made from them. A record is one engine in one mode
+(its key ``sampler_key``: ``vllm``, ``vllm-server`` …); a new engine is its ``ENGINES`` line, its records here,
+and its module in engine/rollout/.
+
     record = sampler_record(config)          # builtin, vllm (colocated), vllm-server, builtin-server, ...
     record.check_settings()                  # before torch: the engine is installed
     sampler = record.build(needs)            # the Sampler (engine/rollout/__init__.py)
@@ -44,9 +49,30 @@ class SamplerNeeds:
     or from Python): an engine's context must hold one (``engine_tokens``)."""
 
 
+ENGINES = {
+    "builtin": "the training model's own decoding loop",
+    "vllm": "a vLLM engine, weights pushed after every optimizer step; see --rollout-mode",
+}
+"""--sampler's choices: the rollout engines (``rollout-serve --engine`` serves those with a server record)."""
+ROLLOUT_MODES = {
+    "colocate": "in each training process",
+    "server": "an engine of its own, started by auto-research rollout-serve; see --rollout-server",
+    "process": "--sampler builtin: that server started by the run itself, on --rollout-cores",
+}
+"""--rollout-mode's choices: where the engine runs."""
+
+
+def sampler_key(engine: str, mode: str) -> str:
+    """The registry's key for an engine in a rollout mode: the engine's name when colocated, else engine-mode."""
+    return engine if mode == "colocate" else f"{engine}-{mode}"
+
+
 @dataclass(frozen=True)
 class SamplerRecord:
-    name: str
+    engine: str
+    """A key of ``ENGINES`` (--sampler)."""
+    mode: str
+    """A key of ``ROLLOUT_MODES`` (--rollout-mode)."""
     build: Callable[[SamplerNeeds], Any]
     check_settings: Callable[[], None] = lambda: None
     """Before torch: the engine can be imported (one line saying how to install it otherwise)."""
@@ -62,6 +88,10 @@ class SamplerRecord:
     """A server the user started (and restarts after it fails); every other engine is the run's own, started anew
     by ``--resume``."""
 
+    @property
+    def name(self) -> str:
+        return sampler_key(self.engine, self.mode)
+
 
 def _builtin(needs: SamplerNeeds):
     from auto_research.engine.rollout.builtin import BuiltinSampler  # noqa: PLC0415
@@ -74,11 +104,23 @@ def _vllm(needs: SamplerNeeds):
 
     config, tokenizer, device = needs.config, needs.tokenizer, needs.device
     longest = max(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) for prompt in needs.train_prompts)
-    memory = config.vllm_memory or (0.05 if device == "cpu" else 0.3)
-    needs.log(f"starting a colocated vLLM engine ({memory:g} of the "
-              f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'})")
+    memory, of_what = vllm_memory(config.vllm_memory, device)
+    needs.log(f"starting a colocated vLLM engine ({memory:g} of the {of_what})")
     return VLLMSampler(needs.policy, tokenizer, needs.settings, memory, needs.compute_dtype,
                        longest + config.engine_tokens(needs.multi_turn), config.seed, verbose=config.verbose)
+
+
+VLLM_MEMORY_GPU = 0.3
+"""vLLM's share of a GPU's memory by default, for weights, activations and KV cache: the trainer needs the rest."""
+VLLM_MEMORY_CPU = 0.05
+"""vLLM's share of host memory for its KV cache by default, on the CPU."""
+
+
+def vllm_memory(given: float | None, device: str) -> tuple[float, str]:
+    """--rollout-memory, else vLLM's share by default on ``device``; and what it is a share of (for the log)."""
+    if device == "cpu":
+        return given or VLLM_MEMORY_CPU, "host memory for its KV cache"
+    return given or VLLM_MEMORY_GPU, "device memory"
 
 
 def _server(engine: str):
@@ -118,24 +160,40 @@ def _check_servable(model_config, device: str, model_name: str) -> None:
     check_servable(model_config, device, model_name)
 
 
-SAMPLERS: dict[str, SamplerRecord] = {
-    "builtin": SamplerRecord("builtin", _builtin, is_the_trainer=True, runs_apart=True),
-    "vllm": SamplerRecord("vllm", _vllm, _require_vllm, _check_servable, pushes_weights=True),
-    # A server may live in an environment of its own: the trainer needs no vLLM.
-    "vllm-server": SamplerRecord("vllm-server", _server("vllm"), runs_apart=True, pushes_weights=True,
-                                 started_by_the_user=True),
-    # The builtin sampler in a process of its own (auto-research rollout-serve --engine builtin): its draws are
-    # the in-process sampler's, from weights pushed to it, without sharing the trainer's interpreter lock.
-    "builtin-server": SamplerRecord("builtin-server", _server("builtin"), runs_apart=True, pushes_weights=True,
-                                    started_by_the_user=True),
-    # The same server, started and stopped by the run itself on cores of its own (--rollout-mode process).
-    "builtin-process": SamplerRecord("builtin-process", _builtin_process, runs_apart=True, pushes_weights=True),
-}
+SAMPLERS: dict[str, SamplerRecord] = {}
+
+
+def register(record: SamplerRecord) -> SamplerRecord:
+    if record.engine not in ENGINES or record.mode not in ROLLOUT_MODES:
+        raise ValueError(f"sampler {record.name!r}: its engine is one of {', '.join(ENGINES)}, its mode one of "
+                         f"{', '.join(ROLLOUT_MODES)}")
+    if record.name in SAMPLERS:
+        raise ValueError(f"sampler {record.name!r} is registered twice")
+    SAMPLERS[record.name] = record
+    return record
+
+
+def served_engines() -> tuple[str, ...]:
+    """The engines ``rollout-serve --engine`` serves: those with a record in server mode."""
+    return tuple(record.engine for record in SAMPLERS.values() if record.mode == "server")
+
+
+register(SamplerRecord("builtin", "colocate", _builtin, is_the_trainer=True, runs_apart=True))
+register(SamplerRecord("vllm", "colocate", _vllm, _require_vllm, _check_servable, pushes_weights=True))
+# A server may live in an environment of its own: the trainer needs no vLLM.
+register(SamplerRecord("vllm", "server", _server("vllm"), runs_apart=True, pushes_weights=True,
+                       started_by_the_user=True))
+# The builtin sampler in a process of its own (auto-research rollout-serve --engine builtin): its draws are the
+# in-process sampler's, from weights pushed to it, without sharing the trainer's interpreter lock.
+register(SamplerRecord("builtin", "server", _server("builtin"), runs_apart=True, pushes_weights=True,
+                       started_by_the_user=True))
+# The same server, started and stopped by the run itself on cores of its own (--rollout-mode process).
+register(SamplerRecord("builtin", "process", _builtin_process, runs_apart=True, pushes_weights=True))
 
 
 def sampler_name(config) -> str:
     """The registry's key for a run's --sampler and --rollout-mode."""
-    return config.sampler if config.vllm_mode == "colocate" else f"{config.sampler}-{config.vllm_mode}"
+    return sampler_key(config.sampler, config.vllm_mode)
 
 
 def sampler_record(config) -> SamplerRecord:

@@ -13,6 +13,7 @@ from auto_research.engine.rollout import SamplingSettings
 from auto_research.engine.rollout.guard import weight_spec
 from auto_research.engine.rollout.remote import pushed_weights
 from auto_research.engine.rollout.server import API_KEY_VARIABLE, Limits, Served, fingerprint, make_server, server_key
+from auto_research.engine.samplers import vllm_memory
 
 
 def is_loopback(host: str) -> bool:
@@ -76,10 +77,9 @@ def start_engine(config, log) -> tuple[object, Served]:
 
         check_servable(model.config, device, name, "rollout-serve",
                        "serve it from a GPU, with --engine builtin, or train with --sampler builtin")
-        memory = config.vllm_memory or (0.05 if device == "cpu" else 0.3)
+        memory, of_what = vllm_memory(config.vllm_memory, device)
         dtype = resolve_dtype(config.dtype, device)
-        log(f"starting a vLLM engine for {name} ({memory:g} of the "
-            f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'}, max_model_len {longest})")
+        log(f"starting a vLLM engine for {name} ({memory:g} of the {of_what}, max_model_len {longest})")
         sampler = VLLMSampler(model, tokenizer, SamplingSettings(max_new_tokens=16), memory, dtype, longest,
                               config.seed)
     return sampler, Served(name, fingerprint(model.config, tokenizer), weight_spec(pushed_weights(model, dtype)),
