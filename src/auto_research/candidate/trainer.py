@@ -15,7 +15,7 @@ import numpy as np
 
 from auto_research.algorithms.candidate import (ADVANTAGES, LOG_EPSILON, AdvantageInputs, clipped_surrogate,
                                                 update_moving_average)
-from auto_research.algorithms.registry import get_algorithm
+from auto_research.algorithms.registry import get_algorithm, kl_in_loss
 from auto_research.candidate.groups import CandidateGroups, arithmetic_groups, gsm8k_groups
 from auto_research.config.candidate import CandidateConfig
 from auto_research.data.gsm8k import ensure_gsm8k, read_gsm8k
@@ -172,7 +172,7 @@ def _train(config: CandidateConfig, data: CandidateData) -> dict:
         gradient = (weight[:, None] * score).sum(axis=0)
         if twin.reduction == "mean":
             gradient = gradient / K
-        if twin.kl == "loss":
+        if kl_in_loss(twin.kl):
             # Exact gradient of the forward KL(π_ref ‖ π) over all 6 candidates (a protocol quirk).
             gradient = gradient - beta * phi.T @ (policy - reference_policy)
         if algorithm.needs_critic:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from auto_research.algorithms.registry import (AGGREGATIONS, KL_ESTIMATORS, KL_PLACEMENTS, POLICY_LOSSES, REGISTRY,
                                                ROLLOUT_CORRECTIONS, STANDARD_DEVIATIONS, check_group_size, described,
-                                               get_algorithm, names_by)
+                                               get_algorithm, kl_in_loss, kl_shapes_reward, names_by)
 from auto_research.config.fields import (CANDIDATE_DATASETS, EMBEDDED_MODEL_DATASETS, GENERATION_DATASETS,
                                          HUB_DATASET, IN_MEMORY, PREFERENCE_DATASETS, check_choice, check_device,
                                          check_generation_dataset,
@@ -413,10 +413,10 @@ class GenerationConfig(EnvironmentSettings):
         for flag, value, allowed in (("--lr-schedule", self.lr_schedule, SCHEDULES),
                                      ("--verifier", self.verifier, VERIFIERS)):
             check_choice(flag, value, allowed)
-        if self.kl_in == "reward" and algorithm.kl != "reward" and self.beta > 0:
+        if kl_shapes_reward(self.kl_in) and not kl_shapes_reward(algorithm.kl) and self.beta > 0:
             raise UserError(f"--kl-in reward: {self.algorithm}'s advantage does not use the shaped reward; "
                             "use --kl-in loss (or --beta 0)")
-        if self.kl_in == "loss" and self.kl_estimator == "k1":
+        if kl_in_loss(self.kl_in) and self.kl_estimator == "k1":
             raise UserError("--kl-estimator k1 with --kl-in loss: the expected gradient of a k1 loss term is zero, "
                             "so the penalty would do nothing; use k3 (the default there) or k2")
         if self.prompts_per_step is not None and self.prompts_per_step % self.ppo_mini_batches:

@@ -13,6 +13,7 @@ from auto_research.algorithms.estimators import (ADVANTAGE_ESTIMATORS, Advantage
                                                  overlong_penalty, sequence_scores, whiten)
 from auto_research.algorithms.losses import (POLICY_LOSSES, LossInputs, aggregate, clip_fraction, clipped_value_loss,
                                              last_token)
+from auto_research.algorithms.registry import kl_in_loss, kl_shapes_reward
 from auto_research.config.generation import GenerationConfig
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
 from auto_research.engine.rollout import Rollout, eos_ids
@@ -41,7 +42,7 @@ def estimate_advantages(c: Components, experience: Experience, baseline: float =
         penalty = overlong_penalty(mask.sum(1), config.max_new_tokens, config.overlong_buffer, config.overlong_penalty)
         rewards = torch.where(scores.scored, rewards + penalty, rewards)
     token_rewards = last_token(mask) * rewards.unsqueeze(1)
-    if config.kl_in == "reward":
+    if kl_shapes_reward(config.kl_in):
         token_rewards = token_rewards - config.beta * experience.kl
     inputs = AdvantageInputs(token_rewards, mask, config.group_size, scores.scored, scores.greedy_rewards,
                              experience.values, 1.0, config.gae_lambda, baseline, rewards, config.std or "population")
@@ -158,7 +159,7 @@ def update_actor(c: Components, experience: Experience, advantages: Advantages, 
                 pg = aggregate(terms, mask[part], config.loss_aggregation, **counts,
                                per_group_sum=c.algorithm.reduction == "sum")
                 loss = pg
-                if config.kl_in == "loss" and experience.reference_logprobs is not None and config.beta > 0:
+                if kl_in_loss(config.kl_in) and experience.reference_logprobs is not None and config.beta > 0:
                     kl = kl_per_token(logprobs, experience.reference_logprobs[part], config.kl_estimator)
                     kl_loss = config.beta * aggregate(kl, mask[part], config.loss_aggregation, **counts)
                     loss = loss + kl_loss
