@@ -124,6 +124,23 @@ def test_the_vllm_memory_default_is_written_once():
 
 
 
+def test_aggregations_are_registered_like_losses():
+    import torch
+
+    from auto_research.algorithms import losses
+    from auto_research.algorithms.registry import AGGREGATIONS
+
+    assert set(losses.AGGREGATORS) == set(AGGREGATIONS)
+    with pytest.raises(ValueError, match="not listed in algorithms/registry.py's AGGREGATIONS"):
+        losses.register_aggregation("median")
+    terms = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    # Σ masked terms = 15; / (2 completions × 5 tokens) for the constant normaliser.
+    assert float(losses.aggregate(terms, mask, "constant", sequences=2.0, tokens=5.0, groups=1.0,
+                                  max_tokens=5.0)) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="unknown aggregation 'median'; choose one of sequence, token-mean"):
+        losses.aggregate(terms, mask, "median", sequences=2.0, tokens=5.0, groups=1.0)
+
 
 def test_kl_placements_are_asked_not_spelled():
     from auto_research.algorithms.registry import KL_PLACEMENTS, get_algorithm, kl_in_loss, kl_shapes_reward

@@ -1,4 +1,4 @@
-"""Policy losses (per-token terms, registered by name), PPO's value loss, and the one aggregation function.
+"""Policy losses (per-token terms) and loss aggregations, each registered by name, and PPO's value loss.
 
 Shapes as in ``estimators.py``: (B, T) per-token terms over B completions of T tokens, ``mask`` 1 on
 the tokens that count.
@@ -146,26 +146,65 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     return 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
 
 
+@dataclass(frozen=True)
+class Counts:
+    """The whole batch's counts an aggregation divides by (all micro-batches, later all processes)."""
+    sequences: float
+    tokens: float
+    groups: float
+    per_group_sum: bool = False
+    """The record's reduction is a sum within each group (RAFT's best of K): divide by groups, not completions."""
+    max_tokens: float | None = None
+    """The completion length limit (--max-new-tokens), for the constant normaliser."""
+
+
+AGGREGATORS: dict[str, Callable] = {}
+"""name → function(masked terms (B, T), mask (B, T), Counts) → the scalar; the names are ``registry.AGGREGATIONS``."""
+
+
+def register_aggregation(name: str):
+    if name not in AGGREGATIONS:
+        raise ValueError(f"aggregation {name!r} is not listed in algorithms/registry.py's AGGREGATIONS")
+
+    def decorate(function):
+        AGGREGATORS[name] = function
+        return function
+
+    return decorate
+
+
+@register_aggregation("sequence")
+def sequence_sum(terms: torch.Tensor, mask: torch.Tensor, counts: Counts) -> torch.Tensor:
+    """Σ over tokens and completions / completions (the paper: each completion is one action); / groups for a
+    per-group sum."""
+    return terms.sum() / (counts.groups if counts.per_group_sum else counts.sequences)
+
+
+@register_aggregation("token-mean")
+def token_mean(terms: torch.Tensor, mask: torch.Tensor, counts: Counts) -> torch.Tensor:
+    """/ all tokens of the batch (DAPO)."""
+    return terms.sum() / counts.tokens
+
+
+@register_aggregation("sequence-mean-token-mean")
+def sequence_mean_token_mean(terms: torch.Tensor, mask: torch.Tensor, counts: Counts) -> torch.Tensor:
+    """Each completion's token mean, averaged over completions (GRPO's paper, GSPO)."""
+    return (terms.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / counts.sequences
+
+
+@register_aggregation("constant")
+def constant(terms: torch.Tensor, mask: torch.Tensor, counts: Counts) -> torch.Tensor:
+    """/ (completions × ``max_tokens``): Dr. GRPO's constant normaliser (the generation budget)."""
+    if counts.max_tokens is None:
+        raise ValueError("the constant aggregation needs max_tokens (the completion length limit)")
+    return terms.sum() / (counts.sequences * counts.max_tokens)
+
+
 def aggregate(terms: torch.Tensor, mask: torch.Tensor, mode: str, sequences: float, tokens: float,
               groups: float, per_group_sum: bool = False, max_tokens: float | None = None) -> torch.Tensor:
-    """One scalar from per-token loss terms, normalised by the *global* counts given (``registry.AGGREGATIONS``).
-
-    The counts are those of the whole batch (all micro-batches, later all
-    processes), so that summing the shares of micro-batches gives the batch's
-    loss exactly. ``sequence``: Σ over tokens and completions / completions (the
-    paper: each completion is one action; ``per_group_sum`` divides by groups
-    instead, RAFT's sum over the best-of-K); ``token-mean``: / all tokens;
-    ``sequence-mean-token-mean``: each completion's token mean, averaged;
-    ``constant``: / (completions × ``max_tokens``), Dr. GRPO's constant normaliser (the generation budget).
-    """
-    if mode == "sequence":
-        return (terms * mask).sum() / (groups if per_group_sum else sequences)
-    if mode == "token-mean":
-        return (terms * mask).sum() / tokens
-    if mode == "sequence-mean-token-mean":
-        return ((terms * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / sequences
-    if mode == "constant":
-        if max_tokens is None:
-            raise ValueError("the constant aggregation needs max_tokens (the completion length limit)")
-        return (terms * mask).sum() / (sequences * max_tokens)
-    raise ValueError(f"unknown aggregation {mode!r}; choose one of {', '.join(AGGREGATIONS)}")
+    """One scalar from per-token loss terms: the registered aggregation ``mode`` (``registry.AGGREGATIONS``) of the
+    masked terms, normalised by the *global* counts given. They are those of the whole batch (all micro-batches,
+    later all processes), so that summing the shares of micro-batches gives the batch's loss exactly."""
+    if mode not in AGGREGATORS:
+        raise ValueError(f"unknown aggregation {mode!r}; choose one of {', '.join(AGGREGATIONS)}")
+    return AGGREGATORS[mode](terms * mask, mask, Counts(sequences, tokens, groups, per_group_sum, max_tokens))
