@@ -123,6 +123,18 @@ def test_the_vllm_memory_default_is_written_once():
 
 
 
+def test_one_table_of_subcommands(capsys):
+    from auto_research import cli
+    from auto_research.cli import commands
+
+    parser = build_parser()
+    assert list(parser._subparsers._group_actions[0].choices) == list(cli.SUBCOMMANDS)
+    assert not hasattr(commands, "COMMANDS")
+    assert cli.SUBCOMMANDS["vllm-serve"].run is cli.SUBCOMMANDS["rollout-serve"].run is commands.rollout_serve
+    # The table's function is the one called.
+    assert cli.main(["rlhf", "--gold", "length", "--betas", "-1"]) == 2
+    assert capsys.readouterr().err == "auto-research: error: --betas must be a finite number >= 0, got -1.0\n"
+
 
 def test_aggregations_are_registered_like_losses():
     import torch

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable, NamedTuple
 
 from auto_research import __version__
 from auto_research.algorithms.registry import REGISTRY
@@ -47,20 +48,32 @@ def _recipe(name: str):
     return add
 
 
+class Subcommand(NamedTuple):
+    help: str
+    flags: Callable
+    """Adds the command's flags to its parser."""
+    run: Callable
+    """The parsed arguments → the exit status (cli/commands.py)."""
+
+
 SUBCOMMANDS = {
-    "post-train": ("train a policy with one algorithm and report before/after", _post_train),
-    "compare": ("run several algorithms on identical data and settings (generation level: each run in its own "
-                "process, with its time and memory)", _compare),
-    "sft": ("supervised fine-tuning of a causal LM on a dataset's demonstrations", _recipe("SFTConfig")),
-    "reward-model": ("train a reward model (one scalar head) on preference pairs, Bradley–Terry",
-                     _recipe("RewardModelConfig")),
-    "rlhf": ("the whole RLHF pipeline on preference-generate: sample and label pairs, train the reward model, RL "
-             "against it, judge by win rate", _recipe("RLHFConfig")),
-    "data": ("download a dataset into --dataset-dir", _recipe("DataConfig")),
-    "rollout-serve": ("serve one rollout engine (vLLM, or --engine builtin) over HTTP for post-train "
-                      "--rollout-mode server", _recipe("ServeConfig")),
-    "vllm-serve": ("the same as rollout-serve (its first name)", _recipe("ServeConfig")),
+    "post-train": Subcommand("train a policy with one algorithm and report before/after", _post_train,
+                             commands.post_train),
+    "compare": Subcommand("run several algorithms on identical data and settings (generation level: each run in its "
+                          "own process, with its time and memory)", _compare, commands.compare),
+    "sft": Subcommand("supervised fine-tuning of a causal LM on a dataset's demonstrations", _recipe("SFTConfig"),
+                      commands.sft),
+    "reward-model": Subcommand("train a reward model (one scalar head) on preference pairs, Bradley–Terry",
+                               _recipe("RewardModelConfig"), commands.reward_model),
+    "rlhf": Subcommand("the whole RLHF pipeline on preference-generate: sample and label pairs, train the reward "
+                       "model, RL against it, judge by win rate", _recipe("RLHFConfig"), commands.rlhf),
+    "data": Subcommand("download a dataset into --dataset-dir", _recipe("DataConfig"), commands.data),
+    "rollout-serve": Subcommand("serve one rollout engine (vLLM, or --engine builtin) over HTTP for post-train "
+                                "--rollout-mode server", _recipe("ServeConfig"), commands.rollout_serve),
+    "vllm-serve": Subcommand("the same as rollout-serve (its first name)", _recipe("ServeConfig"),
+                             commands.rollout_serve),
 }
+"""The one table of subcommands: each one's help, flags and function."""
 
 
 def build_parser(command: str | None = None) -> Parser:
@@ -69,10 +82,10 @@ def build_parser(command: str | None = None) -> Parser:
                     description="RL post-training of language models, centred on RLOO (Ahmadian et al., 2024).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for name, (help_text, add) in SUBCOMMANDS.items():
-        subparser = subcommands.add_parser(name, help=help_text)
+    for name, subcommand in SUBCOMMANDS.items():
+        subparser = subcommands.add_parser(name, help=subcommand.help)
         if command in (None, name):
-            add(subparser)
+            subcommand.flags(subparser)
             if name != "data":
                 add_config_flag(subparser)
     return parser
@@ -86,7 +99,7 @@ def _main(argv: list[str] | None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
-        return commands.COMMANDS[args.command](args)
+        return SUBCOMMANDS[args.command].run(args)
     except UserError as error:
         # Under torchrun, the rank that failed says why; the others stop with the same status, silently.
         if not getattr(error, "quiet", False):

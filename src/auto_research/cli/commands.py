@@ -1,4 +1,5 @@
-"""Each subcommand: its flags (and ``--config``) into a config, the recipe called, the outcome printed.
+"""Each subcommand: its flags (and ``--config``) into a config, the recipe called, the outcome printed (the table of
+subcommands, with their help and flags, is ``cli.SUBCOMMANDS``).
 
 Recipes (and what one command alone needs) are imported inside each command, after its settings are
 checked: they import NumPy, torch or matplotlib, which ``--help`` and a mistyped flag must not wait for.
@@ -199,6 +200,3 @@ def data(args: argparse.Namespace) -> int:
     print(f"GSM8K {'already present' if already else 'downloaded'} in {directory}")
     return 0
 
-
-COMMANDS = {"post-train": post_train, "compare": compare, "sft": sft, "reward-model": reward_model, "rlhf": rlhf,
-            "data": data, "rollout-serve": rollout_serve, "vllm-serve": rollout_serve}
