@@ -116,6 +116,44 @@ def test_ci_installs_and_tests_with_readme_s_own_lines():
     assert install in ci and test in ci
 
 
+NAME_LIST_HOMES = {"data/registry.py", "engine/samplers.py", "algorithms/registry.py"}
+"""Where the lists of names are spelled: the task registry, the rollout engines and modes, the algorithms."""
+TRANSLATIONS = {"config/trl.py"}
+"""TRL's vocabulary mapped to ours: its vllm_mode values (colocate, server) are TRL's list, not a copy of ours."""
+
+
+def _literal_name_lists(kinds: dict[str, set[str]], skip: set[str]) -> list[str]:
+    """Every tuple, list or set literal (or dict's keys) outside ``skip`` that spells two names of one kind."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(PACKAGE))
+        if where in skip:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            items = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+            if not isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)) or not items:
+                continue
+            words = {item.value for item in items if isinstance(item, ast.Constant) and isinstance(item.value, str)}
+            found += [f"{where}:{node.lineno}: {kind} {sorted(words & names)}" for kind, names in kinds.items()
+                      if len(words & names) >= 2]
+    return found
+
+
+def test_dataset_sampler_and_rollout_mode_names_are_listed_in_their_registries_only():
+    from auto_research.config import fields, generation
+    from auto_research.data.registry import TASKS, task_names
+    from auto_research.engine.samplers import ENGINES, ROLLOUT_MODES, SAMPLERS
+
+    kinds = {"datasets": set(TASKS), "samplers": set(ENGINES) | set(SAMPLERS), "rollout modes": set(ROLLOUT_MODES)}
+    assert _literal_name_lists(kinds, NAME_LIST_HOMES | TRANSLATIONS) == []
+    # The check sees a list where one is spelled (here, in the homes themselves).
+    assert any(line.startswith("engine/samplers.py") for line in _literal_name_lists({"modes": set(ROLLOUT_MODES)},
+                                                                                       set()))
+    # The settings' tuples are the registries' own.
+    assert fields.DATASETS == task_names() and fields.GENERATION_DATASETS == task_names("generation")
+    assert generation.SAMPLERS == tuple(ENGINES)
+
+
 def test_no_module_compares_the_kl_placement_with_a_string():
     """Where the KL goes is asked of ``kl_shapes_reward`` and ``kl_in_loss`` (algorithms/registry.py), not spelled."""
     from auto_research.algorithms.registry import KL_PLACEMENTS

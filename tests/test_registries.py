@@ -122,6 +122,16 @@ def test_the_vllm_memory_default_is_written_once():
     assert vllm_memory(0.5, "cpu")[0] == vllm_memory(0.5, "cuda")[0] == 0.5
 
 
+def test_the_data_file_kinds_are_the_reader_s():
+    from auto_research.config.fields import DATA_FILE_SUFFIXES, check_generation_dataset, is_data_source
+    from auto_research.data.rows import DATA_FILE_KINDS
+
+    assert DATA_FILE_SUFFIXES == tuple(DATA_FILE_KINDS) == (".jsonl", ".json", ".parquet", ".csv")
+    assert all(is_data_source(f"rows{suffix}") for suffix in DATA_FILE_KINDS)
+    with pytest.raises(UserError, match=r"^--dataset rows.txt: a data file must be .jsonl \(JSON Lines\), .json, "
+                                        r".parquet or .csv, or a folder written by datasets' save_to_disk$"):
+        check_generation_dataset("rows.txt")
+
 
 def test_one_table_of_subcommands(capsys):
     from auto_research import cli
