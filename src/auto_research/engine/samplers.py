@@ -73,7 +73,7 @@ def _vllm(needs: SamplerNeeds):
 
     config, tokenizer, device = needs.config, needs.tokenizer, needs.device
     longest = max(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) for prompt in needs.train_prompts)
-    memory = config.vllm_memory or (0.05 if device == "cpu" else 0.3)
+    memory = config.rollout_memory or (0.05 if device == "cpu" else 0.3)
     needs.log(f"starting a colocated vLLM engine ({memory:g} of the "
               f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'})")
     return VLLMSampler(needs.policy, tokenizer, needs.settings, memory, needs.compute_dtype,
@@ -84,7 +84,7 @@ def _server(engine: str):
     def build(needs: SamplerNeeds):
         from auto_research.engine.rollout.client import ServerSampler  # noqa: PLC0415
 
-        address = needs.config.vllm_server
+        address = needs.config.rollout_server
         # The builtin engine draws each chunk as the trainer's own sampler would: the same shapes on any world size.
         chunk = needs.chunk_prompts if engine == "builtin" else None
         sampler = ServerSampler(needs.policy, needs.tokenizer, needs.settings, address, needs.model_name,
@@ -135,12 +135,12 @@ SAMPLERS: dict[str, SamplerRecord] = {
 
 def sampler_name(config) -> str:
     """The registry's key for a run's --sampler and --rollout-mode."""
-    return config.sampler if config.vllm_mode == "colocate" else f"{config.sampler}-{config.vllm_mode}"
+    return config.sampler if config.rollout_mode == "colocate" else f"{config.sampler}-{config.rollout_mode}"
 
 
 def sampler_record(config) -> SamplerRecord:
     name = sampler_name(config)
     if name not in SAMPLERS:
-        raise UserError(f"--sampler {config.sampler} --rollout-mode {config.vllm_mode}: no such rollout engine "
+        raise UserError(f"--sampler {config.sampler} --rollout-mode {config.rollout_mode}: no such rollout engine "
                         f"(there are {', '.join(SAMPLERS)})")
     return SAMPLERS[name]

@@ -80,8 +80,8 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
     if rollout_function is not None or config.rollout_function:
         from auto_research.envs.custom import load_rollout_function  # noqa: PLC0415 - user code, on demand
 
-        config.check_loops(get_algorithm(config.algorithm).needs_greedy, environment is not None or bool(tools),
-                           rollout_function is not None)
+        config.turns.check_loops(get_algorithm(config.algorithm), environment is not None or bool(tools),
+                                 rollout_function is not None)
         own = load_rollout_function(rollout_function or config.rollout_function)
     if config.environment or config.tools or environment is not None or tools:
         from auto_research.envs.rollout import load_environment, row_of  # noqa: PLC0415 - user code, on demand

@@ -76,7 +76,7 @@ def start_engine(config, log) -> tuple[object, Served]:
 
         check_servable(model.config, device, name, "rollout-serve",
                        "serve it from a GPU, with --engine builtin, or train with --sampler builtin")
-        memory = config.vllm_memory or (0.05 if device == "cpu" else 0.3)
+        memory = config.rollout_memory or (0.05 if device == "cpu" else 0.3)
         dtype = resolve_dtype(config.dtype, device)
         log(f"starting a vLLM engine for {name} ({memory:g} of the "
             f"{'host memory for its KV cache' if device == 'cpu' else 'device memory'}, max_model_len {longest})")
