@@ -176,6 +176,14 @@ class GenerationConfig:
         check_across(self)
         return self
 
+    def reported_settings(self, critic: bool) -> dict:
+        """What metrics.json reports of the settings beside a run's figures: its length, and the sections that shape
+        its updates (sampling, loss, optimisation, and the critic's when it has one), flat, as the flags name them."""
+        sections = ("sampling", "loss", "optimisation", *(("critic",) if critic else ()))
+        return json_ready({"steps": self.run.steps, **{item.name: getattr(getattr(self, section), item.name)
+                                                         for section in sections
+                                                         for item in fields(SECTIONS[section])}})
+
     def to_json(self) -> dict:
         """The flat settings (name → value, paths as text): what a checkpoint records and a resume compares."""
         return json_ready({item.name: getattr(self, item.name) for item in self.flat_fields()})
