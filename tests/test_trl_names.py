@@ -223,7 +223,7 @@ def test_trls_warmup_ratio_and_linear_schedule_give_transformers_rates():
     config = GenerationConfig.from_trl({"lr_scheduler_type": "linear", "warmup_ratio": 0.2, "max_steps": 10,
                                         "learning_rate": 1.0}, GenerationConfig(dataset="x.jsonl")).filled()
     assert config.warmup_steps == 2
-    rates = [learning_rate_at(config, update, 10) for update in range(10)]
+    rates = [learning_rate_at(config.optimisation, update, 10) for update in range(10)]
     # Warmup 1/2, 2/2, then (10 - u) / 8 down to 1/8 at the last update (transformers' linear decay).
     assert rates == pytest.approx([0.5, 1.0, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8])
 
