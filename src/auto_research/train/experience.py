@@ -49,7 +49,7 @@ class Scores:
     causes: dict = field(default_factory=dict)
     """{why a completion is unscored: how many}, over every rank (a plain None is not listed)."""
     functions: dict = field(default_factory=dict)
-    """Each reward function's ``reward/<name>`` (the mean) and ``reward_std/<name>`` (``rollouts.function_figures``)."""
+    """Each reward function's ``reward/<name>`` (the mean) and ``reward/<name>.std`` (``rollouts.function_figures``)."""
 
 
 @dataclass(frozen=True)
