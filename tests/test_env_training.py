@@ -255,7 +255,7 @@ def test_an_environment_given_from_python_gives_colocated_vllm_room_for_a_whole_
     built = {}
 
     class Recorder:
-        def __init__(self, policy, tokenizer, settings, memory, dtype, max_model_len, seed):
+        def __init__(self, policy, tokenizer, settings, memory, dtype, max_model_len, seed, verbose=False):
             built["max_model_len"] = max_model_len
             raise KeyboardInterrupt  # stop before any engine starts
 

@@ -324,12 +324,12 @@ def test_learning_rate_schedule_by_hand():
     from auto_research.train.update import learning_rate_at
 
     config = GenerationConfig(learning_rate=1.0, warmup_steps=4, steps=14, lr_schedule="cosine").filled()
-    assert [learning_rate_at(config, update, 14) for update in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert [learning_rate_at(config.optimisation, update, 14) for update in range(4)] == [0.25, 0.5, 0.75, 1.0]
     # Cosine from 1 at the end of warmup to 0 at the last update: half-way (update 9) it is 0.5.
-    assert learning_rate_at(config, 9, 14) == pytest.approx(0.5)
-    assert learning_rate_at(config, 14, 14) == pytest.approx(0.0)
+    assert learning_rate_at(config.optimisation, 9, 14) == pytest.approx(0.5)
+    assert learning_rate_at(config.optimisation, 14, 14) == pytest.approx(0.0)
     constant = GenerationConfig(learning_rate=0.1, warmup_steps=0, steps=5).filled()
-    assert {learning_rate_at(constant, update, 5) for update in range(5)} == {0.1}
+    assert {learning_rate_at(constant.optimisation, update, 5) for update in range(5)} == {0.1}
 
 
 def test_gradient_checkpointing_changes_memory_not_the_step(tiny_model_dir, sums_jsonl, tmp_path, reward_module):

@@ -1,5 +1,5 @@
 """One meaning per metric name (issue 37, item 5): each reward function's own mean and std per step
-(``reward/<name>`` for the mean, ``reward/<name>/std``), checked against the values the functions gave, recomputed
+(``reward/<name>`` for the mean, ``reward/<name>.std``), checked against the values the functions gave, recomputed
 by hand; ``entropy`` per token in the rows and in metrics.json; metrics.json's counts the sums of the rows'."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _figures(completions: list[str]) -> dict:
     for name in ("length", "parity", "thirds", "format"):
         given = [row[name] for row in values if row[name] is not None]
         expected[f"reward/{name}"] = statistics.fmean(given) if given else None
-        expected[f"reward/{name}/std"] = statistics.pstdev(given) if given else None
+        expected[f"reward/{name}.std"] = statistics.pstdev(given) if given else None
     sums = [None if any(v is None for v in row.values()) else sum(w * v for w, v in zip(WEIGHTS, row.values()))
             for row in values]
     scored = [value for value in sums if value is not None]

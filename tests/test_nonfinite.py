@@ -117,7 +117,7 @@ def test_some_invalid_rewards_are_counted_and_the_run_goes_on(tiny_model_dir, su
     rows = [strict(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(row["invalid_rewards"], row["unscored_samples"]) for row in rows] == [(4, 4), (4, 4)]
     # The scored half all got 1.0: the function's own mean and std, and the combined reward's.
-    assert [(row["reward/odd_nan"], row["reward/odd_nan/std"], row["reward_mean"]) for row in rows] == [
+    assert [(row["reward/odd_nan"], row["reward/odd_nan.std"], row["reward_mean"]) for row in rows] == [
         (1.0, 0.0, 1.0)] * 2
     training = strict((run / "metrics.json").read_text())["training"]
     assert training["invalid_rewards"] == 8 and training["unscored_samples"] == 8

@@ -46,9 +46,9 @@ CASES = [
     ("top_k", 20, {"top_k": 20}),
     ("use_vllm", True, {"sampler": "vllm"}),
     ("use_vllm", False, {"sampler": "builtin"}),
-    ("vllm_mode", "server", {"vllm_mode": "server"}),
-    ("vllm_server_base_url", "http://10.0.0.2:8011", {"vllm_server": "10.0.0.2:8011"}),
-    ("vllm_gpu_memory_utilization", 0.4, {"vllm_memory": 0.4}),
+    ("vllm_mode", "server", {"rollout_mode": "server"}),
+    ("vllm_server_base_url", "http://10.0.0.2:8011", {"rollout_server": "10.0.0.2:8011"}),
+    ("vllm_gpu_memory_utilization", 0.4, {"rollout_memory": 0.4}),
     ("vllm_importance_sampling_correction", False, {"rollout_correction": "none"}),
     ("vllm_importance_sampling_mode", "token_truncate", {"rollout_correction": "token-tis"}),
     ("vllm_importance_sampling_mode", "sequence_truncate", {"rollout_correction": "sequence-tis"}),
@@ -86,35 +86,35 @@ CASES = [
 
 @pytest.mark.parametrize(("name", "value", "expected"), CASES, ids=[f"{c[0]}={c[1]}" for c in CASES])
 def test_each_trl_name_sets_the_field_it_means(name, value, expected):
-    assert trl.finish(trl.translate({name: value}), GenerationConfig) == expected
+    assert trl.finish(trl.translate({name: value}), GenerationConfig()) == expected
 
 
 def test_the_batch_in_completions_becomes_prompts_per_step_and_micro_batches(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     # 6 per device × 2 accumulation × 2 processes = 24 completions = 6 prompts of K = 4.
     settings = trl.finish(trl.translate({"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2,
-                                         "num_generations": 4}), GenerationConfig)
+                                         "num_generations": 4}), GenerationConfig())
     assert settings == {"micro_batch_size": 6, "prompts_per_step": 6, "group_size": 4}
     # Only the accumulation given: transformers' 8 per device.
-    assert trl.finish(trl.translate({"gradient_accumulation_steps": 3}), GenerationConfig)["prompts_per_step"] == 12
+    assert trl.finish(trl.translate({"gradient_accumulation_steps": 3}), GenerationConfig())["prompts_per_step"] == 12
     with pytest.raises(UserError, match=r"6 × gradient_accumulation_steps 1 × 2 processes = 12 completions, is not a "
                                         r"multiple of the group size K = 5"):
-        trl.finish(trl.translate({"per_device_train_batch_size": 6, "num_generations": 5}), GenerationConfig)
+        trl.finish(trl.translate({"per_device_train_batch_size": 6, "num_generations": 5}), GenerationConfig())
     with pytest.raises(UserError, match="steps_per_generation"):
-        trl.finish(trl.translate({"per_device_train_batch_size": 4, "steps_per_generation": 2}), GenerationConfig)
+        trl.finish(trl.translate({"per_device_train_batch_size": 4, "steps_per_generation": 2}), GenerationConfig())
 
 
 def test_server_address_epochs_and_the_bias_corrected_kl():
-    assert trl.finish(trl.translate({"vllm_server_port": 8011}), GenerationConfig) == {
-        "vllm_server": "127.0.0.1:8011"}
-    assert trl.finish(trl.translate({"num_train_epochs": 3.0, "max_steps": 5}), GenerationConfig) == {"steps": 5}
+    assert trl.finish(trl.translate({"vllm_server_port": 8011}), GenerationConfig()) == {
+        "rollout_server": "127.0.0.1:8011"}
+    assert trl.finish(trl.translate({"num_train_epochs": 3.0, "max_steps": 5}), GenerationConfig()) == {"steps": 5}
     with pytest.raises(UserError, match="num_train_epochs: steps here draw fresh prompts"):
-        trl.finish(trl.translate({"num_train_epochs": 3.0}), GenerationConfig)
-    assert trl.finish(trl.translate({"use_bias_correction_kl": True, "beta": 0.0}), GenerationConfig) == {"beta": 0.0}
+        trl.finish(trl.translate({"num_train_epochs": 3.0}), GenerationConfig())
+    assert trl.finish(trl.translate({"use_bias_correction_kl": True, "beta": 0.0}), GenerationConfig()) == {"beta": 0.0}
     with pytest.raises(UserError, match="use_bias_correction_kl: true with beta 0.05"):
-        trl.finish(trl.translate({"use_bias_correction_kl": True}), GenerationConfig)
+        trl.finish(trl.translate({"use_bias_correction_kl": True}), GenerationConfig())
     with pytest.raises(UserError, match="'constant' ignores warmup"):
-        trl.finish(trl.translate({"lr_scheduler_type": "constant", "warmup_steps": 3}), GenerationConfig)
+        trl.finish(trl.translate({"lr_scheduler_type": "constant", "warmup_steps": 3}), GenerationConfig())
 
 
 @pytest.mark.parametrize(("settings", "message"), [
@@ -167,7 +167,7 @@ def test_every_field_of_trainingarguments_and_trls_configs_is_mapped_or_refused_
         log_unique_prompts log_completions_hub_repo use_transformers_continuous_batching
         transformers_continuous_batching_config use_transformers_paged logging_steps gradient_checkpointing bf16
         lr_scheduler_kwargs use_liger_kernel torch_empty_cache_steps learning_rate""".split())
-    ours = {item.name for item in dataclasses.fields(GenerationConfig)}
+    ours = {item.name for item in GenerationConfig.flat_fields()}
     assert sorted(name for name in names if not trl.is_trl_name(name) and name not in ours) == []
     assert {"entropy_coef", "generation_batch_size"} <= ours  # ours by name, another meaning: docs/trl.md
 
@@ -223,7 +223,7 @@ def test_trls_warmup_ratio_and_linear_schedule_give_transformers_rates():
     config = GenerationConfig.from_trl({"lr_scheduler_type": "linear", "warmup_ratio": 0.2, "max_steps": 10,
                                         "learning_rate": 1.0}, GenerationConfig(dataset="x.jsonl")).filled()
     assert config.warmup_steps == 2
-    rates = [learning_rate_at(config, update, 10) for update in range(10)]
+    rates = [learning_rate_at(config.optimisation, update, 10) for update in range(10)]
     # Warmup 1/2, 2/2, then (10 - u) / 8 down to 1/8 at the last update (transformers' linear decay).
     assert rates == pytest.approx([0.5, 1.0, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8])
 

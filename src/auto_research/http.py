@@ -84,3 +84,11 @@ def authorization(key: str) -> str:
     key in any script arrives as the bytes it is, as curl sends it. A key beyond Latin-1 as plain text made
     http.client fail before sending anything."""
     return f"Bearer {key}".encode("utf-8").decode("latin-1")
+
+
+def split_address(address: str, flag: str = "--rollout-server") -> tuple[str, int]:
+    """``HOST:PORT`` → (host, port); one line for anything else."""
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"{flag} {address!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+    return host, int(port)

@@ -31,7 +31,7 @@ def _levels(args, classes) -> tuple[dict, str]:
     from auto_research.config import trl
 
     load_config_file(args, classes, trl_names=True)
-    settings = trl.finish(given(args, GenerationConfig, trl_names=True), GenerationConfig)
+    settings = trl.finish(given(args, GenerationConfig, trl_names=True), GenerationConfig())
     return settings, settings.get("dataset", "arithmetic-smoke")
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 from pathlib import Path
 
-from auto_research.config.fields import SECTIONS, flag_of
+from auto_research.config.fields import SECTIONS, flag_of, help_group, setting_fields
 from auto_research.errors import UserError
 
 
@@ -42,7 +42,7 @@ def _describe(item) -> str | None:
 
 
 def flagged_fields(cls, exclude=()) -> list:
-    return [item for item in fields(cls) if item.metadata.get("section") is not None and item.name not in exclude]
+    return [item for item in setting_fields(cls) if item.metadata.get("section") is not None and item.name not in exclude]
 
 
 def add_flags(parser: argparse.ArgumentParser, cls, exclude=(), grouped: bool = False, levels: dict | None = None,
@@ -65,7 +65,8 @@ def add_flags(parser: argparse.ArgumentParser, cls, exclude=(), grouped: bool = 
         switch = options.get("action") in ("store_true", "store_false")
         help_text = meta["help"]
         if "(default:" not in help_text and not switch:
-            shared = [(level, f) for level, other in (levels or {}).items() for f in fields(other) if f.name == item.name]
+            shared = [(level, f) for level, other in (levels or {}).items() for f in setting_fields(other)
+                      if f.name == item.name]
             if defaults and item.name in defaults:
                 help_text += f" (default: {defaults[item.name]})"
             elif shared and any(_describe(f) != _describe(item) for _, f in shared):
@@ -77,7 +78,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, exclude=(), grouped: bool = 
             help_text += " (required)"
         if not switch:
             options.setdefault("metavar", names[0].lstrip("-").upper().replace("-", "_"))
-        target = groups.get(meta["section"], parser) if grouped else parser
+        target = groups.get(help_group(cls, item), parser) if grouped else parser
         target.add_argument(*names, dest=item.name, default=None, help=help_text, **options)
 
 

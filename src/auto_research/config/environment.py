@@ -1,4 +1,4 @@
-"""The multi-turn settings of a generation-level run (docs/environments.md): an environment made per trajectory,
+"""The multi-turn section of a generation-level run (docs/environments.md): an environment made per trajectory,
 tools the model may call, the most turns a trajectory takes, or a rollout function running the user's own loop.
 Checked without importing the user's code (that is ``train/prepare.py``'s, on a dataset row, before any model is
 loaded)."""
@@ -12,8 +12,10 @@ from auto_research.config.fields import setting
 from auto_research.errors import UserError
 
 
-@dataclass
-class EnvironmentSettings:
+@dataclass(frozen=True)
+class TurnsSection:
+    """Multi-turn rollouts: an environment, tools, or the user's own rollout function, and their bounds."""
+
     environment: str | None = setting(None, "module:factory (from the working folder) or path/file.py:factory: "
                                             "make_env(row) returns an object with reset() and step(text) -> "
                                             "(observation, reward, done), talked to for up to --max-turns turns "
@@ -44,27 +46,20 @@ class EnvironmentSettings:
         """A sample may be longer than one completion: an environment, tools or a rollout function."""
         return bool(self.environment or self.tools or self.rollout_function)
 
-    def trajectory_tokens(self, multi_turn: bool | None = None) -> int:
-        """The most tokens after the prompt a sample may hold (one completion without an environment;
-        ``multi_turn``: an environment or tools given from Python)."""
+    def trajectory_tokens(self, max_new_tokens: int, multi_turn: bool | None = None) -> int:
+        """The most tokens after the prompt a sample may hold: one completion of ``max_new_tokens`` without an
+        environment (``multi_turn``: an environment or tools given from Python, as the flags)."""
         if not (self.multi_turn if multi_turn is None else multi_turn):
-            return self.max_new_tokens
-        return self.max_trajectory_tokens or self.max_new_tokens * self.max_turns
+            return max_new_tokens
+        return self.max_trajectory_tokens or max_new_tokens * self.max_turns
 
-    def engine_tokens(self, multi_turn: bool | None = None) -> int:
+    def engine_tokens(self, max_new_tokens: int, multi_turn: bool | None = None) -> int:
         """The most tokens a sampling engine adds to a prompt: a trajectory's, and the last turn's draw (cut to
         the trajectory's room after it is drawn). ``multi_turn``: as for ``trajectory_tokens``."""
         multi_turn = self.multi_turn if multi_turn is None else multi_turn
-        return self.trajectory_tokens(multi_turn) + (self.max_new_tokens if multi_turn else 0)
+        return self.trajectory_tokens(max_new_tokens, multi_turn) + (max_new_tokens if multi_turn else 0)
 
-    def resolved_user_code(self) -> dict:
-        """The settings that name user code, each in the form that finds it from any working folder (a module of
-        the working folder as its absolute file): what a run records, so that it resumes from anywhere."""
-        from auto_research.user_code import USER_CODE_SETTINGS, resolved_settings  # noqa: PLC0415
-
-        return resolved_settings({key: getattr(self, key) for key in USER_CODE_SETTINGS})
-
-    def check_environment(self, needs_greedy: bool) -> None:
+    def check(self) -> None:
         for flag, seconds in (("--env-timeout", self.env_timeout), ("--tool-timeout", self.tool_timeout)):
             if not (math.isfinite(seconds) and seconds >= 0):
                 raise UserError(f"{flag} must be a number of seconds >= 0 (0: no limit), got {seconds}")
@@ -72,17 +67,16 @@ class EnvironmentSettings:
             raise UserError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.max_trajectory_tokens is not None and self.max_trajectory_tokens < 1:
             raise UserError(f"--max-trajectory-tokens must be >= 1, got {self.max_trajectory_tokens}")
-        self.check_loops(needs_greedy)
 
-    def check_loops(self, needs_greedy: bool, environment: bool = False, rollout_function: bool = False) -> None:
+    def check_loops(self, algorithm, environment: bool = False, rollout_function: bool = False) -> None:
         """A rollout function is its own loop, without --environment or --tools; none of them runs with an
-        algorithm whose baseline is one greedy completion. ``environment`` and ``rollout_function``: an
-        environment (or tools) and a rollout function given from Python, as the flags."""
+        algorithm (its record) whose baseline is one greedy completion. ``environment`` and ``rollout_function``:
+        an environment (or tools) and a rollout function given from Python, as the flags."""
         own = bool(self.rollout_function or rollout_function)
         talks = bool(self.environment or self.tools or environment)
         if own and talks:
             raise UserError("--rollout-function runs its own loop: give it without --environment and --tools")
-        if (own or talks) and needs_greedy:
+        if (own or talks) and algorithm.needs_greedy:
             flags = "--rollout-function" if own else "--environment/--tools"
-            raise UserError(f"{flags} with {self.algorithm} is not built (its greedy baseline is one single-turn "
+            raise UserError(f"{flags} with {algorithm.name} is not built (its greedy baseline is one single-turn "
                             "completion)")

@@ -29,16 +29,23 @@ DATA_FILE_SUFFIXES = tuple(DATA_FILE_KINDS)
 DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 SECTIONS = {
-    "common": "the run (both levels)",
-    "data": "data and model",
+    # a run's sections (config/generation.py SECTIONS), in --help's order
+    "run": "the run: algorithm, length, run folder, evaluations and checkpoints",
+    "data": "data",
+    "policy": "the model and where it computes",
     "rewards": "rewards",
+    "sampling": "sampling",
     "loss": "loss, KL and updates",
     "critic": "critic (ppo-rlhf)",
-    "sampling": "sampling",
-    "environment": "multi-turn environments and tools",
+    "rollout": "the rollout engine",
+    "turns": "multi-turn environments and tools",
     "optimisation": "optimisation",
+    "lora": "LoRA",
+    "logging": "logging and trackers",
+    # the other commands' groups
+    "common": "the run (both levels)",
+    "environment": "multi-turn environments and tools",
     "scaling": "several processes (torchrun) and LoRA",
-    "run": "evaluation, checkpoints and the run",
 }
 
 
@@ -60,6 +67,19 @@ def setting(default, help: str, section: str | None = "common", flag: str | None
 def default_dataset_dir() -> Path:
     """``$AUTO_RESEARCH_DATA`` when set, else ``data`` (the folder holding gsm8k/)."""
     return Path(os.environ.get("AUTO_RESEARCH_DATA") or "data")
+
+
+def setting_fields(cls) -> list:
+    """The settings of a config class: its fields, or, for a run's settings in sections, every section's
+    (``GenerationConfig.flat_fields``)."""
+    from dataclasses import fields  # noqa: PLC0415
+
+    return cls.flat_fields() if hasattr(cls, "flat_fields") else list(fields(cls))
+
+
+def help_group(cls, item) -> str | None:
+    """The --help group of a setting: its section's (a run's settings), else its own metadata's."""
+    return cls.section_of(item.name) if hasattr(cls, "section_of") else item.metadata.get("section")
 
 
 def flag_of(item) -> str:

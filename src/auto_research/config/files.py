@@ -13,10 +13,10 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from dataclasses import fields
+
 from pathlib import Path
 
-from auto_research.config.fields import flag_of
+from auto_research.config.fields import flag_of, setting_fields
 from auto_research.errors import UserError
 from auto_research.files import atomic_write_json, atomic_write_text
 
@@ -32,7 +32,7 @@ def _flagged(classes) -> dict[str, object]:
     """key → field, for every field with a flag in ``classes`` (the first class that has a name wins)."""
     found = {}
     for cls in classes:
-        for item in fields(cls):
+        for item in setting_fields(cls):
             if item.metadata.get("section") is not None:
                 found.setdefault(key_of(item), item)
     return found
@@ -268,7 +268,7 @@ def _from_trl(where: str, trl_settings: dict, settings: dict, known: dict) -> di
 def config_payload(config) -> dict:
     """A config dataclass as a config file's mapping (every field with a flag, by its key)."""
     payload = {}
-    for item in fields(config):
+    for item in setting_fields(type(config)):
         if item.metadata.get("section") is None:
             continue
         value = getattr(config, item.name)

@@ -169,9 +169,10 @@ class ServeConfig:
                                       "must match)", default_text="the embedded tiny model")
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on (0: any free one, printed)", type=int)
-    vllm_memory: float | None = setting(None, "on a GPU, the share of its memory vLLM may take; on the CPU, the "
-                                              "share of host memory for its KV cache", default_text=f"{VLLM_MEMORY_GPU} GPU, {VLLM_MEMORY_CPU} CPU",
-                                        flag="--rollout-memory", aliases=("--vllm-memory",), type=float)
+    rollout_memory: float | None = setting(None, "on a GPU, the share of its memory vLLM may take; on the CPU, the "
+                                                 "share of host memory for its KV cache",
+                                           default_text=f"{VLLM_MEMORY_GPU} GPU, {VLLM_MEMORY_CPU} CPU",
+                                           flag="--rollout-memory", aliases=("--vllm-memory",), type=float)
     max_model_len: int | None = setting(None, "longest prompt + completion served",
                                         default_text="the model's context, at most 4096", type=int)
     dtype: str = setting("auto", "auto (bf16 on CUDA, else fp32), bfloat16 or float32")
@@ -200,13 +201,13 @@ class ServeConfig:
             raise UserError(f"--engine must be {' or '.join(served_engines())}, got {self.engine!r}")
         if self.engine == "vllm":
             require_vllm()
-        elif self.vllm_memory is not None or self.dtype != "auto":
-            raise UserError(f"{'--rollout-memory' if self.vllm_memory is not None else '--dtype'} is vLLM's; the "
+        elif self.rollout_memory is not None or self.dtype != "auto":
+            raise UserError(f"{'--rollout-memory' if self.rollout_memory is not None else '--dtype'} is vLLM's; the "
                             "builtin engine samples in float32 with the model's own cache, as the trainer does")
         if not 0 <= self.port < 65536:
             raise UserError(f"--port must be in 0..65535, got {self.port}")
-        if self.vllm_memory is not None and not (0 < self.vllm_memory <= 1):
-            raise UserError(f"--rollout-memory must be in (0, 1], got {self.vllm_memory}")
+        if self.rollout_memory is not None and not (0 < self.rollout_memory <= 1):
+            raise UserError(f"--rollout-memory must be in (0, 1], got {self.rollout_memory}")
         check_positive_integers(("--max-model-len", self.max_model_len), ("--threads", self.threads),
                                 ("--max-group-size", self.max_group_size),
                                 ("--max-request-tokens", self.max_request_tokens),

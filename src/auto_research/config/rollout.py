@@ -1,73 +1,119 @@
-"""The rollout side's settings of a run (``GenerationConfig``): where its engine runs and how stale its batches
-may be. Before torch: nothing here imports an engine."""
+"""The rollout section of a generation-level run: which engine samples, where it runs, how stale its batches may
+be and how its draws are corrected. Before torch: nothing here imports an engine."""
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
-from auto_research.algorithms.registry import get_algorithm
+from auto_research.algorithms.registry import ROLLOUT_CORRECTIONS
+from auto_research.config.fields import check_choice, check_positive_finite, setting
+from auto_research.config.loss import by_algorithm
 from auto_research.engine.launch import parse_cores
-from auto_research.engine.temperature import MIN_TEMPERATURE, temperature_problem
+from auto_research.engine.samplers import ENGINES, ROLLOUT_MODES, VLLM_MEMORY_CPU, VLLM_MEMORY_GPU
 from auto_research.errors import UserError
 
-
-def check_temperature(value: float) -> None:
-    """A run's --temperature: a sampling temperature (``temperature_problem``), and not 0: greedy decoding draws
-    a prompt's K completions alike, so no group would carry a signal to train on."""
-    problem = temperature_problem(value)
-    if problem is None and value == 0:
-        problem = ("0 is greedy decoding: a prompt's K completions would be identical and no group would carry a "
-                   f"signal to train on; sample at a temperature >= {MIN_TEMPERATURE:g}")
-    if problem is not None:
-        raise UserError(f"--temperature {problem}")
+SAMPLERS = tuple(ENGINES)  # engine/samplers.py lists them
 
 
-def check_rollout_engine(config) -> None:
-    """Where the rollout engine runs (--rollout-mode, --rollout-server, --rollout-memory, --rollout-cores)."""
-    if config.vllm_memory is not None:
-        if not (math.isfinite(config.vllm_memory) and 0 < config.vllm_memory <= 1):
-            raise UserError(f"--rollout-memory must be in (0, 1], got {config.vllm_memory}")
-        if config.vllm_mode == "server":
-            raise UserError("--rollout-memory is the colocated engine's; give it to auto-research rollout-serve")
-        if config.sampler != "vllm":
-            raise UserError("--rollout-memory is vLLM's (--sampler vllm)")
-    if config.vllm_mode == "server":
-        if config.vllm_server is None:
-            raise UserError(f"--rollout-mode server needs --rollout-server HOST:PORT (start a server with "
-                            f"auto-research rollout-serve --engine {config.sampler} --model M --port 8000)")
-        from auto_research.engine.rollout.server import split_address
+@dataclass(frozen=True)
+class RolloutSection:
+    """The rollout side: its engine (--sampler) and where it runs (--rollout-mode), how stale a batch may be, the
+    correction of the sampler's distribution to the trainer's and its bounds, and how much the engine says."""
 
-        split_address(config.vllm_server)
-    elif config.vllm_server is not None:
-        raise UserError("--rollout-server is for --rollout-mode server")
-    if config.vllm_mode == "process":
-        if config.sampler != "builtin":
-            raise UserError("--rollout-mode process starts the builtin sampler's server; for vLLM start "
-                            "auto-research rollout-serve and use --rollout-mode server")
-        parse_cores(config.rollout_cores, set(os.sched_getaffinity(0)))
-    elif config.rollout_cores is not None:
-        raise UserError("--rollout-cores is for --rollout-mode process")
+    sampler: str = setting("builtin", " or ".join(f"{name} ({text})" for name, text in ENGINES.items()), "sampling")
+    rollout_mode: str = setting("colocate", "where the rollout engine runs: " + ", ".join(
+                                    f"{name} ({text})" for name, text in ROLLOUT_MODES.items()), "sampling",
+                                flag="--rollout-mode", aliases=("--vllm-mode",))
+    rollout_server: str | None = setting(None, "HOST:PORT of the rollout server (--rollout-mode server)", "sampling",
+                                         flag="--rollout-server", aliases=("--vllm-server",))
+    rollout_memory: float | None = setting(None, "on a GPU, the share of its memory vLLM may take for weights, "
+                                                 f"activations and KV cache (default {VLLM_MEMORY_GPU}; the trainer needs "
+                                                 "the rest); on the CPU, the share of host memory for its KV cache "
+                                                 f"(default {VLLM_MEMORY_CPU})",
+                                           "sampling", flag="--rollout-memory", aliases=("--vllm-memory",), type=float)
+    rollout_cores: str | None = setting(None, "CPUs of the rollout process (--rollout-mode process), e.g. 1 or 2-3; "
+                                              "the trainer keeps the others", "sampling",
+                                        default_text="the last core")
+    rollout_correction: str | None = setting(None, "correct for the sampler's distribution differing from the "
+                                                   f"trainer's: {', '.join(ROLLOUT_CORRECTIONS)} (default: the "
+                                                   "algorithm's, "
+                                                   f"{by_algorithm('rollout_correction', ROLLOUT_CORRECTIONS)}; "
+                                                   "the identity with --sampler builtin)", "sampling")
+    rollout_correction_cap: float = setting(2.0, "C of the truncated importance weight min(w, C); sequence-mask "
+                                                 "drops completions whose weight is above C or below 1/C",
+                                            "sampling", type=float)
+    max_rollout_mismatch: float = setting(1.0, "stop the run, before it trains on a batch, when the sampler's "
+                                               "log-probs are further than this from the trainer's, in nats a token "
+                                               "on average (rollout_logprob_diff_mean; another engine or stale "
+                                               "weights only): healthy runs measured 1e-5 to 0.15, a sampler with "
+                                               "broken weights 4.3 (docs/vllm.md)", "sampling", type=float)
+    max_staleness: int = setting(0, "K: train on batches drawn by weights up to K steps older than the policy being "
+                                    "updated, the rollout side sampling in a thread of its own while the trainer "
+                                    "trains (step s is drawn by weights version max(0, s − 1 − K)); 0 = sample, then "
+                                    "train (docs/async.md)", "sampling", type=int)
+    verbose: bool = setting(False, "show everything the engines print: vLLM's INFO lines and the known-harmless "
+                                   "warnings hidden otherwise (docs/vllm.md)", "run", action="store_true")
 
-def check_staleness(config) -> None:
-    """--max-staleness K against the sampler, the steps, the algorithm and FSDP."""
-    from auto_research.engine.samplers import SAMPLERS, sampler_name, sampler_record
+    def check(self) -> None:
+        check_choice("--sampler", self.sampler, SAMPLERS)
+        check_choice("--rollout-mode", self.rollout_mode, ROLLOUT_MODES)
+        if self.rollout_correction is not None:
+            check_choice("--rollout-correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        check_positive_finite("--rollout-correction-cap", self.rollout_correction_cap)
+        check_positive_finite("--max-rollout-mismatch", self.max_rollout_mismatch)
+        if self.rollout_correction_cap < 1:
+            raise UserError(f"--rollout-correction-cap must be >= 1 (a weight truncated below 1 down-weights every "
+                            f"sample), got {self.rollout_correction_cap}")
+        self._check_engine()
+        if self.max_staleness < 0:
+            raise UserError(f"--max-staleness must be >= 0 (0: sample, then train), got {self.max_staleness}")
 
-    K = config.max_staleness
-    if K < 0:
-        raise UserError(f"--max-staleness must be >= 0 (0: sample, then train), got {K}")
-    if not K:
-        return
-    if not sampler_record(config).runs_apart:
-        apart = [name for name, record in SAMPLERS.items() if record.runs_apart]
-        raise UserError(f"--max-staleness {K}: the {sampler_name(config)} sampler cannot run apart from the trainer; "
-                        f"samplers that can: {', '.join(apart)} (or --max-staleness 0)")
-    if config.steps is not None and K >= config.steps:
-        raise UserError(f"--max-staleness {K} must be below --steps {config.steps} (step s trains on a batch drawn "
-                        f"by the weights of step s − 1 − K)")
-    if sampler_record(config).pushes_weights and get_algorithm(config.algorithm).needs_greedy:
-        raise UserError(f"--max-staleness {K} with {config.algorithm} and a rollout server is not built (its greedy "
-                        "baseline would sample from the weights being trained)")
-    if config.fsdp:
-        raise UserError(f"--max-staleness {K} with --fsdp is not built (the rollout side's copy of the weights "
-                        "would gather every shard); use DDP (without --fsdp) or --max-staleness 0")
+    def _check_engine(self) -> None:
+        """Where the rollout engine runs (--rollout-mode, --rollout-server, --rollout-memory, --rollout-cores)."""
+        if self.rollout_memory is not None:
+            if not (math.isfinite(self.rollout_memory) and 0 < self.rollout_memory <= 1):
+                raise UserError(f"--rollout-memory must be in (0, 1], got {self.rollout_memory}")
+            if self.rollout_mode == "server":
+                raise UserError("--rollout-memory is the colocated engine's; give it to auto-research rollout-serve")
+            if self.sampler != "vllm":
+                raise UserError("--rollout-memory is vLLM's (--sampler vllm)")
+        if self.rollout_mode == "server":
+            if self.rollout_server is None:
+                raise UserError(f"--rollout-mode server needs --rollout-server HOST:PORT (start a server with "
+                                f"auto-research rollout-serve --engine {self.sampler} --model M --port 8000)")
+            from auto_research.http import split_address  # noqa: PLC0415
+
+            split_address(self.rollout_server)
+        elif self.rollout_server is not None:
+            raise UserError("--rollout-server is for --rollout-mode server")
+        if self.rollout_mode == "process":
+            if self.sampler != "builtin":
+                raise UserError("--rollout-mode process starts the builtin sampler's server; for vLLM start "
+                                "auto-research rollout-serve and use --rollout-mode server")
+            parse_cores(self.rollout_cores, set(os.sched_getaffinity(0)))
+        elif self.rollout_cores is not None:
+            raise UserError("--rollout-cores is for --rollout-mode process")
+
+    def check_staleness(self, steps: int | None, algorithm, fsdp: bool) -> None:
+        """--max-staleness K against the engine, the run's steps, its algorithm (``algorithm``: the record) and
+        FSDP."""
+        from auto_research.engine.samplers import SAMPLERS as ENGINES, sampler_name, sampler_record  # noqa: PLC0415
+
+        K = self.max_staleness
+        if not K:
+            return
+        if not sampler_record(self).runs_apart:
+            apart = [name for name, record in ENGINES.items() if record.runs_apart]
+            raise UserError(f"--max-staleness {K}: the {sampler_name(self)} sampler cannot run apart from the "
+                            f"trainer; samplers that can: {', '.join(apart)} (or --max-staleness 0)")
+        if steps is not None and K >= steps:
+            raise UserError(f"--max-staleness {K} must be below --steps {steps} (step s trains on a batch drawn "
+                            f"by the weights of step s − 1 − K)")
+        if sampler_record(self).pushes_weights and algorithm.needs_greedy:
+            raise UserError(f"--max-staleness {K} with {algorithm.name} and a rollout server is not built (its greedy "
+                            "baseline would sample from the weights being trained)")
+        if fsdp:
+            raise UserError(f"--max-staleness {K} with --fsdp is not built (the rollout side's copy of the weights "
+                            "would gather every shard); use DDP (without --fsdp) or --max-staleness 0")

@@ -99,7 +99,7 @@ def _server_url(value) -> dict:
     parsed = urlparse(str(value))
     if not parsed.hostname or not parsed.port:
         raise _refuse("vllm_server_base_url", f"{value!r}: expected http://HOST:PORT")
-    return {"vllm_server": f"{parsed.hostname}:{parsed.port}"}
+    return {"rollout_server": f"{parsed.hostname}:{parsed.port}"}
 
 
 def _tool_iterations(value) -> dict:
@@ -166,12 +166,12 @@ MAPPED: dict[str, TrlField] = {
     "top_k": TrlField("int", "--top-k", _same("top_k")),
     "use_vllm": TrlField("bool", "--sampler vllm (false: builtin)",
                          lambda value: {"sampler": "vllm" if value else "builtin"}),
-    "vllm_mode": TrlField("text", "--rollout-mode", _choice("vllm_mode", {"colocate": {"vllm_mode": "colocate"},
-                                                                          "server": {"vllm_mode": "server"}})),
+    "vllm_mode": TrlField("text", "--rollout-mode", _choice("vllm_mode", {"colocate": {"rollout_mode": "colocate"},
+                                                                          "server": {"rollout_mode": "server"}})),
     "vllm_server_base_url": TrlField("text", "--rollout-server", _server_url),
     "vllm_server_host": TrlField("text", "--rollout-server HOST (with vllm_server_port)", _same(_HOST)),
     "vllm_server_port": TrlField("int", "--rollout-server :PORT (with vllm_server_host)", _same(_PORT)),
-    "vllm_gpu_memory_utilization": TrlField("float", "--rollout-memory", _same("vllm_memory")),
+    "vllm_gpu_memory_utilization": TrlField("float", "--rollout-memory", _same("rollout_memory")),
     "vllm_importance_sampling_correction": TrlField("bool", "false: --rollout-correction none",
                                                     lambda value: {} if value else {"rollout_correction": "none"}),
     "vllm_importance_sampling_mode": TrlField("text", "--rollout-correction",
@@ -336,8 +336,8 @@ def finish(settings: dict, defaults) -> dict:
                                           "(--steps)")
     if _HOST in pending or _PORT in pending:
         address = f"{pending.get(_HOST, '127.0.0.1')}:{pending.get(_PORT, 8000)}"
-        if settings.setdefault("vllm_server", address) != address:
-            raise UserError(f"--rollout-server {settings['vllm_server']} and TRL's vllm_server_host/port {address} "
+        if settings.setdefault("rollout_server", address) != address:
+            raise UserError(f"--rollout-server {settings['rollout_server']} and TRL's vllm_server_host/port {address} "
                             "differ: give one")
     if pending.get(_CONSTANT) and settings.get("warmup_steps", 0) or pending.get(_CONSTANT) and settings.get(
             "warmup_ratio"):

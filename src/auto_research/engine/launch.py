@@ -23,16 +23,17 @@ def environment_rank() -> int:
         return 0
 
 
-def check_world(config, size: int | None = None) -> None:
-    """The settings that depend on the number of processes; no torch needed."""
+def check_world(fsdp: bool, prompts_per_step: int, mini_batches: int, size: int | None = None) -> None:
+    """The settings that depend on the number of processes (``size``, else the launch's): FSDP, and a step's prompts
+    in whole groups on every rank of every mini-batch; no torch needed."""
     size = environment_world_size() if size is None else size
-    if config.fsdp and size < 2:
+    if fsdp and size < 2:
         raise UserError("--fsdp shards the models over several processes: launch with "
                         "torchrun --nproc-per-node N -m auto_research post-train … (N >= 2)")
-    parts = size * config.ppo_mini_batches
-    if config.prompts_per_step % parts:
-        raise UserError(f"--prompts-per-step {config.prompts_per_step} must be a multiple of the number of processes "
-                        f"({size}) times --ppo-mini-batches ({config.ppo_mini_batches}): each rank takes whole groups "
+    parts = size * mini_batches
+    if prompts_per_step % parts:
+        raise UserError(f"--prompts-per-step {prompts_per_step} must be a multiple of the number of processes "
+                        f"({size}) times --ppo-mini-batches ({mini_batches}): each rank takes whole groups "
                         "of every mini-batch")
 
 

@@ -87,8 +87,9 @@ def linear_module_names(model) -> list[str]:
     return sorted(names - {"lm_head", "score"})
 
 
-def add_adapters(model, config, model_name: str):
-    """(policy with trainable adapters, reference callable) for ``--lora-r``."""
+def add_adapters(model, lora, model_name: str):
+    """(policy with trainable adapters, reference callable) for ``--lora-r`` (``lora``: the run's LoRA settings,
+    ``config.sections.LoraSection``)."""
     peft = _peft()
     if isinstance(model, peft.PeftModel):
         # Started from a saved adapter: continue it; the reference is that adapter, frozen.
@@ -96,8 +97,8 @@ def add_adapters(model, config, model_name: str):
         model.set_adapter("default")
         _freeze(model, REFERENCE)
         return model, AdapterSwitched(model, REFERENCE)
-    if config.lora_target_modules:
-        targets = [name.strip() for name in config.lora_target_modules.split(",") if name.strip()]
+    if lora.lora_target_modules:
+        targets = [name.strip() for name in lora.lora_target_modules.split(",") if name.strip()]
         present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         missing = [name for name in targets if name not in present]
         if missing:
@@ -105,8 +106,8 @@ def add_adapters(model, config, model_name: str):
                             f"linear layers are {', '.join(linear_module_names(model))}")
     else:
         targets = "all-linear"
-    settings = peft.LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha or 2 * config.lora_r,
-                               lora_dropout=config.lora_dropout, target_modules=targets, bias="none",
+    settings = peft.LoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha or 2 * lora.lora_r,
+                               lora_dropout=lora.lora_dropout, target_modules=targets, bias="none",
                                task_type="CAUSAL_LM")
     model = peft.get_peft_model(model, settings)
     return model, AdaptersDisabled(model)

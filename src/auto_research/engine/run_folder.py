@@ -220,24 +220,24 @@ def differing_settings(saved: dict, current: dict) -> list[str]:
             if key not in RESUMABLE_DIFFERENCES and key in saved and saved[key] != current[key]]
 
 
-def resumable_checkpoint(config, log, world_size: int = 1) -> Path:
-    """The checkpoint ``--resume`` continues from, after checking that the run's settings are unchanged but for
+def resumable_checkpoint(run_dir: Path, settings: dict, log, world_size: int = 1) -> Path:
+    """The checkpoint ``--resume`` continues from in ``run_dir``, after checking that the run's settings (``settings``:
+    this command's, flat, as ``GenerationConfig.to_json`` gives them) are the saved ones but for
     ``RESUMABLE_DIFFERENCES`` (--steps no lower than the checkpoint's step) and that it runs on as many processes
     as before (the only way the resumed run stays exact)."""
-    folder = verified_checkpoint(config.run_dir, log)
+    folder = verified_checkpoint(run_dir, log)
     state = json.loads((folder / "trainer_state.json").read_text())
     saved = {**state["config"], **resolved_settings(state["config"])}  # user code as recorded since (user_code.py)
     if state.get("world_size", 1) != world_size:
-        raise UserError(f"--resume: the run in {config.run_dir} ran on {state.get('world_size', 1)} process(es), this "
+        raise UserError(f"--resume: the run in {run_dir} ran on {state.get('world_size', 1)} process(es), this "
                         f"command on {world_size}: gradients summed in another order would not continue it exactly; "
                         f"resume with the same number, or start a new run from the weights with --model {folder}")
-    current = config.to_json()
-    differing = differing_settings(saved, current)
+    differing = differing_settings(saved, settings)
     if differing:
-        raise UserError(f"--resume: the run in {config.run_dir} was started with different settings: "
+        raise UserError(f"--resume: the run in {run_dir} was started with different settings: "
                         + ", ".join(differing))
-    if config.steps < state["step"]:
-        raise UserError(f"--resume --steps {config.steps}: the run in {config.run_dir} has a checkpoint at step "
+    if settings["steps"] < state["step"]:
+        raise UserError(f"--resume --steps {settings['steps']}: the run in {run_dir} has a checkpoint at step "
                         f"{state['step']} already (a run is not shortened below its last checkpoint): give --steps "
                         f"{state['step']} or more")
     return folder
@@ -258,24 +258,24 @@ def run_outputs(run_dir: Path) -> list[str]:
     return found
 
 
-def check_run_folder(config) -> None:
+def check_run_folder(run_dir: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to start a fresh run where an earlier one is, unless --overwrite says so.
 
     Without this, a command run again without --resume would delete the
     earlier run's checkpoints without a word.
     """
-    if config.resume or config.overwrite:
+    if resume or overwrite:
         return
-    found = run_outputs(config.run_dir)
+    found = run_outputs(run_dir)
     if found:
-        steps = checkpoint_dirs(config.run_dir)
+        steps = checkpoint_dirs(run_dir)
         if not steps and "metrics.json" in found:  # finished, its checkpoints removed (compare --drop-checkpoints)
-            raise UserError(f"{config.run_dir} holds a finished run without its checkpoints ({', '.join(found)}): "
+            raise UserError(f"{run_dir} holds a finished run without its checkpoints ({', '.join(found)}): "
                             "compare --resume reads it as it is; or start afresh with --overwrite (which deletes it)")
         if not steps:
-            raise UserError(f"{config.run_dir} holds an earlier run that stopped before its first checkpoint "
+            raise UserError(f"{run_dir} holds an earlier run that stopped before its first checkpoint "
                             f"({', '.join(found)}): start afresh with --overwrite (which deletes it)")
-        raise UserError(f"{config.run_dir} holds an earlier run (checkpoints up to {steps[-1].name}): continue it "
+        raise UserError(f"{run_dir} holds an earlier run (checkpoints up to {steps[-1].name}): continue it "
                         "with --resume, or start afresh with --overwrite (which deletes it)")
 
 

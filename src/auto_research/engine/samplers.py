@@ -104,7 +104,7 @@ def _vllm(needs: SamplerNeeds):
 
     config, tokenizer, device = needs.config, needs.tokenizer, needs.device
     longest = max(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) for prompt in needs.train_prompts)
-    memory, of_what = vllm_memory(config.vllm_memory, device)
+    memory, of_what = vllm_memory(config.rollout_memory, device)
     needs.log(f"starting a colocated vLLM engine ({memory:g} of the {of_what})")
     return VLLMSampler(needs.policy, tokenizer, needs.settings, memory, needs.compute_dtype,
                        longest + config.engine_tokens(needs.multi_turn), config.seed, verbose=config.verbose)
@@ -127,7 +127,7 @@ def _server(engine: str):
     def build(needs: SamplerNeeds):
         from auto_research.engine.rollout.client import ServerSampler  # noqa: PLC0415
 
-        address = needs.config.vllm_server
+        address = needs.config.rollout_server
         # The builtin engine draws each chunk as the trainer's own sampler would: the same shapes on any world size.
         chunk = needs.chunk_prompts if engine == "builtin" else None
         sampler = ServerSampler(needs.policy, needs.tokenizer, needs.settings, address, needs.model_name,
@@ -193,12 +193,12 @@ register(SamplerRecord("builtin", "process", _builtin_process, runs_apart=True, 
 
 def sampler_name(config) -> str:
     """The registry's key for a run's --sampler and --rollout-mode."""
-    return sampler_key(config.sampler, config.vllm_mode)
+    return sampler_key(config.sampler, config.rollout_mode)
 
 
 def sampler_record(config) -> SamplerRecord:
     name = sampler_name(config)
     if name not in SAMPLERS:
-        raise UserError(f"--sampler {config.sampler} --rollout-mode {config.vllm_mode}: no such rollout engine "
+        raise UserError(f"--sampler {config.sampler} --rollout-mode {config.rollout_mode}: no such rollout engine "
                         f"(there are {', '.join(SAMPLERS)})")
     return SAMPLERS[name]

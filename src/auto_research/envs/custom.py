@@ -195,9 +195,11 @@ def _check_probabilities(where: str, ids: list[int], logprobs: list[float]) -> N
                               "it drew, as context.generate returns them)")
 
 
-def function_runner(prepared, config, tokenizer, policy, sampler, settings: SamplingSettings) -> FunctionRunner:
-    """The run's ``FunctionRunner`` over ``sampler.generate_ids``; the reward functions score each row's text only
-    when the user gave them (``--reward``, ``--reward-model``, ``--reward-url`` or from Python)."""
+def function_runner(prepared, tokenizer, policy, sampler, settings: SamplingSettings, trajectory_tokens: int,
+                    scores_replies: bool) -> FunctionRunner:
+    """The run's ``FunctionRunner`` over ``sampler.generate_ids``, its trajectories at most ``trajectory_tokens``
+    after the prompt; the reward functions score each row's text only when the user gave them
+    (``scores_replies``: ``--reward``, ``--reward-model``, ``--reward-url`` or from Python)."""
     from auto_research.engine.models import context_length  # noqa: PLC0415
     from auto_research.engine.rollout import eos_ids  # noqa: PLC0415
 
@@ -205,5 +207,5 @@ def function_runner(prepared, config, tokenizer, policy, sampler, settings: Samp
     embeddings = policy.get_input_embeddings()
     vocabulary = getattr(embeddings, "num_embeddings", None) or len(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(tokenizer, policy)[0]
-    return FunctionRunner(sampler.generate_ids, tokenizer, function, name, settings, config.trajectory_tokens(True),
-                          vocabulary, context_length(policy), pad, bool(prepared.rewards or config.reward_model))
+    return FunctionRunner(sampler.generate_ids, tokenizer, function, name, settings, trajectory_tokens,
+                          vocabulary, context_length(policy), pad, scores_replies)

@@ -40,25 +40,27 @@ def load_environment(environment, tools, sample_row: dict, timeout: float = 0.0
     return factory, loaded
 
 
-def runner_for(config, factory: EnvironmentFactory | None, tools: dict[str, Callable], tokenizer, eos: list[int],
-               sampler, model_name: str, sample_row: dict, needs_greedy: bool, scores_replies: bool
+def runner_for(turns, sampling, algorithm, factory: EnvironmentFactory | None, tools: dict[str, Callable], tokenizer,
+               eos: list[int], sampler, model_name: str, sample_row: dict, scores_replies: bool
                ) -> "EpisodeRunner | None":
-    """The run's multi-turn runner over ``sampler.generate_ids``, or None without an environment or tools;
-    a chat template that would hide the tools is refused here, before any work."""
+    """The run's multi-turn runner over ``sampler.generate_ids``, or None without an environment or tools
+    (``turns`` and ``sampling``: the run's sections; ``algorithm``: its record); a chat template that would hide
+    the tools is refused here, before any work."""
     from auto_research.envs.tools import check_template_takes_tools  # noqa: PLC0415
 
     if factory is None and not tools:
         return None
-    if needs_greedy:
-        raise UserError(f"--environment/--tools with {config.algorithm} is not built (its greedy baseline is one "
+    if algorithm.needs_greedy:
+        raise UserError(f"--environment/--tools with {algorithm.name} is not built (its greedy baseline is one "
                         "single-turn completion)")
     shown = factory.checked_episode(sample_row, tools).tools if factory is not None else tools
     if shown:
         check_template_takes_tools(tokenizer, [tool_schema(function) for function in shown.values()], model_name)
-    settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
+    settings = SamplingSettings(sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    return EpisodeRunner(sampler.generate_ids, tokenizer, factory, tools, settings, config.max_turns,
-                         config.trajectory_tokens(True), tuple(eos), pad, scores_replies, config.tool_timeout)
+    return EpisodeRunner(sampler.generate_ids, tokenizer, factory, tools, settings, turns.max_turns,
+                         turns.trajectory_tokens(sampling.max_new_tokens, True), tuple(eos), pad, scores_replies,
+                         turns.tool_timeout)
 
 
 def row_of(example: Example) -> dict:

@@ -7,12 +7,10 @@ from auto_research.engine.lora import save_merged
 from auto_research.engine.models import resolve_device
 from auto_research.errors import UserError
 from auto_research.report import plots, tables
-from auto_research.train.components import build_components
-from auto_research.train.loop import RunLoop, restore
+from auto_research.train.loop import RunLoop
 from auto_research.train.memory import MemoryMeter
 from auto_research.train.prepare import Prepared
-from auto_research.train.state import LoopState
-from auto_research.train.warm_start import model_for
+from auto_research.train.trainer import open_run
 
 
 def started_world(config) -> World:
@@ -26,11 +24,8 @@ def train_and_report(prepared: Prepared, world: World | None, lock, log) -> dict
     config = prepared.config
     world = world or World.from_environment(config.fsdp)
     memory = MemoryMeter(config.device)
-    components = build_components(prepared, model_for(config, prepared.task, world, log), world, log)
-    state = LoopState.fresh(config.seed)
+    components, state = open_run(prepared, world, log)
     try:
-        if prepared.resume_from is not None:
-            restore(components, state, prepared.resume_from, log)
         metrics = RunLoop(components, state, lock, log, resumed=prepared.resume_from is not None).run()
     finally:
         components.sampler.close()  # a server's lease is given back, whichever way the run ended

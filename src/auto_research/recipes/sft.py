@@ -27,7 +27,7 @@ def run(config: SFTConfig) -> dict:
                                    offline=config.offline, seed=config.seed, chat_template=config.chat_template,
                                    device=config.device, threads=config.threads, prompt_field=config.prompt_field,
                                    answer_field=config.answer_field)
-    task_config.validate_dataset()
+    task_config.data.check()
     task_config = task_config.filled()
     check_writable_directory(config.output_dir)
     with locked(config.output_dir, "sft"):

@@ -202,7 +202,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     measured = config.beta > 0 or task.gold is not None
     reference = None
     if config.lora_r:
-        policy, reference = lora.add_adapters(policy, config, model_name)
+        policy, reference = lora.add_adapters(policy, config.lora, model_name)
         reference = reference if measured else None
     elif measured:
         reference, _ = load_policy(model_name, device, compute_dtype, config.offline)
@@ -253,15 +253,16 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
         from auto_research.engine.rollout import eos_ids  # noqa: PLC0415
         from auto_research.envs.rollout import row_of, runner_for  # noqa: PLC0415
 
-        components.episodes = runner_for(config, prepared.environment, prepared.tools or {}, tokenizer,
-                                         eos_ids(tokenizer, policy), components.sampler, model_name,
-                                         row_of(task.train[0]), algorithm.needs_greedy,
+        components.episodes = runner_for(config.turns, config.sampling, algorithm, prepared.environment,
+                                         prepared.tools or {}, tokenizer, eos_ids(tokenizer, policy),
+                                         components.sampler, model_name, row_of(task.train[0]),
                                          bool(prepared.rewards or config.reward_model) or prepared.environment is None)
     if prepared.rollout_function is not None:
         from auto_research.envs.custom import function_runner  # noqa: PLC0415
 
-        components.episodes = function_runner(prepared, config, tokenizer, policy, components.sampler,
-                                              sampling_settings(config))
+        components.episodes = function_runner(prepared, tokenizer, policy, components.sampler,
+                                              sampling_settings(config), config.trajectory_tokens(True),
+                                              bool(prepared.rewards or config.reward_model))
     return components
 
 

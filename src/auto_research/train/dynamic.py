@@ -20,7 +20,7 @@ import numpy as np
 
 REFILL_WARNING = 4
 """Refills per slot in one step beyond which the run warns once (a reward constant on most prompts?): the
-default --max-refills never passes it; a larger one may, up to ``config.generation.MAX_REFILLS`` per slot."""
+default --max-refills never passes it; a larger one may, up to ``config.sampling.MAX_REFILLS`` per slot."""
 
 REFILL_SEED_OFFSET = 1_000_003
 """Refill r of slot j samples with ``prompt_seed(seed, step, OFFSET·r + j)``: apart from every dataset index."""

@@ -49,7 +49,7 @@ class Scores:
     causes: dict = field(default_factory=dict)
     """{why a completion is unscored: how many}, over every rank (a plain None is not listed)."""
     functions: dict = field(default_factory=dict)
-    """Each reward function's ``reward/<name>`` (the mean) and ``reward/<name>/std`` (``rollouts.function_figures``)."""
+    """Each reward function's ``reward/<name>`` (the mean) and ``reward/<name>.std`` (``rollouts.function_figures``)."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
         kl = torch.zeros_like(old_logprobs)
     values = no_grad_forward(c, c.critic, rollout, completion_values) * mask if c.critic is not None else None
     weights = drift = None
-    if corrected(c.config) and rollout.sampler_logprobs is not None:
+    if corrected(c.config.rollout) and rollout.sampler_logprobs is not None:
         # Another engine or older weights sampled: how far μ is from π_old, and the weights that correct it.
         weights = importance_weights(old_logprobs - rollout.sampler_logprobs, mask, c.config.rollout_correction,
                                      c.config.rollout_correction_cap)
@@ -147,9 +147,10 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
     return Experience(rollout, scores, old_logprobs, entropy, kl, reference_logprobs, values, weights, drift)
 
 
-def corrected(config) -> bool:
-    """Whether μ may differ from π_old: another engine samples, or older weights (--max-staleness ≥ 1)."""
-    return not sampler_record(config).is_the_trainer or config.max_staleness > 0
+def corrected(rollout) -> bool:
+    """Whether μ may differ from π_old (``rollout``: the run's section): another engine samples, or older weights
+    (--max-staleness ≥ 1)."""
+    return not sampler_record(rollout).is_the_trainer or rollout.max_staleness > 0
 
 
 def sampled_is_the_policy(c: Components, rollout: Rollout, version: int | None = None) -> bool:

@@ -5,7 +5,7 @@ the surrogate whose gradient is the policy gradient. Per-sequence figures are ga
 in rank order (each rank holds whole groups), so the row is the same on 1 or N processes.
 
 One meaning per name: ``entropy`` is per token (as the held-out evaluation's), ``kl`` summed over a completion
-(as ``kl_from_reference``); ``reward/<name>`` (the mean) and ``reward/<name>/std`` are each reward function's own (unweighted)
+(as ``kl_from_reference``); ``reward/<name>`` (the mean) and ``reward/<name>.std`` are each reward function's own (unweighted)
 values, TRL's names. A count in metrics.json's ``training`` is the sum of the rows' figure of the same name
 (``no_signal_groups``, ``unscored_samples``, ``invalid_rewards``).
 """

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from auto_research.algorithms.registry import get_algorithm
-from auto_research.config.generation import GenerationConfig
+from auto_research.config.generation import RENAMED, GenerationConfig
 from auto_research.data.tasks import check_answers, load_task
 from auto_research.data.types import Task
 from auto_research.engine import run_folder
@@ -52,8 +52,15 @@ def check_settings(config: GenerationConfig, world_size: int) -> None:
     """The checks that read nothing: settings, the number of processes, the output folder."""
     config.validate()
     sampler_record(config).check_settings()
-    check_world(config, world_size)
+    check_world(config.fsdp, config.prompts_per_step, config.ppo_mini_batches, world_size)
     check_writable_directory(config.output_dir)
+
+
+def recorded_settings(config: GenerationConfig) -> dict:
+    """The run's flat settings as a checkpoint records them, under their former names too (a checkpoint saved
+    before ``RENAMED`` holds those), so that a resume compares them all."""
+    settings = config.to_json()
+    return {**settings, **{old: settings[new] for old, new in RENAMED.items()}}
 
 
 def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None, reward_functions=(),
@@ -63,8 +70,9 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
     if config.max_staleness and config.rollout_correction == "none":
         log(f"warning: --max-staleness {config.max_staleness} with --rollout-correction none: batches drawn by older "
             "weights are trained on as if the current policy had drawn them (uncorrected; docs/async.md)")
-    run_folder.check_run_folder(config)
-    resume_from = run_folder.resumable_checkpoint(config, log, world_size) if config.resume else None
+    run_folder.check_run_folder(config.run_dir, config.resume, config.overwrite)
+    resume_from = (run_folder.resumable_checkpoint(config.run_dir, recorded_settings(config), log, world_size)
+                   if config.resume else None)
     for source, flag in ((config.model, "--model"), (config.reward_model, "--reward-model"),
                          (config.critic_model, "--critic-model")):
         if source is not None:
@@ -80,8 +88,8 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
     if rollout_function is not None or config.rollout_function:
         from auto_research.envs.custom import load_rollout_function  # noqa: PLC0415 - user code, on demand
 
-        config.check_loops(get_algorithm(config.algorithm).needs_greedy, environment is not None or bool(tools),
-                           rollout_function is not None)
+        config.turns.check_loops(get_algorithm(config.algorithm), environment is not None or bool(tools),
+                                 rollout_function is not None)
         own = load_rollout_function(rollout_function or config.rollout_function)
     if config.environment or config.tools or environment is not None or tools:
         from auto_research.envs.rollout import load_environment, row_of  # noqa: PLC0415 - user code, on demand

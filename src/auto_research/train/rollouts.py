@@ -246,7 +246,9 @@ def unscored_reasons(causes: dict, unscored: int, total: int, noun: str) -> str:
 
 def function_figures(world, parts: dict) -> dict:
     """Each reward function's mean and (population) standard deviation over the samples it gave a value, over
-    every rank: ``reward/<name>`` (the mean) and ``reward/<name>/std`` (None where it gave none)."""
+    every rank: ``reward/<name>`` (the mean) and ``reward/<name>.std`` (None where it gave none). Not
+    ``reward/<name>/std``: MLflow's file store keeps a metric as a file at its name's path, so a name cannot also be
+    another's folder."""
     if not parts:
         return {}
     sums = world.total(torch.tensor([[sum(v for v in part if v is not None), sum(v * v for v in part if v is not None),
@@ -256,7 +258,7 @@ def function_figures(world, parts: dict) -> dict:
     for name, (total, squares, count) in zip(parts, sums.tolist()):
         mean = total / count if count else None
         figures[f"reward/{name}"] = mean
-        figures[f"reward/{name}/std"] = math.sqrt(max(squares / count - mean * mean, 0.0)) if count else None
+        figures[f"reward/{name}.std"] = math.sqrt(max(squares / count - mean * mean, 0.0)) if count else None
     return figures
 
 

@@ -1,7 +1,8 @@
 """A run's components and loop state together, for Python and for tests: build once, then step and
-evaluate. The command line and ``post_train()`` put the run folder, its lock and the loop around it
-(recipes/post_train.py); this class writes nothing but the model cache (it checks the run folder as a run
-does: an earlier run there is refused unless resume or overwrite is set)."""
+evaluate. One wiring path: the command line and ``post_train()`` open a run with the same ``open_run``, then put
+the run folder's lock and the loop (``RunLoop``, whose steps are ``rl_step``, as ``Trainer.step``'s) around it
+(recipes/post_train.py, recipes/generation_run.py); this class writes nothing but the model cache (it checks the
+run folder as a run does: an earlier run there is refused unless resume or overwrite is set)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,27 @@ from auto_research.engine.rollout import Rollout
 from auto_research.train.components import Components, build_components
 from auto_research.train.evaluation import held_out
 from auto_research.train.in_flight import rollout_source
-from auto_research.train.prepare import prepare
+from auto_research.train.loop import restore
+from auto_research.train.prepare import Prepared, prepare
 from auto_research.train.rollouts import draw_batch, sample_batch
 from auto_research.train.state import LoopState
 from auto_research.train.step import rl_step
 from auto_research.train.warm_start import model_for
+
+
+def open_run(prepared: Prepared, world: World, log=print) -> tuple[Components, LoopState]:
+    """A prepared run's components and loop state: the models built (from the task's warm start where it has one)
+    and, on --resume, the checkpoint's weights, optimizer states and loop state restored. The command line and
+    ``post_train`` (``recipes/generation_run.py``) and ``Trainer`` all open a run here."""
+    components = build_components(prepared, model_for(prepared.config, prepared.task, world, log), world, log)
+    state = LoopState.fresh(prepared.config.seed)
+    if prepared.resume_from is not None:
+        try:
+            restore(components, state, prepared.resume_from, log)
+        except BaseException:
+            components.sampler.close()  # a server's lease is given back
+            raise
+    return components, state
 
 
 class Trainer:
@@ -30,8 +47,7 @@ class Trainer:
         config = config.filled()
         world = world or World.from_environment(config.fsdp)
         prepared = prepare(config, log, rows, reward_functions, world.size, environment, tools, rollout_function)
-        components = build_components(prepared, model_for(config, prepared.task, world, log), world, log)
-        return cls(components, LoopState.fresh(config.seed), log)
+        return cls(*open_run(prepared, world, log), log)
 
     def sample(self, step: int) -> Rollout:
         """The rollout a step would train on: its prompts drawn from the loop's generator, then sampled (with

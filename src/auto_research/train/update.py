@@ -14,7 +14,6 @@ from auto_research.algorithms.estimators import (ADVANTAGE_ESTIMATORS, Advantage
 from auto_research.algorithms.losses import (POLICY_LOSSES, LossInputs, aggregate, clip_fraction, clipped_value_loss,
                                              last_token)
 from auto_research.algorithms.registry import kl_in_loss, kl_shapes_reward
-from auto_research.config.generation import GenerationConfig
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
 from auto_research.engine.rollout import Rollout, eos_ids
 from auto_research.train.components import Components
@@ -81,18 +80,20 @@ def moving_average_after(inputs: AdvantageInputs, baseline: float, decay: float,
     return float(decay * baseline + (1 - decay) * summed / count) if count else baseline
 
 
-def learning_rate_at(config: GenerationConfig, update: int, total_updates: int) -> float:
+def learning_rate_at(optimisation, update: int, total_updates: int) -> float:
     """Linear warmup, then constant, or a linear or cosine decay to zero at the last update (update counted from
-    0; transformers' schedules of the same names after their warmup)."""
-    if config.warmup_steps and update < config.warmup_steps:
-        return config.learning_rate * (update + 1) / config.warmup_steps
-    span = max(1, total_updates - config.warmup_steps)
-    if config.lr_schedule == "linear":
-        return config.learning_rate * max(0.0, (total_updates - update) / span)
-    if config.lr_schedule == "cosine":
-        progress = min(1.0, (update - config.warmup_steps) / span)
-        return config.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return config.learning_rate
+    0; transformers' schedules of the same names after their warmup). ``optimisation``: the run's section (filled:
+    its learning rate and warmup set)."""
+    rate, warmup = optimisation.learning_rate, optimisation.warmup_steps
+    if warmup and update < warmup:
+        return rate * (update + 1) / warmup
+    span = max(1, total_updates - warmup)
+    if optimisation.lr_schedule == "linear":
+        return rate * max(0.0, (total_updates - update) / span)
+    if optimisation.lr_schedule == "cosine":
+        progress = min(1.0, (update - warmup) / span)
+        return rate * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return rate
 
 
 def _mini_batches(c: Components, rows: int) -> list[slice]:
@@ -120,7 +121,7 @@ def optimizer_step(c: Components, model, optimizer, update: int) -> float:
     norm = torch.nn.utils.clip_grad_norm_(trained, c.config.max_grad_norm)
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
     for group in optimizer.param_groups:
-        group["lr"] = learning_rate_at(c.config, update, c.config.steps * c.updates_per_step)
+        group["lr"] = learning_rate_at(c.config.optimisation, update, c.config.steps * c.updates_per_step)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm

@@ -23,12 +23,12 @@ import torch
 
 from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
 from auto_research.engine.rollout.guard import MAX_REQUEST_TOKENS, slices
-from auto_research.engine.rollout.server import PART_BYTES, fingerprint, split_address
+from auto_research.engine.rollout.server import PART_BYTES, fingerprint
 from auto_research.engine.rollout.transfer import SharedWriter
 from auto_research.engine.rollout.remote import build_rollout, pushed_weights
 from auto_research.errors import RolloutEngineError, UserError
 from auto_research.files import atomic_write_bytes
-from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, check_api_key, request
+from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, check_api_key, request, split_address
 
 SECRET_NAME = ".lease-secret"
 

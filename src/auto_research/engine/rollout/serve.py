@@ -77,7 +77,7 @@ def start_engine(config, log) -> tuple[object, Served]:
 
         check_servable(model.config, device, name, "rollout-serve",
                        "serve it from a GPU, with --engine builtin, or train with --sampler builtin")
-        memory, of_what = vllm_memory(config.vllm_memory, device)
+        memory, of_what = vllm_memory(config.rollout_memory, device)
         dtype = resolve_dtype(config.dtype, device)
         log(f"starting a vLLM engine for {name} ({memory:g} of the {of_what}, max_model_len {longest})")
         sampler = VLLMSampler(model, tokenizer, SamplingSettings(max_new_tokens=16), memory, dtype, longest,

@@ -66,7 +66,7 @@ from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, 
                                                 Leases, Refused, check_claim, check_generate, check_size, describe,
                                                 slices)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
-from auto_research.errors import UserError, one_line
+from auto_research.errors import one_line
 from auto_research.http import API_KEY_VARIABLE, authorization, check_api_key
 
 PART_BYTES = 256 * 2**20
@@ -82,13 +82,6 @@ def fingerprint(config, tokenizer) -> str:
     shape = {key: getattr(config, key, None) for key in keys}
     vocabulary = sorted(tokenizer.get_vocab().items())
     return hashlib.sha256(json.dumps([shape, vocabulary], sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def split_address(address: str, flag: str = "--rollout-server") -> tuple[str, int]:
-    host, _, port = str(address).rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(f"{flag} {address!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
-    return host, int(port)
 
 
 def server_key(flag: str | None) -> str | None:
