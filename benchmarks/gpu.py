@@ -85,7 +85,7 @@ def child(options) -> None:
                               dtype="bfloat16" if cuda else "float32", chat_template=False, eval_every=0,
                               checkpoint_every=0, evaluation_examples=1, micro_batch_size=options.micro_batch,
                               lora_r=options.lora_r or None, fsdp=options.fsdp, sampler=options.sampler,
-                              vllm_memory=options.vllm_memory, max_staleness=options.max_staleness)
+                              rollout_memory=options.vllm_memory, max_staleness=options.max_staleness)
     trainer = Trainer.build(config, log=lambda text: None, rows=rows,
                             reward_functions=[("length", lambda p, completions, r: [float(len(c)) for c in completions])])
     if cuda:

@@ -140,7 +140,7 @@ def _literal_name_lists(kinds: dict[str, set[str]], skip: set[str]) -> list[str]
 
 
 def test_dataset_sampler_and_rollout_mode_names_are_listed_in_their_registries_only():
-    from auto_research.config import fields, generation
+    from auto_research.config import fields, rollout
     from auto_research.data.registry import TASKS, task_names
     from auto_research.engine.samplers import ENGINES, ROLLOUT_MODES, SAMPLERS
 
@@ -151,7 +151,7 @@ def test_dataset_sampler_and_rollout_mode_names_are_listed_in_their_registries_o
                                                                                        set()))
     # The settings' tuples are the registries' own.
     assert fields.DATASETS == task_names() and fields.GENERATION_DATASETS == task_names("generation")
-    assert generation.SAMPLERS == tuple(ENGINES)
+    assert rollout.SAMPLERS == tuple(ENGINES)
 
 
 def test_no_module_compares_the_kl_placement_with_a_string():
