@@ -245,6 +245,8 @@ class RunLoop:
         self.metrics_log.close()
 
     def _warn_unscored(self) -> None:
+        """Samples the reward could not score were left out of their baselines step by step (warned once); the
+        run's end says how many, so a reward that failed often is not mistaken for one that scored low."""
         totals = self.state.totals
         if totals["unscored_samples"]:
             invalid = totals["invalid_rewards"]
