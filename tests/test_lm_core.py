@@ -177,6 +177,26 @@ def test_rloo_gradient_equals_the_pre_reshape_golden(micro_batch_size):
     assert scale > 0.1
 
 
+
+def test_the_golden_s_script_makes_the_committed_golden_again():
+    """tests/fixtures/make_rloo_gradient_golden.py runs on today's modules and makes the committed file again: the
+    rollout, masks and rewards bit for bit, every gradient within float32 rounding (the file was written with an
+    earlier torch; a β off by 0.1% is 100 times the tolerance)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_rloo_gradient_golden", GOLDEN.with_name(
+        "make_rloo_gradient_golden.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.GOLDEN == GOLDEN
+    made, committed = script.build(), load_file(str(GOLDEN))
+    found = script.deviations(made, committed)
+    assert sorted(found) == sorted(committed) and len(found) > 4
+    assert {name: value for name, value in found.items() if not name.startswith("grad.")} == {
+        "completion_mask": 0.0, "prompt_mask": 0.0, "rewards": 0.0, "sequences": 0.0}
+    assert max(found.values()) <= script.TOLERANCE, found
+    assert max(float(made[name].abs().max()) for name in found if name.startswith("grad.")) > 0.1
+
 def test_ppo_without_critic_clipping_or_whitening_is_reinforce_without_baseline():
     from auto_research.engine.models import load_critic
 

@@ -116,84 +116,140 @@ def train(config: CandidateConfig, data: CandidateData) -> dict:
         return _train(config, data)
 
 
+@dataclass
+class _State:
+    """What the loop carries from one step to the next. The reference is the initial w, frozen; ``rollout`` is the
+    sampler's copy of w for algorithms that sample from a stale policy (refreshed every --rollout-refresh steps);
+    ``moving_average`` is the loop's baseline for an algorithm with a moving_average decay (REINFORCE)."""
+
+    weights: np.ndarray
+    reference: np.ndarray
+    rollout: np.ndarray
+    critic: np.ndarray
+    moving_average: float = 0.0
+    critic_updates: int = 0
+    rollout_refreshes: int = 0
+
+    @classmethod
+    def start(cls, features: int) -> "_State":
+        weights = np.zeros(features)
+        return cls(weights, weights.copy(), weights.copy(), np.zeros(features))
+
+
+@dataclass(frozen=True)
+class _Drawn:
+    """One step's K sampled candidates and the three distributions over the group they were judged under."""
+
+    sampled: np.ndarray
+    policy: np.ndarray
+    reference_policy: np.ndarray
+    sampler: np.ndarray
+
+
 def _train(config: CandidateConfig, data: CandidateData) -> dict:
+    """Draw a problem → sample K → advantages → step the policy (and critic), ``config.steps`` times; validation
+    figures at step 1 and every tenth of the run."""
     algorithm = get_algorithm(config.algorithm)
-    twin = algorithm.candidate
     rng = np.random.default_rng(config.seed)
-    K, lr, beta = config.group_size, config.learning_rate, config.beta
-    features, rewards = data.train.features, data.train.rewards
-    weights = np.zeros(features.shape[-1])
-    reference = weights.copy()
-    rollout = weights.copy()
-    critic = np.zeros(features.shape[-1])
-    moving_average = 0.0  # the loop's baseline for an algorithm with a moving_average decay (REINFORCE)
-    counters = {"critic_updates": 0, "rollout_refreshes": 0}
+    state = _State.start(data.train.features.shape[-1])
     every = history_interval(config.steps)
-    baseline = evaluate(data.validation, weights, reference)
+    baseline = evaluate(data.validation, state.weights, state.reference)
     history = []
-
     for step in range(1, config.steps + 1):
-        index = rng.integers(0, len(data.train))
-        phi, group_rewards = features[index], rewards[index]
-        policy = softmax(phi @ weights)
-        reference_policy = softmax(phi @ reference)
-        sampler_logits = phi @ rollout if twin.samples_from == "rollout" else phi @ weights
-        sampler = softmax(phi @ rollout) if twin.samples_from == "rollout" else policy
-        sampled = draw_without_replacement(rng, sampler_logits, sampler, K)
-
-        values = phi[sampled] @ critic if algorithm.needs_critic else None
-        inputs = AdvantageInputs(
-            rewards=group_rewards[sampled],
-            log_ratio=np.log((policy[sampled] + EPS) / (reference_policy[sampled] + EPS)),
-            beta=beta,
-            greedy_rewards=group_rewards[int(np.argmax(policy))] if algorithm.needs_greedy else None,
-            values=values,
-            baseline=moving_average,
-        )
-        advantages = ADVANTAGES[twin.advantage](inputs)
-        if algorithm.moving_average is not None:
-            # The baseline moves after it has been used, so b never contains this step's rewards.
-            moving_average = update_moving_average(moving_average, inputs.shaped(), algorithm.moving_average,
-                                                   inputs.mask)
-
-        # ∇_w log π(i) = φ_i − E_π[φ] for a linear softmax.
-        score = phi[sampled] - policy @ phi
-        if twin.objective == "clipped":
-            ratio = policy[sampled] / (sampler[sampled] + EPS)
-            surrogate = clipped_surrogate(ratio, advantages, config.clip_range)
-            # Where the clip binds, the surrogate is flat in w and contributes nothing.
-            active = np.isclose(surrogate, ratio * advantages)
-            weight = advantages * ratio * active
-            loss = -float(np.mean(surrogate))
-        else:
-            weight = advantages
-            loss_terms = advantages * np.log(policy[sampled] + EPS)
-            loss = -float(np.mean(loss_terms) if twin.reduction == "mean" else np.sum(loss_terms))
-        gradient = (weight[:, None] * score).sum(axis=0)
-        if twin.reduction == "mean":
-            gradient = gradient / K
-        if kl_in_loss(twin.kl):
-            # Exact gradient of the forward KL(π_ref ‖ π) over all 6 candidates (a protocol quirk).
-            gradient = gradient - beta * phi.T @ (policy - reference_policy)
-        if algorithm.needs_critic:
-            critic = critic + lr * np.mean((inputs.rewards - values)[:, None] * phi[sampled], axis=0)
-            counters["critic_updates"] += 1
-
-        weights = weights + lr * np.clip(gradient, -config.gradient_clip, config.gradient_clip)
-        if not (np.isfinite(weights).all() and np.isfinite(critic).all()):
-            part = "critic's weights (it takes the same step size)" if not np.isfinite(critic).all() else "policy weights"
-            raise UserError(f"{config.algorithm} diverged at step {step}: the {part} are no longer finite at "
-                            f"--learning-rate {lr:g}; lower it (default {CandidateConfig.learning_rate})")
-        if twin.samples_from == "rollout" and step % config.rollout_refresh == 0:
-            rollout = weights.copy()
-            counters["rollout_refreshes"] += 1
+        loss = _step(config, algorithm, data.train, state, rng)
+        _check_finite(config, state, step)
+        if algorithm.candidate.samples_from == "rollout" and step % config.rollout_refresh == 0:
+            state.rollout = state.weights.copy()
+            state.rollout_refreshes += 1
         if step == 1 or step % every == 0:
-            history.append({"step": float(step), "loss": loss, **evaluate(data.validation, weights, reference)})
+            history.append({"step": float(step), "loss": loss, **evaluate(data.validation, state.weights,
+                                                                            state.reference)})
+    return _payload(config, data, algorithm, state, baseline, history)
 
-    final = evaluate(data.validation, weights, reference)
-    diagnostics = dict(counters)
+
+def _step(config: CandidateConfig, algorithm, train: CandidateGroups, state: _State, rng: np.random.Generator) -> float:
+    """One group: a random problem, K candidates drawn, their advantages, then the critic's and the policy's
+    steps; the step's loss. The random draws come in the protocol's order (problem, then candidates)."""
+    index = rng.integers(0, len(train))
+    phi, group_rewards = train.features[index], train.rewards[index]
+    drawn = _draw(rng, algorithm.candidate, phi, state, config.group_size)
+    values = phi[drawn.sampled] @ state.critic if algorithm.needs_critic else None
+    inputs = AdvantageInputs(
+        rewards=group_rewards[drawn.sampled],
+        log_ratio=np.log((drawn.policy[drawn.sampled] + EPS) / (drawn.reference_policy[drawn.sampled] + EPS)),
+        beta=config.beta,
+        greedy_rewards=group_rewards[int(np.argmax(drawn.policy))] if algorithm.needs_greedy else None,
+        values=values,
+        baseline=state.moving_average,
+    )
+    advantages = ADVANTAGES[algorithm.candidate.advantage](inputs)
     if algorithm.moving_average is not None:
-        diagnostics["final_moving_average_baseline"] = moving_average
+        # The baseline moves after it has been used, so b never contains this step's rewards.
+        state.moving_average = update_moving_average(state.moving_average, inputs.shaped(), algorithm.moving_average,
+                                                     inputs.mask)
+    gradient, loss = _policy_gradient(config, algorithm.candidate, phi, drawn, advantages)
+    if algorithm.needs_critic:
+        state.critic = state.critic + config.learning_rate * np.mean((inputs.rewards - values)[:, None]
+                                                                      * phi[drawn.sampled], axis=0)
+        state.critic_updates += 1
+    state.weights = state.weights + config.learning_rate * np.clip(gradient, -config.gradient_clip,
+                                                                   config.gradient_clip)
+    return loss
+
+
+def _draw(rng: np.random.Generator, twin, phi: np.ndarray, state: _State, K: int) -> _Drawn:
+    """K distinct candidates from the sampler: the current policy, or the stale rollout copy for an algorithm
+    whose twin samples from it (its importance ratio then corrects for the staleness)."""
+    policy = softmax(phi @ state.weights)
+    reference_policy = softmax(phi @ state.reference)
+    sampler_logits = phi @ state.rollout if twin.samples_from == "rollout" else phi @ state.weights
+    sampler = softmax(phi @ state.rollout) if twin.samples_from == "rollout" else policy
+    return _Drawn(draw_without_replacement(rng, sampler_logits, sampler, K), policy, reference_policy, sampler)
+
+
+def _policy_gradient(config: CandidateConfig, twin, phi: np.ndarray, drawn: _Drawn,
+                     advantages: np.ndarray) -> tuple[np.ndarray, float]:
+    """The gradient of the twin's objective in w, and its loss: a plain or clipped policy gradient, averaged or
+    summed over the K samples, with the KL term's own gradient when the KL sits in the loss."""
+    sampled, policy = drawn.sampled, drawn.policy
+    # ∇_w log π(i) = φ_i − E_π[φ] for a linear softmax.
+    score = phi[sampled] - policy @ phi
+    if twin.objective == "clipped":
+        ratio = policy[sampled] / (drawn.sampler[sampled] + EPS)
+        surrogate = clipped_surrogate(ratio, advantages, config.clip_range)
+        # Where the clip binds, the surrogate is flat in w and contributes nothing.
+        active = np.isclose(surrogate, ratio * advantages)
+        weight = advantages * ratio * active
+        loss = -float(np.mean(surrogate))
+    else:
+        weight = advantages
+        loss_terms = advantages * np.log(policy[sampled] + EPS)
+        loss = -float(np.mean(loss_terms) if twin.reduction == "mean" else np.sum(loss_terms))
+    gradient = (weight[:, None] * score).sum(axis=0)
+    if twin.reduction == "mean":
+        gradient = gradient / config.group_size
+    if kl_in_loss(twin.kl):
+        # Exact gradient of the forward KL(π_ref ‖ π) over all 6 candidates (a protocol quirk).
+        gradient = gradient - config.beta * phi.T @ (policy - drawn.reference_policy)
+    return gradient, loss
+
+
+def _check_finite(config: CandidateConfig, state: _State, step: int) -> None:
+    """A diverged run (weights no longer finite) stops in one line that names the step size to lower."""
+    if np.isfinite(state.weights).all() and np.isfinite(state.critic).all():
+        return
+    part = "critic's weights (it takes the same step size)" if not np.isfinite(state.critic).all() else "policy weights"
+    raise UserError(f"{config.algorithm} diverged at step {step}: the {part} are no longer finite at "
+                    f"--learning-rate {config.learning_rate:g}; lower it (default {CandidateConfig.learning_rate})")
+
+
+def _payload(config: CandidateConfig, data: CandidateData, algorithm, state: _State, baseline: dict,
+             history: list) -> dict:
+    """metrics.json: the untrained and final validation figures, the run's settings and counters, the history."""
+    final = evaluate(data.validation, state.weights, state.reference)
+    diagnostics = {"critic_updates": state.critic_updates, "rollout_refreshes": state.rollout_refreshes}
+    if algorithm.moving_average is not None:
+        diagnostics["final_moving_average_baseline"] = state.moving_average
     return {
         "algorithm": config.algorithm,
         "dataset": config.dataset,
@@ -204,14 +260,14 @@ def _train(config: CandidateConfig, data: CandidateData) -> dict:
         "relative_accuracy": (final["accuracy"] - baseline["accuracy"]) / max(baseline["accuracy"], 1e-12),
         "training": {
             "steps": config.steps,
-            "learning_rate": lr,
-            "group_size": K,
-            "beta": beta,
+            "learning_rate": config.learning_rate,
+            "group_size": config.group_size,
+            "beta": config.beta,
             "train_examples": len(data.train),
             "validation_examples": len(data.validation),
             "data_source": data.source,
             "policy": "linear softmax over 6 candidates, 8 features",
-            "final_weights": [float(value) for value in weights],
+            "final_weights": [float(value) for value in state.weights],
             **diagnostics,
         },
         "history": history,

@@ -123,14 +123,41 @@ def train_reward_model(model_name: str | None, pairs: list[Pair], output_dir: Pa
                        log=print, task=None) -> dict:
     """Fit the reward model and write it, with metrics.json and calibration.png, to ``output_dir``."""
     quiet_transformers()
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # before any load: the fresh scalar head (and a fresh backbone) start the same each run
     if model_name is None:
-        tokenizer = build_tokenizer()
-        backbone = build_model(tokenizer, seed=seed)
-        staging = output_dir.parent / f".{output_dir.name}.backbone"
-        backbone.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        model_name = str(staging)
+        model_name = _fresh_backbone(output_dir, seed)
+    model, tokenizer = _load(model_name, device, offline)
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    held = min(evaluation_examples, len(pairs) - 1)
+    evaluation = [pairs[i] for i in order[:held]]
+    train = [pairs[i] for i in order[held:]]
+    history = _fit_pairs(model, tokenizer, train, steps, batch_size, learning_rate, random.Random(seed + 1), device,
+                         center_coefficient, max_length, Progress(steps, "reward model", enabled=progress, write=log))
+    metrics = {"model": model_name, "train_pairs": len(train), "evaluation_pairs": len(evaluation), "steps": steps,
+               "batch_size": batch_size, "learning_rate": learning_rate, "center_coefficient": center_coefficient,
+               "seed": seed, **_held_out(model, tokenizer, evaluation, device, max_length), "history": history}
+    if model_name.endswith(".backbone"):
+        shutil.rmtree(model_name, ignore_errors=True)
+        metrics["model"] = "embedded tiny model (fresh)"
+    _save(output_dir, model, tokenizer, metrics)
+    return {**metrics, "evaluation_indices": order[:held]}
+
+
+def _fresh_backbone(output_dir: Path, seed: int) -> str:
+    """Without --model: the embedded tiny model, freshly initialised, saved beside ``output_dir`` (removed once
+    trained) so that it loads as any checkpoint does; its folder."""
+    tokenizer = build_tokenizer()
+    backbone = build_model(tokenizer, seed=seed)
+    staging = output_dir.parent / f".{output_dir.name}.backbone"
+    backbone.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    return str(staging)
+
+
+def _load(model_name: str, device: str, offline: bool):
+    """The checkpoint as a one-label sequence classifier (a fresh scalar head on the LM) and its tokenizer, which
+    pads with its end token when it has no pad token; one line if it cannot be loaded as such."""
     check_model_source(model_name, offline)
     local = Path(model_name).expanduser().exists()
     try:
@@ -143,15 +170,17 @@ def train_reward_model(model_name: str | None, pairs: list[Pair], output_dir: Pa
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
     model.to(device)
-    order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
-    held = min(evaluation_examples, len(pairs) - 1)
-    evaluation = [pairs[i] for i in order[:held]]
-    train = [pairs[i] for i in order[held:]]
+    return model, tokenizer
+
+
+def _fit_pairs(model, tokenizer, train: list[Pair], steps: int, batch_size: int, learning_rate: float,
+               generator: random.Random, device: str, center_coefficient: float, max_length: int | None,
+               bar: Progress) -> list[dict]:
+    """``steps`` AdamW steps on the Bradley–Terry loss, each on ``batch_size`` pairs drawn with replacement (chosen
+    and rejected scored in one forward), gradients clipped to norm 1; the loss of each step. A loss that is not
+    finite stops the run in one line."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate, foreach=True)
-    generator = random.Random(seed + 1)
     history = []
-    bar = Progress(steps, "reward model", enabled=progress, write=log)
     model.train()
     for step in range(1, steps + 1):
         batch = [train[generator.randrange(len(train))] for _ in range(batch_size)]
@@ -170,21 +199,25 @@ def train_reward_model(model_name: str | None, pairs: list[Pair], output_dir: Pa
         bar.update({"loss": f"{history[-1]['loss']:.3f}"})
     bar.close()
     model.eval()
+    return history
+
+
+def _held_out(model, tokenizer, evaluation: list[Pair], device: str, max_length: int | None) -> dict:
+    """The held-out pairs scored: pairwise accuracy, reward gap and calibration (``pairwise_metrics``), and the
+    mean reward over both sides."""
     chosen = score_texts(model, tokenizer, [p.prompt + p.chosen for p in evaluation], device, max_length=max_length)
     rejected = score_texts(model, tokenizer, [p.prompt + p.rejected for p in evaluation], device, max_length=max_length)
-    metrics = {"model": model_name, "train_pairs": len(train), "evaluation_pairs": len(evaluation), "steps": steps,
-               "batch_size": batch_size, "learning_rate": learning_rate, "center_coefficient": center_coefficient,
-               "seed": seed, **pairwise_metrics(chosen, rejected),
-               "reward_mean": float(torch.cat([chosen, rejected]).mean()), "history": history}
-    if model_name.endswith(".backbone"):
-        shutil.rmtree(model_name, ignore_errors=True)
-        metrics["model"] = "embedded tiny model (fresh)"
+    return {**pairwise_metrics(chosen, rejected), "reward_mean": float(torch.cat([chosen, rejected]).mean())}
+
+
+def _save(output_dir: Path, model, tokenizer, metrics: dict) -> None:
+    """The trained model as an ordinary checkpoint folder (``--reward-model`` loads it as it is), with its
+    metrics.json and calibration.png."""
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
     atomic_write_json(output_dir / "metrics.json", metrics)
     calibration_plot(output_dir / "calibration.png", metrics)
-    return {**metrics, "evaluation_indices": order[:held]}
 
 
 # --- the command ---------------------------------------------------------------------------------------------

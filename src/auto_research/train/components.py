@@ -186,55 +186,111 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     the models for several processes (DDP, or FSDP2 with --fsdp)."""
     config, task, resume_from = prepared.config, prepared.task, prepared.resume_from
     algorithm = get_algorithm(config.algorithm)
+    device, compute_dtype = _start(config, world)
+    policy, tokenizer, record = _load_policy(config, model_name, device, log)
+    policy, reference = _reference(config, task, policy, model_name, device, compute_dtype)
+    critic = _load_critic(config, model_name, device, len(tokenizer)) if algorithm.needs_critic else None
+    reward = build_reward(prepared.rewards, config.reward_weights, config.reward_model, task.verifier, device,
+                          config.offline)
+    train_prompts = _formatted(tokenizer, task.train, config.chat_template)
+    eval_prompts = _formatted(tokenizer, task.evaluation, config.chat_template)
+    _check_context(policy, tokenizer, train_prompts + eval_prompts, config.max_new_tokens)
+    if resume_from is not None:
+        _resume_weights(resume_from, bool(config.lora_r), policy, critic)
+    train_policy = world.wrap(policy)
+    tied_rows_gradient(policy)  # after DDP's wrap (see there)
+    offloaded = _wrap_reference(config, world, reference, log)
+    optimizer, train_critic, critic_optimizer = _optimizers(config, world, policy, train_policy, critic, resume_from)
+    components = Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
+                            train_policy, optimizer, reference, critic, train_critic, critic_optimizer, None, reward,
+                            prepared.judge, train_prompts, eval_prompts, offloaded_reference=offloaded)
+    components.sampler = record.build(SamplerNeeds(config, policy, tokenizer, sampling_settings(config),
+                                                   chunk_prompts(config), components.sampling, model_name, world,
+                                                   compute_dtype, device, train_prompts, log, prepared.multi_turn))
+    components.episodes = _episodes(prepared, components)
+    return components
+
+
+def _start(config: GenerationConfig, world: World) -> tuple[str, torch.dtype]:
+    """The process's threads and seed (set before any model loads, so a freshly initialised head is the same on
+    every run), its device, its process group started, and the compute dtype on that device."""
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     device = world.device(resolve_device(config.device))
     world.start(device)
-    compute_dtype = resolve_dtype(config.dtype, device)
+    return device, resolve_dtype(config.dtype, device)
+
+
+def _load_policy(config: GenerationConfig, model_name: str, device: str, log):
+    """The policy in float32 (the master weights), its tokenizer and its sampler's record; a sampler that cannot
+    serve this model says so before anything else loads."""
     policy, tokenizer = load_policy(model_name, device, torch.float32, config.offline, log=log,
                                     keep_adapter=bool(config.lora_r))
     record = sampler_record(config)
     if record.check_model is not None:
         record.check_model(getattr(policy, "get_base_model", lambda: policy)().config, device, model_name)
     recompute(policy, config)
-    # With β = 0 the reference is not needed, unless the task measures over-optimisation against the KL.
+    return policy, tokenizer, record
+
+
+def _reference(config: GenerationConfig, task: Task, policy, model_name: str, device: str, compute_dtype):
+    """The policy (with its adapters under LoRA) and the frozen reference: the policy with its adapters off under
+    LoRA, else a second copy in the compute dtype. With β = 0 the reference is not needed, unless the task
+    measures over-optimisation against the KL: None then."""
     measured = config.beta > 0 or task.gold is not None
-    reference = None
     if config.lora_r:
         policy, reference = lora.add_adapters(policy, config.lora, model_name)
-        reference = reference if measured else None
-    elif measured:
-        reference, _ = load_policy(model_name, device, compute_dtype, config.offline)
-        reference.eval().requires_grad_(False)
-    critic = None
-    if algorithm.needs_critic:
-        source, flag = ((config.critic_model, "--critic-model") if config.critic_model else
-                        (config.reward_model, "--reward-model (the critic's default start)") if config.reward_model
-                        else (model_name, "--model"))
-        critic = load_critic(source, device, config.offline, len(tokenizer), flag)
-        recompute(critic, config)
-    reward = build_reward(prepared.rewards, config.reward_weights, config.reward_model, task.verifier, device,
-                          config.offline)
-    train_prompts = [format_prompt(tokenizer, example.messages or example.prompt, config.chat_template) for example in task.train]
-    eval_prompts = [format_prompt(tokenizer, example.messages or example.prompt, config.chat_template) for example in task.evaluation]
-    _check_context(policy, tokenizer, train_prompts + eval_prompts, config.max_new_tokens)
-    if resume_from is not None:
-        if config.lora_r:
-            lora.load_adapter_weights(resume_from, policy)
-        else:
-            checkpoints.load_weights(resume_from, policy)
-        if critic is not None:
-            checkpoints.load_weights(resume_from / "critic", critic)
-    train_policy = world.wrap(policy)
-    tied_rows_gradient(policy)  # after DDP's wrap (see there)
-    offloaded = None
+        return policy, reference if measured else None
+    if not measured:
+        return policy, None
+    reference, _ = load_policy(model_name, device, compute_dtype, config.offline)
+    reference.eval().requires_grad_(False)
+    return policy, reference
+
+
+def _load_critic(config: GenerationConfig, model_name: str, device: str, vocabulary: int):
+    """PPO's critic, from --critic-model, else the reward model, else the policy's checkpoint; the flag that
+    named it is in any error about it."""
+    source, flag = ((config.critic_model, "--critic-model") if config.critic_model else
+                    (config.reward_model, "--reward-model (the critic's default start)") if config.reward_model
+                    else (model_name, "--model"))
+    critic = load_critic(source, device, config.offline, vocabulary, flag)
+    recompute(critic, config)
+    return critic
+
+
+def _formatted(tokenizer, examples, chat_template) -> list[str]:
+    """The examples' prompts as the model sees them (through the chat template)."""
+    return [format_prompt(tokenizer, example.messages or example.prompt, chat_template) for example in examples]
+
+
+def _resume_weights(folder: Path, lora_r: bool, policy, critic) -> None:
+    """The checkpoint's weights into the policy (its adapters alone under LoRA) and the critic, before any
+    wrapping for several processes."""
+    if lora_r:
+        lora.load_adapter_weights(folder, policy)
+    else:
+        checkpoints.load_weights(folder, policy)
+    if critic is not None:
+        checkpoints.load_weights(folder / "critic", critic)
+
+
+def _wrap_reference(config: GenerationConfig, world: World, reference, log) -> OffloadedReference | None:
+    """A reference of its own is wrapped for several processes (it does not train) and, with --offload-reference,
+    kept out of the process between its passes; the offloaded reference, else None."""
     if reference is not None and not config.lora_r:
         world.wrap(reference, trains=False)
         if config.offload_reference:
-            offloaded = OffloadedReference(reference, cache_dir() / "offload")
+            return OffloadedReference(reference, cache_dir() / "offload")
     elif config.offload_reference and not config.lora_r:
         log("note: --offload-reference has nothing to offload: with --beta 0 no reference is held")
+    return None
+
+
+def _optimizers(config: GenerationConfig, world: World, policy, train_policy, critic, resume_from: Path | None):
+    """The policy's optimizer, the critic wrapped and its optimizer (None, None without a critic), with the
+    checkpoint's optimizer states when resuming."""
     optimizer = adamw(policy, config)
     train_critic = critic_optimizer = None
     if critic is not None:
@@ -243,27 +299,27 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
         _load_optimizer(world, train_policy, optimizer, resume_from)
         if critic is not None:
             _load_optimizer(world, train_critic, critic_optimizer, resume_from / "critic")
-    components = Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
-                            train_policy, optimizer, reference, critic, train_critic, critic_optimizer, None, reward,
-                            prepared.judge, train_prompts, eval_prompts, offloaded_reference=offloaded)
-    components.sampler = record.build(SamplerNeeds(config, policy, tokenizer, sampling_settings(config),
-                                                   chunk_prompts(config), components.sampling, model_name, world,
-                                                   compute_dtype, device, train_prompts, log, prepared.multi_turn))
+    return optimizer, train_critic, critic_optimizer
+
+
+def _episodes(prepared: Prepared, c: Components):
+    """The multi-turn runner that draws the run's trajectories with its sampler: --environment/--tools' episodes,
+    or --rollout-function's; None for single-turn sampling."""
+    episodes = None
     if prepared.environment is not None or prepared.tools:
         from auto_research.engine.rollout import eos_ids  # noqa: PLC0415
         from auto_research.envs.rollout import row_of, runner_for  # noqa: PLC0415
 
-        components.episodes = runner_for(config.turns, config.sampling, algorithm, prepared.environment,
-                                         prepared.tools or {}, tokenizer, eos_ids(tokenizer, policy),
-                                         components.sampler, model_name, row_of(task.train[0]),
-                                         bool(prepared.rewards or config.reward_model) or prepared.environment is None)
+        episodes = runner_for(c.config.turns, c.config.sampling, c.algorithm, prepared.environment,
+                              prepared.tools or {}, c.tokenizer, eos_ids(c.tokenizer, c.policy), c.sampler,
+                              c.model_name, row_of(c.task.train[0]),
+                              bool(prepared.rewards or c.config.reward_model) or prepared.environment is None)
     if prepared.rollout_function is not None:
         from auto_research.envs.custom import function_runner  # noqa: PLC0415
 
-        components.episodes = function_runner(prepared, tokenizer, policy, components.sampler,
-                                              sampling_settings(config), config.trajectory_tokens(True),
-                                              bool(prepared.rewards or config.reward_model))
-    return components
+        episodes = function_runner(prepared, c.tokenizer, c.policy, c.sampler, sampling_settings(c.config),
+                                   c.config.trajectory_tokens(True), bool(prepared.rewards or c.config.reward_model))
+    return episodes
 
 
 def sampling_settings(config: GenerationConfig) -> SamplingSettings:

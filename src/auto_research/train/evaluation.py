@@ -9,6 +9,8 @@ summed over a completion and averaged over prompts, as the row's ``kl``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from auto_research.engine.logprobs import completion_logits
@@ -42,52 +44,92 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
     ``episodes`` (envs.rollout.EpisodeRunner): greedy multi-turn trajectories instead, the verifier and the
     reward functions on the final reply, the table showing the whole conversation, ``turns_mean`` added.
     """
-    correct, rewards, entropies, kls, golds, turns, tokens = [], [], [], [], [], [], []
+    tally = _Tally()
     rank, size = shard
     for start in range(rank * batch_size, len(prompts), batch_size * size):
         batch_prompts = prompts[start : start + batch_size]
         batch_examples = examples[start : start + batch_size]
-        if episodes is None:
-            rollout = sample(model, tokenizer, batch_prompts, 1, max_new_tokens, greedy=True)
-        else:
-            rollout = episodes.greedy(model, batch_examples)
-            turns += [row["turns"] for row in rollout.episodes]
-        replies = rollout.completions if episodes is None else [row["reply"] for row in rollout.episodes]
+        rollout, replies = _greedy(model, tokenizer, batch_prompts, batch_examples, max_new_tokens, episodes)
+        if episodes is not None:
+            tally.turns += [row["turns"] for row in rollout.episodes]
         # Rows without answers (verifier None) have no verdicts: accuracy is null, the mean reward says how it did.
         verdicts = [is_correct(verifier, text, example) if verifier else None
                     for text, example in zip(replies, batch_examples)]
-        correct += verdicts
-        if episodes is not None:
-            values = episode_rewards(reward, batch_prompts, rollout, batch_examples, episodes.scores_replies)
-        elif getattr(reward, "takes_completion_ids", False):
-            values = reward(batch_prompts, rollout.completions, batch_examples, rollout.token_lists())
-        else:
-            values = reward(batch_prompts, rollout.completions, batch_examples)
-        values = checked(values)  # an invalid value (NaN, an environment's inf) is unscored, as in training
-        rewards += [value for value in values if value is not None]
+        tally.correct += verdicts
+        values = _rewards(reward, batch_prompts, rollout, batch_examples, episodes)
+        tally.rewards += [value for value in values if value is not None]
         if details is not None:
             details.update({start + i: (text, value, verdict)
                             for i, (text, value, verdict) in enumerate(zip(rollout.completions, values, verdicts))
                             if start + i < detail_count})
         if gold is not None:
-            golds += gold(batch_prompts, rollout.completions, batch_examples)
+            tally.golds += gold(batch_prompts, rollout.completions, batch_examples)
         if completions is not None:
             completions.update({start + i: text for i, text in enumerate(rollout.completions)})
-        mask = rollout.trained_mask.float()
-        log_p = _distributions(model, rollout, temperature)
-        entropies += (-(log_p.exp() * log_p).sum(-1) * mask).sum(-1).tolist()
-        tokens += mask.sum(-1).tolist()
-        if reference is None:
-            kls += [0.0] * len(batch_prompts)
-        else:
-            log_q = _distributions(reference, rollout, temperature)
-            kls += ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum(-1).tolist()
-    count = max(len(prompts), 1)
-    sums = total(torch.tensor([sum(map(bool, correct)), sum(rewards), len(rewards), sum(entropies), sum(kls),
-                               sum(golds), sum(turns), sum(tokens)], dtype=torch.float64))
-    correct_count, reward_sum, scored, entropy_sum, kl_sum, gold_sum, turn_sum, token_count = sums.tolist()
-    extra = {"gold_reward": gold_sum / count} if gold is not None else {}
+        _measure(model, reference, rollout, temperature, len(batch_prompts), tally)
+    return _summary(tally, len(prompts), total, verifier, gold is not None, episodes is not None)
+
+
+@dataclass
+class _Tally:
+    """This rank's figures, one entry per held-out prompt (``tokens``: per completion), summed across ranks at the
+    end."""
+
+    correct: list = field(default_factory=list)
+    rewards: list = field(default_factory=list)
+    entropies: list = field(default_factory=list)
+    kls: list = field(default_factory=list)
+    golds: list = field(default_factory=list)
+    turns: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)
+
+
+def _greedy(model, tokenizer, prompts: list[str], examples, max_new_tokens: int, episodes):
+    """A batch's greedy rollout and the replies the verifier reads: the completions, or with ``episodes`` each
+    multi-turn trajectory's final reply."""
+    if episodes is None:
+        rollout = sample(model, tokenizer, prompts, 1, max_new_tokens, greedy=True)
+        return rollout, rollout.completions
+    rollout = episodes.greedy(model, examples)
+    return rollout, [row["reply"] for row in rollout.episodes]
+
+
+def _rewards(reward, prompts: list[str], rollout, examples, episodes) -> list:
+    """Each completion's reward, None where it could not be scored: an invalid value (NaN, an environment's inf)
+    is unscored, as in training."""
     if episodes is not None:
+        values = episode_rewards(reward, prompts, rollout, examples, episodes.scores_replies)
+    elif getattr(reward, "takes_completion_ids", False):
+        values = reward(prompts, rollout.completions, examples, rollout.token_lists())
+    else:
+        values = reward(prompts, rollout.completions, examples)
+    return checked(values)
+
+
+def _measure(model, reference, rollout, temperature: float, rows: int, tally: _Tally) -> None:
+    """Each completion's exact entropy and KL(π ‖ π_ref) summed over its trained tokens (KL 0 without a
+    reference), and its count of those tokens."""
+    mask = rollout.trained_mask.float()
+    log_p = _distributions(model, rollout, temperature)
+    tally.entropies += (-(log_p.exp() * log_p).sum(-1) * mask).sum(-1).tolist()
+    tally.tokens += mask.sum(-1).tolist()
+    if reference is None:
+        tally.kls += [0.0] * rows
+    else:
+        log_q = _distributions(reference, rollout, temperature)
+        tally.kls += ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum(-1).tolist()
+
+
+def _summary(tally: _Tally, prompts: int, total, verifier: str | None, gold: bool, episodes: bool) -> dict[str, float]:
+    """The ranks' sums added up (``total``), then the figures: accuracy and KL per prompt, entropy per token, the
+    mean reward over the completions scored."""
+    count = max(prompts, 1)
+    sums = total(torch.tensor([sum(map(bool, tally.correct)), sum(tally.rewards), len(tally.rewards),
+                               sum(tally.entropies), sum(tally.kls), sum(tally.golds), sum(tally.turns),
+                               sum(tally.tokens)], dtype=torch.float64))
+    correct_count, reward_sum, scored, entropy_sum, kl_sum, gold_sum, turn_sum, token_count = sums.tolist()
+    extra = {"gold_reward": gold_sum / count} if gold else {}
+    if episodes:
         extra["turns_mean"] = turn_sum / count
     return {
         **extra,

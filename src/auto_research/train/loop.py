@@ -68,6 +68,8 @@ class RunLoop:
         self.run_dir_ready = False
         self.stop_signal: int | None = None
         self.final_completions: dict = {}
+        self.last_saved: int | None = None
+        """The step of the last checkpoint this run saved (or resumed from): the one a failure names."""
 
     # --- writes (rank 0) ------------------------------------------------------------------------------
 
@@ -162,6 +164,8 @@ class RunLoop:
                  f"mean reward {figure(state.baseline['mean_reward'], 3)}")
 
     def run(self) -> dict:
+        """The evaluation before training (not when resuming), then the steps up to --steps, a Ctrl-C or SIGTERM
+        finishing the step in hand and saving it; metrics.json's payload at the end."""
         c, state, config = self.c, self.state, self.c.config
         if not self.resumed:
             if config.warmup_steps:
@@ -171,61 +175,84 @@ class RunLoop:
         handlers = {signum: signal.signal(signum, self._request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
         bar = Progress(config.steps, f"{config.algorithm} on {c.task.name}", initial=state.step,
                        enabled=config.progress and c.world.main, write=self.log, every=config.log_every)
-        last_saved = state.step if self.resumed else None
+        self.last_saved = state.step if self.resumed else None
         try:
             for step in range(state.step + 1, config.steps + 1):
-                # In flight, the generator runs ahead in the rollout side's thread: a failed step saves nothing
-                # (the batches after the last good step were drawn by weights no longer held).
-                rng_before = None if config.max_staleness else checkpoints.capture_rng(state.rng)
-                try:
-                    row = rl_step(c, state, step, self.log)
-                except RewardError as error:
-                    where = (f"saved the last good step ({state.step}) in {self.save(state.step, rng_before)}"
-                             if state.step > 0 and rng_before is not None else
-                             "kept the last checkpoint" if state.step > 0 else "nothing was written")
-                    raise _user_error(f"{error}; {where}", error) from None
-                except RolloutEngineError as error:  # a server gone mid-step: the weights may be a step ahead
-                    again = "restart the server, then continue" if sampler_record(config).started_by_the_user else \
-                        "continue"  # the run's own engine (its process too) starts anew with it
-                    kept = (f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{last_saved:06d}'}"
-                            f" ({again} with the same command and --resume)"
-                            if last_saved else "no checkpoint had been saved yet")
-                    raise _user_error(f"{error}; {kept}", error) from None
-                state.step = step
-                c.world.on_main(lambda: self._append(row))
-                postfix = {"reward": figure(row["reward_mean"], 3), "kl": f"{row['kl']:.3f}"}
-                if config.eval_every and (step % config.eval_every == 0 or step == config.steps):
-                    self._evaluate(step, row)
-                if state.history:
-                    postfix["acc"] = figure(state.history[-1]["accuracy"], 3)
-                bar.update(postfix)
-                # A signal that reached one rank stops them all after this step.
-                if c.world.any(self.stop_signal is not None) and self.stop_signal is None:
-                    self.stop_signal = signal.SIGTERM
-                if (step == config.steps or (config.checkpoint_every and step % config.checkpoint_every == 0)
-                        or self.stop_signal is not None):
-                    self.save(step)
-                    last_saved = step
-                if self.stop_signal is not None:
-                    raise TrainingInterrupted(
-                        f"interrupted after step {step}; checkpoint saved in {self.run_dir / 'checkpoints'}: "
-                        "continue with the same command and --resume", 128 + self.stop_signal)
+                self._train_step(step, bar)
         except OSError as error:
-            raise self._write_failed(error, last_saved) from None
+            raise self._write_failed(error, self.last_saved) from None
         finally:
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
-            deadline.clear_stop()
-            if c.rollouts is not None:
-                c.rollouts.close()
-            bar.close()
-            self.metrics_log.close()
-        if state.totals["unscored_samples"]:
-            invalid = state.totals["invalid_rewards"]
-            why = f"; {invalid} of them for a value not a finite number within ±{MAX_REWARD:,.0f}" if invalid else ""
-            self.log(f"warning: {state.totals['unscored_samples']} samples of this run could not be scored (reward "
-                     f"None{why})")
+            self._finish(handlers, bar)
+        self._warn_unscored()
         return self.payload()
+
+    def _train_step(self, step: int, bar: Progress) -> None:
+        """One step and its row, then the evaluation and the checkpoint when their cadence (or a stop) calls for
+        them; a stop requested on any rank ends every rank's loop here, its checkpoint saved."""
+        c, state, config = self.c, self.state, self.c.config
+        row = self._step(step)
+        state.step = step
+        c.world.on_main(lambda: self._append(row))
+        postfix = {"reward": figure(row["reward_mean"], 3), "kl": f"{row['kl']:.3f}"}
+        if config.eval_every and (step % config.eval_every == 0 or step == config.steps):
+            self._evaluate(step, row)
+        if state.history:
+            postfix["acc"] = figure(state.history[-1]["accuracy"], 3)
+        bar.update(postfix)
+        # A signal that reached one rank stops them all after this step.
+        if c.world.any(self.stop_signal is not None) and self.stop_signal is None:
+            self.stop_signal = signal.SIGTERM
+        if (step == config.steps or (config.checkpoint_every and step % config.checkpoint_every == 0)
+                or self.stop_signal is not None):
+            self.save(step)
+            self.last_saved = step
+        if self.stop_signal is not None:
+            raise TrainingInterrupted(
+                f"interrupted after step {step}; checkpoint saved in {self.run_dir / 'checkpoints'}: "
+                "continue with the same command and --resume", 128 + self.stop_signal)
+
+    def _step(self, step: int) -> dict:
+        """``rl_step``'s row; a failed step answered in one line that says what was kept: a bad reward saves the
+        last good step, a rollout server gone names the checkpoint to resume from."""
+        c, state, config = self.c, self.state, self.c.config
+        # In flight, the generator runs ahead in the rollout side's thread: a failed step saves nothing
+        # (the batches after the last good step were drawn by weights no longer held).
+        rng_before = None if config.max_staleness else checkpoints.capture_rng(state.rng)
+        try:
+            return rl_step(c, state, step, self.log)
+        except RewardError as error:
+            where = (f"saved the last good step ({state.step}) in {self.save(state.step, rng_before)}"
+                     if state.step > 0 and rng_before is not None else
+                     "kept the last checkpoint" if state.step > 0 else "nothing was written")
+            raise _user_error(f"{error}; {where}", error) from None
+        except RolloutEngineError as error:  # a server gone mid-step: the weights may be a step ahead
+            again = "restart the server, then continue" if sampler_record(config).started_by_the_user else \
+                "continue"  # the run's own engine (its process too) starts anew with it
+            kept = (f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{self.last_saved:06d}'}"
+                    f" ({again} with the same command and --resume)"
+                    if self.last_saved else "no checkpoint had been saved yet")
+            raise _user_error(f"{error}; {kept}", error) from None
+
+    def _finish(self, handlers: dict, bar: Progress) -> None:
+        """However the loop ended: the signal handlers it replaced back, the environments' stop cleared, the
+        rollout side closed (its thread or server connection), the bar and metrics.jsonl closed."""
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        deadline.clear_stop()
+        if self.c.rollouts is not None:
+            self.c.rollouts.close()
+        bar.close()
+        self.metrics_log.close()
+
+    def _warn_unscored(self) -> None:
+        """Samples the reward could not score were left out of their baselines step by step (warned once); the
+        run's end says how many, so a reward that failed often is not mistaken for one that scored low."""
+        totals = self.state.totals
+        if totals["unscored_samples"]:
+            invalid = totals["invalid_rewards"]
+            why = f"; {invalid} of them for a value not a finite number within ±{MAX_REWARD:,.0f}" if invalid else ""
+            self.log(f"warning: {totals['unscored_samples']} samples of this run could not be scored (reward "
+                     f"None{why})")
 
     def _evaluate(self, step: int, row: dict) -> None:
         c, state = self.c, self.state

@@ -10,6 +10,7 @@ Temperature 0 is greedy decoding (the argmax, log-probs of the temperature-1 dis
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -134,72 +135,115 @@ def sample(
     Without ``seeds`` the uniforms come from torch's global generator. With ``drop_finished`` (the default) a
     row that has ended leaves the decode batch and its KV cache at once (``droppable``), so the forward's work
     follows the rows still decoding; each row's draws are those of the full batch (``tests/test_sampler.py``)."""
-    device = next(model.parameters()).device
-    prompt_ids, prompt_attention = encode_prompts(tokenizer, prompts, device)
-    repeats = 1 if greedy else group_size
-    input_ids = prompt_ids.repeat_interleave(repeats, dim=0)
-    prompt_mask = attention = prompt_attention.repeat_interleave(repeats, dim=0)
-    rows = input_ids.shape[0]
-    uniforms = None
-    if not greedy:
-        if seeds is not None:
-            if len(seeds) != len(prompts):
-                raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-            uniforms = torch.cat([torch.rand(repeats, max_new_tokens, generator=torch.Generator().manual_seed(seed),
-                                             dtype=torch.float64) for seed in seeds]).to(device)
-        else:
-            uniforms = torch.rand(rows, max_new_tokens, dtype=torch.float64).to(device)
-    eos = torch.tensor(eos_ids(tokenizer, model), device=device)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(eos[0])
+    batch = _batch(model, tokenizer, prompts, 1 if greedy else group_size, max_new_tokens, greedy, seeds)
     was_training = model.training
     model.eval()
-    # transformers 5.2x renamed past_key_values to cache; older models keep the old name.
-    argument = cache_argument(model)
     try:
-        with packed_linears(model, rows):  # the decode's small products on weights packed once
-            logits, cache, position = _prefill(model, prompt_ids, prompt_attention, repeats)
-            compact = droppable(cache) if drop_finished else False
-            # ``live``: the rows still in the decode batch (indices into all rows). A row that ends leaves the batch
-            # and its KV cache when ``compact``; otherwise it stays, fed padding, until every row has ended.
-            live = torch.arange(rows, device=device)
-            finished = torch.zeros(rows, dtype=torch.bool, device=device)
-            completion_ids = input_ids.new_full((rows, max_new_tokens), pad)
-            logprobs = torch.zeros(rows, max_new_tokens, device=device) if not greedy else None
-            entropies = torch.zeros(rows, max_new_tokens, device=device) if not greedy else None
-            steps = 0
-            for t in range(max_new_tokens):
-                if greedy:
-                    token = logits.argmax(-1)
-                else:
-                    token, logprobs[live, t], entropies[live, t] = next_token(logits, uniforms[live, t], temperature,
-                                                                              top_k, top_p)
-                token = torch.where(finished[live], torch.full_like(token, pad), token)
-                completion_ids[live, t] = token
-                finished[live] |= torch.isin(token, eos)
-                steps = t + 1
-                if bool(finished.all()) or t == max_new_tokens - 1:
-                    break
-                if compact and bool(finished[live].any()):
-                    keep = (~finished[live]).nonzero().squeeze(1)
-                    cache.batch_select_indices(keep)
-                    live, token, attention, position = live[keep], token[keep], attention[keep], position[keep]
-                attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=1)
-                output = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=position,
-                               use_cache=True, **{argument: cache})
-                cache, logits = cache_of(output), output.logits[:, -1].float()
-                position = position + 1
+        with packed_linears(model, batch.input_ids.shape[0]):  # the decode's small products on weights packed once
+            completion_ids, logprobs, entropies = _decode(model, batch, max_new_tokens, temperature, top_k, top_p,
+                                                          drop_finished)
     finally:
         model.train(was_training)
-    completion_ids = completion_ids[:, :steps]
-    sequences = torch.cat([input_ids, completion_ids], dim=1)
-    mask = completion_mask(completion_ids, eos.tolist())
-    texts = tokenizer.batch_decode(completion_ids * mask + pad * (1 - mask), skip_special_tokens=True)
-    sampled = logprobs[:, :steps] * mask if logprobs is not None else None
-    entropy = entropies[:, :steps] * mask if entropies is not None else None
     # The training model's own distribution, as the trainer computes it (logits / T): not at temperature 0, whose
     # log-probs are temperature 1's.
     unfiltered = not greedy and not top_k and top_p >= 1.0 and temperature != 0
-    return Rollout(sequences, prompt_mask, mask, texts, repeats, sampled, entropy, unfiltered)
+    return _rollout(tokenizer, batch, completion_ids, logprobs, entropies, unfiltered)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A call's prompts ready to decode: each prompt once (the prefill's input), its rows (the prompt repeated
+    ``repeats`` times, one per sample), the rows' uniforms (None when greedy), the end and padding ids."""
+
+    prompt_ids: torch.Tensor
+    prompt_attention: torch.Tensor
+    input_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    repeats: int
+    uniforms: torch.Tensor | None
+    eos: torch.Tensor
+    pad: int
+
+
+def _batch(model, tokenizer, prompts, repeats: int, max_new_tokens: int, greedy: bool, seeds) -> _Batch:
+    """The prompts encoded on the model's device and repeated for their samples, with every uniform the decode
+    will draw at (one per row and token, drawn before the first forward)."""
+    device = next(model.parameters()).device
+    prompt_ids, prompt_attention = encode_prompts(tokenizer, prompts, device)
+    input_ids = prompt_ids.repeat_interleave(repeats, dim=0)
+    prompt_mask = prompt_attention.repeat_interleave(repeats, dim=0)
+    uniforms = None if greedy else _uniforms(seeds, len(prompts), input_ids.shape[0], repeats, max_new_tokens, device)
+    eos = torch.tensor(eos_ids(tokenizer, model), device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(eos[0])
+    return _Batch(prompt_ids, prompt_attention, input_ids, prompt_mask, repeats, uniforms, eos, pad)
+
+
+def _uniforms(seeds: list[int] | None, prompts: int, rows: int, repeats: int, max_new_tokens: int,
+              device) -> torch.Tensor:
+    """(rows, max_new_tokens) float64 uniforms: a prompt's from its own generator seeded with its seed, so its
+    samples do not depend on its batch; without seeds, from torch's global generator."""
+    if seeds is None:
+        return torch.rand(rows, max_new_tokens, dtype=torch.float64).to(device)
+    if len(seeds) != prompts:
+        raise ValueError(f"{len(seeds)} seeds for {prompts} prompts")
+    return torch.cat([torch.rand(repeats, max_new_tokens, generator=torch.Generator().manual_seed(seed),
+                                 dtype=torch.float64) for seed in seeds]).to(device)
+
+
+def _decode(model, batch: _Batch, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+            drop_finished: bool):
+    """The decoding loop: prefill, then one token a row a forward until every row has ended or the budget is
+    spent. Returns the completion ids, the log-probs and the entropies (None when greedy), cut to the steps
+    taken. A row that has ended is fed padding, or leaves the batch and its KV cache when the cache allows it."""
+    rows, device = batch.input_ids.shape[0], batch.input_ids.device
+    uniforms, eos, pad, greedy = batch.uniforms, batch.eos, batch.pad, batch.uniforms is None
+    # transformers 5.2x renamed past_key_values to cache; older models keep the old name.
+    argument = cache_argument(model)
+    logits, cache, position = _prefill(model, batch.prompt_ids, batch.prompt_attention, batch.repeats)
+    compact = droppable(cache) if drop_finished else False
+    # ``live``: the rows still in the decode batch (indices into all rows). A row that ends leaves the batch
+    # and its KV cache when ``compact``; otherwise it stays, fed padding, until every row has ended.
+    live, attention = torch.arange(rows, device=device), batch.prompt_mask
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    completion_ids = batch.input_ids.new_full((rows, max_new_tokens), pad)
+    logprobs = torch.zeros(rows, max_new_tokens, device=device) if not greedy else None
+    entropies = torch.zeros(rows, max_new_tokens, device=device) if not greedy else None
+    steps = 0
+    for t in range(max_new_tokens):
+        if greedy:
+            token = logits.argmax(-1)
+        else:
+            token, logprobs[live, t], entropies[live, t] = next_token(logits, uniforms[live, t], temperature,
+                                                                      top_k, top_p)
+        token = torch.where(finished[live], torch.full_like(token, pad), token)
+        completion_ids[live, t] = token
+        finished[live] |= torch.isin(token, eos)
+        steps = t + 1
+        if bool(finished.all()) or t == max_new_tokens - 1:
+            break
+        if compact and bool(finished[live].any()):
+            keep = (~finished[live]).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            live, token, attention, position = live[keep], token[keep], attention[keep], position[keep]
+        attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=1)
+        output = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=position,
+                       use_cache=True, **{argument: cache})
+        cache, logits = cache_of(output), output.logits[:, -1].float()
+        position = position + 1
+    return (completion_ids[:, :steps], logprobs[:, :steps] if logprobs is not None else None,
+            entropies[:, :steps] if entropies is not None else None)
+
+
+def _rollout(tokenizer, batch: _Batch, completion_ids: torch.Tensor, logprobs: torch.Tensor | None,
+             entropies: torch.Tensor | None, unfiltered: bool) -> Rollout:
+    """The decoded rows as a ``Rollout``: prompt and completion side by side, the completion mask through the first
+    end token, the texts (padding after it), the log-probs and entropies zeroed where masked."""
+    sequences = torch.cat([batch.input_ids, completion_ids], dim=1)
+    mask = completion_mask(completion_ids, batch.eos.tolist())
+    texts = tokenizer.batch_decode(completion_ids * mask + batch.pad * (1 - mask), skip_special_tokens=True)
+    sampled = logprobs * mask if logprobs is not None else None
+    entropy = entropies * mask if entropies is not None else None
+    return Rollout(sequences, batch.prompt_mask, mask, texts, batch.repeats, sampled, entropy, unfiltered)
 
 
 class BuiltinSampler:
