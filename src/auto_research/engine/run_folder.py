@@ -31,7 +31,7 @@ from auto_research.algorithms.registry import REGISTRY
 from auto_research.engine.safetensors_header import safetensors_problem
 from auto_research.errors import UserError
 from auto_research.files import atomic_write_json, sha256_of
-from auto_research.train.state import saved_problem
+from auto_research.engine.trainer_state import saved_problem
 from auto_research.user_code import resolved_settings
 
 PREFIX = "step-"
