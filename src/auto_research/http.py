@@ -14,7 +14,7 @@ import unicodedata
 import urllib.error
 import urllib.request
 
-from auto_research.errors import UserError
+from auto_research.errors import UserError, is_decimal
 
 API_KEY_VARIABLE = "AUTO_RESEARCH_API_KEY"
 """The shared secret, on the server and the trainer alike (a flag would land in config.yaml and shell history,
@@ -89,6 +89,6 @@ def authorization(key: str) -> str:
 def split_address(address: str, flag: str = "--rollout-server") -> tuple[str, int]:
     """``HOST:PORT`` → (host, port); one line for anything else."""
     host, _, port = str(address).rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not is_decimal(port) or not 0 < int(port) < 65536:
         raise UserError(f"{flag} {address!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
     return host, int(port)

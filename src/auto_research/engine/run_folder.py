@@ -29,7 +29,7 @@ from pathlib import Path
 
 from auto_research.algorithms.registry import REGISTRY
 from auto_research.engine.safetensors_header import safetensors_problem
-from auto_research.errors import UserError
+from auto_research.errors import UserError, is_decimal
 from auto_research.files import atomic_write_json, sha256_of
 from auto_research.train.state import saved_problem
 from auto_research.user_code import resolved_settings
@@ -53,7 +53,7 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [path for path in root.iterdir() if path.name.startswith(PREFIX) and path.name[len(PREFIX):].isdigit()
+    found = [path for path in root.iterdir() if path.name.startswith(PREFIX) and is_decimal(path.name[len(PREFIX):])
              and (path / "trainer_state.json").is_file()]
     return sorted(found, key=lambda path: int(path.name[len(PREFIX):]))
 

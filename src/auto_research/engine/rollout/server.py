@@ -66,7 +66,7 @@ from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, 
                                                 Leases, Refused, check_claim, check_generate, check_size, describe,
                                                 slices)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
-from auto_research.errors import one_line
+from auto_research.errors import is_decimal, one_line
 from auto_research.http import API_KEY_VARIABLE, authorization, check_api_key
 
 PART_BYTES = 256 * 2**20
@@ -247,7 +247,7 @@ class Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             self._refuse(411, "a request body needs a Content-Length")
-        if not (length.isascii() and length.isdigit()):  # "²".isdigit() is true, and int() reads "١٢"
+        if not is_decimal(length):
             self._refuse(400, f"Content-Length must be a decimal number of bytes, got {length[:40]!r}")
         if len(length) > 18 or int(length) > limit:
             self._refuse(413, f"a body of {length[:40]} bytes is over this path's limit of {limit} bytes")

@@ -40,7 +40,7 @@ import torch
 import xxhash
 
 from auto_research.engine.rollout.guard import Refused, WeightPush, all_finite
-from auto_research.errors import RolloutEngineError
+from auto_research.errors import RolloutEngineError, is_decimal
 
 SHARED_FOLDER = Path("/dev/shm")
 PREFIX = "auto-research-weights-"
@@ -92,7 +92,7 @@ def sweep(folder: Path = SHARED_FOLDER) -> list[Path]:
     with suppress(OSError):
         for path in folder.glob(PREFIX + "*"):
             pid = path.name.removeprefix(PREFIX).split("-")[0]
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            if is_decimal(pid) and not _pid_alive(int(pid)):
                 with suppress(OSError):
                     path.unlink()
                     removed.append(path)
