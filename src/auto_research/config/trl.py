@@ -320,6 +320,11 @@ def translate(trl: dict) -> dict:
     return ours
 
 
+def has_batch(settings: dict) -> bool:
+    """Whether ``settings`` (merged, before ``finish``) hold TRL's batch, which ``finish`` counts in K's completions."""
+    return bool({_PER_DEVICE, _ACCUMULATION, _STEPS_PER_GENERATION} & set(settings))
+
+
 def finish(settings: dict, defaults) -> dict:
     """Resolve what waited for every source: TRL's batch into --prompts-per-step (K from the settings, else
     ``defaults.group_size``), its server host and port into --rollout-server, its epochs (ignored beside max_steps,
