@@ -216,6 +216,7 @@ class Handler(BaseHTTPRequestHandler):
             self._authorised()
             status, payload = work()
         except Refused as refused:
+            self.close_connection = True  # whatever of the body is unread is not read (HTTP/1.0 closes anyway)
             self.serving.say(f"refused {self.command} {self._path()}: {refused.status} {refused.message}")
             status, payload = refused.status, {"error": refused.message}
         except Exception as error:  # noqa: BLE001 - the engine's own failure: one line, the server stays up
