@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import time
 import unicodedata
 import urllib.error
@@ -60,6 +61,14 @@ def request(url: str, data: bytes | None, content_type: str, timeout: float, ret
             # refused, dropped (mid-answer too: IncompleteRead, a server killed while it answered), timed out
             failure, status, detail = str(getattr(error, "reason", error)) or type(error).__name__, None, None
     raise RequestFailed(failure, attempt + 1, status, detail)
+
+
+def api_key(given: str | None, flag: str) -> str | None:
+    """The API key: ``given`` (a flag's or a caller's value) when set, else ``AUTO_RESEARCH_API_KEY``'s; checked
+    (``check_api_key``), one line naming where it came from."""
+    if given:
+        return check_api_key(given, flag)
+    return check_api_key(os.environ.get(API_KEY_VARIABLE), API_KEY_VARIABLE)
 
 
 def check_api_key(key: str | None, source: str) -> str | None:

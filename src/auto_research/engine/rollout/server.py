@@ -53,7 +53,6 @@ import contextlib
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import threading
 import time
@@ -67,7 +66,7 @@ from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, 
                                                 slices)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
 from auto_research.errors import is_decimal, one_line
-from auto_research.http import API_KEY_VARIABLE, authorization, check_api_key
+from auto_research.http import api_key, authorization
 
 PART_BYTES = 256 * 2**20
 SLICE_TOKENS = 2**14
@@ -92,9 +91,7 @@ def fingerprint(config, tokenizer) -> str:
 
 def server_key(flag: str | None) -> str | None:
     """``rollout-serve``'s key: ``--api-key`` when given, else ``AUTO_RESEARCH_API_KEY``; checked."""
-    if flag is not None:
-        return check_api_key(flag, "--api-key")
-    return check_api_key(os.environ.get(API_KEY_VARIABLE), API_KEY_VARIABLE)
+    return api_key(flag, "--api-key")
 
 
 # --- the server ---------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from auto_research.engine.rollout.guard import Refused, WeightPush, all_finite
+from auto_research.engine.rollout.guard import ITEMSIZE, Refused, WeightPush, all_finite
 from auto_research.errors import RolloutEngineError, is_decimal
 
 SHARED_FOLDER = Path("/dev/shm")
@@ -47,7 +47,6 @@ PREFIX = "auto-research-weights-"
 MAGIC = b"auto-research weights v1\n"
 HEADER = 4096
 ALIGN = 64
-ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def layout(spec: dict) -> tuple[list, int]:
