@@ -344,8 +344,7 @@ def finish(settings: dict, defaults) -> dict:
         if settings.setdefault("rollout_server", address) != address:
             raise UserError(f"--rollout-server {settings['rollout_server']} and TRL's vllm_server_host/port {address} "
                             "differ: give one")
-    if pending.get(_CONSTANT) and settings.get("warmup_steps", 0) or pending.get(_CONSTANT) and settings.get(
-            "warmup_ratio"):
+    if pending.get(_CONSTANT) and (settings.get("warmup_steps") or settings.get("warmup_ratio")):
         raise _refuse("lr_scheduler_type", "'constant' ignores warmup in transformers: give constant_with_warmup "
                                            "for a warmup")
     if pending.get(_CONSTANT):

@@ -15,8 +15,9 @@ never half of one; the manifest catches what happens to the files afterwards
 (a truncated copy, a bad disk, an edit), and ``--resume`` falls back to the
 newest checkpoint that verifies (``checkpoint_problem``): the manifest is
 checked against itself and the folder, what resuming reads is checked to be
-there and readable. Loading reads safetensors and JSON only: nothing is
-unpickled.
+there and readable. The hashes carry no key: they catch damage (and an edit
+that does not rewrite the manifest to match), not a forger who can write the
+folder. Loading reads safetensors and JSON only: nothing is unpickled.
 """
 
 from __future__ import annotations

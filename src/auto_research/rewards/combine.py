@@ -84,7 +84,7 @@ def invalid_count(scored) -> int:
 
 
 def metric_names(components: list[tuple[str, Callable]]) -> list[str]:
-    """Each component's name in the metrics (``rewards/<name>/mean``), as TRL names them: a function's
+    """Each component's name in the metrics (``reward/<name>`` and ``reward/<name>.std``): a function's
     ``__name__`` (a built-in's own name; a lambda's, the name it was given), a reward model's last path part,
     ``reward_url`` for --reward-url; the second and later components of one name get _2, _3 …"""
     labels = []
