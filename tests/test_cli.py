@@ -134,6 +134,11 @@ BAD_INPUTS = [
     (["--seeds", "42,forty"], "--seeds takes comma-separated integers such as 42,43,44; got 'forty'"),
     (["--seeds", "42,42"], "--seeds lists a seed twice"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    # Digits beyond 0-9 ("²".isdigit() is true, int("²") a ValueError): one line, not a traceback.
+    (["--dataset", "arithmetic-generate", "--rollout-mode", "server", "--rollout-server", "h:²"],
+     "--rollout-server 'h:²': expected HOST:PORT"),
+    (["--dataset", "arithmetic-generate", "--rollout-mode", "process", "--rollout-cores", "²"],
+     "--rollout-cores '²': expected CPU numbers or ranges"),
 ]
 
 

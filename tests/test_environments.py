@@ -343,6 +343,58 @@ def test_a_tool_call_past_the_tool_timeout_fails_its_sample(tokenizer, release):
     assert (trajectory.timed_out, trajectory.reward, trajectory.tool_calls) == ("tool", None, 1)
 
 
+class BoundToItsThread:
+    """An environment whose object works only on the thread that made it (as an SQLite connection does), with a
+    tool of its own (TRL's shape: a bound method)."""
+
+    def __init__(self):
+        import threading
+
+        self.made_on = threading.get_ident()
+
+    def _here(self):
+        import threading
+
+        if threading.get_ident() != self.made_on:
+            raise RuntimeError("objects made in a thread can only be used in that same thread")
+
+    def reset(self, **row):
+        self._here()
+        return None
+
+    def add(self, a: int, b: int) -> int:
+        """Add.
+
+        Args:
+            a: first
+            b: second
+        """
+        self._here()
+        return a + b
+
+
+def test_a_trajectorys_calls_run_on_one_thread_which_ends_with_it(tokenizer):
+    """Under the timeouts every call of a trajectory (making its environment, reset, its tools) runs on the
+    trajectory's own thread, as an object bound to its thread needs; the thread ends when the trajectory does."""
+    import gc
+    import threading
+
+    factory = EnvironmentFactory(BoundToItsThread, "bound", timeout=30.0)
+    factory.trl = True
+    episode = factory.episode({"prompt": "go"}, tool_timeout=30.0)
+    conversation = Conversation(tokenizer, [tool_schema(episode.environment.add)],
+                                (tokenizer.convert_tokens_to_ids("<|im_end|>"),))
+    model = ScriptedModel(tokenizer, lambda last: '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+                          if "5" not in last else "5")
+    [trajectory] = run_episodes(model, conversation, [episode], ["go"], [1], SETTINGS, 3, 500)
+    assert trajectory.failed is None and trajectory.tool_calls == 1
+    worker = episode.worker.thread
+    del episode, trajectory
+    gc.collect()
+    worker.join(30)
+    assert not worker.is_alive() and worker not in threading.enumerate()
+
+
 def test_abandoned_calls_are_bounded_and_a_stop_request_gives_the_step_up(release, monkeypatch):
     from auto_research.envs import deadline
 

@@ -18,17 +18,17 @@ def no_hub(monkeypatch, tmp_path):
     """The hub's address is a local port nothing listens on (no network, simulated), its cache an empty folder."""
     from huggingface_hub import constants
 
-    with socket.socket() as probe:
+    with socket.socket() as probe:  # bound and kept for the test, never listened on: connections are refused
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]  # closed when the block ends: connections to it are refused
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
-    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants.HF_HUB_OFFLINE)  # restored after the test
-    sources.hub_unreachable.cache_clear()
-    yield port
-    sources.hub_unreachable.cache_clear()
+        port = probe.getsockname()[1]
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+        for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+            monkeypatch.delenv(key, raising=False)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants.HF_HUB_OFFLINE)  # restored after the test
+        sources.hub_unreachable.cache_clear()
+        yield port
+        sources.hub_unreachable.cache_clear()
 
 
 @pytest.mark.parametrize("name, expected", [

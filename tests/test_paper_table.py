@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,24 @@ def test_compare_resume_continues_an_interrupted_run_from_its_checkpoint(tiny_mo
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(row["step"], row["completions"]) for row in rows] == [(1, 4), (2, 4)]
     assert json.loads((run / "metrics.json").read_text())["training"]["steps"] == 2
+
+
+def test_a_finished_run_of_fewer_steps_is_continued_not_read_as_done(tmp_path):
+    """compare --resume with a longer --steps: the finished shorter run is not the run asked for (``_finished``
+    compares the steps, which a resume may change)."""
+    from auto_research.config.files import write_resolved_config
+    from auto_research.config.generation import GenerationConfig
+    from auto_research.recipes.compare import _finished
+
+    short = GenerationConfig(dataset="x.jsonl", model="m", steps=2, output_dir=tmp_path, resume=True).filled()
+    short.run_dir.mkdir(parents=True)
+    write_resolved_config(short.run_dir / "config.yaml", short)
+    (short.run_dir / "metrics.json").write_text("{}")
+    assert _finished(short)
+    assert not _finished(replace(short, steps=3))
+
+
+def test_compare_refuses_k_and_trls_batch_it_would_run_at_another_k(tmp_path, capsys):
+    for flags in (["--num-generations", "8"], ["--per-device-train-batch-size", "16"]):
+        assert cli(["compare", "--dataset", "x.jsonl", "--model", "m", *flags, "--output-dir", str(tmp_path)]) == 2
+        assert "compare runs each algorithm at its own K" in capsys.readouterr().err

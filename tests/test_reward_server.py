@@ -107,12 +107,12 @@ def test_a_run_against_a_down_server_exits_2_in_one_line(tiny_model_dir, sums_js
 
     from auto_research.cli import main
 
-    with socket.socket() as probe:  # a port nothing listens on
+    with socket.socket() as probe:  # a port bound and kept, never listened on: no other process can take it
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    code = main(["post-train", "--model", str(tiny_model_dir), "--dataset", str(sums_jsonl), "--steps", "2",
-                 "--prompts-per-step", "2", "--max-new-tokens", "3", "--offline", "--no-progress",
-                 "--output-dir", str(tmp_path), "--reward-url", f"http://127.0.0.1:{port}/score"])
+        code = main(["post-train", "--model", str(tiny_model_dir), "--dataset", str(sums_jsonl), "--steps", "2",
+                     "--prompts-per-step", "2", "--max-new-tokens", "3", "--offline", "--no-progress",
+                     "--output-dir", str(tmp_path), "--reward-url", f"http://127.0.0.1:{port}/score"])
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"127.0.0.1:{port}/score" in lines[0] and "evaluation before training" in lines[0]

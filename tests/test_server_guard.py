@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -622,3 +623,48 @@ def test_the_runs_lease_secret_is_private_kept_and_made_anew_when_others_could_r
     path.chmod(0o644)
     anew = run_secret(tmp_path / "run")
     assert anew != secret and path.read_text() == anew and path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_push_without_the_lease_is_refused_without_its_body_being_kept(fake, monkeypatch):
+    """The lease is checked before a push's body is read into memory: a client without it has its body read and
+    dropped a MiB at a time (so that it still gets the 409), never held."""
+    from auto_research.engine.rollout import server as module
+
+    engine, url = fake
+    kept = []
+    monkeypatch.setattr(module.Handler, "_body", lambda self, limit: kept.append(limit) or b"")
+    body = b"x" * (8 * 2**20)
+    answer = raw(url, b"POST /weights?part=0&last=1 HTTP/1.1\r\nAuthorization: Bearer sesame\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert answer.startswith("HTTP/1.0 409") and kept == [] and engine.loaded == []
+
+
+def test_large_bodies_of_clients_without_the_lease_wait_for_a_slot_then_get_503(tmp_path):
+    """One slot for bodies over a MiB: while a client without the lease sends one (slowly, within the read
+    timeout), another's waits for the read timeout, then gets 503; memory stays bounded however many connect."""
+    engine = FakeEngine()
+    server, address = start(engine, Served("fake", "f" * 16, SPEC, 50, "float32"),
+                            Limits(None, 60.0, 5.0, 8, tmp_path, large_bodies=1))
+    head = b"POST /generate HTTP/1.1\r\nContent-Length: " + str(2 * 2**20).encode() + b"\r\n\r\n"
+    done = threading.Event()
+
+    def trickle(connection):  # a KiB every 0.2 s: never idle for the 5 s read timeout, never done
+        while not done.wait(0.2):
+            try:
+                connection.sendall(b"1" * 1024)
+            except OSError:
+                return
+
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_address[1])) as slow:
+            slow.sendall(head)
+            threading.Thread(target=trickle, args=(slow,), daemon=True).start()
+            deadline = time.time() + 60  # until the slow one holds the slot
+            while server.serving.large._value and time.time() < deadline:
+                time.sleep(0.05)
+            answer = raw(f"http://{address}", head)  # its body unsent: the slot is waited for before any is read
+            done.set()
+        assert answer.startswith("HTTP/1.0 503") and "requests of over 1048576 bytes" in answer
+    finally:
+        done.set()
+        stop(server)

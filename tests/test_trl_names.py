@@ -194,6 +194,10 @@ def test_flags_under_trls_names_dashed_and_underscored():
                         "prompts_per_step": 4, "sampler": "vllm", "loss_aggregation": "constant",
                         "reward": ["m:a", "m:b"], "reward_weights": [1.0, 0.5], "report_to": "wandb",
                         "learning_rate": 3e-6, "warmup_ratio": 0.25, "std": "none", "dtype": "float32"}
+    # A name that is ours and TRL's is ours when its text reads as ours, TRL's when only TRL's reading fits.
+    assert _cli_settings("--log_completions", "4") == {"log_completions": 4}
+    assert _cli_settings("--log_completions", "false") == {"log_completions": 0}
+    assert _cli_settings("--warmup_steps", "3") == {"warmup_steps": 3}
     with pytest.raises(UserError, match=r"--group-size 4 and a TRL flag that sets it to 8 were both given"):
         _cli_settings("--group-size", "4", "--num-generations", "8")
     with pytest.raises(UserError, match="sync_ref_model: True: TR-DPO"):

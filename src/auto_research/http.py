@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import time
 import unicodedata
 import urllib.error
 import urllib.request
 
-from auto_research.errors import UserError
+from auto_research.errors import UserError, is_decimal
 
 API_KEY_VARIABLE = "AUTO_RESEARCH_API_KEY"
 """The shared secret, on the server and the trainer alike (a flag would land in config.yaml and shell history,
@@ -62,6 +63,14 @@ def request(url: str, data: bytes | None, content_type: str, timeout: float, ret
     raise RequestFailed(failure, attempt + 1, status, detail)
 
 
+def api_key(given: str | None, flag: str) -> str | None:
+    """The API key: ``given`` (a flag's or a caller's value) when set, else ``AUTO_RESEARCH_API_KEY``'s; checked
+    (``check_api_key``), one line naming where it came from."""
+    if given:
+        return check_api_key(given, flag)
+    return check_api_key(os.environ.get(API_KEY_VARIABLE), API_KEY_VARIABLE)
+
+
 def check_api_key(key: str | None, source: str) -> str | None:
     """``key`` (None or empty: no key), or one line naming ``source`` when HTTP cannot carry it. Any UTF-8 text
     goes; a header cannot hold a control character, and drops the white space at its ends."""
@@ -89,6 +98,6 @@ def authorization(key: str) -> str:
 def split_address(address: str, flag: str = "--rollout-server") -> tuple[str, int]:
     """``HOST:PORT`` → (host, port); one line for anything else."""
     host, _, port = str(address).rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not is_decimal(port) or not 0 < int(port) < 65536:
         raise UserError(f"{flag} {address!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
     return host, int(port)

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Callable
 
+from auto_research.errors import is_decimal
+
 PARENT_POLL_SECONDS = 1.0
 """How often a child checks that its parent is alive."""
 TRAINER_VARIABLE = "AUTO_RESEARCH_TRAINER_PID"
@@ -52,7 +54,7 @@ def stop_with_trainer(environment=os.environ, poll: float = PARENT_POLL_SECONDS)
     it serves, there is nothing to remove and SIGTERM ends it outright), and SIGKILL it if it has not ended
     ``STOP_SECONDS`` later. None where no trainer started this process."""
     trainer = environment.get(TRAINER_VARIABLE, "")
-    if not trainer.isdigit():
+    if not is_decimal(trainer):
         return None
 
     def gone() -> None:

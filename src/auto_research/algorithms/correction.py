@@ -60,6 +60,11 @@ def mismatch(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mas
             "k3": k3.sum(), "tokens": mask.double().sum()}
 
 
+def drops_samples(mode: str) -> bool:
+    """Whether a correction's weight of 0 drops a sample on purpose (sequence-mask) rather than vanishing."""
+    return mode == "sequence-mask"
+
+
 def check_weights(world, weights: torch.Tensor, mask: torch.Tensor) -> None:
     """Every weight of a step below ``VANISHED`` on every rank's trained tokens: the sampler's log-probs are far
     from the policy's (a log-prob above 0 from a rollout function, weights that are not the policy's), so the
@@ -72,4 +77,6 @@ def check_weights(world, weights: torch.Tensor, mask: torch.Tensor) -> None:
         largest = float(weights[trained].max()) if bool(trained.any()) else 0.0
         raise RewardError(f"every rollout-correction weight of this step is below {VANISHED:g} (the largest here "
                           f"{largest:.3g}): the sampler's log-probs do not match the policy's, a mismatch, not "
-                          "learning (check the log-probs the sampler or the --rollout-function returns)")
+                          "learning (check the log-probs the sampler or the --rollout-function returns; "
+                          "--rollout-correction sequence-tis multiplies a whole completion's ratios, where "
+                          "token-tis truncates each token's)")

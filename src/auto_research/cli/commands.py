@@ -26,12 +26,19 @@ def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _levels(args, classes) -> tuple[dict, str]:
-    """The run's settings from --config and the flags, under our names or TRL's (``config/trl.py``)."""
+def _levels(args, classes, several_runs: bool = False) -> tuple[dict, str]:
+    """The run's settings from --config and the flags, under our names or TRL's (``config/trl.py``).
+    ``several_runs`` (compare): K is each run's own (--group-size, algorithm:K), so a setting of K and TRL's batch,
+    which is counted in completions of one K, are refused."""
     from auto_research.config import trl
 
     load_config_file(args, classes, trl_names=True)
-    settings = trl.finish(given(args, GenerationConfig, trl_names=True), GenerationConfig())
+    settings = given(args, GenerationConfig, trl_names=True)
+    if several_runs and ("group_size" in settings or trl.has_batch(settings)):
+        raise UserError("compare runs each algorithm at its own K: give --group-size (several, e.g. 2,4, or per "
+                        "algorithm, rloo:2) and --samples-per-step (completions a step, at every K), not K or TRL's "
+                        "per-device batch in a config file or TRL's names")
+    settings = trl.finish(settings, GenerationConfig())
     return settings, settings.get("dataset", "arithmetic-smoke")
 
 
@@ -87,7 +94,7 @@ def post_train(args: argparse.Namespace) -> int:
 
 
 def compare(args: argparse.Namespace) -> int:
-    settings, dataset = _levels(args, [GenerationConfig, CompareOptions])
+    settings, dataset = _levels(args, [GenerationConfig, CompareOptions], several_runs=True)
     options = CompareOptions(**given(args, CompareOptions))
     group_sizes = options.group_size_list()
     seeds = options.seed_list() or [settings.get("seed", 42)]

@@ -115,13 +115,35 @@ def add_trl_flags(parser: argparse.ArgumentParser) -> None:
             parser._add_action(alias)
 
 
-def trl_given(args: argparse.Namespace) -> dict:
-    """The TRL-named flags given, as TRL's settings (name → value)."""
+def trl_given(args: argparse.Namespace, cls) -> tuple[dict, dict]:
+    """The TRL-named flags given: (ours, TRL's). A name that is also a setting of ``cls`` (``--log_completions``,
+    ``--warmup_steps``) is ours when its text reads as ours (``--log_completions 4``), else TRL's
+    (``--log_completions false``, ``--warmup_steps 0.25``), as a config file's key is."""
     from auto_research.config import trl
 
     found = {key[len(TRL_DEST):]: value for key, value in vars(args).items()
              if key.startswith(TRL_DEST) and value is not None}
-    return {name: trl.parse_flag(name, value if isinstance(value, list) else [value]) for name, value in found.items()}
+    fields_by_name = {item.name: item for item in flagged_fields(cls)}
+    ours, theirs = {}, {}
+    for name, value in found.items():
+        words = value if isinstance(value, list) else [value]
+        parsed = _as_ours(fields_by_name.get(name), words)
+        if parsed is not None:
+            ours[name] = parsed
+        else:
+            theirs[name] = trl.parse_flag(name, words)
+    return ours, theirs
+
+
+def _as_ours(item, words: list[str]):
+    """``words`` as our setting ``item``'s flag reads them, or None (no such setting, or not its kind of value)."""
+    options = item.metadata["options"] if item is not None else {}
+    if item is None or len(words) != 1 or "action" in options:
+        return None
+    try:
+        return options.get("type", str)(words[0])
+    except (ValueError, UserError):
+        return None
 
 
 def add_config_flag(parser: argparse.ArgumentParser) -> None:
@@ -143,7 +165,9 @@ def given(args: argparse.Namespace, cls, exclude=(), trl_names: bool = False) ->
 
     settings.update({key: value for key, value in from_file.items() if key.startswith("_")})
     flags = flag_names(cls)
-    translated = trl.translate(trl_given(args))
+    ours, theirs = trl_given(args, cls)
+    from_flags = {**ours, **from_flags}
+    translated = trl.translate(theirs)
     for key, value in translated.items():
         if key in from_flags and from_flags[key] != value:
             raise UserError(f"{flags.get(key, key)} {from_flags[key]} and a TRL flag that sets it to {value} were "

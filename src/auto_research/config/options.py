@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from auto_research.algorithms.registry import REGISTRY
 from auto_research.config.fields import comma_list, setting
-from auto_research.errors import UserError
+from auto_research.errors import UserError, is_decimal
 
 
 @dataclass
@@ -50,7 +50,7 @@ class CompareOptions:
         for entry in entries:
             name, _, size = entry.partition(":")
             _check_known([name])
-            if size and not size.isdigit():
+            if size and not is_decimal(size):
                 raise UserError(f"--algorithms {entry}: K after the colon must be a whole number, e.g. {name}:4")
             runs += [(name, K) for K in ([int(size)] if size else group_sizes) if (name, K) not in runs]
         return runs

@@ -320,6 +320,11 @@ def translate(trl: dict) -> dict:
     return ours
 
 
+def has_batch(settings: dict) -> bool:
+    """Whether ``settings`` (merged, before ``finish``) hold TRL's batch, which ``finish`` counts in K's completions."""
+    return bool({_PER_DEVICE, _ACCUMULATION, _STEPS_PER_GENERATION} & set(settings))
+
+
 def finish(settings: dict, defaults) -> dict:
     """Resolve what waited for every source: TRL's batch into --prompts-per-step (K from the settings, else
     ``defaults.group_size``), its server host and port into --rollout-server, its epochs (ignored beside max_steps,
@@ -339,8 +344,7 @@ def finish(settings: dict, defaults) -> dict:
         if settings.setdefault("rollout_server", address) != address:
             raise UserError(f"--rollout-server {settings['rollout_server']} and TRL's vllm_server_host/port {address} "
                             "differ: give one")
-    if pending.get(_CONSTANT) and settings.get("warmup_steps", 0) or pending.get(_CONSTANT) and settings.get(
-            "warmup_ratio"):
+    if pending.get(_CONSTANT) and (settings.get("warmup_steps") or settings.get("warmup_ratio")):
         raise _refuse("lr_scheduler_type", "'constant' ignores warmup in transformers: give constant_with_warmup "
                                            "for a warmup")
     if pending.get(_CONSTANT):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from auto_research.errors import UserError
+from auto_research.errors import UserError, is_decimal
 
 
 def environment_world_size() -> int:
@@ -44,7 +44,7 @@ def parse_cores(text: str | None, available: set[int]) -> set[int]:
     cores: set[int] = set()
     for part in str(text).split(","):
         first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
+        if not is_decimal(first) or (last and not is_decimal(last)):
             raise UserError(f"--rollout-cores {text!r}: expected CPU numbers or ranges, e.g. 1 or 2-3")
         cores.update(range(int(first), int(last or first) + 1))
     if not cores <= available:

@@ -15,8 +15,9 @@ never half of one; the manifest catches what happens to the files afterwards
 (a truncated copy, a bad disk, an edit), and ``--resume`` falls back to the
 newest checkpoint that verifies (``checkpoint_problem``): the manifest is
 checked against itself and the folder, what resuming reads is checked to be
-there and readable. Loading reads safetensors and JSON only: nothing is
-unpickled.
+there and readable. The hashes carry no key: they catch damage (and an edit
+that does not rewrite the manifest to match), not a forger who can write the
+folder. Loading reads safetensors and JSON only: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from auto_research.algorithms.registry import REGISTRY
 from auto_research.engine.safetensors_header import safetensors_problem
-from auto_research.errors import UserError
+from auto_research.errors import UserError, is_decimal
 from auto_research.files import atomic_write_json, sha256_of
 from auto_research.engine.trainer_state import saved_problem
 from auto_research.user_code import resolved_settings
@@ -53,7 +54,7 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [path for path in root.iterdir() if path.name.startswith(PREFIX) and path.name[len(PREFIX):].isdigit()
+    found = [path for path in root.iterdir() if path.name.startswith(PREFIX) and is_decimal(path.name[len(PREFIX):])
              and (path / "trainer_state.json").is_file()]
     return sorted(found, key=lambda path: int(path.name[len(PREFIX):]))
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 import inspect
 import math
 import reprlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from auto_research.envs.deadline import EnvironmentTimeout, bounded
+from auto_research.envs.deadline import EnvironmentTimeout, Worker, bounded
 from auto_research.errors import UserError, one_line
 from auto_research.user_code import load_user_object
 
@@ -81,19 +82,21 @@ class EnvironmentFactory:
 
     def episode(self, row: dict, tools: dict[str, Callable] | None = None, tool_timeout: float = 0.0) -> "Episode":
         make = self.factory if self.trl else (lambda: self.factory(row))
-        environment = bounded(make, self.timeout, EnvironmentTimeout, "make_env(row)")
+        worker = Worker() if self.timeout or tool_timeout else None  # the trajectory's thread, made here
+        environment = bounded(make, self.timeout, EnvironmentTimeout, "make_env(row)", worker)
         step, reset = getattr(environment, "step", None), getattr(environment, "reset", None)
         if callable(step):
             if not callable(reset):
                 raise UserError(f"--environment {self.spec}: the object it returns has step but no reset method "
                                 "(an environment has reset() and step(text))")
-            return Episode(environment, row, dict(tools or {}), False, timeout=self.timeout, tool_timeout=tool_timeout)
+            return Episode(environment, row, dict(tools or {}), False, timeout=self.timeout, tool_timeout=tool_timeout,
+                           worker=worker)
         methods = public_methods(environment)
         if not self.trl or not methods:
             raise UserError(f"--environment {self.spec}: the object it returns has no reset/step methods "
                             f"(an environment has reset() and step(text); got {type(environment).__name__})")
         return Episode(environment, row, {**methods, **(tools or {})}, True, timeout=self.timeout,
-                       tool_timeout=tool_timeout)
+                       tool_timeout=tool_timeout, worker=worker)
 
 
 def reward_value(value, where: str) -> float:
@@ -119,9 +122,15 @@ class Episode:
     rewards: list[float] = field(default_factory=list)
     timeout: float = 0.0
     tool_timeout: float = 0.0
+    worker: Worker | None = None
+    """The trajectory's thread, where every bounded call of it runs (its environment's, its tools')."""
+
+    def __post_init__(self):
+        if self.worker is not None:  # the thread ends with the trajectory
+            weakref.finalize(self, self.worker.close)
 
     def _call(self, call: Callable, what: str):
-        return bounded(call, self.timeout, EnvironmentTimeout, what)
+        return bounded(call, self.timeout, EnvironmentTimeout, what, self.worker)
 
     def first_message(self, prompt: str) -> str:
         """The first user message: ours replaces the prompt when reset() returns text; TRL's appends to it."""

@@ -11,13 +11,16 @@ Once the run is asked to stop (Ctrl-C, SIGTERM: ``request_stop``), a call that r
 (``Stopped``, the run keeping its last good checkpoint) instead of failing its sample and going on to the next
 sample's call: a hung environment delays the stop by one limit, not by one limit per sample.
 
-A thread of its own rather than a process: an environment object lives in the trainer's process (it is made from
-a row and talked to turn by turn), and TRL-shaped environments hand their bound methods over as tools; neither
-could be moved to another process without pickling the user's objects.
+A thread rather than a process: an environment object lives in the trainer's process (it is made from a row and
+talked to turn by turn), and TRL-shaped environments hand their bound methods over as tools; neither could be
+moved to another process without pickling the user's objects. One thread per trajectory (``Worker``), not one per
+call: every call of a trajectory's environment, its making and its tools' included, runs on the same thread, as
+objects bound to their thread need (an SQLite connection, Playwright's sync API, an asyncio loop).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Callable
 
@@ -66,23 +69,47 @@ def clear_stop() -> None:
     _stopping.clear()
 
 
-def bounded(call: Callable, seconds: float, timeout: type[CallTimeout], what: str):
-    """``call()``'s value (or its exception), waiting at most ``seconds`` (0: no limit, called in this thread)."""
-    if not seconds:
+class Worker:
+    """One trajectory's thread: its calls run there, one after another (``bounded(..., worker=...)``). Once a call
+    runs past its limit the worker is abandoned with it, and the trajectory is not called again."""
+
+    def __init__(self, name: str = "environment"):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=f"auto-research {name}", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while (work := self.calls.get()) is not None:
+            call, outcome, done = work
+            try:
+                outcome["value"] = call()
+            except BaseException as error:  # noqa: BLE001 - handed to the caller, raised there
+                outcome["error"] = error
+            done.set()
+            del work, call, outcome  # nothing of the trajectory is held while waiting (its end closes the worker)
+
+    def run(self, call: Callable, seconds: float) -> tuple[dict, bool]:
+        """``call``'s outcome ({"value"} or {"error"}) and whether it finished within ``seconds``."""
+        outcome, done = {}, threading.Event()
+        self.calls.put((call, outcome, done))
+        return outcome, done.wait(seconds)
+
+    def close(self) -> None:
+        """No more calls: the thread ends once its current call (if any) returns."""
+        self.calls.put(None)
+
+
+def bounded(call: Callable, seconds: float, timeout: type[CallTimeout], what: str, worker: Worker | None = None):
+    """``call()``'s value (or its exception), waiting at most ``seconds`` (0: no limit), run on ``worker``'s thread
+    (a trajectory's: its calls share one thread), else on a thread of its own (without a limit, in this one)."""
+    if not seconds and worker is None:
         return call()
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as error:  # noqa: BLE001 - handed to the caller, raised there
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run, name=f"auto-research {what}", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        _abandon(thread, what, timeout.flag)
+    runner = worker or Worker(what)
+    outcome, finished = runner.run(call, seconds or None)
+    if worker is None:
+        runner.close()
+    if not finished:
+        _abandon(runner.thread, what, timeout.flag)
         if _stopping.is_set():
             raise Stopped(f"the run was asked to stop while {what} ran, and it ran past {timeout.flag} {seconds:g} s: "
                           "this step is given up")

@@ -168,10 +168,11 @@ def arguments_problem(arguments: dict, schema: dict) -> str | None:
 
 
 def answer(call: ToolCall, tools: dict[str, Callable], schemas: dict[str, dict] | None = None,
-           timeout: float = 0.0) -> tuple[str, bool]:
+           timeout: float = 0.0, worker=None) -> tuple[str, bool]:
     """The tool's answer as text, and whether it was an error (an unknown tool, arguments that do not fit its
     schema, a raise): the model sees it. A call whose arguments do not fit is not made. One that runs past
-    ``timeout`` seconds raises ``ToolTimeout`` (its sample fails)."""
+    ``timeout`` seconds raises ``ToolTimeout`` (its sample fails). ``worker``: the trajectory's thread, where the
+    call runs (``deadline.Worker``)."""
     function = tools.get(call.name)
     if function is None:
         return f"error: no tool named {call.name!r} (tools: {', '.join(sorted(tools)) or 'none'})", True
@@ -180,7 +181,7 @@ def answer(call: ToolCall, tools: dict[str, Callable], schemas: dict[str, dict] 
     if problem is not None:
         return f"error: {call.name}: {problem}", True
     try:
-        result = bounded(lambda: function(**call.arguments), timeout, ToolTimeout, f"tool {call.name}")
+        result = bounded(lambda: function(**call.arguments), timeout, ToolTimeout, f"tool {call.name}", worker)
     except (CallTimeout, RewardError):
         raise
     except Exception as error:  # noqa: BLE001 - the model sees its tool's error and may try again

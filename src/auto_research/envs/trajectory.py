@@ -206,7 +206,7 @@ def _answers(trajectory: Trajectory, episode: Episode, conversation: Conversatio
     trajectory.tool_errors += broken
     new = []
     for call in calls:
-        content, error = answer(call, episode.tools, conversation.schemas, episode.tool_timeout)
+        content, error = answer(call, episode.tools, conversation.schemas, episode.tool_timeout, episode.worker)
         trajectory.tool_errors += int(error)
         new.append({"role": "tool", "name": call.name, "content": content})
     if broken:

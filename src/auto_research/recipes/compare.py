@@ -63,8 +63,10 @@ def _finished(config: GenerationConfig) -> bool:
     if not saved.is_file():
         raise UserError(f"--resume: {config.run_dir} holds a finished run without its config.yaml, so its settings "
                         "cannot be checked: run it again with --overwrite (which deletes it)")
-    differing = differing_settings(GenerationConfig(**read_config_file(saved, [GenerationConfig])).to_json(),
-                                   config.to_json())
+    recorded = GenerationConfig(**read_config_file(saved, [GenerationConfig]))
+    if recorded.steps != config.steps:  # longer (or shorter): continued (or refused) from its checkpoint
+        return False
+    differing = differing_settings(recorded.to_json(), config.to_json())
     if differing:
         raise UserError(f"--resume: the finished run in {config.run_dir} ran other settings: {', '.join(differing)}; "
                         "run it again with --overwrite (which deletes it)")

@@ -84,7 +84,7 @@ def invalid_count(scored) -> int:
 
 
 def metric_names(components: list[tuple[str, Callable]]) -> list[str]:
-    """Each component's name in the metrics (``rewards/<name>/mean``), as TRL names them: a function's
+    """Each component's name in the metrics (``reward/<name>`` and ``reward/<name>.std``): a function's
     ``__name__`` (a built-in's own name; a lambda's, the name it was given), a reward model's last path part,
     ``reward_url`` for --reward-url; the second and later components of one name get _2, _3 …"""
     labels = []
@@ -170,14 +170,10 @@ class CombinedReward:
         outcomes = self._outcomes(prompts, completions, examples, completion_ids)
         names = self.names or [name for name, _, _ in self.components]
         for (name, _, weight), label, values in zip(self.components, names, outcomes):
-            part = []
-            for index, value in enumerate(self._values(name, values, prompts, completions)):
-                problem = None if value is None else reward_problem(value)
-                if problem is not None:
-                    causes[index] = causes[index] or f"reward {name!r} returned {problem}"
-                part.append(None if value is None or problem is not None else float(value))
-                total[index] = None if total[index] is None or part[-1] is None else total[index] + weight * part[-1]
-            parts[label] = part
+            part = checked(self._values(name, values, prompts, completions), f"reward {name!r}")
+            causes = [earlier or cause for earlier, cause in zip(causes, part.causes)]
+            total = [None if sum_ is None or value is None else sum_ + weight * value for sum_, value in zip(total, part)]
+            parts[label] = list(part)
         return checked(total, "the weighted sum of the rewards", parts, causes)
 
     def _outcomes(self, prompts, completions, examples, completion_ids) -> list:

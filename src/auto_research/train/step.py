@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from auto_research.algorithms.correction import check_weights
+from auto_research.algorithms.correction import check_weights, drops_samples
 from auto_research.engine.heap import release_free_memory
 from auto_research.engine.samplers import sampler_record
 from auto_research.errors import RewardError, RolloutEngineError
@@ -73,7 +73,9 @@ def _check_sampler(c: Components, experience, drift: dict, step: int) -> None:
     """Before the update: the sampler's log-probs within --max-rollout-mismatch of the trainer's, and some of the
     correction's weights alive (``correction.check_weights``)."""
     check_mismatch(drift, c.config.max_rollout_mismatch, step, c.world.main)
-    if experience.rollout_weights is not None:
+    # sequence-mask's 0 drops a sequence on purpose (a step whose every sequence is dropped trains on nothing, as
+    # in TRL), where a vanishing weight is a mismatch the run would learn nothing from without a word.
+    if experience.rollout_weights is not None and not drops_samples(c.config.rollout_correction):
         check_weights(c.world, experience.rollout_weights, experience.mask)
 
 

@@ -1,8 +1,9 @@
 """A run's components and loop state together, for Python and for tests: build once, then step and
 evaluate. One wiring path: the command line and ``post_train()`` open a run with the same ``open_run``, then put
 the run folder's lock and the loop (``RunLoop``, whose steps are ``rl_step``, as ``Trainer.step``'s) around it
-(recipes/post_train.py, recipes/generation_run.py); this class writes nothing but the model cache (it checks the
-run folder as a run does: an earlier run there is refused unless resume or overwrite is set)."""
+(recipes/post_train.py, recipes/generation_run.py); this class writes nothing but the model cache and, in server
+mode, the lease's secret in the run folder (it checks the run folder as a run does: an earlier run there is
+refused unless resume or overwrite is set)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ from auto_research.engine.rollout.transfer import SharedWriter
 from auto_research.engine.rollout.remote import build_rollout, pushed_weights
 from auto_research.errors import RolloutEngineError, UserError
 from auto_research.files import atomic_write_bytes
-from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, check_api_key, request, split_address
+from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, request, split_address
+from auto_research.http import api_key as http_api_key
 
 SECRET_NAME = ".lease-secret"
 
@@ -65,8 +66,7 @@ class ServerSampler:
         self.timeout, self.retries, self.chunk_prompts = timeout, retries, chunk_prompts
         self.eos = eos_ids(tokenizer, model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
-        key = check_api_key(api_key, "the API key") if api_key else check_api_key(os.environ.get(API_KEY_VARIABLE),
-                                                                                   API_KEY_VARIABLE)
+        key = http_api_key(api_key, "the API key")
         self.headers = {"Authorization": authorization(key)} if key else {}
         try:
             health = json.loads(request(self.base + "/health", None, "application/json", 10.0, 1, 0.5,

@@ -333,8 +333,12 @@ def all_finite(tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes an element of each dtype a pushed weight may have."""
+
+
 def _itemsize(dtype: str) -> int:
-    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    return ITEMSIZE.get(dtype, 4)
 
 
 def weight_spec(named) -> dict:

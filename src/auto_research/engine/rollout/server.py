@@ -53,7 +53,6 @@ import contextlib
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import threading
 import time
@@ -66,11 +65,17 @@ from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, 
                                                 Leases, Refused, check_claim, check_generate, check_size, describe,
                                                 slices)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
-from auto_research.errors import one_line
-from auto_research.http import API_KEY_VARIABLE, authorization, check_api_key
+from auto_research.errors import is_decimal, one_line
+from auto_research.http import api_key, authorization
 
 PART_BYTES = 256 * 2**20
 SLICE_TOKENS = 2**14
+LARGE_BODY_BYTES = 2**20
+LARGE_BODIES = 4
+"""Bodies over LARGE_BODY_BYTES (up to /generate's 64 MiB) that clients without the lease may have read and held at
+once: connections are not bounded (a flood of slow ones blocks nobody), the memory their bodies take is. One
+beyond waits for a slot up to --read-timeout, then gets 503. The holder's bodies (its weight pushes) are never
+held up."""
 """A request without the lease is drawn in slices of whole prompts asking at most this many tokens (one prompt's
 group alone when it asks more): between two slices the lease holder's waiting requests go first."""
 
@@ -86,9 +91,7 @@ def fingerprint(config, tokenizer) -> str:
 
 def server_key(flag: str | None) -> str | None:
     """``rollout-serve``'s key: ``--api-key`` when given, else ``AUTO_RESEARCH_API_KEY``; checked."""
-    if flag is not None:
-        return check_api_key(flag, "--api-key")
-    return check_api_key(os.environ.get(API_KEY_VARIABLE), API_KEY_VARIABLE)
+    return api_key(flag, "--api-key")
 
 
 # --- the server ---------------------------------------------------------------------------------------
@@ -117,6 +120,7 @@ class Limits:
     max_request_tokens: int = MAX_REQUEST_TOKENS
     max_server_tokens: int = MAX_SERVER_TOKENS
     slice_tokens: int = SLICE_TOKENS
+    large_bodies: int = LARGE_BODIES
 
 
 class Turns:
@@ -178,6 +182,8 @@ class Serving:
     instance: str = ""
     """This server's life (random): a trainer that sees another one knows the server restarted without its
     weights."""
+    large: threading.BoundedSemaphore | None = None
+    """Slots for the bodies over ``LARGE_BODY_BYTES`` of clients without the lease, read and held at once."""
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -202,15 +208,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def _respond(self, work) -> None:
         """``work()``'s (status, payload); a refusal as its 4xx line, an engine failure as a 500 line."""
+        self._holding_large = False
         try:
             self._authorised()
             status, payload = work()
         except Refused as refused:
+            self.close_connection = True  # whatever of the body is unread is not read (HTTP/1.0 closes anyway)
             self.serving.say(f"refused {self.command} {self._path()}: {refused.status} {refused.message}")
             status, payload = refused.status, {"error": refused.message}
         except Exception as error:  # noqa: BLE001 - the engine's own failure: one line, the server stays up
             self.serving.say(f"engine failure on {self.command} {self._path()}: {one_line(error)}")
             status, payload = 500, {"error": f"the engine failed: {one_line(error)}"[:500]}
+        finally:
+            if self._holding_large:
+                self.serving.large.release()
         try:
             self._answer(status, payload)
         except OSError:  # the client went away
@@ -247,10 +258,12 @@ class Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             self._refuse(411, "a request body needs a Content-Length")
-        if not (length.isascii() and length.isdigit()):  # "²".isdigit() is true, and int() reads "١٢"
+        if not is_decimal(length):
             self._refuse(400, f"Content-Length must be a decimal number of bytes, got {length[:40]!r}")
         if len(length) > 18 or int(length) > limit:
             self._refuse(413, f"a body of {length[:40]} bytes is over this path's limit of {limit} bytes")
+        if int(length) > LARGE_BODY_BYTES and not self.serving.leases.holds(self.headers.get("X-Lease")):
+            self._large_slot()
         try:
             body = self.rfile.read(int(length))
         except (TimeoutError, OSError):
@@ -258,6 +271,27 @@ class Handler(BaseHTTPRequestHandler):
         if len(body) < int(length):
             self._refuse(400, f"the body ended after {len(body)} of {int(length)} bytes")
         return body
+
+    def _large_slot(self) -> None:
+        """One of the slots for large bodies (``LARGE_BODIES``), waited for up to the read timeout."""
+        if not self.serving.large.acquire(timeout=self.serving.limits.read_timeout):
+            self._refuse(503, f"{self.serving.limits.large_bodies} requests of over {LARGE_BODY_BYTES} bytes from "
+                              "clients without the lease are being served; send it again later")
+        self._holding_large = True
+
+    def _drain(self, limit: int) -> None:
+        """Read and drop the body (at most ``limit`` bytes, a MiB at a time): a refusal then reaches a client
+        that is still sending, and nothing of the body is held."""
+        length = self.headers.get("Content-Length", "")
+        left = min(int(length), limit) if is_decimal(length) and len(length) <= 18 else 0
+        try:
+            while left > 0:
+                chunk = self.rfile.read(min(left, 2**20))
+                if not chunk:
+                    break
+                left -= len(chunk)
+        except (TimeoutError, OSError):
+            self.close_connection = True
 
     def _json(self, limit: int = GENERATE_BYTES):
         body = self._body(limit)
@@ -333,9 +367,13 @@ class Handler(BaseHTTPRequestHandler):
         return 200, {}
 
     def _weights(self):
-        body = self._body(PART_BYTES + 2**20)  # read first: a client still sending would miss the answer
-        token = self.headers.get("X-Lease")
-        self.serving.leases.check(token)
+        token, limit = self.headers.get("X-Lease"), PART_BYTES + 2**20
+        try:  # the lease first: a push of any other client is never held in memory
+            self.serving.leases.check(token)
+        except Refused:
+            self._drain(limit)  # read and dropped, so that a client still sending gets the refusal
+            raise
+        body = self._body(limit)
         query = parse_qs(urlparse(self.path).query)
         try:
             part, last = int(query["part"][0]), query.get("last", ["0"])[0] == "1"
@@ -368,7 +406,7 @@ def make_server(sampler, served: Served, host: str, port: int, limits: Limits = 
     ``load_named`` and ``max_model_len``); see ``Handler``. ``clock`` times the leases (tests move it by hand)."""
     serving = Serving(sampler, served, limits, Leases(limits.lease_seconds, clock, reveal=limits.api_key is not None),
                       Intake(served.spec, limits.shared_folder), Turns(limits.max_server_tokens),
-                      log or (lambda line: None), secrets.token_hex(8))
+                      log or (lambda line: None), secrets.token_hex(8), threading.BoundedSemaphore(limits.large_bodies))
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads, server.serving, server.intake = True, serving, serving.intake
     return server

@@ -39,15 +39,14 @@ from pathlib import Path
 import torch
 import xxhash
 
-from auto_research.engine.rollout.guard import Refused, WeightPush, all_finite
-from auto_research.errors import RolloutEngineError
+from auto_research.engine.rollout.guard import ITEMSIZE, Refused, WeightPush, all_finite
+from auto_research.errors import RolloutEngineError, is_decimal
 
 SHARED_FOLDER = Path("/dev/shm")
 PREFIX = "auto-research-weights-"
 MAGIC = b"auto-research weights v1\n"
 HEADER = 4096
 ALIGN = 64
-ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def layout(spec: dict) -> tuple[list, int]:
@@ -92,7 +91,7 @@ def sweep(folder: Path = SHARED_FOLDER) -> list[Path]:
     with suppress(OSError):
         for path in folder.glob(PREFIX + "*"):
             pid = path.name.removeprefix(PREFIX).split("-")[0]
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            if is_decimal(pid) and not _pid_alive(int(pid)):
                 with suppress(OSError):
                     path.unlink()
                     removed.append(path)

@@ -12,7 +12,7 @@ log-probs vLLM returns are ``processed_logprobs``: those of the distribution it 
 temperature, top-k and top-p, which is what an importance weight π_trainer / μ_sampler needs.
 
 vLLM is imported only here, only when ``--sampler vllm`` is asked for. Its known-harmless lines (start-up
-warnings, a line per weight sync) are kept off stderr (engine/rollout/quiet.py), and its INFO lines below its
+warnings, a line per weight sync) are kept off stderr (engine/quiet.py), and its INFO lines below its
 logging level, unless ``verbose`` (``--verbose``, or VLLM_LOGGING_LEVEL set to INFO or DEBUG).
 """
 
@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 
 from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
-from auto_research.engine.rollout.quiet import harmless_lines_hidden
+from auto_research.engine.quiet import harmless_lines_hidden
 from auto_research.engine.rollout.remote import build_rollout, pushed_weights
 from auto_research.engine.sources import require_vllm
 from auto_research.errors import UserError
