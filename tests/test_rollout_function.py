@@ -363,7 +363,8 @@ def test_a_step_whose_correction_weights_all_vanish_stops_the_run_as_a_mismatch(
     assert lines[-1].startswith("auto-research: error: every rollout-correction weight of this step is below 1e-06 "
                                 "(the largest here "), lines[-1]
     assert ("the sampler's log-probs do not match the policy's, a mismatch, not learning (check the log-probs the "
-            "sampler or the --rollout-function returns)") in lines[-1]
+            "sampler or the --rollout-function returns; --rollout-correction sequence-tis multiplies a whole completion's "
+            "ratios, where token-tis truncates each token's)") in lines[-1]
 
 
 def test_the_weights_check_counts_the_trained_tokens_only():
