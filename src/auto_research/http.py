@@ -101,3 +101,35 @@ def split_address(address: str, flag: str = "--rollout-server") -> tuple[str, in
     if not host or not is_decimal(port) or not 0 < int(port) < 65536:
         raise UserError(f"{flag} {address!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
     return host, int(port)
+
+
+def split_addresses(value: str, flag: str = "--rollout-server") -> list[str]:
+    """``HOST:PORT[,HOST:PORT…]``, or the path of a file with one address a line (``#`` starts a comment), as a
+    list of checked addresses, each once; one line for anything else."""
+    text, source = str(value), None
+    if "," not in text and not _looks_like_an_address(text):
+        path = os.path.expanduser(text)
+        try:
+            with open(path, encoding="utf-8") as file:
+                text, source = file.read(), path
+        except FileNotFoundError:
+            raise UserError(f"{flag} {value!r}: expected HOST:PORT, a list HOST:PORT,HOST:PORT or a file of "
+                            "addresses, one a line (no such file)") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise UserError(f"{flag} {value!r}: cannot read this file of addresses "
+                            f"({getattr(error, 'strerror', None) or error})") from None
+    lines = [line.split("#", 1)[0] for line in text.splitlines()] if source is not None else [text]
+    addresses = [part.strip() for line in lines for part in line.split(",") if part.strip()]
+    if not addresses:
+        raise UserError(f"{flag} {value!r}: no address in it" + (f" ({source} is empty)" if source else ""))
+    for address in addresses:
+        split_address(address, flag)
+    repeated = sorted({address for address in addresses if addresses.count(address) > 1})
+    if repeated:
+        raise UserError(f"{flag}: {', '.join(repeated)} given twice (one lease per server and run)")
+    return addresses
+
+
+def _looks_like_an_address(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and is_decimal(port)

@@ -26,7 +26,10 @@ class RolloutSection:
     rollout_mode: str = setting("colocate", "where the rollout engine runs: " + ", ".join(
                                     f"{name} ({text})" for name, text in ROLLOUT_MODES.items()), "sampling",
                                 flag="--rollout-mode", aliases=("--vllm-mode",))
-    rollout_server: str | None = setting(None, "HOST:PORT of the rollout server (--rollout-mode server)", "sampling",
+    rollout_server: str | None = setting(None, "HOST:PORT of the rollout server (--rollout-mode server); several "
+                                               "servers as HOST:PORT,HOST:PORT or a file of addresses, one a line: "
+                                               "the step's groups are spread over them, a server that fails leaves "
+                                               "the pool (docs/scaling-out.md)", "sampling",
                                          flag="--rollout-server", aliases=("--vllm-server",))
     rollout_memory: float | None = setting(None, "on a GPU, the share of its memory vLLM may take for weights, "
                                                  f"activations and KV cache (default {VLLM_MEMORY_GPU}; the trainer needs "
@@ -83,9 +86,9 @@ class RolloutSection:
             if self.rollout_server is None:
                 raise UserError(f"--rollout-mode server needs --rollout-server HOST:PORT (start a server with "
                                 f"auto-research rollout-serve --engine {self.sampler} --model M --port 8000)")
-            from auto_research.http import split_address  # noqa: PLC0415
+            from auto_research.http import split_addresses  # noqa: PLC0415
 
-            split_address(self.rollout_server)
+            split_addresses(self.rollout_server)
         elif self.rollout_server is not None:
             raise UserError("--rollout-server is for --rollout-mode server")
         if self.rollout_mode == "process":
