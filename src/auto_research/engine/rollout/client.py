@@ -32,6 +32,10 @@ from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, r
 from auto_research.http import api_key as http_api_key
 
 SECRET_NAME = ".lease-secret"
+HEARTBEAT_SECONDS = 5.0
+"""The lease's renewal (the server's health check) comes at least this often, and waits this long for its answer."""
+SILENT_BEATS = 2
+"""Heartbeats in a row without an answer after which a server counts as stopped (``ServerSampler.answering``)."""
 
 
 def run_secret(run_dir) -> str:
@@ -86,6 +90,8 @@ class ServerSampler:
         self.dtype = getattr(torch, health.get("dtype", "float32"))
         self.max_request_tokens = int(health.get("max_request_tokens", MAX_REQUEST_TOKENS))
         self.lease, self.lease_seconds, self._stop = None, float(health.get("lease_seconds", 60)), threading.Event()
+        self.unanswered = 0
+        """Heartbeats in a row that got no answer (``answering``)."""
         """``lease``: rank 0's, sent by every rank (its requests go first); rank 0 alone renews and releases it."""
         self.shared, self.transfer = None, "HTTP"
         """Rank 0's map of the server's shared buffer when it sees it (same host), else None: HTTP."""
@@ -114,11 +120,31 @@ class ServerSampler:
         return None
 
     def _heartbeat(self) -> None:
-        """Renew the lease a few times per its lapse time, whatever the step is doing; a lost lease shows at the
-        next push (refused), so this thread only keeps trying."""
-        while not self._stop.wait(self.lease_seconds / 4):
-            with contextlib.suppress(UserError):
-                self._call("/lease/renew", b"{}", retries=0)
+        """Renew the lease a few times per its lapse time (every ``HEARTBEAT_SECONDS`` at most), whatever the step is
+        doing; a lost lease shows at the next push (refused), so this thread only keeps trying, and counts the
+        renewals in a row that got no answer (``answering``: a fleet stops waiting on a server that stopped)."""
+        while not self._stop.wait(min(self.lease_seconds / 4, HEARTBEAT_SECONDS)):
+            try:
+                self._call("/lease/renew", b"{}", retries=0, timeout=HEARTBEAT_SECONDS)
+                self.unanswered = 0
+            except RolloutEngineError as error:
+                self.unanswered = 0 if "refused" in str(error) else self.unanswered + 1
+            except UserError:
+                pass
+
+    @property
+    def answering(self) -> bool:
+        """False once ``SILENT_BEATS`` heartbeats in a row got no answer at all (rank 0's view; True elsewhere)."""
+        return self.unanswered < SILENT_BEATS
+
+    def abandon(self) -> None:
+        """Leave the server without a word to it (it failed or stopped answering): the heartbeat stops, the lease
+        lapses on its own, the shared buffer's map is closed."""
+        self._stop.set()
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+        self.lease = None
 
     def close(self) -> None:
         """The run is over: stop the heartbeat and give the lease back (a server that is gone by now needs none)."""
@@ -131,12 +157,12 @@ class ServerSampler:
                 self._call("/lease/release", b"{}", retries=0)
         self.lease = None
 
-    def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None
-              ) -> dict:
+    def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None,
+              timeout: float | None = None) -> dict:
         """The server's JSON answer; one line naming the server, the path and the last failure otherwise."""
         headers = {**self.headers, **({"X-Lease": self.lease} if self.lease else {})}
         try:
-            answer = request(self.base + path, body, content_type, self.timeout,
+            answer = request(self.base + path, body, content_type, timeout or self.timeout,
                              self.retries if retries is None else retries, 0.5, headers)
         except RequestFailed as failed:
             if failed.status is not None and failed.status < 500:
