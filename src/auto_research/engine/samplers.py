@@ -126,14 +126,26 @@ def vllm_memory(given: float | None, device: str) -> tuple[float, str]:
 def _server(engine: str):
     def build(needs: SamplerNeeds):
         from auto_research.engine.rollout.client import ServerSampler  # noqa: PLC0415
+        from auto_research.http import split_addresses  # noqa: PLC0415
 
-        address = needs.config.rollout_server
+        addresses = split_addresses(needs.config.rollout_server)
         # The builtin engine draws each chunk as the trainer's own sampler would: the same shapes on any world size.
         chunk = needs.chunk_prompts if engine == "builtin" else None
-        sampler = ServerSampler(needs.policy, needs.tokenizer, needs.settings, address, needs.model_name,
-                                needs.world, needs.config.run_dir, engine=engine, chunk_prompts=chunk)
-        needs.log(f"sampling with the {engine} rollout server at {address} (the policy's weights pushed to it "
-                  f"through {sampler.transfer} in {sampler.weight_sync_seconds:.2f} s)")
+
+        def connect(address: str, model):
+            return ServerSampler(model, needs.tokenizer, needs.settings, address, needs.model_name, needs.world,
+                                 needs.config.run_dir, engine=engine, chunk_prompts=chunk)
+
+        if len(addresses) == 1:
+            sampler = connect(addresses[0], needs.policy)
+            needs.log(f"sampling with the {engine} rollout server at {addresses[0]} (the policy's weights pushed to "
+                      f"it through {sampler.transfer} in {sampler.weight_sync_seconds:.2f} s)")
+            return sampler
+        from auto_research.engine.rollout.fleet import Fleet  # noqa: PLC0415
+
+        sampler = Fleet(connect, addresses, needs.policy, needs.world, needs.log, chunk)
+        needs.log(f"sampling with {len(addresses)} {engine} rollout servers (the policy's weights pushed to each: "
+                  f"{sampler.transfer}; {sampler.weight_sync_seconds:.2f} s)")
         return sampler
     return build
 

@@ -1,0 +1,305 @@
+"""Several rollout servers behind one trainer (``--rollout-server h1:p1,h2:p2`` or a file of addresses): the
+step's groups spread over them, the weights pushed to each, a server that fails left behind and its groups drawn
+again by the others (docs/scaling-out.md).
+
+    fleet = Fleet(lambda address, model: ServerSampler(model, ..., address, ...), addresses, policy, world, log,
+                  chunk_prompts)
+    fleet.sample(prompts, group_size, seeds)     # each unit of groups to an idle server, the answers in order
+    fleet.load_weights(policy)                   # to every server in the pool, concurrently; rejoins first
+
+Each member is a ``ServerSampler`` (``client.py``): its own lease, its own shared buffer or HTTP, its own check
+that every answer came from the weights this run pushed to it. What the fleet adds:
+
+- **Units and routing.** A request carries whole groups (a prompt and its K completions): ``chunk_prompts`` of
+  them for the builtin engine (the shapes of the trainer's own sampler), a share of the batch for vLLM. A server
+  takes the next unit when it has none in flight, so each unit goes to a server with the fewest in flight. A
+  group's draw depends only on its seeds (per-prompt generators), never on which server drew it or how many there
+  are. The turns of a multi-turn trajectory stay on the server that drew its first turn (its KV cache and prefix
+  cache are there): a history that extends one this fleet drew goes back to the same server.
+- **A failing server.** A request that fails after its retries, an answer from another life or weights version of
+  the server, or (rank 0) ``SILENT_BEATS`` heartbeats without an answer: the server leaves the pool with one line
+  in the log, and its units are drawn again by the others with the same seeds, so the batch is the one the run
+  would have drawn without the fault. A failed draw is never scored: it is drawn again or the run stops.
+- **Rejoining.** At each push the addresses that left are asked again (at most every ``REJOIN_SECONDS``); one
+  that answers joins only after it holds this run's lease and the current weights (a new ``ServerSampler``).
+- **No server left.** ``RolloutEngineError`` naming each server's failure: the run stops with the last good
+  checkpoint, as with one server.
+
+Under torchrun every rank holds a fleet of its own and draws its own prompts; the pushes (collective: FSDP's
+gathers, the ranks' agreement) go to the servers every rank still has, one after the other, and a rejoin is
+rank 0's decision, shared with all.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from typing import Callable
+
+from auto_research.engine.rollout import Rollout, SamplingSettings
+from auto_research.engine.rollout.remote import build_rollout
+from auto_research.errors import RolloutEngineError, UserError
+
+REJOIN_SECONDS = 10.0
+"""A server that left the pool is asked again at the next push at most this often."""
+POLL_SECONDS = 0.5
+"""How often a draw looks at its servers' heartbeats while it waits for their answers."""
+
+
+class Fleet:
+    """The Sampler seam over several rollout servers (see the module docstring)."""
+
+    def __init__(self, connect: Callable[[str, object], object], addresses: list[str], model, world, log=print,
+                 chunk_prompts: int | None = None):
+        self.connect, self.addresses, self.world, self.log = connect, list(addresses), world, log
+        self.chunk_prompts = chunk_prompts
+        self.members: dict[str, object] = {}
+        """The pool: address → its ``ServerSampler``, for the servers that serve this run now."""
+        self.left: dict[str, tuple[str, float]] = {}
+        """address → (why it left, when it was last asked to rejoin)."""
+        self.sticky: dict[int, dict[tuple, str]] = {}
+        """The last multi-turn draw: history length → {history (prompt and completion ids): its server}."""
+        try:
+            for address in self.addresses:  # all of them at the start: an address with no server is a typo
+                self.members[address] = connect(address, model)
+        except BaseException:
+            self.close()
+            raise
+        first = self.members[self.addresses[0]]
+        self.eos, self.pad, self.tokenizer = first.eos, first.pad, first.tokenizer
+        self.weight_sync_seconds = max(member.weight_sync_seconds for member in self.members.values())
+        self.transfer = self.paths()
+
+    # --- the pool --------------------------------------------------------------------------------------------
+
+    def paths(self) -> str:
+        """Each server's weight path, for the log ("127.0.0.1:8000 shared memory, 10.0.0.2:8000 HTTP")."""
+        return ", ".join(f"{address} {member.transfer}" for address, member in self.members.items())
+
+    def _leave(self, address: str, why: str) -> None:
+        member = self.members.pop(address, None)
+        if member is None:
+            return
+        member.abandon()
+        self.left[address] = (why, time.monotonic())
+        self.log(f"rollout server {address} left the pool ({why}); {len(self.members)} of {len(self.addresses)} "
+                 "serve on")
+
+    def _none_left(self) -> RolloutEngineError:
+        reasons = "; ".join(f"{address}: {why}" for address, (why, _) in self.left.items())
+        return RolloutEngineError(f"--rollout-server: every rollout server of this run has left the pool ({reasons})")
+
+    def _rejoin(self, model) -> None:
+        """Rank 0 asks the addresses that left, at most every ``REJOIN_SECONDS`` each; the ranks agree on those that
+        answered, and each joins by a new client: this run's lease, then the current weights (its first push)."""
+        now = time.monotonic()
+        due = [address for address, (_, asked) in self.left.items() if now - asked >= REJOIN_SECONDS]
+        answered = [address for address in due if self.world.main and _answers(address)]
+        for address in self.world.gather_objects(answered)[0]:
+            why, _ = self.left[address]
+            try:
+                member = self.connect(address, model)  # takes the lease and pushes the current weights
+            except (UserError, RolloutEngineError) as error:
+                self.left[address] = (str(error), now)
+                continue
+            del self.left[address]
+            self.members[address] = member
+            self.log(f"rollout server {address} joined the pool again with the current weights through "
+                     f"{member.transfer} (it had left: {why})")
+        for address in due:
+            if address in self.left:
+                self.left[address] = (self.left[address][0], now)
+
+    # --- weights -----------------------------------------------------------------------------------------------
+
+    def load_weights(self, model) -> None:
+        """The weights to every server of the pool: concurrently in one process, one server after another under
+        torchrun (each push is collective); a server whose push fails leaves the pool. Then the servers that left
+        are asked to rejoin."""
+        started = time.perf_counter()
+        pool = self._agreed_pool()
+        if self.world.distributed:
+            failures = {}
+            for address in pool:
+                try:
+                    self.members[address].load_weights(model)
+                except RolloutEngineError as error:
+                    failures[address] = str(error)
+        else:
+            failures = _concurrently({address: (lambda member=self.members[address]: member.load_weights(model))
+                                      for address in pool})
+        for address, why in failures.items():
+            self._leave(address, why)
+        if self.left:
+            self._rejoin(model)
+        if not self.members:
+            raise self._none_left()
+        self.weight_sync_seconds = time.perf_counter() - started
+
+    def _agreed_pool(self) -> list[str]:
+        """The servers every rank still has, in the order given (each rank's pushes go to the same servers)."""
+        pools = self.world.gather_objects([address for address in self.addresses if address in self.members])
+        agreed = [address for address in pools[0] if all(address in pool for pool in pools)]
+        for address in list(self.members):
+            if address not in agreed:
+                self._leave(address, "another rank's draw from it failed")
+        return agreed
+
+    # --- draws -------------------------------------------------------------------------------------------------
+
+    def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        completions, logprobs = self.generate(prompt_ids, group_size, seeds)
+        return build_rollout(self.tokenizer, self.eos, self.pad, prompt_ids, completions, logprobs, group_size)
+
+    def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int]
+                 ) -> tuple[list[list[int]], list[list[float]]]:
+        """``group_size`` completions of each prompt, the prompts' groups in units spread over the pool."""
+        size = self.chunk_prompts or max(1, math.ceil(len(prompt_ids) / (2 * len(self.addresses))))
+        units = [list(range(start, min(start + size, len(prompt_ids)))) for start in range(0, len(prompt_ids), size)]
+        return self._draw(units, [None] * len(units), lambda member, rows: member.generate(
+            [prompt_ids[row] for row in rows], group_size, [seeds[row] for row in rows]), len(prompt_ids), group_size)
+
+    def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
+                     ) -> tuple[list[list[int]], list[list[float]]]:
+        """One completion per history (``envs.trajectory``): a history that extends one this fleet drew goes to
+        the same server, all such in one unit; new ones go in units of equal prompts (a group's first turns
+        together, on one server)."""
+        histories = [[int(token) for token in ids] for ids in prompt_ids]
+        homes = [self._home(ids) for ids in histories]
+        families: dict[tuple, list[int]] = {}
+        for row, (ids, home) in enumerate(zip(histories, homes)):
+            families.setdefault(("server", home) if home is not None else ("prompt", tuple(ids)), []).append(row)
+        units = list(families.values())  # whole: a server splits its own unit into requests of chunk_prompts
+        affinity = [key[1] if key[0] == "server" else None for key in families]
+        completions, logprobs = self._draw(units, affinity, lambda member, rows: member.generate(
+            [histories[row] for row in rows], 1, [seeds[row] for row in rows]), len(histories), 1)
+        self._remember(histories, completions)
+        return completions, logprobs
+
+    def _home(self, history: list[int]) -> str | None:
+        """The server that drew the turn this history extends, when it is still in the pool."""
+        for length in sorted(self.sticky, reverse=True):
+            if length <= len(history):
+                home = self.sticky[length].get(tuple(history[:length]))
+                if home is not None:
+                    return home if home in self.members else None
+        return None
+
+    def _remember(self, histories, completions) -> None:
+        self.sticky = {}
+        for history, completion, home in zip(histories, completions, self._drawn_by):
+            ids = tuple(history) + tuple(completion)
+            self.sticky.setdefault(len(ids), {})[ids] = home
+
+    def _draw(self, units: list[list[int]], affinity: list, draw: Callable, rows: int, per_row: int
+              ) -> tuple[list[list[int]], list[list[float]]]:
+        """Each unit (its rows) drawn by a server of the pool, one unit in flight per server; a unit whose server
+        failed is drawn again by another. ``affinity``: the server a unit should go to while that server is in the
+        pool; ``per_row``: completions a row's answer holds, in the rows' order."""
+        todo, answers, in_flight = list(range(len(units))), {}, {}
+        done: queue.Queue = queue.Queue()
+        drawn_by = [None] * rows
+        while todo or in_flight:
+            for address in [address for address in self.members if address not in in_flight.values()]:
+                index = _next_unit(todo, affinity, address, self.members)
+                if index is None:
+                    continue
+                todo.remove(index)
+                in_flight[index] = address
+                threading.Thread(target=_run, args=(done, index, address, draw, self.members[address], units[index]),
+                                 name=f"draw-{address}", daemon=True).start()
+            if not in_flight:
+                raise self._none_left()
+            try:
+                index, address, answer, error = done.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                index = None
+            if index is not None and in_flight.get(index) == address:
+                del in_flight[index]
+                if error is None:
+                    answers[index] = answer
+                    for row in units[index]:
+                        drawn_by[row] = address
+                else:
+                    self._leave(address, error)
+                    todo.insert(0, index)
+            for index, address in list(in_flight.items()):  # a server that stopped answering its heartbeat
+                if address not in self.members or not self.members[address].answering:
+                    del in_flight[index]
+                    self._leave(address, "it stopped answering (no heartbeat)")
+                    todo.insert(0, index)
+        self._drawn_by = drawn_by
+        completions, logprobs = [None] * (rows * per_row), [None] * (rows * per_row)
+        for index, unit in enumerate(units):
+            for offset, row in enumerate(unit):
+                for j in range(per_row):
+                    completions[row * per_row + j] = answers[index][0][offset * per_row + j]
+                    logprobs[row * per_row + j] = answers[index][1][offset * per_row + j]
+        return completions, logprobs
+
+    def close(self) -> None:
+        for member in self.members.values():
+            member.close()
+
+
+def _next_unit(todo: list[int], affinity: list, address: str, members: dict) -> int | None:
+    """The next unit for an idle server: one that should go to it, else one that should go nowhere in particular
+    (or to a server that has left)."""
+    for index in todo:
+        if affinity[index] == address:
+            return index
+    for index in todo:
+        if affinity[index] is None or affinity[index] not in members:
+            return index
+    return None
+
+
+def _run(done: queue.Queue, index: int, address: str, draw: Callable, member, rows: list[int]) -> None:
+    try:
+        completions, logprobs = draw(member, rows)
+        done.put((index, address, (completions, logprobs), None))
+    except RolloutEngineError as error:
+        done.put((index, address, None, str(error)))
+    except Exception as error:  # noqa: BLE001 - any other fault of a draw is that server's failure too
+        done.put((index, address, None, f"{type(error).__name__}: {error}"))
+
+
+def _concurrently(pushes: dict[str, Callable]) -> dict[str, str]:
+    """Run each push in a thread of its own; the failures by address (a server's). Any other error (a tensor the
+    run cannot send, a bug) is raised here, as a push in this thread would."""
+    failures: dict[str, str] = {}
+    raised: list[BaseException] = []
+
+    def push(address: str, call: Callable) -> None:
+        try:
+            call()
+        except RolloutEngineError as error:
+            failures[address] = str(error)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread below
+            raised.append(error)
+
+    threads = [threading.Thread(target=push, args=item, name=f"push-{item[0]}", daemon=True) for item in pushes.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if raised:
+        raise raised[0]
+    return failures
+
+
+def _answers(address: str) -> bool:
+    """Whether a server answers ``/health`` at ``address`` now (one quick try)."""
+    from auto_research.http import RequestFailed, request, split_address  # noqa: PLC0415
+
+    host, port = split_address(address)
+    try:
+        request(f"http://{host}:{port}/health", None, "application/json", 2.0, 0, 0.0)
+    except RequestFailed as failed:
+        return failed.status == 401  # it answers, and wants the key the client sends
+    return True
