@@ -325,3 +325,58 @@ def test_the_forms_of_rollout_server_and_their_refusals(tmp_path, capsys):
                  "--rollout-mode", "server", "--rollout-server", "127.0.0.1:8000,127.0.0.1:8000"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "auto-research: error: --rollout-server: 127.0.0.1:8000 given twice (one lease per server and run)"]
+
+
+def test_a_server_that_stops_answering_is_left_by_its_heartbeat_and_its_unit_drawn_elsewhere(servers, tmp_path,
+                                                                                              monkeypatch):
+    """The second server's engine hangs mid-draw and its heartbeat goes unanswered: the draw does not wait for its
+    request's timeout; the unit goes to the first server. (The heartbeat's count is shown against a stopped server,
+    with beats of 0.2 s.)"""
+    import threading
+    import time
+
+    from auto_research.engine.rollout import client as clients
+    from auto_research.engine.rollout.builtin import BuiltinEngine
+
+    monkeypatch.setattr(clients, "HEARTBEAT_SECONDS", 0.2)
+    trained = build_model(build_tokenizer(), seed=1)
+    beating = _client(servers(1)[0], trained, tmp_path / "beating")
+    assert beating.answering
+    stop(servers.running[-1])
+    deadline = time.monotonic() + 30
+    while beating.answering and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not beating.answering and beating.unanswered >= clients.SILENT_BEATS
+    beating.abandon()
+
+    one = _client(servers(1)[0], trained, tmp_path / "one")
+    expected = _draws(one)[0]
+    one.close()
+    addresses = servers(2)
+    hanging, released, original = servers.engines[-1], threading.Event(), BuiltinEngine.generate
+
+    def hangs(engine, *args, **kwargs):
+        if engine is hanging:
+            fleet.members[addresses[1]].hung = True  # what its heartbeat would find (here only the engine hangs)
+            released.wait(60)
+        return original(engine, *args, **kwargs)
+
+    def draws_in_flight():
+        return [thread for thread in threading.enumerate() if thread.name.startswith("draw-")]
+
+    lines = []
+    fleet = _fleet(addresses, trained, tmp_path / "fleet", lines)
+    monkeypatch.setattr(BuiltinEngine, "generate", hangs)
+    monkeypatch.setattr(clients.ServerSampler, "answering", property(lambda client: not getattr(client, "hung", False)))
+    started = time.monotonic()
+    try:
+        assert _draws(fleet)[0] == expected
+        assert time.monotonic() - started < 30
+    finally:
+        released.set()
+        for thread in draws_in_flight():  # the abandoned request ends before the test does (and its server)
+            thread.join(60)
+    assert not draws_in_flight()
+    assert lines == [f"rollout server {addresses[1]} left the pool (it stopped answering (no heartbeat)); 1 of 2 "
+                     "serve on"]
+    fleet.close()

@@ -127,8 +127,9 @@ class ServerSampler:
             try:
                 self._call("/lease/renew", b"{}", retries=0, timeout=HEARTBEAT_SECONDS)
                 self.unanswered = 0
-            except RolloutEngineError as error:
-                self.unanswered = 0 if "refused" in str(error) else self.unanswered + 1
+            except RolloutEngineError as error:  # an answer that refuses (a lapsed lease) is an answer
+                answered = str(error).startswith(f"--rollout-server {self.address} refused ")
+                self.unanswered = 0 if answered else self.unanswered + 1
             except UserError:
                 pass
 
