@@ -28,7 +28,7 @@ from auto_research.engine.packaged import cache_dir
 from auto_research.engine.models import (context_length, format_prompt, load_critic, load_policy, resolve_device,
                                          resolve_dtype)
 from auto_research.engine.rollout import Sampler, SamplingSettings
-from auto_research.engine.samplers import SamplerNeeds, sampler_record
+from auto_research.engine.samplers import SamplerNeeds, SamplerRecord, sampler_record
 from auto_research.errors import UserError
 from auto_research.rewards.combine import CombinedReward, build_reward
 from auto_research.train.prepare import Prepared
@@ -67,6 +67,12 @@ class Components:
     (envs.custom.FunctionRunner), else None."""
     offloaded_reference: OffloadedReference | None = None
     """The reference's weights out of the process between its passes (--offload-reference), else None."""
+    engine: SamplerRecord | None = None
+    """The rollout engine's record (``engine/samplers.py``), resolved once from the settings when not given."""
+
+    def __post_init__(self):
+        if self.engine is None:
+            self.engine = sampler_record(self.config.rollout)
 
     @contextlib.contextmanager
     def reference_in_use(self):
@@ -83,19 +89,31 @@ class Components:
 
     def autocast(self):
         """bf16 compute over float32 master weights when --dtype bfloat16; nothing otherwise."""
-        if self.compute_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.split(":")[0], dtype=self.compute_dtype)
+        return autocast_for(self.device, self.compute_dtype)
 
-    @contextlib.contextmanager
     def sampling(self, *models):
         """Around decoding from the policy (and the reference): autocast, and whole parameters under FSDP."""
-        with self.autocast(), self.world.gathered(self.policy, *models):
-            yield
+        return sampling_context(self.world, self.policy, self.device, self.compute_dtype)(*models)
 
     @property
     def updates_per_step(self) -> int:
         return self.config.updates_per_batch * self.config.ppo_mini_batches
+
+
+def autocast_for(device: str, compute_dtype: torch.dtype):
+    """bf16 compute over float32 master weights when the compute dtype is bf16; nothing otherwise."""
+    if compute_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.split(":")[0], dtype=compute_dtype)
+
+
+def sampling_context(world: World, policy, device: str, compute_dtype: torch.dtype):
+    """What decoding from ``policy`` (and other models) is done inside: autocast, and whole parameters under FSDP."""
+    @contextlib.contextmanager
+    def sampling(*models):
+        with autocast_for(device, compute_dtype), world.gathered(policy, *models):
+            yield
+    return sampling
 
 
 def adamw(model, config: GenerationConfig) -> torch.optim.AdamW:
@@ -201,14 +219,14 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     tied_rows_gradient(policy)  # after DDP's wrap (see there)
     offloaded = _wrap_reference(config, world, reference, log)
     optimizer, train_critic, critic_optimizer = _optimizers(config, world, policy, train_policy, critic, resume_from)
-    components = Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
-                            train_policy, optimizer, reference, critic, train_critic, critic_optimizer, None, reward,
-                            prepared.judge, train_prompts, eval_prompts, offloaded_reference=offloaded)
-    components.sampler = record.build(SamplerNeeds(config, policy, tokenizer, sampling_settings(config),
-                                                   chunk_prompts(config), components.sampling, model_name, world,
-                                                   compute_dtype, device, train_prompts, log, prepared.multi_turn))
-    components.episodes = _episodes(prepared, components)
-    return components
+    sampler = record.build(SamplerNeeds(config, policy, tokenizer, sampling_settings(config), chunk_prompts(config),
+                                        sampling_context(world, policy, device, compute_dtype), model_name, world,
+                                        compute_dtype, device, train_prompts, log, prepared.multi_turn))
+    episodes = _episodes(prepared, algorithm, tokenizer, policy, sampler, model_name, task)
+    return Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
+                      train_policy, optimizer, reference, critic, train_critic, critic_optimizer, sampler, reward,
+                      prepared.judge, train_prompts, eval_prompts, episodes=episodes, offloaded_reference=offloaded,
+                      engine=record)
 
 
 def _start(config: GenerationConfig, world: World) -> tuple[str, torch.dtype]:
@@ -302,23 +320,24 @@ def _optimizers(config: GenerationConfig, world: World, policy, train_policy, cr
     return optimizer, train_critic, critic_optimizer
 
 
-def _episodes(prepared: Prepared, c: Components):
+def _episodes(prepared: Prepared, algorithm: Algorithm, tokenizer, policy, sampler, model_name: str, task: Task):
     """The multi-turn runner that draws the run's trajectories with its sampler: --environment/--tools' episodes,
     or --rollout-function's; None for single-turn sampling."""
+    config = prepared.config
+    scores_replies = bool(prepared.rewards or config.reward_model)
     episodes = None
     if prepared.environment is not None or prepared.tools:
         from auto_research.engine.rollout import eos_ids  # noqa: PLC0415
         from auto_research.envs.rollout import row_of, runner_for  # noqa: PLC0415
 
-        episodes = runner_for(c.config.turns, c.config.sampling, c.algorithm, prepared.environment,
-                              prepared.tools or {}, c.tokenizer, eos_ids(c.tokenizer, c.policy), c.sampler,
-                              c.model_name, row_of(c.task.train[0]),
-                              bool(prepared.rewards or c.config.reward_model) or prepared.environment is None)
+        episodes = runner_for(config.turns, config.sampling, algorithm, prepared.environment, prepared.tools or {},
+                              tokenizer, eos_ids(tokenizer, policy), sampler, model_name, row_of(task.train[0]),
+                              scores_replies or prepared.environment is None)
     if prepared.rollout_function is not None:
         from auto_research.envs.custom import function_runner  # noqa: PLC0415
 
-        episodes = function_runner(prepared, c.tokenizer, c.policy, c.sampler, sampling_settings(c.config),
-                                   c.config.trajectory_tokens(True), bool(prepared.rewards or c.config.reward_model))
+        episodes = function_runner(prepared, tokenizer, policy, sampler, sampling_settings(config),
+                                   config.trajectory_tokens(True), scores_replies)
     return episodes
 
 

@@ -15,7 +15,6 @@ from auto_research.example import Example
 from auto_research.algorithms.correction import importance_weights, mismatch
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
 from auto_research.engine.rollout import Rollout
-from auto_research.engine.samplers import sampler_record
 from auto_research.train.components import Components
 from auto_research.train.micro_batches import micro_batches, rows_of
 
@@ -139,7 +138,7 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
         kl = torch.zeros_like(old_logprobs)
     values = no_grad_forward(c, c.critic, rollout, completion_values) * mask if c.critic is not None else None
     weights = drift = None
-    if corrected(c.config.rollout) and rollout.sampler_logprobs is not None:
+    if corrected(c.engine, c.config.max_staleness) and rollout.sampler_logprobs is not None:
         # Another engine or older weights sampled: how far μ is from π_old, and the weights that correct it.
         weights = importance_weights(old_logprobs - rollout.sampler_logprobs, mask, c.config.rollout_correction,
                                      c.config.rollout_correction_cap)
@@ -147,10 +146,10 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
     return Experience(rollout, scores, old_logprobs, entropy, kl, reference_logprobs, values, weights, drift)
 
 
-def corrected(rollout) -> bool:
-    """Whether μ may differ from π_old (``rollout``: the run's section): another engine samples, or older weights
-    (--max-staleness ≥ 1)."""
-    return not sampler_record(rollout).is_the_trainer or rollout.max_staleness > 0
+def corrected(engine, max_staleness: int) -> bool:
+    """Whether μ may differ from π_old: another engine (its record) samples, or older weights (--max-staleness
+    ≥ 1)."""
+    return not engine.is_the_trainer or max_staleness > 0
 
 
 def sampled_is_the_policy(c: Components, rollout: Rollout, version: int | None = None) -> bool:

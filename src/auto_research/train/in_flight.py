@@ -27,7 +27,6 @@ import time
 
 from auto_research.engine.logprobs import token_logprobs
 from auto_research.engine.rollout.builtin import BuiltinSampler, sample
-from auto_research.engine.samplers import sampler_record
 from auto_research.train.components import Components, chunk_prompts, sampling_settings
 from auto_research.train.experience import no_grad_forward
 from auto_research.train.rollouts import Drawn, RolloutSource, Synchronous, drawing_version, produce
@@ -180,7 +179,7 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
     reference = None
     if c.reference is not None and not config.lora_r:
         reference = c.reference if c.offloaded_reference is not None else copy.deepcopy(c.reference)
-    if sampler_record(config).pushes_weights:  # a rollout server: its own weights, pushed version by version
+    if c.engine.pushes_weights:  # a rollout server: its own weights, pushed version by version
         c.rollouts = InFlight(rollout_source(c, c.sampler, None, c.autocast, reference), None, state.rng,
                               config.max_staleness, config.steps, state.step, c.policy, list(saved), cpus, c.sampler)
         return c.rollouts

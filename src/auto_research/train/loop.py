@@ -10,7 +10,6 @@ from pathlib import Path
 
 from auto_research.engine import checkpoint as checkpoints
 from auto_research.engine.run_folder import PREFIX, clear_run_folder
-from auto_research.engine.samplers import sampler_record
 from auto_research.envs import deadline
 from auto_research.errors import RewardError, RolloutEngineError, TrainingInterrupted, UserError
 from auto_research.progress import Progress
@@ -226,7 +225,7 @@ class RunLoop:
                      "kept the last checkpoint" if state.step > 0 else "nothing was written")
             raise _user_error(f"{error}; {where}", error) from None
         except RolloutEngineError as error:  # a server gone mid-step: the weights may be a step ahead
-            again = "restart the server, then continue" if sampler_record(config).started_by_the_user else \
+            again = "restart the server, then continue" if self.c.engine.started_by_the_user else \
                 "continue"  # the run's own engine (its process too) starts anew with it
             kept = (f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{self.last_saved:06d}'}"
                     f" ({again} with the same command and --resume)"

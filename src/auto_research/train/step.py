@@ -16,7 +16,6 @@ import torch
 
 from auto_research.algorithms.correction import check_weights, drops_samples
 from auto_research.engine.heap import release_free_memory
-from auto_research.engine.samplers import sampler_record
 from auto_research.errors import RewardError, RolloutEngineError
 from auto_research.train.components import Components
 from auto_research.train.experience import build_experience
@@ -81,7 +80,7 @@ def _check_sampler(c: Components, experience, drift: dict, step: int) -> None:
 
 def _rollout_row(c: Components, state: LoopState, drawn, seconds: dict, step: int, log) -> dict:
     """The rollout side's figures of the step (groups, refills, the weight sync's time) and its phases' times."""
-    extra = {"weight_sync_seconds": seconds["weight_sync"]} if sampler_record(c.config).pushes_weights else {}
+    extra = {"weight_sync_seconds": seconds["weight_sync"]} if c.engine.pushes_weights else {}
     seconds["score"] += drawn.seconds["score"]
     figures = rollout_figures(c.world, drawn, step, c.config.dynamic_sampling)
     state.totals["no_signal_groups"] += figures["no_signal_groups"]
