@@ -133,8 +133,10 @@ def _server(engine: str):
         chunk = needs.chunk_prompts if engine == "builtin" else None
 
         def connect(address: str, model):
+            # In a fleet a failing server costs one retry, not three: the others draw its groups meanwhile.
             return ServerSampler(model, needs.tokenizer, needs.settings, address, needs.model_name, needs.world,
-                                 needs.config.run_dir, engine=engine, chunk_prompts=chunk)
+                                 needs.config.run_dir, engine=engine, chunk_prompts=chunk,
+                                 retries=3 if len(addresses) == 1 else 1)
 
         if len(addresses) == 1:
             sampler = connect(addresses[0], needs.policy)
