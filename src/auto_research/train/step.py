@@ -81,6 +81,8 @@ def _check_sampler(c: Components, experience, drift: dict, step: int) -> None:
 def _rollout_row(c: Components, state: LoopState, drawn, seconds: dict, step: int, log) -> dict:
     """The rollout side's figures of the step (groups, refills, the weight sync's time) and its phases' times."""
     extra = {"weight_sync_seconds": seconds["weight_sync"]} if c.engine.pushes_weights else {}
+    if c.engine.pushes_weights and getattr(c.sampler, "pushed_bytes", None) is not None:  # a server's client
+        extra["weight_sync_bytes"] = c.sampler.pushed_bytes
     seconds["score"] += drawn.seconds["score"]
     figures = rollout_figures(c.world, drawn, step, c.config.dynamic_sampling)
     state.totals["no_signal_groups"] += figures["no_signal_groups"]

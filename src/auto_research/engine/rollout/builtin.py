@@ -318,6 +318,19 @@ class BuiltinEngine:
 
     @torch.no_grad()
     def load_named(self, weights) -> None:
-        """Pushed tensors (checked against this model's names, shapes and dtypes by the server) copied in place."""
+        """Pushed tensors (checked against this model's names, shapes and dtypes by the server) copied in place.
+        A full push sets new base weights: adapters pushed later merge onto these."""
+        self.bases = {}
         for name, tensor in weights:
             self.parameters[name].copy_(tensor)
+
+    @torch.no_grad()
+    def load_adapter(self, factors: dict) -> None:
+        """A LoRA adapter (``{weight: (A, B, scaling)}``, checked by the server) merged as PEFT merges: each
+        adapted weight becomes its base + (B @ A) · scaling; the base is the weight as the last full push left it,
+        kept (one copy of each adapted weight) at the first adapter after that push."""
+        bases = self.__dict__.setdefault("bases", {})
+        for name, (A, B, scaling) in factors.items():
+            weight = self.parameters[name]
+            base = bases.setdefault(name, weight.detach().clone())
+            weight.copy_(base + (B @ A) * scaling)

@@ -25,7 +25,7 @@ from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
 from auto_research.engine.rollout.guard import MAX_REQUEST_TOKENS, slices
 from auto_research.engine.rollout.server import PART_BYTES, fingerprint
 from auto_research.engine.rollout.transfer import SharedWriter
-from auto_research.engine.rollout.remote import build_rollout, pushed_weights
+from auto_research.engine.rollout.remote import adapter_factors, build_rollout, pushed_weights
 from auto_research.errors import RolloutEngineError, UserError
 from auto_research.files import atomic_write_bytes
 from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, request, split_address
@@ -97,7 +97,11 @@ class ServerSampler:
         """Rank 0's map of the server's shared buffer when it sees it (same host), else None: HTTP."""
         self.world.agree(self._claim(run_dir, shared) if world.main else None)
         self.lease = self.world.gather_objects(self.lease)[0]
-        self.weight_sync_seconds = 0.0
+        self.weight_sync_seconds, self.pushed_bytes = 0.0, 0
+        """The last push's time, and the bytes of tensors it sent."""
+        self.adapters = bool(health.get("adapters")) and health.get("dtype") == "float32"
+        """The server merges a LoRA run's adapter itself: after the base weights once, only the adapter is pushed."""
+        self.base_pushed = False
         # Every draw must come from the weights this run pushed: the server's life and its version after them.
         self.instance, self.version = health.get("instance"), int(health.get("weights_version", 0))
         self.load_weights(model)
@@ -218,12 +222,43 @@ class ServerSampler:
         return self.generate([[int(token) for token in ids] for ids in prompt_ids], 1, seeds)
 
     def load_weights(self, model) -> None:
-        """Every rank walks the weights (FSDP2 gathers one parameter at a time, in the same order on each);
-        rank 0 sends them in parts under its lease; nobody samples before the server has them, and a failed
-        push stops every rank."""
+        """The policy's weights into the server. A LoRA policy and a server that merges adapters (the builtin
+        engine): the base weights once, then only the adapter (``adapter_factors``: a few percent of the bytes);
+        otherwise the merged weights, every time. Nobody samples before the server has them, and a failed push
+        stops every rank."""
+        started = time.perf_counter()
+        factors = adapter_factors(model) if self.adapters else None  # every rank: FSDP2 gathers
+        if factors is None or not self.base_pushed:
+            self._push_weights(model, merged=factors is None)
+            self.pushed_bytes = self._last_bytes
+        else:
+            self.pushed_bytes = 0
+        if factors is not None:
+            self._push_adapter(factors)
+            self.pushed_bytes += sum(tensor.numel() * tensor.element_size() for tensor in factors.values())
+            self.base_pushed = True
+        self.weight_sync_seconds = time.perf_counter() - started
+
+    def _push_adapter(self, factors: dict) -> None:
+        """Rank 0 sends the adapter under its lease; every rank learns whether it went in."""
         from safetensors.torch import save  # noqa: PLC0415
 
-        started = time.perf_counter()
+        failure = None
+        if self.world.main:
+            try:
+                self._call("/weights/adapter", save(factors), "application/octet-stream")
+            except UserError as error:
+                failure = error
+        self.world.agree(failure, RolloutEngineError)
+        self.version += 1
+
+    def _push_weights(self, model, merged: bool = True) -> None:
+        """Every rank walks the weights (FSDP2 gathers one parameter at a time, in the same order on each);
+        rank 0 sends them in parts under its lease (or through the shared buffer); ``merged=False``: a LoRA
+        policy's base weights, without its adapter."""
+        from safetensors.torch import save  # noqa: PLC0415
+
+        self._last_bytes = 0
         part, size, batch, seen, failure = 0, 0, {}, set(), None
 
         def send(last: bool) -> None:
@@ -234,9 +269,10 @@ class ServerSampler:
                 failure = error
             part, size, batch, seen = part + 1, 0, {}, set()
 
-        for name, tensor in pushed_weights(model, self.dtype):
+        for name, tensor in pushed_weights(model, self.dtype, merged):
             if not self.world.main or failure is not None:  # every rank still takes part in each gather
                 continue
+            self._last_bytes += tensor.numel() * tensor.element_size()
             if self.shared is not None:  # straight into the server's slot, from wherever the tensor lives
                 try:
                     self.shared.write(name, tensor)
@@ -262,4 +298,3 @@ class ServerSampler:
             send(last=True)
         self.world.agree(failure, RolloutEngineError)
         self.version += 1  # the push went in on rank 0 (every rank knows: agree raised otherwise)
-        self.weight_sync_seconds = time.perf_counter() - started

@@ -70,6 +70,7 @@ class Fleet:
         first = self.members[self.addresses[0]]
         self.eos, self.pad, self.tokenizer = first.eos, first.pad, first.tokenizer
         self.weight_sync_seconds = max(member.weight_sync_seconds for member in self.members.values())
+        self.pushed_bytes = sum(member.pushed_bytes for member in self.members.values())
         self.transfer = self.paths()
 
     # --- the pool --------------------------------------------------------------------------------------------
@@ -137,6 +138,7 @@ class Fleet:
         if not self.members:
             raise self._none_left()
         self.weight_sync_seconds = time.perf_counter() - started
+        self.pushed_bytes = sum(self.members[address].pushed_bytes for address in pool if address in self.members)
 
     def _agreed_pool(self) -> list[str]:
         """The servers every rank still has, in the order given (each rank's pushes go to the same servers)."""

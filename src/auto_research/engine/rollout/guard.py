@@ -344,3 +344,44 @@ def _itemsize(dtype: str) -> int:
 def weight_spec(named) -> dict:
     """``{name: (shape, dtype name)}`` of the weights an engine loads (``pushed_weights``' names)."""
     return {name: (list(tensor.shape), str(tensor.dtype).removeprefix("torch.")) for name, tensor in named}
+
+
+MAX_ADAPTER_RANK = 1024
+"""The largest LoRA rank an adapter push may carry."""
+
+
+def check_adapter(factors: dict, spec: dict) -> dict:
+    """An adapter push's tensors (``<weight>::A`` (r, in), ``<weight>::B`` (out, r), ``<weight>::scaling`` one
+    float64 value; ``remote.adapter_factors``) checked against the served model's spec: ``{weight: (A, B,
+    scaling)}``, or ``Refused(400)`` naming the first that fails. Only float32 factors of float32 weights (the
+    builtin engine's)."""
+    weights: dict = {}
+    for key in factors:
+        weight, _, part = key.rpartition("::")
+        if part not in ("A", "B", "scaling") or not weight:
+            raise Refused(400, f"adapter tensor {key!r}: expected <weight>::A, <weight>::B or <weight>::scaling"[:300])
+        if weight not in spec:
+            raise Refused(400, f"adapter tensor {key!r}: the served model has no weight {weight!r}"[:300])
+        weights.setdefault(weight, {})[part] = factors[key]
+    checked = {}
+    for weight, parts in weights.items():
+        missing = sorted({"A", "B", "scaling"} - set(parts))
+        if missing:
+            raise Refused(400, f"adapter of {weight!r} lacks its {' and '.join(missing)}"[:300])
+        (out, inner), dtype = spec[weight]
+        A, B, scaling = parts["A"], parts["B"], parts["scaling"]
+        for name, tensor, wanted in (("A", A, "float32"), ("B", B, "float32"), ("scaling", scaling, "float64")):
+            if str(tensor.dtype).removeprefix("torch.") != wanted or dtype != "float32":
+                raise Refused(400, f"adapter of {weight!r}: {name} is {str(tensor.dtype).removeprefix('torch.')} "
+                                   f"for a {dtype} weight; adapters are pushed as float32 factors (a float64 scaling) "
+                                   "onto float32 weights")
+            if not all_finite(tensor):
+                raise Refused(400, f"adapter of {weight!r}: {name} has NaN or infinite values")
+        rank = A.shape[0] if A.dim() == 2 else -1
+        if not (0 < rank <= MAX_ADAPTER_RANK and list(A.shape) == [rank, inner] and list(B.shape) == [out, rank]
+                and scaling.numel() == 1):
+            raise Refused(400, f"adapter of {weight!r}: A {list(A.shape)}, B {list(B.shape)}, scaling of "
+                               f"{scaling.numel()} values do not fit its shape {[out, inner]} (A (r, {inner}), "
+                               f"B ({out}, r), 0 < r ≤ {MAX_ADAPTER_RANK}, one scaling)")
+        checked[weight] = (A, B, float(scaling.reshape(())))
+    return checked

@@ -13,9 +13,10 @@ import torch
 from auto_research.engine.rollout import Rollout, completion_mask
 
 
-def pushed_weights(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def pushed_weights(model, dtype: torch.dtype, merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights under the checkpoint names vLLM loads, one tensor at a time: LoRA adapters merged
-    into their base weights (W + s·B·A, what the policy computes), FSDP2 shards gathered one parameter at a time
+    into their base weights (W + s·B·A, what the policy computes; ``merged=False``: the base weights alone, for an
+    engine that is then sent the adapter, ``adapter_factors``), FSDP2 shards gathered one parameter at a time
     (every rank takes part in each gather, in the same order)."""
     lora_modules = {}
     if hasattr(model, "peft_config"):
@@ -34,10 +35,36 @@ def pushed_weights(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tenso
         if ".base_layer." in name:
             owner, _, leaf = name.rpartition(".base_layer.")
             module = lora_modules.get(owner)
-            if module is not None and leaf == "weight":
+            if module is not None and leaf == "weight" and merged:
                 tensor = tensor + sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
             name = f"{owner}.{leaf}"
         yield name, tensor.to(dtype)
+
+
+def adapter_factors(model) -> dict[str, torch.Tensor] | None:
+    """A LoRA policy's adapter as the tensors ``POST /weights/adapter`` takes: for each adapted linear weight (its
+    checkpoint name W), ``W::A`` (r, in), ``W::B`` (out, r) and ``W::scaling``, float32, FSDP2 shards gathered (every
+    rank takes part; the scaling float64, PEFT's Python float). None for a model without adapters, or with adapters an engine could not merge as PEFT does
+    (several active, DoRA, a bias of their own, fan-in-fan-out weights, an embedding's): merged weights go then."""
+    if not hasattr(model, "peft_config"):
+        return None
+    factors = {}
+    for name, module in model.get_base_model().named_modules():
+        if not (hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")):
+            continue
+        adapters = list(module.active_adapters)
+        adapter = adapters[0] if len(adapters) == 1 else None
+        if (adapter is None or adapter not in getattr(module, "lora_A", {}) or getattr(module, "fan_in_fan_out", False)
+                or getattr(module, "use_dora", {}).get(adapter) or getattr(module, "lora_bias", {}).get(adapter)
+                or not isinstance(module.base_layer, torch.nn.Linear)):
+            return None
+        for part, layer in (("A", module.lora_A[adapter]), ("B", module.lora_B[adapter])):
+            tensor = layer.weight.detach()
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            factors[f"{name}.weight::{part}"] = tensor.to(device="cpu", dtype=torch.float32).contiguous()
+        factors[f"{name}.weight::scaling"] = torch.tensor([float(module.scaling[adapter])], dtype=torch.float64)
+    return factors or None
 
 
 def build_rollout(tokenizer, eos: tuple, pad: int, prompt_ids: list[list[int]], completions: list[list[int]],

@@ -33,6 +33,12 @@ every request carries ``Authorization: Bearer KEY``, the key's UTF-8 bytes (``au
   shared-memory buffer the lease's answer offered (``"shared"``), for a trainer on the server's host; each slot is
   checked against the checksum the trainer took after its copy (``transfer.py``).
 
+- ``POST /weights/adapter`` with the lease and a safetensors body of a LoRA run's adapter (``<weight>::A``,
+  ``::B``, ``::scaling`` for each adapted weight; ``guard.check_adapter``): an engine that applies adapters (the
+  builtin one; ``"adapters"`` in ``/health``) sets each adapted weight to its base (kept from the last full push)
+  + (B·A)·scaling, as PEFT merges → ``{"weights_version", "seconds"}``; any other engine answers 400 and the
+  trainer pushes merged weights.
+
 Every refusal is a 4xx with one JSON line ``{"error": ...}`` and leaves the engine as it was; an engine failure
 is a 500 with its one-line cause. Each connection has its own thread and a read timeout, so a client that never
 sends its body blocks nobody. The engine serves one request at a time, and the lease holder's first
@@ -62,8 +68,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, MAX_REQUEST_TOKENS, MAX_SERVER_TOKENS,
-                                                Leases, Refused, check_claim, check_generate, check_size, describe,
-                                                slices)
+                                                Leases, Refused, check_adapter, check_claim, check_generate,
+                                                check_size, describe, slices)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
 from auto_research.errors import is_decimal, one_line
 from auto_research.http import api_key, authorization
@@ -190,7 +196,7 @@ class Handler(BaseHTTPRequestHandler):
     """One connection's requests (a thread each); ``self.server.serving`` is the engine and its guards."""
 
     POSTS = {"/generate": "_generate", "/lease": "_lease", "/lease/renew": "_renew", "/lease/release": "_release",
-             "/weights": "_weights", "/weights/shared": "_shared"}
+             "/weights": "_weights", "/weights/shared": "_shared", "/weights/adapter": "_adapter"}
 
     def setup(self):
         self.serving: Serving = self.server.serving
@@ -312,6 +318,7 @@ class Handler(BaseHTTPRequestHandler):
                      "max_model_len": serving.sampler.max_model_len, "dtype": serving.served.dtype,
                      "vocab_size": serving.served.vocab_size, "max_group_size": limits.max_group_size,
                      "max_request_tokens": limits.max_request_tokens, "lease_seconds": limits.lease_seconds,
+                     "adapters": hasattr(serving.sampler, "load_adapter"),
                      "lease": serving.leases.status()}
 
     def _post(self):
@@ -381,6 +388,32 @@ class Handler(BaseHTTPRequestHandler):
             raise Refused(400, "/weights needs ?part=N (0, 1, ...) and last=0 or 1") from None
         weights = self.serving.intake.part(token, part, last, body)
         return self._load(weights) if last else (200, {"received": self.serving.intake.received()})
+
+    def _adapter(self):
+        """A LoRA run's adapter alone, merged by the engine onto the base weights of the last full push (an engine
+        that cannot: 400, and the trainer pushes merged weights instead)."""
+        from safetensors.torch import load  # noqa: PLC0415
+
+        token, limit = self.headers.get("X-Lease"), PART_BYTES + 2**20
+        try:
+            self.serving.leases.check(token)
+        except Refused:
+            self._drain(limit)
+            raise
+        body = self._body(limit)
+        if not hasattr(self.serving.sampler, "load_adapter"):
+            raise Refused(400, "this server's engine takes merged weights only (POST /weights)")
+        try:
+            factors = load(body)
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own types for a corrupt body
+            raise Refused(400, f"the adapter is not a safetensors file ({type(error).__name__})") from None
+        checked = check_adapter(factors, self.serving.served.spec)
+        started, turns = time.perf_counter(), self.serving.turns
+        with turns.turn(first=True):
+            self.serving.sampler.load_adapter(checked)
+            turns.version += 1
+            version = turns.version
+        return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
 
     def _shared(self):
         body = self._json(2**22)
