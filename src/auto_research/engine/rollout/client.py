@@ -25,7 +25,7 @@ from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
 from auto_research.engine.rollout.guard import MAX_REQUEST_TOKENS, slices
 from auto_research.engine.rollout.server import PART_BYTES, fingerprint
 from auto_research.engine.rollout.transfer import SharedWriter
-from auto_research.engine.rollout.remote import adapter_factors, build_rollout, pushed_weights
+from auto_research.engine.rollout.remote import adapter_factors, pushed_weights, sample_by_ids
 from auto_research.errors import RolloutEngineError, UserError
 from auto_research.files import atomic_write_bytes
 from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, request, split_address
@@ -178,11 +178,7 @@ class ServerSampler:
         return json.loads(answer)
 
     def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        completions, logprobs = self.generate(prompt_ids, group_size, seeds)
-        return build_rollout(self.tokenizer, self.eos, self.pad, prompt_ids, completions, logprobs, group_size)
+        return sample_by_ids(self, prompts, group_size, seeds)
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int]
                  ) -> tuple[list[list[int]], list[list[float]]]:

@@ -39,7 +39,7 @@ import time
 from typing import Callable
 
 from auto_research.engine.rollout import Rollout, SamplingSettings
-from auto_research.engine.rollout.remote import build_rollout
+from auto_research.engine.rollout.remote import sample_by_ids
 from auto_research.errors import RolloutEngineError, UserError
 
 REJOIN_SECONDS = 10.0
@@ -152,11 +152,7 @@ class Fleet:
     # --- draws -------------------------------------------------------------------------------------------------
 
     def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        completions, logprobs = self.generate(prompt_ids, group_size, seeds)
-        return build_rollout(self.tokenizer, self.eos, self.pad, prompt_ids, completions, logprobs, group_size)
+        return sample_by_ids(self, prompts, group_size, seeds)
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int]
                  ) -> tuple[list[list[int]], list[list[float]]]:

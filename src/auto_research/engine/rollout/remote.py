@@ -67,6 +67,16 @@ def adapter_factors(model) -> dict[str, torch.Tensor] | None:
     return factors or None
 
 
+def sample_by_ids(engine, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
+    """A Sampler's ``sample`` for an engine that draws token ids (``engine.generate(prompt_ids, group_size,
+    seeds)``, with ``tokenizer``, ``eos`` and ``pad``): the prompts tokenized, drawn, and the Rollout built."""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    prompt_ids = engine.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    completions, logprobs = engine.generate(prompt_ids, group_size, seeds)
+    return build_rollout(engine.tokenizer, engine.eos, engine.pad, prompt_ids, completions, logprobs, group_size)
+
+
 def build_rollout(tokenizer, eos: tuple, pad: int, prompt_ids: list[list[int]], completions: list[list[int]],
                   logprobs: list[list[float]], group_size: int) -> Rollout:
     """The Rollout of an engine's token ids and log-probs (colocated or from a server)."""

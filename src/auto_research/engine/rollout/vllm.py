@@ -28,7 +28,7 @@ import torch
 
 from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
 from auto_research.engine.quiet import harmless_lines_hidden
-from auto_research.engine.rollout.remote import build_rollout, pushed_weights
+from auto_research.engine.rollout.remote import pushed_weights, sample_by_ids
 from auto_research.engine.sources import require_vllm
 from auto_research.errors import UserError
 
@@ -166,9 +166,7 @@ class VLLMSampler:
         return self.generate(prompt_ids, 1, seeds, settings)
 
     def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
-        prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        completions, logprobs = self.generate(prompt_ids, group_size, seeds)
-        return build_rollout(self.tokenizer, self.eos, self.pad, prompt_ids, completions, logprobs, group_size)
+        return sample_by_ids(self, prompts, group_size, seeds)
 
     def load_weights(self, model) -> None:
         """The policy's current weights into the engine, in place, then its prefix cache emptied (cached
