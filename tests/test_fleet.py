@@ -10,6 +10,7 @@ import torch
 from auto_research.engine.rollout import SamplingSettings, prompt_seed
 from auto_research.engine.tiny import build_model, build_tokenizer
 from tests.test_builtin_server import PROMPTS, start_builtin_server, stop
+from tests.test_distributed import workdir  # noqa: F401 - a fixture: the reward module torchrun's ranks import
 
 SETTINGS = SamplingSettings(max_new_tokens=6, temperature=1.2, top_p=0.95, top_k=20)
 
@@ -380,3 +381,46 @@ def test_a_server_that_stops_answering_is_left_by_its_heartbeat_and_its_unit_dra
     assert lines == [f"rollout server {addresses[1]} left the pool (it stopped answering (no heartbeat)); 1 of 2 "
                      "serve on"]
     fleet.close()
+
+
+def _rollout_serve(model_dir):
+    """``rollout-serve --engine builtin`` of ``model_dir`` in a process of its own: (the process, its address)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "AUTO_RESEARCH_API_KEY"}
+    process = subprocess.Popen([sys.executable, "-m", "auto_research", "rollout-serve", "--engine", "builtin",
+                                "--model", str(model_dir), "--port", "0", "--offline", "--threads", "1"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    for line in process.stderr:
+        if line.startswith("serving "):
+            return process, line.split("http://")[1].split()[0]
+    raise AssertionError(f"rollout-serve did not start (exit {process.wait()})")
+
+
+def test_two_torchrun_processes_over_two_servers_end_with_the_weights_of_one_process_over_one(tiny_model_dir,
+                                                                                             sums_jsonl, workdir):
+    """torchrun --nproc-per-node 2 over two servers (in processes of their own): each rank's fleet spreads its
+    own groups, the pushes go to both servers one after the other; the same rewards and weights (≤ 1e-5) as one
+    process over one server."""
+    from tests.conftest import run_cli
+    from tests.test_distributed import _args, _final, _rows, _torchrun
+
+    servers = [_rollout_serve(tiny_model_dir) for _ in range(2)]
+    try:
+        served = ("--sampler", "builtin", "--rollout-mode", "server", "--rollout-server")
+        one = run_cli(*_args(tiny_model_dir, sums_jsonl, workdir / "one", *served, servers[0][1]), cwd=workdir)
+        assert one.returncode == 0, one.stderr[-3000:]
+        two = _torchrun(_args(tiny_model_dir, sums_jsonl, workdir / "two", *served,
+                              ",".join(address for _, address in servers)), cwd=workdir)
+        assert two.returncode == 0, two.stderr[-3000:]
+    finally:
+        for process, _ in servers:
+            process.terminate()
+            process.wait(timeout=60)
+    assert "sampling with 2 builtin rollout servers" in two.stderr
+    expected, got = _final(workdir / "one"), _final(workdir / "two")
+    assert max(float((got[name] - expected[name]).abs().max()) for name in expected) <= 1e-5
+    for a, b in zip(_rows(workdir / "one"), _rows(workdir / "two"), strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and a["completion_length"] == b["completion_length"]
