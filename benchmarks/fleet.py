@@ -6,7 +6,7 @@ one invocation; and a run that loses one of its servers mid-run.
     python benchmarks/fleet.py --servers 1,2 --staleness 1 --steps 6   # a smoke run (seconds)
 
 Each server is the real rollout server (``engine/rollout/server.py``: leases, weights pushed over HTTP, one request
-at a time) in this process, in front of an engine that sleeps instead of computing: a request of several groups
+at a time) in a process of its own, in front of an engine that sleeps instead of computing: a request of several groups
 takes its longest completion's length × --token-seconds (a batch decodes its rows together), and lengths have a
 long tail (--tail-share of completions --tail-factor × the median; drawn from each completion's seed, so every
 run draws the same lengths). Sleeping takes no CPU, so 8 servers and the real trainer (the embedded architecture,
@@ -14,9 +14,12 @@ random weights, RLOO) share 2 cores without slowing each other.
 
 The two rates come from the N = 1, K = 0 run's own phases: one server's rate is 60 / its mean time to draw a batch
 (``time_waiting_for_rollouts``: the trainer waits for the whole draw at K = 0), the trainer's is 60 / the rest of
-its step (train, push the weights). The bound at K ≥ 1 is min(N × one server's rate, the trainer's rate); at K = 0,
-which draws and then trains, it is 60 / (the draw's time / N + the trainer's). Idle fractions: the trainer's time waiting for a batch over the timed wall
-time, and each server's time without a request in its engine. The first --warmup steps of each run are not timed.
+its step (train, push the weights). At K ≥ 1 the trainer's rate is measured by a run of its own against servers
+that answer at once: its rollout side (sending, parsing, scoring, the reference's log-probs) then works in this
+process while it trains. The bound at K ≥ 1 is min(N × one server's rate, the trainer's rate at K); at K = 0,
+which draws and then trains, it is 60 / (the draw's time / N + the trainer's). Idle fractions: the trainer's time waiting for a batch or inside its push
+(which waits for the batches of the previous weights) over the timed wall time, and each server's time without a
+request in its engine. The first --warmup steps of each run are not timed.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -66,29 +68,54 @@ class SleepingEngine:
             pass
 
 
-def start_servers(n: int, model, tokenizer, options) -> list:
+def serve_simulated(options: dict, spec: tuple, answer) -> None:
+    """A simulated server in a process of its own (as real servers are: their HTTP and JSON work takes no turn of
+    the trainer's interpreter lock); says its port, then reports its engine's busy seconds when asked."""
+    import threading as threads
+
+    from auto_research.engine.rollout.server import Limits, Served, make_server
+
+    engine = SleepingEngine(spec[3], 4, options["token_seconds"], options["median"], options["tail_share"],
+                            options["tail_factor"])
+    server = make_server(engine, Served(*spec), "127.0.0.1", 0, Limits(shared_folder=None))
+    threads.Thread(target=server.serve_forever, daemon=True).start()
+    answer.send(server.server_address[1])
+    while answer.recv() == "busy":
+        answer.send(engine.busy)
+
+
+class Simulated:
+    """One simulated server process: its address, its engine's busy seconds so far, ``stop`` (SIGKILL)."""
+
+    def __init__(self, options, spec: tuple):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.pipe, theirs = context.Pipe()
+        self.process = context.Process(target=serve_simulated, args=(vars(options), spec, theirs), daemon=True)
+        self.process.start()
+        self.address = f"127.0.0.1:{self.pipe.recv()}"
+
+    @property
+    def busy(self) -> float:
+        self.pipe.send("busy")
+        return self.pipe.recv()
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.join()
+
+
+def start_servers(n: int, model, tokenizer, options) -> list[Simulated]:
     import torch
 
     from auto_research.engine.rollout.guard import weight_spec
     from auto_research.engine.rollout.remote import pushed_weights
-    from auto_research.engine.rollout.server import Limits, Served, fingerprint, make_server
+    from auto_research.engine.rollout.server import fingerprint
 
-    served = Served("simulated", fingerprint(model.config, tokenizer), weight_spec(pushed_weights(model, torch.float32)),
-                    model.config.vocab_size, "float32")
-    servers = []
-    for _ in range(n):
-        engine = SleepingEngine(model.config.vocab_size, 4, options.token_seconds, options.median,
-                                options.tail_share, options.tail_factor)
-        server = make_server(engine, served, "127.0.0.1", 0, Limits(shared_folder=None))
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append((server, engine))
-    return servers
-
-
-def stop(server) -> None:
-    server.shutdown()
-    server.intake.close()
-    server.server_close()
+    spec = ("simulated", fingerprint(model.config, tokenizer), weight_spec(pushed_weights(model, torch.float32)),
+            model.config.vocab_size, "float32")
+    return [Simulated(options, spec) for _ in range(n)]
 
 
 def one_run(options, n: int, K: int, model_dir: str, model, tokenizer, output: Path, lose_at: int | None = None
@@ -100,7 +127,7 @@ def one_run(options, n: int, K: int, model_dir: str, model, tokenizer, output: P
     from auto_research.train.trainer import Trainer
 
     servers = start_servers(n, model, tokenizer, options)
-    addresses = ",".join(f"127.0.0.1:{server.server_address[1]}" for server, _ in servers)
+    addresses = ",".join(server.address for server in servers)
     config = GenerationConfig(dataset="arithmetic-generate", model=model_dir, steps=options.steps + K + 1,
                               max_staleness=K, seed=options.seed, threads=1, device="cpu", output_dir=output,
                               progress=False, prompts_per_step=options.prompts_per_step, group_size=options.group_size,
@@ -116,18 +143,18 @@ def one_run(options, n: int, K: int, model_dir: str, model, tokenizer, output: P
     try:
         for step in range(1, options.steps + 1):
             if step == options.warmup + 1:
-                started, busy = time.perf_counter(), [engine.busy for _, engine in servers]
+                started, busy = time.perf_counter(), [server.busy for server in servers]
             begun = time.perf_counter()
             rows.append(trainer.step(step))
             times.append(time.perf_counter() - begun)
             if lose_at == step:
-                stop(servers[-1][0])
+                servers[-1].stop()
         wall = time.perf_counter() - started
-        busy = [engine.busy - before for (_, engine), before in zip(servers, busy)]
+        busy = [server.busy - before for server, before in zip(servers[:-1] if lose_at else servers, busy)]
     finally:
         trainer.close()
-        for server, _ in servers[:-1] if lose_at else servers:
-            stop(server)
+        for server in servers[:-1] if lose_at else servers:
+            server.stop()
     return {"wall": wall, "rows": rows[options.warmup:], "times": times, "busy": busy,
             "left": [line for line in lines if "left the pool" in line]}
 
@@ -173,9 +200,13 @@ def main() -> None:
         for n, K in plan:
             print(f"N = {n}, K = {K} ...", flush=True)
             results[n, K] = one_run(options, n, K, model_dir, model, tokenizer, Path(folder) / f"n{n}-k{K}")
+        instant = argparse.Namespace(**{**vars(options), "token_seconds": 0.0})
+        for K in [K for K in stalenesses if K]:  # the trainer's own rate at K, its rollout side's CPU work included
+            print(f"the trainer alone (servers that answer at once), K = {K} ...", flush=True)
+            results["trainer", K] = one_run(instant, 1, K, model_dir, model, tokenizer, Path(folder) / f"t-k{K}")
         fault = None
         if options.lose_at:
-            print("N = 4, K = 1, one server lost ...", flush=True)
+            print("N = 4, K = 1, one server SIGKILLed mid-run ...", flush=True)
             fault = one_run(options, 4, 1, model_dir, model, tokenizer, Path(folder) / "fault", options.lose_at)
     report(options, results, counts, stalenesses, fault)
 
@@ -185,21 +216,28 @@ def report(options, results: dict, counts: list[int], stalenesses: list[int], fa
     draw = statistics.mean(row["time_waiting_for_rollouts"] for row in base["rows"])
     train = base["wall"] / len(base["rows"]) - draw
     server_rate, trainer_rate = 60 / draw, 60 / train
+    trainer_rates = {K: 60 * len(results["trainer", K]["rows"]) / results["trainer", K]["wall"]
+                     for K in stalenesses if K}
     print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; one trainer, simulated "
           f"servers ({options.token_seconds * 1000:g} ms a token, median {options.median} tokens, "
           f"{options.tail_share:.0%} of completions {options.tail_factor}× that); {options.prompts_per_step} prompts × "
           f"{options.group_size} a step, {options.unit_prompts} prompts a request")
     print(f"one server's rate {server_rate:.1f} steps/min (a batch drawn in {draw:.2f} s); the trainer's "
-          f"{trainer_rate:.1f} steps/min ({train:.2f} s a step without drawing)\n")
-    print("| N | K | steps/min | bound | ratio | trainer idle | servers idle (mean, max) |")
+          f"{trainer_rate:.1f} steps/min at K = 0 ({train:.2f} s a step without drawing), "
+          + ", ".join(f"{rate:.1f} at K = {K}" for K, rate in trainer_rates.items())
+          + " (against servers that answer at once: its rollout side's own work, in this process, included)\n")
+    print("| N | K | steps/min | bound | ratio | trainer waiting (batch or push) | servers idle (mean, max) |")
     print("|---|---|---|---|---|---|---|")
     for n in counts:
         for K in stalenesses:
             run = results[n, K]
             rate = 60 * len(run["rows"]) / run["wall"]
             # K = 0 draws, then trains: the bound is serial. K ≥ 1 overlaps them: the slower side sets the pace.
-            bound = 60 / (draw / n + train) if K == 0 else min(n * server_rate, trainer_rate)
-            waiting = sum(row["time_waiting_for_rollouts"] for row in run["rows"]) / run["wall"]
+            bound = 60 / (draw / n + train) if K == 0 else min(n * server_rate, trainer_rates[K])
+            # At K ≥ 1 the trainer also waits inside its push: version v goes to the servers once the batches
+            # drawn by v − 1 are drawn (train/in_flight.py); the push itself takes milliseconds here.
+            waiting = sum(row["time_waiting_for_rollouts"] + row.get("weight_sync_seconds", 0.0)
+                          for row in run["rows"]) / run["wall"]
             idle = [1 - busy / run["wall"] for busy in run["busy"]]
             print(f"| {n} | {K} | {rate:.1f} | {bound:.1f} | {rate / bound:.2f} | {waiting:.0%} | "
                   f"{statistics.mean(idle):.0%}, {max(idle):.0%} |")
@@ -207,7 +245,7 @@ def report(options, results: dict, counts: list[int], stalenesses: list[int], fa
         times = fault["times"][options.warmup:]
         after = times[options.lose_at - options.warmup:]
         usual = statistics.median(times[:options.lose_at - options.warmup] or times)
-        print(f"\none of 4 servers lost after step {options.lose_at} (K = 1): "
+        print(f"\none of 4 servers SIGKILLed after step {options.lose_at} (K = 1): "
               f"{'; '.join(fault['left']) or 'no server left the pool'}")
         if after:
             print(f"the slowest step after the loss took {max(after):.2f} s against a median of {usual:.2f} s before "
