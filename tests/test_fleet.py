@@ -312,6 +312,7 @@ def test_the_forms_of_rollout_server_and_their_refusals(tmp_path, capsys):
     for value, message in (
             ("a:1,a:1", "--rollout-server: a:1 given twice (one lease per server and run)"),
             ("a:1,b", "--rollout-server 'b': expected HOST:PORT, e.g. 127.0.0.1:8000"),
+            ("localhost", "--rollout-server 'localhost': expected HOST:PORT, e.g. 127.0.0.1:8000"),
             (str(tmp_path / "none.txt"), f"--rollout-server {str(tmp_path / 'none.txt')!r}: expected HOST:PORT, a list "
                                          "HOST:PORT,HOST:PORT or a file of addresses, one a line (no such file)")):
         with pytest.raises(UserError) as caught:

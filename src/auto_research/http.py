@@ -113,6 +113,8 @@ def split_addresses(value: str, flag: str = "--rollout-server") -> list[str]:
             with open(path, encoding="utf-8") as file:
                 text, source = file.read(), path
         except FileNotFoundError:
+            if "/" not in text:  # not a path: an address mistyped ("localhost"), said as one
+                split_address(text, flag)
             raise UserError(f"{flag} {value!r}: expected HOST:PORT, a list HOST:PORT,HOST:PORT or a file of "
                             "addresses, one a line (no such file)") from None
         except (OSError, UnicodeDecodeError) as error:
