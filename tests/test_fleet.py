@@ -243,9 +243,11 @@ def _runs_with_a_fault(servers, tmp_path, staleness, BuiltinEngine):
         assert [row["reward_mean"] for row in rows] == [row["reward_mean"] for row in rows_one]
         for name, tensor in weights_one.items():
             assert torch.allclose(weights[name], tensor, atol=1e-5, rtol=0), name
+    # On a slow machine a push 10 s on may find the server answering (only its engine fails) and take it back,
+    # until its next draw fails again: every such line names the failing server.
     left = [line for line in lines if "left the pool" in line]
-    assert len(left) == 1 and left[0].startswith(f"rollout server {addresses[1]} left the pool (--rollout-server "
-                                                 f"{addresses[1]}: /generate failed (HTTP 500"), left
+    assert left and all(line.startswith(f"rollout server {addresses[1]} left the pool (--rollout-server "
+                                        f"{addresses[1]}: /generate failed (HTTP 500") for line in left), left
 
 
 def test_every_server_gone_is_one_line_with_the_last_checkpoint_and_resume_ends_with_the_uninterrupted_weights(
