@@ -135,3 +135,15 @@ def split_addresses(value: str, flag: str = "--rollout-server") -> list[str]:
 def _looks_like_an_address(text: str) -> bool:
     host, _, port = text.rpartition(":")
     return bool(host) and is_decimal(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is this machine's loopback."""
+    import ipaddress  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
+    except (OSError, ValueError):
+        return False

@@ -15,6 +15,8 @@ from auto_research.engine.samplers import ENGINES, ROLLOUT_MODES, VLLM_MEMORY_CP
 from auto_research.errors import UserError
 
 SAMPLERS = tuple(ENGINES)  # engine/samplers.py lists them
+SYNC_PATHS = ("auto", "shared-memory", "collective", "http")
+"""--rollout-sync's choices (engine/rollout/client.py, ``ServerSampler._choose_path``)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,10 @@ class RolloutSection:
                                                  "the rest); on the CPU, the share of host memory for its KV cache "
                                                  f"(default {VLLM_MEMORY_CPU})",
                                            "sampling", flag="--rollout-memory", aliases=("--vllm-memory",), type=float)
+    rollout_sync: str = setting("auto", "how the policy's weights reach a rollout server (--rollout-mode server or "
+                                        "process): auto (the server's shared-memory buffer on this host, a "
+                                        "torch.distributed group (gloo) with a server on another host, else HTTP), "
+                                        "shared-memory, collective or http", "sampling")
     rollout_cores: str | None = setting(None, "CPUs of the rollout process (--rollout-mode process), e.g. 1 or 2-3; "
                                               "the trainer keeps the others", "sampling",
                                         default_text="the last core")
@@ -91,6 +97,10 @@ class RolloutSection:
             split_addresses(self.rollout_server)
         elif self.rollout_server is not None:
             raise UserError("--rollout-server is for --rollout-mode server")
+        check_choice("--rollout-sync", self.rollout_sync, SYNC_PATHS)
+        if self.rollout_sync != "auto" and self.rollout_mode == "colocate":
+            raise UserError(f"--rollout-sync {self.rollout_sync} is for a rollout server (--rollout-mode server or "
+                            "process)")
         if self.rollout_mode == "process":
             if self.sampler != "builtin":
                 raise UserError("--rollout-mode process starts the builtin sampler's server; for vLLM start "

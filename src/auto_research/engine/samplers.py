@@ -136,7 +136,7 @@ def _server(engine: str):
             # In a fleet a failing server costs one retry, not three: the others draw its groups meanwhile.
             return ServerSampler(model, needs.tokenizer, needs.settings, address, needs.model_name, needs.world,
                                  needs.config.run_dir, engine=engine, chunk_prompts=chunk,
-                                 retries=3 if len(addresses) == 1 else 1)
+                                 retries=3 if len(addresses) == 1 else 1, sync=needs.config.rollout_sync)
 
         if len(addresses) == 1:
             sampler = connect(addresses[0], needs.policy)

@@ -28,7 +28,7 @@ from auto_research.engine.rollout.transfer import SharedWriter
 from auto_research.engine.rollout.remote import adapter_factors, pushed_weights, sample_by_ids
 from auto_research.errors import RolloutEngineError, UserError
 from auto_research.files import atomic_write_bytes
-from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, request, split_address
+from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, is_loopback, request, split_address
 from auto_research.http import api_key as http_api_key
 
 SECRET_NAME = ".lease-secret"
@@ -63,7 +63,7 @@ class ServerSampler:
 
     def __init__(self, model, tokenizer, settings: SamplingSettings, address: str, model_name: str, world,
                  run_dir, timeout: float = 600.0, retries: int = 3, shared: bool = True, engine: str = "vllm",
-                 chunk_prompts: int | None = None, api_key: str | None = None):
+                 chunk_prompts: int | None = None, api_key: str | None = None, sync: str = "auto"):
         host, port = split_address(address)
         self.base, self.address = f"http://{host}:{port}", address
         self.tokenizer, self.settings, self.world = tokenizer, settings, world
@@ -93,9 +93,11 @@ class ServerSampler:
         self.unanswered = 0
         """Heartbeats in a row that got no answer (``answering``)."""
         """``lease``: rank 0's, sent by every rank (its requests go first); rank 0 alone renews and releases it."""
-        self.shared, self.transfer = None, "HTTP"
-        """Rank 0's map of the server's shared buffer when it sees it (same host), else None: HTTP."""
-        self.world.agree(self._claim(run_dir, shared) if world.main else None)
+        self.shared, self.link, self.transfer = None, None, "HTTP"
+        """Rank 0's map of the server's shared buffer when it sees it (same host), else None; its group with the
+        server (``pushes.CollectiveLink``) when the weights go that way, else None; HTTP otherwise."""
+        paths = ("shared-memory" if shared else None, "collective" if health.get("collective") else None)
+        self.world.agree(self._claim(run_dir, sync, paths) if world.main else None)
         self.lease = self.world.gather_objects(self.lease)[0]
         self.weight_sync_seconds, self.pushed_bytes = 0.0, 0
         """The last push's time, and the bytes of tensors it sent."""
@@ -106,9 +108,9 @@ class ServerSampler:
         self.instance, self.version = health.get("instance"), int(health.get("weights_version", 0))
         self.load_weights(model)
 
-    def _claim(self, run_dir, shared: bool) -> UserError | None:
-        """Rank 0 takes the server's lease (and maps its shared buffer when it can: same host, same user) and
-        starts its heartbeat; the refusal, for every rank to raise."""
+    def _claim(self, run_dir, sync: str, paths: tuple) -> UserError | None:
+        """Rank 0 takes the server's lease, chooses the weights' path (``_choose_path``) and starts its heartbeat;
+        the refusal, for every rank to raise."""
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "run": str(Path(run_dir).resolve())}
         try:
             claim = {"holder": holder, "secret": run_secret(run_dir)}
@@ -116,11 +118,35 @@ class ServerSampler:
         except UserError as error:
             return error
         self.lease, self.lease_seconds = answer["lease"], float(answer["seconds"])
-        if shared and answer.get("shared"):
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not this host's file: HTTP
-                self.shared = SharedWriter(answer["shared"])
-                self.transfer = "shared memory"
         threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True).start()
+        return self._choose_path(sync, paths, answer.get("shared"))
+
+    def _choose_path(self, sync: str, paths: tuple, offered) -> UserError | None:
+        """--rollout-sync: ``auto`` takes the server's shared buffer when this process can map it (same host, same
+        user), else a gloo group with a server on another host, else HTTP; ``shared-memory`` and ``collective``
+        insist (one line when they cannot); ``http`` always sends HTTP parts."""
+        from auto_research.engine.rollout.pushes import CollectiveLink  # noqa: PLC0415
+
+        if sync in ("auto", "shared-memory") and "shared-memory" in paths and offered:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not this host's file
+                self.shared = SharedWriter(offered)
+                self.transfer = "shared memory"
+                return None
+        host, port = split_address(self.address)
+        if sync == "collective" or (sync == "auto" and not is_loopback(host)):
+            if "collective" not in paths:
+                return UserError(f"--rollout-server {self.address} cannot join a torch.distributed group (its torch "
+                                 "has no gloo)") if sync == "collective" else None
+            try:
+                self.link = CollectiveLink(self._call, host, port)
+                self.transfer = "a torch.distributed group (gloo)"
+            except (UserError, RuntimeError, OSError) as error:
+                if sync == "collective":
+                    return UserError(f"--rollout-sync collective: no group with --rollout-server {self.address} "
+                                     f"({str(error)[:300]})")
+        elif sync == "shared-memory":
+            return UserError(f"--rollout-sync shared-memory: --rollout-server {self.address} offers no shared "
+                             "buffer this process can map (another host or user, or a server started without one)")
         return None
 
     def _heartbeat(self) -> None:
@@ -256,6 +282,9 @@ class ServerSampler:
 
         self._last_bytes = 0
         part, size, batch, seen, failure = 0, 0, {}, set(), None
+        link = self.link if self.world.main else None
+        if link is not None:
+            link.begin()  # the server waits for the tensors in its request
 
         def send(last: bool) -> None:
             nonlocal part, size, batch, seen, failure
@@ -270,10 +299,10 @@ class ServerSampler:
                 continue
             self._last_bytes += tensor.numel() * tensor.element_size()
             if self.shared is not None:  # straight into the server's slot, from wherever the tensor lives
-                try:
-                    self.shared.write(name, tensor)
-                except UserError as error:
-                    failure = error
+                failure = _attempt(self.shared.write, name, tensor)
+                continue
+            if link is not None:  # broadcast to the server, which is receiving them in order
+                failure = _attempt(link.send, name, tensor)
                 continue
             tensor = tensor.detach().to("cpu").contiguous()
             if tensor.data_ptr() in seen:  # tied weights: safetensors keeps one name per storage
@@ -285,12 +314,20 @@ class ServerSampler:
             size += tensor.numel() * tensor.element_size()
         if self.world.main and self.shared is not None:
             body = self.shared.commit()  # the next push starts afresh, whatever became of this one
-            if failure is None:
-                try:
-                    self._call("/weights/shared", body)
-                except UserError as error:
-                    failure = error
+            failure = failure or _attempt(self._call, "/weights/shared", body)
+        elif link is not None:
+            failure = failure or _attempt(link.finish)
         elif self.world.main and failure is None:
             send(last=True)
         self.world.agree(failure, RolloutEngineError)
         self.version += 1  # the push went in on rank 0 (every rank knows: agree raised otherwise)
+
+
+def _attempt(call, *args) -> UserError | None:
+    """``call(*args)``'s failure as a value (a push goes on walking the weights: every rank takes part in each
+    gather), None when it went through."""
+    try:
+        call(*args)
+    except UserError as error:
+        return error
+    return None

@@ -54,7 +54,8 @@ class RolloutProcess(ServerSampler):
             torch.set_num_threads(len(trainer_cores))
         try:
             super().__init__(needs.policy, needs.tokenizer, needs.settings, address, needs.model_name, needs.world,
-                             config.run_dir, engine="builtin", chunk_prompts=needs.chunk_prompts, api_key=self.key)
+                             config.run_dir, engine="builtin", chunk_prompts=needs.chunk_prompts, api_key=self.key,
+                             sync=config.rollout_sync)
         except BaseException:
             self._stop_child()
             raise

@@ -3,9 +3,7 @@ interrupted (``server.py`` is the server and its protocol)."""
 
 from __future__ import annotations
 
-import ipaddress
 import signal
-import socket
 
 import torch
 
@@ -13,16 +11,8 @@ from auto_research.engine.rollout import SamplingSettings
 from auto_research.engine.rollout.guard import weight_spec
 from auto_research.engine.rollout.remote import pushed_weights
 from auto_research.engine.rollout.server import Limits, Served, fingerprint, make_server, server_key
-from auto_research.http import API_KEY_VARIABLE
+from auto_research.http import API_KEY_VARIABLE, is_loopback
 from auto_research.engine.samplers import vllm_memory
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return all(ipaddress.ip_address(info[4][0]).is_loopback
-                   for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
-    except (OSError, ValueError):
-        return False
 
 
 def serve(config, log=print) -> None:

@@ -33,6 +33,8 @@ every request carries ``Authorization: Bearer KEY``, the key's UTF-8 bytes (``au
   shared-memory buffer the lease's answer offered (``"shared"``), for a trainer on the server's host; each slot is
   checked against the checksum the trainer took after its copy (``transfer.py``).
 
+- ``POST /weights/collective`` and ``/weights/collective/push`` with the lease: the same push over a torch.distributed
+  group of two (gloo) between the trainer and this server, for a trainer on another host (``pushes.py``).
 - ``POST /weights/adapter`` with the lease and a safetensors body of a LoRA run's adapter (``<weight>::A``,
   ``::B``, ``::scaling`` for each adapted weight; ``guard.check_adapter``): an engine that applies adapters (the
   builtin one; ``"adapters"`` in ``/health``) sets each adapted weight to its base (kept from the last full push)
@@ -49,8 +51,8 @@ per request: an engine call cannot be cut short (vLLM's ``generate`` is one bloc
 bound nothing while it runs, and it would throw away the work done; slices only make the other client wait.
 Under torchrun every rank sends its own prompts (per-request seeds make the draws independent of which rank
 asks) and rank 0 holds the lease and pushes the weights after every optimizer step; every rank learns whether
-the push went in before anyone samples again. Between hosts weights go over HTTP, on the CPU and on GPUs alike
-(NCCL between trainer and server is not built: see docs/vllm.md).
+the push went in before anyone samples again. Between hosts weights go over a gloo group of two (``pushes.py``),
+else HTTP (NCCL between trainer and server is not built: see docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, MAX_REQUEST_TOKENS, MAX_SERVER_TOKENS,
-                                                Leases, Refused, check_adapter, check_claim, check_generate,
-                                                check_size, describe, slices)
+                                                Leases, Refused, check_claim, check_generate, check_size, describe,
+                                                slices)
+from auto_research.engine.rollout.pushes import adapter_push, collective_join, collective_push
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
 from auto_research.errors import is_decimal, one_line
 from auto_research.http import api_key, authorization
@@ -196,7 +199,8 @@ class Handler(BaseHTTPRequestHandler):
     """One connection's requests (a thread each); ``self.server.serving`` is the engine and its guards."""
 
     POSTS = {"/generate": "_generate", "/lease": "_lease", "/lease/renew": "_renew", "/lease/release": "_release",
-             "/weights": "_weights", "/weights/shared": "_shared", "/weights/adapter": "_adapter"}
+             "/weights": "_weights", "/weights/shared": "_shared", "/weights/adapter": "_adapter",
+             "/weights/collective": "_collective_join", "/weights/collective/push": "_collective_push"}
 
     def setup(self):
         self.serving: Serving = self.server.serving
@@ -318,7 +322,7 @@ class Handler(BaseHTTPRequestHandler):
                      "max_model_len": serving.sampler.max_model_len, "dtype": serving.served.dtype,
                      "vocab_size": serving.served.vocab_size, "max_group_size": limits.max_group_size,
                      "max_request_tokens": limits.max_request_tokens, "lease_seconds": limits.lease_seconds,
-                     "adapters": hasattr(serving.sampler, "load_adapter"),
+                     "adapters": hasattr(serving.sampler, "load_adapter"), "collective": _gloo(),
                      "lease": serving.leases.status()}
 
     def _post(self):
@@ -374,55 +378,41 @@ class Handler(BaseHTTPRequestHandler):
         return 200, {}
 
     def _weights(self):
-        token, limit = self.headers.get("X-Lease"), PART_BYTES + 2**20
-        try:  # the lease first: a push of any other client is never held in memory
-            self.serving.leases.check(token)
-        except Refused:
-            self._drain(limit)  # read and dropped, so that a client still sending gets the refusal
-            raise
-        body = self._body(limit)
+        token, body = self.headers.get("X-Lease"), self.holder_body(PART_BYTES + 2**20)
         query = parse_qs(urlparse(self.path).query)
         try:
             part, last = int(query["part"][0]), query.get("last", ["0"])[0] == "1"
         except (KeyError, ValueError):
             raise Refused(400, "/weights needs ?part=N (0, 1, ...) and last=0 or 1") from None
         weights = self.serving.intake.part(token, part, last, body)
-        return self._load(weights) if last else (200, {"received": self.serving.intake.received()})
+        return self.load_checked(weights) if last else (200, {"received": self.serving.intake.received()})
 
     def _adapter(self):
-        """A LoRA run's adapter alone, merged by the engine onto the base weights of the last full push (an engine
-        that cannot: 400, and the trainer pushes merged weights instead)."""
-        from safetensors.torch import load  # noqa: PLC0415
+        return adapter_push(self, PART_BYTES + 2**20)
 
-        token, limit = self.headers.get("X-Lease"), PART_BYTES + 2**20
-        try:
-            self.serving.leases.check(token)
+    def _collective_join(self):
+        return collective_join(self)
+
+    def _collective_push(self):
+        return collective_push(self)
+
+    def holder_body(self, limit: int) -> bytes:
+        """The lease holder's body (``limit`` bytes at most); another client's is read, dropped and refused."""
+        try:  # the lease first: a push of any other client is never held in memory
+            self.serving.leases.check(self.headers.get("X-Lease"))
         except Refused:
-            self._drain(limit)
+            self._drain(limit)  # read and dropped, so that a client still sending gets the refusal
             raise
-        body = self._body(limit)
-        if not hasattr(self.serving.sampler, "load_adapter"):
-            raise Refused(400, "this server's engine takes merged weights only (POST /weights)")
-        try:
-            factors = load(body)
-        except Exception as error:  # noqa: BLE001 - safetensors raises its own types for a corrupt body
-            raise Refused(400, f"the adapter is not a safetensors file ({type(error).__name__})") from None
-        checked = check_adapter(factors, self.serving.served.spec)
-        started, turns = time.perf_counter(), self.serving.turns
-        with turns.turn(first=True):
-            self.serving.sampler.load_adapter(checked)
-            turns.version += 1
-            version = turns.version
-        return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
+        return self._body(limit)
 
     def _shared(self):
         body = self._json(2**22)
         token = self.headers.get("X-Lease")
         self.serving.leases.check(token)
         with self.serving.intake.lock:  # the views are read while the engine reloads: no other push meanwhile
-            return self._load(self.serving.intake.take_shared(token, body))
+            return self.load_checked(self.serving.intake.take_shared(token, body))
 
-    def _load(self, weights: dict):
+    def load_checked(self, weights: dict):
         """Every checked tensor into the engine, in place (the holder's turn: only it pushes); only then does the
         version move."""
         started, turns = time.perf_counter(), self.serving.turns
@@ -431,6 +421,13 @@ class Handler(BaseHTTPRequestHandler):
             turns.version += 1
             version = turns.version
         return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
+
+
+def _gloo() -> bool:
+    """Whether this server can join a trainer's gloo group (``/weights/collective``)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    return dist.is_available() and dist.is_gloo_available()
 
 
 def make_server(sampler, served: Served, host: str, port: int, limits: Limits = Limits(), log=None,

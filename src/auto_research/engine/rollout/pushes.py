@@ -1,0 +1,199 @@
+"""The server's other ways in for a lease holder's weights, beside ``/weights`` (HTTP parts) and ``/weights/shared``
+(this host's shared memory): a LoRA run's adapter alone, and the weights over a torch.distributed group of two.
+
+- ``POST /weights/adapter`` (``adapter_push``): see server.py's docstring and ``guard.check_adapter``.
+- ``POST /weights/collective`` with ``{"store": "HOST:PORT", "group": nonce}`` (``collective_join``): the server
+  joins a gloo group of two (rank 1) through the trainer's TCPStore at that address, under a prefix that names this
+  link, and answers the names it expects, in order. One link per lease; a new join replaces it.
+- ``POST /weights/collective/push`` (``collective_push``): the server receives every weight it expects, in that
+  order, by broadcasts from the trainer (rank 0), which sends them while this request waits; then each tensor is
+  checked (finite) and the engine reloads them, as a ``/weights`` push → ``{"weights_version", "seconds"}``. A
+  tensor that fails a check refuses the push whole, the engine's weights unchanged. A trainer that stops sending
+  leaves the request to fail after ``PUSH_SECONDS`` (500), and the link is dropped.
+
+The group spans one trainer and one server, never several servers, so a dead server stalls nobody but its own
+push (bounded). The store and the group carry no key of their own: the store's port is random and told only to
+the lease holder's server, over the API key's connection. gloo on the CPU; NCCL on GPUs is not built.
+
+The trainer's side is ``CollectiveLink``: it hosts the store, joins the group with the server, and sends a push's
+tensors while its request waits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import secrets
+import socket
+import threading
+import time
+
+import torch
+
+from auto_research.engine.rollout.guard import Refused, all_finite, check_adapter
+from auto_research.errors import RolloutEngineError
+
+JOIN_SECONDS = 30.0
+"""How long a group's two sides wait for each other to join."""
+PUSH_SECONDS = 120.0
+"""How long one broadcast of a push may take before the push fails (a trainer or server that stopped)."""
+
+
+def _broadcast_options():
+    import torch.distributed as dist  # noqa: PLC0415
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    return options
+
+
+def _group(store, prefix: str, rank: int, seconds: float):
+    import torch.distributed as dist  # noqa: PLC0415
+
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, datetime.timedelta(seconds=seconds))
+
+
+# --- the server's side (each takes the request's handler: server.Handler) --------------------------------------
+
+
+def adapter_push(handler, limit: int):
+    """A LoRA run's adapter alone (``limit`` bytes at most), merged by the engine onto the base weights of the last
+    full push (an engine that cannot: 400, and the trainer pushes merged weights instead)."""
+    from safetensors.torch import load  # noqa: PLC0415
+
+    body = handler.holder_body(limit)
+    if not hasattr(handler.serving.sampler, "load_adapter"):
+        raise Refused(400, "this server's engine takes merged weights only (POST /weights)")
+    try:
+        factors = load(body)
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own types for a corrupt body
+        raise Refused(400, f"the adapter is not a safetensors file ({type(error).__name__})") from None
+    checked = check_adapter(factors, handler.serving.served.spec)
+    started, turns = time.perf_counter(), handler.serving.turns
+    with turns.turn(first=True):
+        handler.serving.sampler.load_adapter(checked)
+        turns.version += 1
+        version = turns.version
+    return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
+
+
+def collective_join(handler):
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from auto_research.http import split_address  # noqa: PLC0415
+
+    request = json.loads(handler.holder_body(2**16) or b"{}")
+    try:
+        host, port = split_address(str(request["store"]), "store")
+        prefix = str(request["group"])
+    except (KeyError, TypeError, ValueError, Exception) as error:  # noqa: BLE001 - UserError too
+        raise Refused(400, f"/weights/collective needs {{\"store\": \"HOST:PORT\", \"group\": name}} ({error})"[:300]) \
+            from None
+    try:
+        store = dist.TCPStore(host, port, 2, False, timeout=datetime.timedelta(seconds=JOIN_SECONDS))
+        group = _group(store, prefix, 1, PUSH_SECONDS)
+    except Exception as error:  # noqa: BLE001 - torch raises RuntimeError and its own types
+        raise Refused(400, f"cannot join the trainer's group at {host}:{port} ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else ''})"[:300]) from None
+    links = handler.serving.__dict__.setdefault("links", {})
+    links.clear()  # one link, the lease holder's
+    links[handler.headers.get("X-Lease")] = (store, group)
+    return 200, {"names": list(handler.serving.served.spec)}
+
+
+def collective_push(handler):
+    handler.holder_body(2**16)
+    serving = handler.serving
+    link = serving.__dict__.get("links", {}).get(handler.headers.get("X-Lease"))
+    if link is None:
+        raise Refused(409, "no group with this lease's trainer: POST /weights/collective first")
+    _, group = link
+    tensors, options = {}, _broadcast_options()
+    try:
+        for name, (shape, dtype) in serving.served.spec.items():
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            group.broadcast([tensor], options).wait()
+            tensors[name] = tensor
+    except Exception as error:  # noqa: BLE001 - a timeout or a peer gone: the link is dropped
+        serving.links.clear()
+        raise Refused(500, f"the push over the group failed after {len(tensors)} of {len(serving.served.spec)} "
+                           f"tensors ({type(error).__name__}); the engine keeps its weights") from None
+    for name, tensor in tensors.items():
+        if not all_finite(tensor):
+            raise Refused(400, f"tensor {name!r} has NaN or infinite values")
+    return handler.load_checked(tensors)
+
+
+# --- the trainer's side ------------------------------------------------------------------------------------------
+
+
+def local_address(host: str, port: int) -> str:
+    """This host's address on the way to ``host:port`` (where the server can reach the trainer's store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
+
+
+class CollectiveLink:
+    """A gloo group of two with one rollout server: ``call(path, body)`` is the client's request under its lease.
+    ``begin`` starts a push's request, ``send`` broadcasts each tensor in the server's order, ``finish`` waits for
+    its answer (raising the server's refusal)."""
+
+    def __init__(self, call, host: str, port: int, names: list[str] | None = None):
+        import torch.distributed as dist  # noqa: PLC0415
+
+        address = local_address(host, port)
+        self.call, self.store = call, dist.TCPStore(address, 0, 2, True, timeout=datetime.timedelta(
+            seconds=JOIN_SECONDS), wait_for_workers=False)
+        prefix, joined = f"auto-research-{secrets.token_hex(8)}", {}
+
+        def join() -> None:
+            try:
+                joined["group"] = _group(self.store, prefix, 0, PUSH_SECONDS)
+            except Exception as error:  # noqa: BLE001 - reported below
+                joined["error"] = error
+
+        thread = threading.Thread(target=join, name="collective-join", daemon=True)
+        thread.start()
+        answer = call("/weights/collective", json.dumps({"store": f"{address}:{self.store.port}",
+                                                         "group": prefix}).encode())
+        thread.join(JOIN_SECONDS)
+        if "group" not in joined:
+            raise RolloutEngineError(f"the trainer's side of the group did not form ({joined.get('error')})")
+        self.group, self.names, self.options = joined["group"], list(answer["names"]), _broadcast_options()
+        if names is not None and names != self.names:
+            raise RolloutEngineError("the server expects other weights, or in another order, than this run pushes")
+        self.pending: dict = {}
+
+    def begin(self) -> None:
+        self.pending = {"sent": 0}
+
+        def push() -> None:
+            try:
+                self.pending["answer"] = self.call("/weights/collective/push", b"{}")
+            except Exception as error:  # noqa: BLE001 - raised by finish, in the trainer's thread
+                self.pending["error"] = error
+
+        self.pending["thread"] = threading.Thread(target=push, name="collective-push", daemon=True)
+        self.pending["thread"].start()
+
+    def send(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self.names[self.pending["sent"]] if self.pending["sent"] < len(self.names) else None
+        if name != expected:
+            raise RolloutEngineError(f"the push sends {name!r} where the server expects {expected!r}")
+        try:
+            self.group.broadcast([tensor.detach().to("cpu").contiguous()], self.options).wait()
+        except RuntimeError as error:  # the server gone or timed out
+            raise RolloutEngineError(f"the push over the group failed ({str(error).splitlines()[0][:300]})") from None
+        self.pending["sent"] += 1
+
+    def finish(self) -> dict:
+        if self.pending["sent"] != len(self.names):
+            raise RolloutEngineError(f"the push sent {self.pending['sent']} of the {len(self.names)} tensors the "
+                                     "server expects")
+        self.pending["thread"].join(PUSH_SECONDS + 30)
+        if "error" in self.pending:
+            raise self.pending["error"]
+        if "answer" not in self.pending:
+            raise RolloutEngineError("the server did not answer its push over the group")
+        return self.pending["answer"]

@@ -1,0 +1,121 @@
+"""Weights to a rollout server over a torch.distributed group of two (gloo; ``--rollout-sync collective``,
+engine/rollout/pushes.py): the same tensors as HTTP and shared memory, a bad tensor refused with the server's
+weights unchanged, a run that trains as over HTTP, and the path's refusals in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from auto_research.engine.rollout import SamplingSettings, prompt_seed
+from auto_research.engine.tiny import build_model, build_tokenizer
+from tests.test_builtin_server import PROMPTS, start_builtin_server, stop
+
+
+@pytest.fixture
+def server(monkeypatch, tmp_path):
+    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
+    from auto_research.engine.rollout.transfer import SHARED_FOLDER
+
+    started, engine = start_builtin_server(shared_folder=SHARED_FOLDER)  # offers a shared buffer, as rollout-serve
+    yield engine, f"127.0.0.1:{started.server_address[1]}"
+    stop(started)
+
+
+def _client(model, address, run, sync):
+    from auto_research.engine.distributed import World
+    from auto_research.engine.rollout.client import ServerSampler
+
+    return ServerSampler(model, build_tokenizer(), SamplingSettings(max_new_tokens=6, temperature=1.1), address,
+                         "embedded", World(), run, engine="builtin", chunk_prompts=2, sync=sync)
+
+
+@pytest.mark.parametrize("sync, path", [("collective", "a torch.distributed group (gloo)"),
+                                        ("shared-memory", "shared memory"), ("http", "HTTP"),
+                                        ("auto", "shared memory")])
+def test_each_path_gives_the_server_the_same_tensors_and_draws(server, tmp_path, sync, path):
+    engine, address = server
+    trained = build_model(build_tokenizer(), seed=1)
+    client = _client(trained, address, tmp_path / "run", sync)
+    assert client.transfer == path
+    for step in (1, 2):
+        with torch.no_grad():
+            for parameter in trained.parameters():
+                parameter.mul_(1.01)
+        client.load_weights(trained)
+        assert all(torch.equal(engine.parameters[name], tensor) for name, tensor in trained.named_parameters())
+        seeds = [prompt_seed(4, step, index) for index in range(len(PROMPTS))]
+        assert len(client.sample(PROMPTS, 2, seeds).completions) == 8  # drawn from this run's version
+    client.close()
+
+
+def test_a_bad_tensor_over_the_group_is_refused_and_the_server_keeps_its_weights(server, tmp_path):
+    from auto_research.errors import RolloutEngineError
+
+    engine, address = server
+    trained = build_model(build_tokenizer(), seed=1)
+    client = _client(trained, address, tmp_path / "run", "collective")
+    before = {name: tensor.clone() for name, tensor in engine.parameters.items()}
+    with torch.no_grad():
+        trained.model.norm.weight[0] = float("nan")
+    with pytest.raises(RolloutEngineError) as caught:
+        client.load_weights(trained)
+    assert str(caught.value) == (f"--rollout-server {address} refused /weights/collective/push: tensor "
+                                 "'model.norm.weight' has NaN or infinite values")
+    assert all(torch.equal(engine.parameters[name], tensor) for name, tensor in before.items())
+    with torch.no_grad():
+        trained.model.norm.weight[0] = 1.0
+    client.load_weights(trained)  # the group still works
+    assert all(torch.equal(engine.parameters[name], tensor) for name, tensor in trained.named_parameters())
+    client.close()
+
+
+def test_a_run_over_the_group_trains_as_over_http(server, tmp_path):
+    """3 RLOO steps with --rollout-sync collective and with http against the same server: the same rewards and the
+    same final weights (the server held the same tensors at every draw)."""
+    from auto_research.config.generation import GenerationConfig
+    from auto_research.train.trainer import Trainer
+
+    _, address = server
+    runs = {}
+    for sync in ("collective", "http"):
+        config = GenerationConfig(dataset="arithmetic-generate", steps=3, prompts_per_step=4, eval_every=0,
+                                  evaluation_examples=4, offline=True, progress=False, output_dir=tmp_path / sync,
+                                  sampler="builtin", rollout_mode="server", rollout_server=address, rollout_sync=sync)
+        lines = []
+        trainer = Trainer.build(config, log=lines.append)
+        try:
+            rows = [trainer.step(step) for step in (1, 2, 3)]
+            weights = {name: tensor.detach().clone() for name, tensor in trainer.components.policy.named_parameters()}
+        finally:
+            trainer.close()
+        runs[sync] = rows, weights, lines
+    assert any("through a torch.distributed group (gloo)" in line for line in runs["collective"][2])
+    assert [row["reward_mean"] for row in runs["collective"][0]] == [row["reward_mean"] for row in runs["http"][0]]
+    assert all(torch.equal(runs["collective"][1][name], tensor) for name, tensor in runs["http"][1].items())
+
+
+def test_sync_refusals_are_one_line(capsys, monkeypatch, tmp_path):
+    from auto_research.cli import main
+
+    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
+
+    def error(*extra) -> str:
+        assert main(["post-train", "--dataset", "arithmetic-generate", "--steps", "2", "--offline",
+                     "--output-dir", str(tmp_path), *extra]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0].removeprefix("auto-research: error: ")
+
+    assert error("--rollout-sync", "nccl").startswith("--rollout-sync 'nccl'")
+    assert error("--rollout-sync", "http") == ("--rollout-sync http is for a rollout server (--rollout-mode server or "
+                                               "process)")
+    started, _ = start_builtin_server()  # no shared buffer
+    try:
+        address = f"127.0.0.1:{started.server_address[1]}"
+        assert error("--sampler", "builtin", "--rollout-mode", "server", "--rollout-server", address,
+                     "--rollout-sync", "shared-memory") == (
+            f"--rollout-sync shared-memory: --rollout-server {address} offers no shared buffer this process can map "
+            "(another host or user, or a server started without one)")
+    finally:
+        stop(started)
