@@ -175,7 +175,7 @@ class ServerSampler:
         if self.shared is not None:
             self.shared.close()
             self.shared = None
-        self.lease = None
+        self.lease, self.link = None, None
 
     def close(self) -> None:
         """The run is over: stop the heartbeat and give the lease back (a server that is gone by now needs none)."""
@@ -186,7 +186,7 @@ class ServerSampler:
         if self.lease is not None and self.world.main:
             with contextlib.suppress(UserError):
                 self._call("/lease/release", b"{}", retries=0)
-        self.lease = None
+        self.lease, self.link = None, None
 
     def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None,
               timeout: float | None = None) -> dict:
