@@ -158,9 +158,9 @@ def test_multi_turn_histories_stay_on_the_server_that_drew_their_first_turn(serv
     homes = []
     remember = fleet._remember
 
-    def record(histories, completions):
-        homes.append({tuple(history): home for history, home in zip(histories, fleet._drawn_by)})
-        remember(histories, completions)
+    def record(histories, completions, drawn_by):
+        homes.append({tuple(history): home for history, home in zip(histories, drawn_by)})
+        remember(histories, completions, drawn_by)
 
     fleet._remember = record
     runs = {}

@@ -71,11 +71,11 @@ class Fleet:
         self.eos, self.pad, self.tokenizer = first.eos, first.pad, first.tokenizer
         self.weight_sync_seconds = max(member.weight_sync_seconds for member in self.members.values())
         self.pushed_bytes = sum(member.pushed_bytes for member in self.members.values())
-        self.transfer = self.paths()
 
     # --- the pool --------------------------------------------------------------------------------------------
 
-    def paths(self) -> str:
+    @property
+    def transfer(self) -> str:
         """Each server's weight path, for the log ("127.0.0.1:8000 shared memory, 10.0.0.2:8000 HTTP")."""
         return ", ".join(f"{address} {member.transfer}" for address, member in self.members.items())
 
@@ -121,16 +121,8 @@ class Fleet:
         are asked to rejoin."""
         started = time.perf_counter()
         pool = self._agreed_pool()
-        if self.world.distributed:
-            failures = {}
-            for address in pool:
-                try:
-                    self.members[address].load_weights(model)
-                except RolloutEngineError as error:
-                    failures[address] = str(error)
-        else:
-            failures = _concurrently({address: (lambda member=self.members[address]: member.load_weights(model))
-                                      for address in pool})
+        failures = _push_each({address: (lambda member=self.members[address]: member.load_weights(model))
+                               for address in pool}, concurrently=not self.world.distributed)
         for address, why in failures.items():
             self._leave(address, why)
         if self.left:
@@ -159,8 +151,9 @@ class Fleet:
         """``group_size`` completions of each prompt, the prompts' groups in units spread over the pool."""
         size = self.chunk_prompts or max(1, math.ceil(len(prompt_ids) / (2 * len(self.addresses))))
         units = [list(range(start, min(start + size, len(prompt_ids)))) for start in range(0, len(prompt_ids), size)]
-        return self._draw(units, [None] * len(units), lambda member, rows: member.generate(
-            [prompt_ids[row] for row in rows], group_size, [seeds[row] for row in rows]), len(prompt_ids), group_size)
+        completions, logprobs, _ = self._draw(units, [None] * len(units), lambda member, rows: member.generate(
+            [prompt_ids[row] for row in rows], group_size, [seeds[row] for row in rows]), group_size)
+        return completions, logprobs
 
     def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
                      ) -> tuple[list[list[int]], list[list[float]]]:
@@ -174,9 +167,9 @@ class Fleet:
             families.setdefault(("server", home) if home is not None else ("prompt", tuple(ids)), []).append(row)
         units = list(families.values())  # whole: a server splits its own unit into requests of chunk_prompts
         affinity = [key[1] if key[0] == "server" else None for key in families]
-        completions, logprobs = self._draw(units, affinity, lambda member, rows: member.generate(
-            [histories[row] for row in rows], 1, [seeds[row] for row in rows]), len(histories), 1)
-        self._remember(histories, completions)
+        completions, logprobs, drawn_by = self._draw(units, affinity, lambda member, rows: member.generate(
+            [histories[row] for row in rows], 1, [seeds[row] for row in rows]), 1)
+        self._remember(histories, completions, drawn_by)
         return completions, logprobs
 
     def _home(self, history: list[int]) -> str | None:
@@ -188,17 +181,20 @@ class Fleet:
                     return home if home in self.members else None
         return None
 
-    def _remember(self, histories, completions) -> None:
+    def _remember(self, histories, completions, drawn_by: list[str]) -> None:
+        """This draw's histories, each with its completion, by the server that drew it (``_home``'s next lookups)."""
         self.sticky = {}
-        for history, completion, home in zip(histories, completions, self._drawn_by):
+        for history, completion, home in zip(histories, completions, drawn_by):
             ids = tuple(history) + tuple(completion)
             self.sticky.setdefault(len(ids), {})[ids] = home
 
-    def _draw(self, units: list[list[int]], affinity: list, draw: Callable, rows: int, per_row: int
-              ) -> tuple[list[list[int]], list[list[float]]]:
+    def _draw(self, units: list[list[int]], affinity: list, draw: Callable, per_row: int
+              ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         """Each unit (its rows) drawn by a server of the pool, one unit in flight per server; a unit whose server
         failed is drawn again by another. ``affinity``: the server a unit should go to while that server is in the
-        pool; ``per_row``: completions a row's answer holds, in the rows' order."""
+        pool; ``per_row``: completions a row's answer holds, in the rows' order. The completions and log-probs in
+        the rows' order, and the server that drew each row."""
+        rows = sum(len(unit) for unit in units)
         todo, answers, in_flight = list(range(len(units))), {}, {}
         done: queue.Queue = queue.Queue()
         drawn_by = [None] * rows
@@ -231,14 +227,13 @@ class Fleet:
                     del in_flight[index]
                     self._leave(address, "it stopped answering (no heartbeat)")
                     todo.insert(0, index)
-        self._drawn_by = drawn_by
         completions, logprobs = [None] * (rows * per_row), [None] * (rows * per_row)
         for index, unit in enumerate(units):
             for offset, row in enumerate(unit):
                 for j in range(per_row):
                     completions[row * per_row + j] = answers[index][0][offset * per_row + j]
                     logprobs[row * per_row + j] = answers[index][1][offset * per_row + j]
-        return completions, logprobs
+        return completions, logprobs, drawn_by
 
     def close(self) -> None:
         for member in self.members.values():
@@ -267,9 +262,10 @@ def _run(done: queue.Queue, index: int, address: str, draw: Callable, member, ro
         done.put((index, address, None, f"{type(error).__name__}: {error}"))
 
 
-def _concurrently(pushes: dict[str, Callable]) -> dict[str, str]:
-    """Run each push in a thread of its own; the failures by address (a server's). Any other error (a tensor the
-    run cannot send, a bug) is raised here, as a push in this thread would."""
+def _push_each(pushes: dict[str, Callable], concurrently: bool) -> dict[str, str]:
+    """Run each push, in a thread of its own when ``concurrently`` (else one after another, in this thread); the
+    failures by address (a server's). Any other error (a tensor the run cannot send, a bug) is raised here, as a
+    push in this thread would."""
     failures: dict[str, str] = {}
     raised: list[BaseException] = []
 
@@ -281,11 +277,18 @@ def _concurrently(pushes: dict[str, Callable]) -> dict[str, str]:
         except BaseException as error:  # noqa: BLE001 - handed to the caller's thread below
             raised.append(error)
 
-    threads = [threading.Thread(target=push, args=item, name=f"push-{item[0]}", daemon=True) for item in pushes.items()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    if concurrently:
+        threads = [threading.Thread(target=push, args=item, name=f"push-{item[0]}", daemon=True)
+                   for item in pushes.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    else:
+        for item in pushes.items():
+            push(*item)
+            if raised:
+                break
     if raised:
         raise raised[0]
     return failures
