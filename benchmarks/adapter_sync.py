@@ -61,9 +61,8 @@ def main() -> None:
                         continue
                     client.shared = share
                     started = time.perf_counter()
-                    client._push_weights(policy, merged=True)
+                    sizes[label] = client._push_weights(policy, merged=True)
                     times[label].append(time.perf_counter() - started)
-                    sizes[label] = client._last_bytes
                 client.shared = None
                 client._push_weights(policy, merged=False)  # the server's base, untimed
                 started = time.perf_counter()

@@ -90,14 +90,13 @@ class ServerSampler:
         self.dtype = getattr(torch, health.get("dtype", "float32"))
         self.max_request_tokens = int(health.get("max_request_tokens", MAX_REQUEST_TOKENS))
         self.lease, self.lease_seconds, self._stop = None, float(health.get("lease_seconds", 60)), threading.Event()
+        """``lease``: rank 0's, sent by every rank (its requests go first); rank 0 alone renews and releases it."""
         self.unanswered = 0
         """Heartbeats in a row that got no answer (``answering``)."""
-        """``lease``: rank 0's, sent by every rank (its requests go first); rank 0 alone renews and releases it."""
         self.shared, self.link, self.transfer = None, None, "HTTP"
         """Rank 0's map of the server's shared buffer when it sees it (same host), else None; its group with the
         server (``pushes.CollectiveLink``) when the weights go that way, else None; HTTP otherwise."""
-        paths = ("shared-memory" if shared else None, "collective" if health.get("collective") else None)
-        self.world.agree(self._claim(run_dir, sync, paths) if world.main else None)
+        self.world.agree(self._claim(run_dir, sync, shared, bool(health.get("collective"))) if world.main else None)
         self.lease = self.world.gather_objects(self.lease)[0]
         self.weight_sync_seconds, self.pushed_bytes = 0.0, 0
         """The last push's time, and the bytes of tensors it sent."""
@@ -108,7 +107,7 @@ class ServerSampler:
         self.instance, self.version = health.get("instance"), int(health.get("weights_version", 0))
         self.load_weights(model)
 
-    def _claim(self, run_dir, sync: str, paths: tuple) -> UserError | None:
+    def _claim(self, run_dir, sync: str, shared: bool, collective: bool) -> UserError | None:
         """Rank 0 takes the server's lease, chooses the weights' path (``_choose_path``) and starts its heartbeat;
         the refusal, for every rank to raise."""
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "run": str(Path(run_dir).resolve())}
@@ -119,22 +118,23 @@ class ServerSampler:
             return error
         self.lease, self.lease_seconds = answer["lease"], float(answer["seconds"])
         threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True).start()
-        return self._choose_path(sync, paths, answer.get("shared"))
+        return self._choose_path(sync, answer.get("shared") if shared else None, collective)
 
-    def _choose_path(self, sync: str, paths: tuple, offered) -> UserError | None:
-        """--rollout-sync: ``auto`` takes the server's shared buffer when this process can map it (same host, same
-        user), else a gloo group with a server on another host, else HTTP; ``shared-memory`` and ``collective``
-        insist (one line when they cannot); ``http`` always sends HTTP parts."""
+    def _choose_path(self, sync: str, offered, collective: bool) -> UserError | None:
+        """--rollout-sync: ``auto`` takes the server's shared buffer (``offered``) when this process can map it
+        (same host, same user), else a gloo group with a server on another host (``collective``: the server can
+        join one), else HTTP; ``shared-memory`` and ``collective`` insist (one line when they cannot); ``http``
+        always sends HTTP parts."""
         from auto_research.engine.rollout.pushes import CollectiveLink  # noqa: PLC0415
 
-        if sync in ("auto", "shared-memory") and "shared-memory" in paths and offered:
+        if sync in ("auto", "shared-memory") and offered:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not this host's file
                 self.shared = SharedWriter(offered)
                 self.transfer = "shared memory"
                 return None
         host, port = split_address(self.address)
         if sync == "collective" or (sync == "auto" and not is_loopback(host)):
-            if "collective" not in paths:
+            if not collective:
                 return UserError(f"--rollout-server {self.address} cannot join a torch.distributed group (its torch "
                                  "has no gloo)") if sync == "collective" else None
             try:
@@ -155,13 +155,12 @@ class ServerSampler:
         renewals in a row that got no answer (``answering``: a fleet stops waiting on a server that stopped)."""
         while not self._stop.wait(min(self.lease_seconds / 4, HEARTBEAT_SECONDS)):
             try:
-                self._call("/lease/renew", b"{}", retries=0, timeout=HEARTBEAT_SECONDS)
+                request(self.base + "/lease/renew", b"{}", "application/json", HEARTBEAT_SECONDS, 0, 0.5,
+                        self._lease_headers())
                 self.unanswered = 0
-            except RolloutEngineError as error:  # an answer that refuses (a lapsed lease) is an answer
-                answered = str(error).startswith(f"--rollout-server {self.address} refused ")
+            except RequestFailed as failed:  # a refusal (a lapsed lease) is an answer; a 5xx or silence is not
+                answered = failed.status is not None and failed.status < 500
                 self.unanswered = 0 if answered else self.unanswered + 1
-            except UserError:
-                pass
 
     @property
     def answering(self) -> bool:
@@ -188,13 +187,16 @@ class ServerSampler:
                 self._call("/lease/release", b"{}", retries=0)
         self.lease, self.link = None, None
 
-    def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None,
-              timeout: float | None = None) -> dict:
+    def _lease_headers(self) -> dict:
+        """The API key's header, and the lease's once there is one."""
+        return {**self.headers, **({"X-Lease": self.lease} if self.lease else {})}
+
+    def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None
+              ) -> dict:
         """The server's JSON answer; one line naming the server, the path and the last failure otherwise."""
-        headers = {**self.headers, **({"X-Lease": self.lease} if self.lease else {})}
         try:
-            answer = request(self.base + path, body, content_type, timeout or self.timeout,
-                             self.retries if retries is None else retries, 0.5, headers)
+            answer = request(self.base + path, body, content_type, self.timeout,
+                             self.retries if retries is None else retries, 0.5, self._lease_headers())
         except RequestFailed as failed:
             if failed.status is not None and failed.status < 500:
                 raise RolloutEngineError(f"--rollout-server {self.address} refused {path.split('?')[0]}: "
@@ -250,11 +252,9 @@ class ServerSampler:
         stops every rank."""
         started = time.perf_counter()
         factors = adapter_factors(model) if self.adapters else None  # every rank: FSDP2 gathers
+        self.pushed_bytes = 0
         if factors is None or not self.base_pushed:
-            self._push_weights(model, merged=factors is None)
-            self.pushed_bytes = self._last_bytes
-        else:
-            self.pushed_bytes = 0
+            self.pushed_bytes = self._push_weights(model, merged=factors is None)
         if factors is not None:
             self._push_adapter(factors)
             self.pushed_bytes += sum(tensor.numel() * tensor.element_size() for tensor in factors.values())
@@ -265,23 +265,18 @@ class ServerSampler:
         """Rank 0 sends the adapter under its lease; every rank learns whether it went in."""
         from safetensors.torch import save  # noqa: PLC0415
 
-        failure = None
-        if self.world.main:
-            try:
-                self._call("/weights/adapter", save(factors), "application/octet-stream")
-            except UserError as error:
-                failure = error
+        failure = _attempt(self._call, "/weights/adapter", save(factors), "application/octet-stream") \
+            if self.world.main else None
         self.world.agree(failure, RolloutEngineError)
         self.version += 1
 
-    def _push_weights(self, model, merged: bool = True) -> None:
+    def _push_weights(self, model, merged: bool = True) -> int:
         """Every rank walks the weights (FSDP2 gathers one parameter at a time, in the same order on each);
-        rank 0 sends them in parts under its lease (or through the shared buffer); ``merged=False``: a LoRA
-        policy's base weights, without its adapter."""
+        rank 0 sends them in parts under its lease (or through the shared buffer or its group); ``merged=False``:
+        a LoRA policy's base weights, without its adapter. The bytes of tensors sent (rank 0's count)."""
         from safetensors.torch import save  # noqa: PLC0415
 
-        self._last_bytes = 0
-        part, size, batch, seen, failure = 0, 0, {}, set(), None
+        sent, part, size, batch, seen, failure = 0, 0, 0, {}, set(), None
         link = self.link if self.world.main else None
         if link is not None:
             link.begin()  # the server waits for the tensors in its request
@@ -297,7 +292,7 @@ class ServerSampler:
         for name, tensor in pushed_weights(model, self.dtype, merged):
             if not self.world.main or failure is not None:  # every rank still takes part in each gather
                 continue
-            self._last_bytes += tensor.numel() * tensor.element_size()
+            sent += tensor.numel() * tensor.element_size()
             if self.shared is not None:  # straight into the server's slot, from wherever the tensor lives
                 failure = _attempt(self.shared.write, name, tensor)
                 continue
@@ -321,6 +316,7 @@ class ServerSampler:
             send(last=True)
         self.world.agree(failure, RolloutEngineError)
         self.version += 1  # the push went in on rank 0 (every rank knows: agree raised otherwise)
+        return sent
 
 
 def _attempt(call, *args) -> UserError | None:
