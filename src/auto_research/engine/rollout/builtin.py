@@ -303,6 +303,8 @@ class BuiltinEngine:
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model.requires_grad_(False).eval(), tokenizer
         self.parameters = dict(model.named_parameters(remove_duplicate=False))
+        self.bases: dict = {}
+        """The adapted weights as the last full push left them (``load_adapter`` merges onto these)."""
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", None) or 4096)
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int],
@@ -329,8 +331,7 @@ class BuiltinEngine:
         """A LoRA adapter (``{weight: (A, B, scaling)}``, checked by the server) merged as PEFT merges: each
         adapted weight becomes its base + (B @ A) · scaling; the base is the weight as the last full push left it,
         kept (one copy of each adapted weight) at the first adapter after that push."""
-        bases = self.__dict__.setdefault("bases", {})
         for name, (A, B, scaling) in factors.items():
             weight = self.parameters[name]
-            base = bases.setdefault(name, weight.detach().clone())
+            base = self.bases.setdefault(name, weight.detach().clone())
             weight.copy_(base + (B @ A) * scaling)

@@ -82,11 +82,12 @@ def collective_join(handler):
 
     from auto_research.http import split_address  # noqa: PLC0415
 
-    request = json.loads(handler.holder_body(2**16) or b"{}")
+    body = handler.holder_body(2**16)
     try:
+        request = json.loads(body)
         host, port = split_address(str(request["store"]), "store")
         prefix = str(request["group"])
-    except (KeyError, TypeError, ValueError, Exception) as error:  # noqa: BLE001 - UserError too
+    except Exception as error:  # noqa: BLE001 - not JSON, a key missing, a bad address (UserError)
         raise Refused(400, f"/weights/collective needs {{\"store\": \"HOST:PORT\", \"group\": name}} ({error})"[:300]) \
             from None
     try:
@@ -95,16 +96,15 @@ def collective_join(handler):
     except Exception as error:  # noqa: BLE001 - torch raises RuntimeError and its own types
         raise Refused(400, f"cannot join the trainer's group at {host}:{port} ({type(error).__name__}: "
                            f"{str(error).splitlines()[0] if str(error) else ''})"[:300]) from None
-    links = handler.serving.__dict__.setdefault("links", {})
-    links.clear()  # one link, the lease holder's
-    links[handler.headers.get("X-Lease")] = (store, group)
+    handler.serving.links.clear()  # one link, the lease holder's
+    handler.serving.links[handler.headers.get("X-Lease")] = (store, group)
     return 200, {"names": list(handler.serving.served.spec)}
 
 
 def collective_push(handler):
     handler.holder_body(2**16)
     serving = handler.serving
-    link = serving.__dict__.get("links", {}).get(handler.headers.get("X-Lease"))
+    link = serving.links.get(handler.headers.get("X-Lease"))
     if link is None:
         raise Refused(409, "no group with this lease's trainer: POST /weights/collective first")
     _, group = link

@@ -44,8 +44,9 @@ def pushed_weights(model, dtype: torch.dtype, merged: bool = True) -> Iterator[t
 def adapter_factors(model) -> dict[str, torch.Tensor] | None:
     """A LoRA policy's adapter as the tensors ``POST /weights/adapter`` takes: for each adapted linear weight (its
     checkpoint name W), ``W::A`` (r, in), ``W::B`` (out, r) and ``W::scaling``, float32, FSDP2 shards gathered (every
-    rank takes part; the scaling float64, PEFT's Python float). None for a model without adapters, or with adapters an engine could not merge as PEFT does
-    (several active, DoRA, a bias of their own, fan-in-fan-out weights, an embedding's): merged weights go then."""
+    rank takes part; the scaling float64, PEFT's Python float). None for a model without adapters, or with
+    adapters an engine could not merge as PEFT does (several active, DoRA, a bias of their own, fan-in-fan-out
+    weights, an embedding's): merged weights go then."""
     if not hasattr(model, "peft_config"):
         return None
     factors = {}

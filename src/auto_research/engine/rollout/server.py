@@ -64,7 +64,7 @@ import json
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -193,6 +193,8 @@ class Serving:
     weights."""
     large: threading.BoundedSemaphore | None = None
     """Slots for the bodies over ``LARGE_BODY_BYTES`` of clients without the lease, read and held at once."""
+    links: dict = field(default_factory=dict)
+    """The lease holder's gloo group, by lease (``pushes.collective_join``): one at a time."""
 
 
 class Handler(BaseHTTPRequestHandler):
