@@ -358,11 +358,13 @@ def test_a_server_that_stops_answering_is_left_by_its_heartbeat_and_its_unit_dra
     one.close()
     addresses = servers(2)
     hanging, released, original = servers.engines[-1], threading.Event(), BuiltinEngine.generate
+    waited_out = []
 
     def hangs(engine, *args, **kwargs):
         if engine is hanging:
             fleet.members[addresses[1]].hung = True  # what its heartbeat would find (here only the engine hangs)
-            released.wait(60)
+            if not released.wait(600):
+                waited_out.append(None)
         return original(engine, *args, **kwargs)
 
     def draws_in_flight():
@@ -372,10 +374,9 @@ def test_a_server_that_stops_answering_is_left_by_its_heartbeat_and_its_unit_dra
     fleet = _fleet(addresses, trained, tmp_path / "fleet", lines)
     monkeypatch.setattr(BuiltinEngine, "generate", hangs)
     monkeypatch.setattr(clients.ServerSampler, "answering", property(lambda client: not getattr(client, "hung", False)))
-    started = time.monotonic()
     try:
         assert _draws(fleet)[0] == expected
-        assert time.monotonic() - started < 30
+        assert not released.is_set() and not waited_out  # drawn while the hung request still hung
     finally:
         released.set()
         for thread in draws_in_flight():  # the abandoned request ends before the test does (and its server)
@@ -391,6 +392,7 @@ def _rollout_serve(model_dir):
     import os
     import subprocess
     import sys
+    import threading
 
     env = {key: value for key, value in os.environ.items() if key != "AUTO_RESEARCH_API_KEY"}
     process = subprocess.Popen([sys.executable, "-m", "auto_research", "rollout-serve", "--engine", "builtin",
@@ -398,6 +400,7 @@ def _rollout_serve(model_dir):
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     for line in process.stderr:
         if line.startswith("serving "):
+            threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()  # keep draining
             return process, line.split("http://")[1].split()[0]
     raise AssertionError(f"rollout-serve did not start (exit {process.wait()})")
 
