@@ -183,6 +183,8 @@ def report(name: str, result: dict, options) -> None:
         sync = statistics.median(result["weight_sync"])
         print(f"  {'':22s} weight sync {sync:.3f} s ({sync / step:.1%} of the step) | max |Δlog p| "
               f"sampler/trainer {result['mismatch']:.2e}")
+    elif options.max_staleness:
+        print(f"  {'':22s} max |Δlog p| stale sampler/trainer {result['mismatch']:.2e} (corrected)")
 
 
 def main() -> None:

@@ -21,6 +21,8 @@ The modes' names are listed once, in ``registry.ROLLOUT_CORRECTIONS``. Weights a
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from auto_research.errors import RewardError
@@ -40,9 +42,9 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, c
     elif mode in ("sequence-tis", "sequence-mask"):
         sequence = log_ratio.sum(-1, keepdim=True)
         if mode == "sequence-tis":
-            per_sequence = sequence.clamp(max=torch.log(torch.tensor(cap, dtype=torch.float64))).exp()
+            per_sequence = sequence.clamp(max=math.log(cap)).exp()
         else:
-            inside = sequence.abs() <= torch.log(torch.tensor(cap, dtype=torch.float64))
+            inside = sequence.abs() <= math.log(cap)
             per_sequence = inside.double()
         weights = per_sequence.expand_as(log_ratio)
     else:

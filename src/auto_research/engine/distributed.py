@@ -77,6 +77,8 @@ class World:
     size: int = 1
     local_rank: int = 0
     fsdp: bool = False
+    collective_device: str = "cpu"
+    """Where the collectives' tensors go: NCCL's take CUDA tensors only (``start``); gloo's, the CPU's."""
 
     @property
     def main(self) -> bool:
@@ -108,6 +110,7 @@ class World:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if device.startswith("cuda"):
             torch.cuda.set_device(self.local_rank)
+            self.collective_device = f"cuda:{self.local_rank}"
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
 
     def stop(self) -> None:
@@ -128,17 +131,18 @@ class World:
         """Sum over ranks (a new tensor; the input is left as it was)."""
         if not self.distributed:
             return tensor
-        summed = tensor.detach().clone()
+        summed = tensor.detach().to(self.collective_device, copy=True)
         dist.all_reduce(summed)
-        return summed
+        return summed.to(tensor.device)
 
     def gather(self, tensor):
         """Concatenation of every rank's tensor along dimension 0, in rank order (equal shapes)."""
         if not self.distributed:
             return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor.contiguous())
-        return torch.cat(parts)
+        local = tensor.detach().to(self.collective_device).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts).to(tensor.device)
 
     def gather_objects(self, value) -> list:
         if not self.distributed:

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -49,6 +49,11 @@ class Scores:
     """{why a completion is unscored: how many}, over every rank (a plain None is not listed)."""
     functions: dict = field(default_factory=dict)
     """Each reward function's ``reward/<name>`` (the mean) and ``reward/<name>.std`` (``rollouts.function_figures``)."""
+
+    def to(self, device) -> "Scores":
+        """The per-completion tensors on ``device`` (the rewards are computed on the CPU)."""
+        greedy = None if self.greedy_rewards is None else self.greedy_rewards.to(device)
+        return replace(self, rewards=self.rewards.to(device), scored=self.scored.to(device), greedy_rewards=greedy)
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,9 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
     the decoupled objective's proximal policy (the ratio is clipped against π_old, the weight corrects π_old
     to μ); for the whole-completion estimators (RLOO …) π_old is the policy whose gradient is taken."""
     temperature = c.config.temperature
+    rollout, scores = rollout.to(c.device), scores.to(c.device)  # the sampler's device may not be the trainer's
+    if reference_logprobs is not None:
+        reference_logprobs = reference_logprobs.to(c.device)
     mask = rollout.trained_mask.float()
     if reference_logprobs is None and c.reference is not None:  # (the rollout side may have computed them)
         with c.reference_in_use() as reference:

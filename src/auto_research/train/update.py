@@ -56,10 +56,10 @@ def estimate_advantages(c: Components, experience: Experience, baseline: float =
 def truncated(rollout: Rollout, max_new_tokens: int, eos: list[int]) -> torch.Tensor:
     """(B,) bool: the completion hit the length limit without ending (its last token is no EOS)."""
     if rollout.episodes is not None:  # a multi-turn trajectory: at --max-turns or its length limit
-        return torch.tensor([bool(row["truncated"]) for row in rollout.episodes])
+        return torch.tensor([bool(row["truncated"]) for row in rollout.episodes], device=rollout.sequences.device)
     lengths = rollout.completion_mask.sum(1).long()
     last = rollout.completion_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-    return (lengths >= max_new_tokens) & ~torch.isin(last, torch.tensor(eos, dtype=last.dtype))
+    return (lengths >= max_new_tokens) & ~torch.isin(last, torch.tensor(eos, dtype=last.dtype, device=last.device))
 
 
 def loss_mask(c: Components, experience: Experience) -> torch.Tensor:
@@ -76,7 +76,8 @@ def moving_average_after(inputs: AdvantageInputs, baseline: float, decay: float,
     """b ← decay · b + (1 − decay) · this step's mean score over every rank's valid samples (REINFORCE):
     the loop's, after the step's advantages used the old b; ``total`` sums over ranks."""
     scores = sequence_scores(inputs)[inputs.scored.view(-1, inputs.group_size)].double()
-    summed, count = total(torch.stack([scores.sum(), torch.tensor(float(scores.numel()), dtype=torch.float64)]))
+    summed, count = total(torch.stack([scores.sum(), torch.tensor(float(scores.numel()), dtype=torch.float64,
+                                                                  device=scores.device)]))
     return float(decay * baseline + (1 - decay) * summed / count) if count else baseline
 
 
@@ -213,6 +214,6 @@ def update_critic(c: Components, experience: Experience, advantages: Advantages,
     mean = world.total((returns * mask).sum()) / count
     sums = world.total(torch.stack([((returns - values) * mask).square().sum(),
                                     ((returns - mean) * mask).square().sum(),
-                                    torch.tensor(value_loss, dtype=torch.float32)]).double())
+                                    torch.tensor(value_loss, dtype=torch.float32, device=mask.device)]).double())
     residual, variance, value_loss = sums.tolist()
     return {"value_loss": value_loss / c.updates_per_step, "explained_variance": 1.0 - residual / max(variance, 1e-12)}

@@ -13,7 +13,7 @@ what every such engine needs (the weights to push, the Rollout of its token ids 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -60,6 +60,12 @@ class Rollout:
     episodes: list[dict] | None = None
     """Multi-turn trajectories: one dict per row (turns, tool_calls, tool_errors, truncated, reward of the
     environment, failed, the final reply the reward functions score); None for single-turn rollouts."""
+
+    def to(self, device) -> "Rollout":
+        """Every tensor of the rollout on ``device`` (a remote or multi-turn sampler returns CPU tensors; the trainer
+        computes on its own device)."""
+        moved = {field: value.to(device) for field, value in vars(self).items() if isinstance(value, torch.Tensor)}
+        return replace(self, **moved)
 
     @property
     def trained_mask(self) -> torch.Tensor:
