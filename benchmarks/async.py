@@ -6,6 +6,17 @@ trainer and the rollout side on disjoint cores.
     python benchmarks/async.py --model wide             # a random 4-layer model of width 512
     python benchmarks/async.py --rollout-side server    # the rollout side in a process: rollout-serve --engine builtin
     python benchmarks/async.py --rollout-side server --engine vllm --model smollm2-135m-instruct --max-new-tokens 16
+    python benchmarks/async.py --model tiny --staleness 1,1+,2,2+ --long-tail 0.1:8 --max-new-tokens 48 --steps 14
+                                                        # in-flight updates (K+) against whole draws, long tail
+
+A level written K+ runs with --in-flight-updates (weights taken between two decode steps, partial rollouts;
+docs/async.md). --long-tail F:X gives completions a long-tailed length, whatever the weights: a forward hook on the
+model (trainer, rollout side and reference alike, so every log-prob agrees) makes a completion end with probability
+1/M a token (M = --max-new-tokens / X, the typical length), and enter a "long" mode with probability F/M a token, in
+which it draws only from 32 byte tokens no prompt holds and ends with probability 1/(X·M): about a fraction F of
+completions run X times the typical length. The hook is on the sampling model only (the trainer's log-probs come
+from the output layer's weight, past any hook), so --max-rollout-mismatch is lifted: the figures are throughput, not
+learning.
 
 The trainer (this process's main thread) is pinned to --trainer-cores and the rollout side's thread to
 --sampler-cores (``os.sched_setaffinity`` per thread, Linux); at K = 0 there is no rollout thread, so
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -77,7 +89,48 @@ def process_scheduled(pid: int | None) -> tuple[float, float]:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 0.0
 
 
-def one_run(options, K: int, model: str | None, output: Path, server=None) -> dict:
+LONG_TOKENS = range(4, 36)
+"""The byte-level tokenizer's control bytes (0x00 … 0x1f): never in a prompt, the long mode's alphabet."""
+
+
+def long_tail_hook(fraction: float, factor: float, typical: float, eos: int, latency: float = 0.0):
+    """A forward hook (with kwargs) that replaces the logits with the log-probs of the long-tailed law above; the
+    mode of the next token is read off the current one alone, so the law is the same in every forward. With
+    ``latency``, each decode forward (one new token a row) also sleeps that many seconds, whatever its rows: an
+    accelerator's decode step, bound by reading the weights, not by the batch."""
+    import torch
+
+    end, enter, end_long = 1.0 / typical, fraction / typical, 1.0 / (factor * typical)
+
+    def hook(module, args, kwargs, output):
+        logits = output.logits
+        if logits is None or not logits.shape[1]:
+            return output
+        ids = (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0])[:, -logits.shape[1]:]
+        vocabulary = logits.shape[-1]
+        long = torch.zeros(vocabulary, dtype=torch.bool, device=logits.device)
+        long[list(LONG_TOKENS)] = True
+        is_eos = torch.zeros_like(long)
+        is_eos[eos] = True
+        rest = ~long & ~is_eos
+        floor = torch.finfo(logits.dtype).min
+        log_rest = logits.float().masked_fill(~rest, floor).log_softmax(-1)
+        log_long = logits.float().masked_fill(~long, floor).log_softmax(-1)
+        normal = torch.where(rest, math.log(1 - end - enter) + log_rest,
+                             torch.where(long, math.log(enter) + log_long, torch.full_like(log_rest, math.log(end))))
+        in_long = torch.where(long, math.log(1 - end_long) + log_long,
+                              torch.where(is_eos, torch.full_like(log_long, math.log(end_long)),
+                                          torch.full_like(log_long, floor)))
+        mode = torch.isin(ids, torch.tensor(list(LONG_TOKENS), device=ids.device)).unsqueeze(-1)
+        output.logits = torch.where(mode, in_long, normal).to(logits.dtype)
+        if latency and ids.shape[1] == 1:
+            time.sleep(latency)
+        return output
+
+    return hook
+
+
+def one_run(options, level: str, model: str | None, output: Path, server=None) -> dict:
     """One run at --max-staleness K: its timed steps' wall time, rows, and each thread's CPU and run-queue time.
     The run is configured K + 1 steps longer than it is stepped, so that its rollout thread is still alive (waiting
     for weights) when it is measured."""
@@ -85,8 +138,11 @@ def one_run(options, K: int, model: str | None, output: Path, server=None) -> di
     from auto_research.train.in_flight import start_rollouts
     from auto_research.train.trainer import Trainer
 
+    K, in_flight = int(level.rstrip("+")), level.endswith("+")
     os.sched_setaffinity(0, options.trainer_cores)  # the main thread: the trainer
     config = GenerationConfig(dataset="arithmetic-generate", model=model, steps=options.steps + K + 1, max_staleness=K,
+                              in_flight_updates=in_flight,
+                              **({"max_rollout_mismatch": 1e9} if options.long_tail else {}),
                               seed=options.seed, threads=1, device="cpu", output_dir=output, progress=False,
                               prompts_per_step=options.prompts_per_step, group_size=options.group_size,
                               max_new_tokens=options.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
@@ -96,6 +152,12 @@ def one_run(options, K: int, model: str | None, output: Path, server=None) -> di
     trainer = Trainer.build(config, log=lambda text: None)
     if K:
         start_rollouts(trainer.components, trainer.state, cpus=options.sampler_cores)
+    if options.long_tail:  # on the sampling model only (its first batch, drawn at once, is in the warm-up)
+        fraction, factor = (float(part) for part in options.long_tail.split(":"))
+        c = trainer.components
+        hook = long_tail_hook(fraction, factor, options.max_new_tokens / factor, c.tokenizer.eos_token_id,
+                              options.decode_latency / 1000)
+        (c.rollouts.model if K else c.policy).register_forward_hook(hook, with_kwargs=True)
     rows, started = [], None
     threads = [threading.get_native_id(), trainer.components.rollouts.thread.native_id if K else None]
 
@@ -113,7 +175,8 @@ def one_run(options, K: int, model: str | None, output: Path, server=None) -> di
         trainer.close()
     (cpu, queued), (sampler_cpu, sampler_queued) = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(before, after)]
     return {"wall": wall, "rows": rows[options.warmup:], "trainer_cpu": cpu, "trainer_queued": queued,
-            "sampler_cpu": sampler_cpu, "sampler_queued": sampler_queued}
+            "sampler_cpu": sampler_cpu, "sampler_queued": sampler_queued,
+            "requeued": getattr(trainer.components.rollouts, "requeued", 0)}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -126,6 +189,9 @@ def summary(runs: list[dict]) -> dict:
             "t_train": statistics.fmean(row["step_seconds"] - row["time_waiting_for_rollouts"] for row in rows),
             "trainer_idle": waiting / wall, "sampler_idle": sum(row["time_sampler_idle"] for row in rows) / wall,
             "staleness_max": max(row["staleness_max"] for row in rows), "steps": steps,
+            "versions_per_sequence_max": max(row.get("versions_per_sequence_max", 1) for row in rows),
+            "completion_length": statistics.fmean(row["completion_length"] for row in rows),
+            "requeued": sum(run["requeued"] for run in runs),
             **{key: sum(run[key] for run in runs) / steps
                for key in ("trainer_cpu", "trainer_queued", "sampler_cpu", "sampler_queued")}}
 
@@ -137,7 +203,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--staleness", default="0,1,2")
+    parser.add_argument("--staleness", default="0,1,2", help="levels K, each run in turn; K+ with --in-flight-updates")
+    parser.add_argument("--long-tail", default=None, help="F:X, a long-tailed completion length (see above)")
+    parser.add_argument("--decode-latency", type=float, default=0.0, help="with --long-tail: milliseconds each decode "
+                        "step of the sampling model sleeps, whatever its rows (a GPU's decode, simulated)")
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=6)
@@ -155,7 +224,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    levels = [int(value) for value in options.staleness.split(",")]
+    levels = [value.strip() for value in options.staleness.split(",")]
     with tempfile.TemporaryDirectory() as folder:
         model = random_model(Path(folder) / options.model, options.model) if options.model in SHAPES else options.model
         results = {K: [] for K in levels}
@@ -182,14 +251,17 @@ def main() -> None:
           f"{sorted(options.trainer_cores)}, rollout side ({side}) on {sorted(options.sampler_cores)}; model "
           f"{options.model or 'embedded (warm-started)'}; {options.prompts_per_step} prompts × {options.group_size}, "
           f"≤ {options.max_new_tokens} tokens; {options.rounds} rounds × {options.steps - options.warmup} timed steps")
-    print(f"K=0 phases: t_sample {base['t_sample']:.3f} s, t_train {base['t_train']:.3f} s; overlap bound "
-          f"{bound:.2f}×, goal 0.9 × bound = {0.9 * bound:.2f}×")
-    print("| K | steps/min | speedup vs K=0 | trainer idle | rollout side idle | staleness max | per step: trainer CPU "
-          "s (waiting for a CPU s) | rollout side CPU s (waiting for a CPU s) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"K={levels[0]} phases: t_sample {base['t_sample']:.3f} s, t_train {base['t_train']:.3f} s; overlap bound "
+          f"{bound:.2f}×, goal 0.9 × bound = {0.9 * bound:.2f}×" + (f"; long tail {options.long_tail}"
+                                                                    if options.long_tail else ""))
+    print(f"| K (+: in-flight updates) | steps/min | speedup vs K={levels[0]} | trainer idle | rollout side idle | "
+          "staleness max | versions a completion | mean completion tokens | groups drawn again | per step: trainer "
+          "CPU s (waiting for a CPU s) | rollout side CPU s (waiting for a CPU s) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for K, figure in figures.items():
         print(f"| {K} | {figure['steps_per_minute']:.1f} | {figure['steps_per_minute'] / base['steps_per_minute']:.2f}× "
               f"| {figure['trainer_idle']:.1%} | {figure['sampler_idle']:.1%} | {figure['staleness_max']} "
+              f"| {figure['versions_per_sequence_max']} | {figure['completion_length']:.1f} | {figure['requeued']} "
               f"| {figure['trainer_cpu']:.3f} ({figure['trainer_queued']:.3f}) "
               f"| {figure['sampler_cpu']:.3f} ({figure['sampler_queued']:.3f}) |")
     print(f"load average {os.getloadavg()[0]:.2f} at the end (other work on the machine delays both threads: the "

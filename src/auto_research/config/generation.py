@@ -224,6 +224,19 @@ def check_across(config: GenerationConfig) -> None:
     _check_batch(config.sampling, config.loss)
     _check_memory(config.optimisation, config.lora, config.policy)
     config.rollout.check_staleness(config.run.steps, algorithm, config.policy.fsdp)
+    _check_in_flight(config)
+
+
+def _check_in_flight(config: GenerationConfig) -> None:
+    """rollout × sampling, turns: what partial rollouts cannot take yet."""
+    if not config.rollout.in_flight_updates:
+        return
+    if config.sampling.dynamic_sampling:
+        raise UserError("--in-flight-updates with --dynamic-sampling is not built (a refill would wait for a whole "
+                        "draw)")
+    if config.turns.multi_turn:
+        raise UserError("--in-flight-updates is built for single-turn completions, not --environment, --tools or "
+                        "--rollout-function")
 
 
 def _check_data_and_model(data: DataSection, policy: PolicySection, rewards: RewardSection) -> None:

@@ -62,6 +62,15 @@ class RolloutSection:
                                     "updated, the rollout side sampling in a thread of its own while the trainer "
                                     "trains (step s is drawn by weights version max(0, s − 1 − K)); 0 = sample, then "
                                     "train (docs/async.md)", "sampling", type=int)
+    in_flight_updates: bool = setting(False, "with --max-staleness K >= 1, the builtin sampler decodes a continuous "
+                                              "batch and takes new weights between two decode steps: a group not "
+                                              "finished when its step is due goes on under the next weights (partial "
+                                              "rollouts), each token keeps the version that drew it and is corrected "
+                                              "against it; a token older than K versions sends its group back to be "
+                                              "drawn again (docs/async.md)", "sampling", action="store_true")
+    recompute_kv_on_update: bool = setting(False, "with --in-flight-updates, recompute the KV cache of the rows in "
+                                                  "flight under the new weights at each update (default: keep it, "
+                                                  "as the peers do)", "sampling", action="store_true")
     verbose: bool = setting(False, "show everything the engines print: vLLM's INFO lines and the known-harmless "
                                    "warnings hidden otherwise (docs/vllm.md)", "run", action="store_true")
 
@@ -109,12 +118,31 @@ class RolloutSection:
         elif self.rollout_cores is not None:
             raise UserError("--rollout-cores is for --rollout-mode process")
 
+    def _check_in_flight(self, algorithm) -> None:
+        """--in-flight-updates and --recompute-kv-on-update against K, the engine and the algorithm."""
+        if self.recompute_kv_on_update and not self.in_flight_updates:
+            raise UserError("--recompute-kv-on-update is for --in-flight-updates")
+        if not self.in_flight_updates:
+            return
+        if not self.max_staleness:
+            raise UserError("--in-flight-updates needs --max-staleness K >= 1 (weights change while the rollout side "
+                            "draws; K bounds how old a trained token may be)")
+        if self.sampler != "builtin" or self.rollout_mode != "colocate":
+            raise UserError(f"--in-flight-updates is built for the builtin sampler in the trainer's process (--sampler "
+                            f"builtin --rollout-mode colocate), not --sampler {self.sampler} --rollout-mode "
+                            f"{self.rollout_mode}: the rollout server cannot pause a draw to take new weights yet, and "
+                            "the installed vLLM's server is not wired to pause_generation (docs/async.md)")
+        if algorithm.needs_greedy:
+            raise UserError(f"--in-flight-updates with {algorithm.name} is not built (its greedy baseline would be "
+                            "drawn by weights other than its samples')")
+
     def check_staleness(self, steps: int | None, algorithm, fsdp: bool) -> None:
         """--max-staleness K against the engine, the run's steps, its algorithm (``algorithm``: the record) and
         FSDP."""
         from auto_research.engine.samplers import SAMPLERS as ENGINES, sampler_name, sampler_record  # noqa: PLC0415
 
         K = self.max_staleness
+        self._check_in_flight(algorithm)
         if not K:
             return
         if not sampler_record(self).runs_apart:

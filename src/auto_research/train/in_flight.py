@@ -184,6 +184,13 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
                               config.max_staleness, config.steps, state.step, c.policy, list(saved), cpus, c.sampler)
         return c.rollouts
     model = copy.deepcopy(c.policy).requires_grad_(False)
+    if config.in_flight_updates:
+        from auto_research.train.partial_flight import PartialInFlight  # noqa: PLC0415
+
+        c.rollouts = PartialInFlight(rollout_source(c, None, model, c.autocast, reference), model.eval(), c.tokenizer,
+                                     sampling_settings(config), state.rng, config.max_staleness, config.steps,
+                                     state.step, c.policy, config.recompute_kv_on_update, list(saved), cpus)
+        return c.rollouts
     sampler = BuiltinSampler(model, c.tokenizer, sampling_settings(config), chunk_prompts(config), c.autocast)
     c.rollouts = InFlight(rollout_source(c, sampler, model, c.autocast, reference), model, state.rng,
                           config.max_staleness, config.steps, state.step, c.policy, list(saved), cpus)

@@ -267,11 +267,11 @@ def rollout_figures(world, drawn: Drawn, step: int, dynamic: bool = False) -> di
     over every rank's samples, the rollout side's own times for this batch, and the groups without signal
     (``dynamic.has_signal``: no two scored rewards differ) among those sampled, a count and a fraction (before
     dynamic sampling's filter; with it, also those trained on, refills and prompts sampled), over every rank."""
-    staleness = world.gather(((step - 1) - drawn.rollout.policy_versions).double())
+    staleness, spans = token_staleness(world, drawn.rollout, step)
     counts = drawn.counts or {"groups_sampled": 0, "no_signal_sampled": 0, "refills": 0, "trained_no_signal": 0}
     sampled, no_signal, refills, trained = (int(x) for x in world.total(torch.tensor(
         [counts["groups_sampled"], counts["no_signal_sampled"], counts["refills"], counts["trained_no_signal"]])))
-    figures = {"staleness_mean": float(staleness.mean()), "staleness_max": int(staleness.max()),
+    figures = {"staleness_mean": float(staleness.mean()), "staleness_max": int(staleness.max()), **spans,
                "time_sample": drawn.seconds["sample"], "time_sampler_idle": drawn.seconds["idle"],
                "no_signal_groups": no_signal, "no_signal_fraction": no_signal / max(sampled, 1)}
     if drawn.rollout.episodes is not None:
@@ -282,6 +282,21 @@ def rollout_figures(world, drawn: Drawn, step: int, dynamic: bool = False) -> di
         figures.update(trained_no_signal_fraction=trained / max(sampled - refills, 1), refills=refills,
                        prompts_sampled=sampled)
     return figures
+
+
+def token_staleness(world, rollout: Rollout, step: int) -> tuple[torch.Tensor, dict]:
+    """Each trained token's staleness (versions between the weights that drew it and the policy it updates, version
+    step − 1) over every rank, and with --in-flight-updates (``token_versions``) the most versions one completion
+    spans (``versions_per_sequence_max``). Without per-token versions every token has its row's."""
+    if rollout.token_versions is None:
+        return world.gather(((step - 1) - rollout.policy_versions).double()), {}
+    versions, mask = rollout.token_versions.cpu(), rollout.completion_mask.cpu().bool()
+    lags = ((step - 1) - versions[mask]).double()
+    width = int(world.total(torch.tensor([lags.numel()])).item() if world.distributed else lags.numel())
+    gathered = world.gather(torch.nn.functional.pad(lags, (0, width - lags.numel()), value=float("nan")))
+    spans = max((len(set(row[row >= 0].tolist())) for row in versions), default=0)
+    spans = int(world.gather(torch.tensor([spans])).max())
+    return gathered[~gathered.isnan()], {"versions_per_sequence_max": spans}
 
 
 class Synchronous:
@@ -315,7 +330,7 @@ class Synchronous:
 # --- batches in flight, in a checkpoint (safetensors and JSON: nothing unpickled) ------------------------------
 
 _TENSORS = ("sequences", "prompt_mask", "completion_mask", "sampler_logprobs", "sampler_entropy", "policy_versions",
-            "loss_mask")
+            "loss_mask", "token_versions")
 
 
 def to_files(batches: list[Drawn]) -> tuple[dict, list]:
@@ -346,7 +361,7 @@ def from_files(source: RolloutSource, tensors: dict, plain: list) -> list[Drawn]
         rollout = Rollout(parts["sequences"], parts["prompt_mask"], parts["completion_mask"], saved["completions"],
                           saved["group_size"], parts["sampler_logprobs"], parts["sampler_entropy"],
                           saved["trained_distribution"], parts["policy_versions"], parts["loss_mask"],
-                          saved.get("episodes"))
+                          saved.get("episodes"), parts["token_versions"])
         rewards = saved["rewards"] if saved["rewards"] is None else Scored(
             saved["rewards"], saved.get("reward_parts"), saved.get("reward_causes"))
         batches.append(Drawn(saved["step"], batch_of(source, saved["indices"], saved["seeds"]), rollout,

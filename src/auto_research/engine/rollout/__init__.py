@@ -60,6 +60,9 @@ class Rollout:
     episodes: list[dict] | None = None
     """Multi-turn trajectories: one dict per row (turns, tool_calls, tool_errors, truncated, reward of the
     environment, failed, the final reply the reward functions score); None for single-turn rollouts."""
+    token_versions: torch.Tensor | None = None
+    """(B, C) the weights version that drew each token, −1 where masked (--in-flight-updates: a completion may
+    span versions, ``policy_versions`` is then each row's oldest); None: every token has its row's version."""
 
     def to(self, device) -> "Rollout":
         """Every tensor of the rollout on ``device`` (a remote or multi-turn sampler returns CPU tensors; the trainer
@@ -98,6 +101,7 @@ class Rollout:
         logprobs = None if self.sampler_logprobs is None else self.sampler_logprobs[start:stop]
         entropy = None if self.sampler_entropy is None else self.sampler_entropy[start:stop]
         owned = None if self.loss_mask is None else self.loss_mask[start:stop]
+        token_versions = None if self.token_versions is None else self.token_versions[start:stop]
         if trim and sequences.shape[0]:
             used_prompt = prompt_mask.any(0).nonzero()
             first = int(used_prompt[0]) if used_prompt.numel() else prompt_mask.shape[1] - 1
@@ -109,10 +113,11 @@ class Rollout:
             logprobs = None if logprobs is None else logprobs[:, :width]
             entropy = None if entropy is None else entropy[:, :width]
             owned = None if owned is None else owned[:, :width]
+            token_versions = None if token_versions is None else token_versions[:, :width]
         versions = None if self.policy_versions is None else self.policy_versions[start:stop]
         episodes = None if self.episodes is None else self.episodes[start:stop]
         return Rollout(sequences, prompt_mask, completion_mask, self.completions[start:stop], self.group_size, logprobs,
-                       entropy, self.trained_distribution, versions, owned, episodes)
+                       entropy, self.trained_distribution, versions, owned, episodes, token_versions)
 
 
 class Sampler(Protocol):
@@ -136,7 +141,7 @@ def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         return rollouts[0]
     prompt_width = max(r.prompt_length for r in rollouts)
     completion_width = max(r.completion_mask.shape[1] for r in rollouts)
-    sequences, prompt_masks, completion_masks, logprobs, entropies, owned = [], [], [], [], [], []
+    sequences, prompt_masks, completion_masks, logprobs, entropies, owned, token_versions = [], [], [], [], [], [], []
     for r in rollouts:
         left = prompt_width - r.prompt_length
         right = completion_width - r.completion_mask.shape[1]
@@ -151,6 +156,8 @@ def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
             entropies.append(torch.nn.functional.pad(r.sampler_entropy, (0, right)))
         if r.loss_mask is not None:
             owned.append(torch.nn.functional.pad(r.loss_mask, (0, right)))
+        if r.token_versions is not None:
+            token_versions.append(torch.nn.functional.pad(r.token_versions, (0, right), value=-1))
     return Rollout(torch.cat(sequences), torch.cat(prompt_masks), torch.cat(completion_masks),
                    [text for r in rollouts for text in r.completions], rollouts[0].group_size,
                    torch.cat(logprobs) if len(logprobs) == len(rollouts) else None,
@@ -160,7 +167,7 @@ def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
                    if all(r.policy_versions is not None for r in rollouts) else None,
                    torch.cat(owned) if len(owned) == len(rollouts) else None,
                    [row for r in rollouts for row in r.episodes] if all(r.episodes is not None for r in rollouts)
-                   else None)
+                   else None, torch.cat(token_versions) if len(token_versions) == len(rollouts) else None)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,251 @@
+"""The builtin engine's continuous batch, for in-flight weight updates and partial rollouts (--in-flight-updates;
+``train/partial_flight.py`` drives it, docs/async.md).
+
+A *lane* is one prompt's group: K rows prefilled once, decoded side by side. Every lane in the pool decodes in
+one forward a tick (one token a row), whatever its length: the KV cache of every row sits in one batch, left-padded
+to the longest. A lane leaves the pool when its K rows have ended (the rows of a lane that ended early are fed
+padding, as ``builtin.sample`` does without compaction), and new lanes are admitted into the rows it freed. New
+weights are taken between two ticks (``swap``): the rows in flight keep their KV cache (the peers' default), or
+have it recomputed under the new weights with ``recompute_kv``.
+
+Every drawn token records the weights version that computed the logits it was drawn from and its log-prob under
+them (μ of that version), so the trainer corrects each token against the weights that drew it. A row's draws
+depend only on its prompt's seed and the weights at each of its tokens, never on which lanes shared its ticks
+(each row has its own uniforms; the forward of a row does not read another row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from auto_research.engine.rollout import completion_mask
+from auto_research.engine.rollout.builtin import _prefill, _uniforms, cache_argument, cache_of, droppable, next_token
+
+
+@dataclass
+class Finished:
+    """A lane whose K rows have ended: what the trainer needs of it."""
+
+    key: object
+    """The caller's handle (a prompt's dataset index and seed, say)."""
+    order: int
+    """Admission order (lanes finishing on the same tick leave in this order)."""
+    prompt_ids: list[int]
+    tokens: torch.Tensor
+    """(K, C) the drawn ids, padding after each row's end; C = the longest row's length."""
+    logprobs: torch.Tensor
+    """(K, C) μ's log-prob of each drawn token (0 after the row's end)."""
+    entropies: torch.Tensor
+    versions: torch.Tensor
+    """(K, C) the weights version that drew each token (−1 after the row's end)."""
+
+
+class Pool:
+    """Lanes in flight: ``admit`` prefills a prompt's group, ``tick`` draws one token a row, ``swap`` takes new
+    weights between two ticks, ``drop`` takes lanes out unfinished. The model is the caller's; it decodes with
+    whatever weights it holds, whose version the caller names."""
+
+    def __init__(self, model, tokenizer, group_size: int, max_new_tokens: int, temperature: float, top_k: int,
+                 top_p: float, eos: list[int], pad: int, version: int = 0):
+        self.model, self.tokenizer, self.K, self.max_new = model, tokenizer, group_size, max_new_tokens
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.device = next(model.parameters()).device
+        self.eos, self.pad = torch.tensor(eos, device=self.device), pad
+        self.argument = cache_argument(model)
+        self.lanes: list[dict] = []
+        """In row order: each lane's key, order and prompt ids (its K rows are consecutive)."""
+        self.cache = None
+        self.rows: dict[str, torch.Tensor] = {}
+        """Per-row state, (B, …): attention, position, logits (pending), logits_version, t (tokens drawn),
+        ended, tokens, logprobs, entropies, versions, uniforms."""
+        self.admitted = 0
+        self.version = version
+        """The version of the weights the model holds (``swap`` names the next)."""
+
+    @property
+    def size(self) -> int:
+        """Rows in flight."""
+        return len(self.lanes) * self.K
+
+    # --- admitting and dropping lanes -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def admit(self, key, prompt_ids: list[int], seed: int) -> None:
+        """A prompt's K rows, prefilled under the current weights; its uniforms from its seed alone."""
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        attention = torch.ones_like(ids)
+        logits, cache, position = _prefill(self.model, ids, attention, self.K)
+        if not droppable(cache):
+            raise ValueError("--in-flight-updates needs a model whose KV cache is a plain dynamic cache per layer")
+        K, width = self.K, self.max_new
+        rows = {"attention": attention.repeat(K, 1), "position": position, "logits": logits,
+                "logits_version": torch.full((K,), self.version, dtype=torch.long, device=self.device),
+                "t": torch.zeros(K, dtype=torch.long, device=self.device),
+                "ended": torch.zeros(K, dtype=torch.bool, device=self.device),
+                "tokens": torch.full((K, width), self.pad, dtype=torch.long, device=self.device),
+                "logprobs": torch.zeros(K, width, device=self.device),
+                "entropies": torch.zeros(K, width, device=self.device),
+                "versions": torch.full((K, width), -1, dtype=torch.long, device=self.device),
+                "uniforms": _uniforms([seed], 1, K, K, width, self.device)}
+        self._append(cache, rows)
+        self.lanes.append({"key": key, "order": self.admitted, "prompt_ids": list(prompt_ids)})
+        self.admitted += 1
+
+    def _append(self, cache, rows: dict) -> None:
+        if self.cache is None:
+            self.cache, self.rows = cache, rows
+            return
+        width = max(self.rows["attention"].shape[1], rows["attention"].shape[1])
+        for layer, new in zip(self.cache.layers, cache.layers):
+            layer.keys = torch.cat([_left_pad(layer.keys, width), _left_pad(new.keys, width)])
+            layer.values = torch.cat([_left_pad(layer.values, width), _left_pad(new.values, width)])
+        self.rows["attention"] = torch.cat([_left_pad(self.rows["attention"], width),
+                                            _left_pad(rows["attention"], width)])
+        for name, value in rows.items():
+            if name != "attention":
+                self.rows[name] = torch.cat([self.rows[name], value])
+
+    def _keep(self, lanes: list[int]) -> torch.Tensor:
+        """Only these lanes (their positions in ``self.lanes``) stay; columns that are padding in every row left
+        go. The rows kept (indices before)."""
+        rows = torch.tensor([lane * self.K + r for lane in lanes for r in range(self.K)], dtype=torch.long,
+                            device=self.device)
+        self.lanes = [self.lanes[lane] for lane in lanes]
+        if not lanes:
+            self.cache, self.rows = None, {}
+            return rows
+        self.cache.batch_select_indices(rows)
+        self.rows = {name: value[rows] for name, value in self.rows.items()}
+        used = self.rows["attention"].any(0).nonzero()
+        first = int(used[0]) if used.numel() else 0
+        if first:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            self.rows["attention"] = self.rows["attention"][:, first:]
+        return rows
+
+    def drop(self, keep) -> list:
+        """Take out every lane whose key ``keep`` refuses, unfinished; their keys, in row order."""
+        kept = [i for i, lane in enumerate(self.lanes) if keep(lane["key"])]
+        dropped = [lane["key"] for i, lane in enumerate(self.lanes) if i not in set(kept)]
+        if dropped:
+            self._keep(kept)
+        return dropped
+
+    def oldest_versions(self) -> list[tuple[object, int]]:
+        """Each lane's key and the oldest version among its drawn tokens (its logits' version if none yet)."""
+        if not self.lanes:
+            return []
+        versions = self.rows["versions"].masked_fill(self.rows["versions"] < 0, 1 << 62).amin(1)
+        oldest = torch.minimum(versions, self.rows["logits_version"]).view(len(self.lanes), self.K).amin(1)
+        return [(lane["key"], int(value)) for lane, value in zip(self.lanes, oldest.tolist())]
+
+    # --- decoding --------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def tick(self) -> list[Finished]:
+        """One token for every row still going (drawn from its pending logits, recorded with their version), the
+        lanes that ended leave, then one forward over the rest. The lanes that ended, in admission order."""
+        if not self.lanes:
+            return []
+        rows = self.rows
+        going = ~rows["ended"]
+        t = rows["t"].clamp(max=self.max_new - 1)
+        uniforms = rows["uniforms"].gather(1, t.unsqueeze(1)).squeeze(1)
+        token, logprob, entropy = next_token(rows["logits"], uniforms, self.temperature, self.top_k, self.top_p)
+        token = torch.where(going, token, torch.full_like(token, self.pad))
+        index = going.nonzero().squeeze(1)
+        column = rows["t"][index]
+        rows["tokens"][index, column] = token[index]
+        rows["logprobs"][index, column] = logprob[index]
+        rows["entropies"][index, column] = entropy[index]
+        rows["versions"][index, column] = rows["logits_version"][index]
+        rows["t"] = rows["t"] + going.long()
+        rows["ended"] = rows["ended"] | (going & (torch.isin(token, self.eos) | (rows["t"] >= self.max_new)))
+        done = rows["ended"].view(len(self.lanes), self.K).all(1).tolist()
+        finished = [self._finished(i) for i, ended in enumerate(done) if ended]
+        if finished:
+            kept = self._keep([i for i, ended in enumerate(done) if not ended])
+            if not self.lanes:
+                return finished
+            token = token[kept]
+        self._forward(token)
+        return finished
+
+    def _forward(self, token: torch.Tensor) -> None:
+        rows = self.rows
+        attention = torch.cat([rows["attention"], rows["attention"].new_ones(len(token), 1)], dim=1)
+        output = self.model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=rows["position"],
+                            use_cache=True, **{self.argument: self.cache})
+        self.cache, rows["logits"] = cache_of(output), output.logits[:, -1].float()
+        rows["logits_version"] = torch.full_like(rows["logits_version"], self.version)
+        rows["attention"], rows["position"] = attention, rows["position"] + 1
+
+    def _finished(self, lane: int) -> Finished:
+        part = slice(lane * self.K, (lane + 1) * self.K)
+        width = max(int(self.rows["t"][part].max()), 1)
+        info = self.lanes[lane]
+        return Finished(info["key"], info["order"], info["prompt_ids"], self.rows["tokens"][part, :width].clone(),
+                        self.rows["logprobs"][part, :width].clone(), self.rows["entropies"][part, :width].clone(),
+                        self.rows["versions"][part, :width].clone())
+
+    @torch.no_grad()
+    def swap(self, version: int, recompute_kv: bool) -> None:
+        """New weights are in the model (the caller loaded them). The rows going on keep their KV cache, or with
+        ``recompute_kv`` it is recomputed: each row's prompt and drawn tokens prefilled again under the new weights,
+        whose logits then draw its next token. Kept, the logits pending at the swap (the old weights') draw the
+        next token, and every later forward is the new weights'."""
+        self.version = version
+        if not self.lanes or not recompute_kv:
+            return
+        histories = []
+        for index, lane in enumerate(self.lanes):
+            for r in range(self.K):
+                row = index * self.K + r
+                histories.append(lane["prompt_ids"] + self.rows["tokens"][row, : int(self.rows["t"][row])].tolist())
+        width = max(map(len, histories))
+        ids = torch.full((len(histories), width), self.pad, dtype=torch.long, device=self.device)
+        attention = torch.zeros_like(ids)
+        for row, history in enumerate(histories):
+            ids[row, width - len(history):] = torch.tensor(history, device=self.device)
+            attention[row, width - len(history):] = 1
+        logits, cache, position = _prefill(self.model, ids, attention, 1)
+        self.cache = cache
+        self.rows.update(attention=attention, position=position, logits=logits,
+                         logits_version=torch.full_like(self.rows["logits_version"], version))
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Zeros on the left of the sequence dimension (the last for a mask, the second to last for keys/values)."""
+    dim = -1 if tensor.dim() == 2 else -2
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    pad = (missing, 0) if dim == -1 else (0, 0, missing, 0)
+    return torch.nn.functional.pad(tensor, pad)
+
+
+def lanes_to_rows(finished: list[Finished], pad: int, eos: list[int]):
+    """Finished lanes as a rollout's tensors: left-padded prompts, right-padded completions, the completion mask,
+    μ's log-probs and entropies (0 where masked), each token's version (−1 where masked)."""
+    prompt_width = max(len(lane.prompt_ids) for lane in finished)
+    width = max(lane.tokens.shape[1] for lane in finished)
+    K = finished[0].tokens.shape[0]
+    device = finished[0].tokens.device
+    prompt = torch.full((len(finished) * K, prompt_width), pad, dtype=torch.long, device=device)
+    prompt_mask = torch.zeros_like(prompt)
+    tokens = torch.full((len(finished) * K, width), pad, dtype=torch.long, device=device)
+    logprobs, entropies = torch.zeros(tokens.shape, device=device), torch.zeros(tokens.shape, device=device)
+    versions = torch.full(tokens.shape, -1, dtype=torch.long, device=device)
+    for index, lane in enumerate(finished):
+        rows, length = slice(index * K, (index + 1) * K), lane.tokens.shape[1]
+        ids = torch.tensor(lane.prompt_ids, dtype=torch.long, device=device)
+        prompt[rows, prompt_width - len(ids):] = ids
+        prompt_mask[rows, prompt_width - len(ids):] = 1
+        tokens[rows, :length], logprobs[rows, :length] = lane.tokens, lane.logprobs
+        entropies[rows, :length], versions[rows, :length] = lane.entropies, lane.versions
+    mask = completion_mask(tokens, eos)
+    return (prompt, prompt_mask, tokens, mask, logprobs * mask, entropies * mask,
+            torch.where(mask.bool(), versions, torch.full_like(versions, -1)))

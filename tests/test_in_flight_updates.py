@@ -1,0 +1,194 @@
+"""Weights updated in flight and partial rollouts (--in-flight-updates): the continuous batch draws what the
+builtin sampler draws, a swap between two decode steps records each token's version and log-prob under the
+weights that drew it, the correction by hand on a two-version sequence, and runs: no group trained before its K
+completions are done, no token older than K versions, a fixed batch, identical repeats, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from auto_research.engine.logprobs import token_logprobs
+from auto_research.engine.rollout import eos_ids, prompt_seed
+from auto_research.engine.rollout.builtin import sample
+from auto_research.engine.rollout.partial import Pool, lanes_to_rows
+
+PROMPTS = ["1+2=", "Q: what is 33+4?", "x", "abc 12", "9"]
+TIMES = ("step_seconds", "tokens_per_second", "weight_sync_seconds")
+REWARDS = """
+def checksum(prompts, completions, rows):
+    return [float(sum(map(ord, c)) % 5) for c in completions]
+"""
+
+
+def _model(seed: int):
+    from auto_research.engine.tiny import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=seed, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return model.eval(), tokenizer
+
+
+def _ids(tokenizer, prompt: str) -> list[int]:
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def _pool(model, tokenizer, group_size=4, max_new=12, temperature=1.3) -> Pool:
+    return Pool(model, tokenizer, group_size, max_new, temperature, 0, 1.0, eos_ids(tokenizer, model),
+                tokenizer.pad_token_id)
+
+
+def test_the_continuous_batch_draws_what_the_builtin_sampler_draws():
+    """Lanes admitted at different ticks into rows others freed: each group's ids and log-probs are the ones
+    ``sample`` draws for its prompt and seed alone."""
+    model, tokenizer = _model(0)
+    seeds = [prompt_seed(42, 3, i) for i in range(len(PROMPTS))]
+    pool, done, admitted = _pool(model, tokenizer), [], 0
+    while len(done) < len(PROMPTS):
+        while pool.size < 8 and admitted < len(PROMPTS):  # room for two groups: later ones wait for a free lane
+            pool.admit(admitted, _ids(tokenizer, PROMPTS[admitted]), seeds[admitted])
+            admitted += 1
+        done += pool.tick()
+    assert sorted(lane.key for lane in done) == list(range(len(PROMPTS)))
+    for lane in done:
+        alone = sample(model, tokenizer, [PROMPTS[lane.key]], 4, 12, temperature=1.3, seeds=[seeds[lane.key]],
+                       drop_finished=False)
+        mask, width = alone.completion_mask, alone.completion_mask.shape[1]
+        assert torch.equal(alone.completion_ids * mask, lane.tokens[:, :width] * mask)
+        assert torch.allclose(alone.sampler_logprobs, lane.logprobs[:, :width] * mask, atol=1e-6)
+        assert bool((lane.versions[:, :width][mask.bool()] == 0).all())
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_swap_between_two_decode_steps_records_the_version_and_log_prob_of_each_token(recompute):
+    """Weights A draw the first 3 tokens, weights B the rest. Recomputing the KV cache: every token's log-prob is
+    its version's own log-prob of it given the whole history (the trainer's ``token_logprobs``). Keeping it, as the
+    peers do: the tokens drawn before the swap are A's exactly, the later ones are neither A's nor B's own."""
+    A, tokenizer = _model(0)
+    B, _ = _model(1)
+    weights_b = {name: tensor.clone() for name, tensor in B.state_dict().items()}
+    model, _ = _model(0)
+    pool = _pool(model, tokenizer, group_size=2, max_new=10, temperature=1.0)
+    ids = _ids(tokenizer, "Q: what is 33+4?")
+    eos = set(eos_ids(tokenizer, model))
+    pool.admit("g", ids, 7)
+    finished = []
+    for _ in range(3):
+        finished += pool.tick()
+    model.load_state_dict(weights_b)
+    pool.swap(1, recompute)
+    while not finished:
+        finished += pool.tick()
+    lane = finished[0]
+    prompt, prompt_mask, tokens, mask, logprobs, _, versions = lanes_to_rows(finished, tokenizer.pad_token_id,
+                                                                            sorted(eos))
+    sequences = torch.cat([prompt, tokens], dim=1)
+    under = {version: token_logprobs(weights, sequences, prompt_mask, mask, group_size=2)
+             for version, weights in ((0, A), (1, B))}
+    first_after = 3 if recompute else 4  # kept: the logits pending at the swap were A's
+    assert bool((versions[:, :first_after][mask[:, :first_after].bool()] == 0).all())
+    later = mask.clone()
+    later[:, :first_after] = 0
+    assert later.sum() > 0, "the rows ended before the swap: nothing to check"
+    assert bool((versions[later.bool()] == 1).all())
+    before = mask.clone() - later
+    assert torch.allclose(logprobs[before.bool()], under[0][before.bool()], atol=1e-5)
+    if recompute:
+        assert torch.allclose(logprobs[later.bool()], under[1][later.bool()], atol=1e-5)
+    else:
+        assert not torch.allclose(logprobs[later.bool()], under[1][later.bool()], atol=1e-3)
+    assert lane.key == "g"
+
+
+def test_the_correction_of_a_two_version_sequence_by_hand():
+    """μ drew token 1 with version 0 (log μ = −1.0) and token 2 with version 1 (log μ = −0.5); π_old gives −0.8 and
+    −0.9: the sequence's weight is the product of the per-token ratios, e^{0.2} · e^{−0.4} = e^{−0.2}, truncated at C."""
+    from auto_research.algorithms.correction import importance_weights
+
+    pi_old = torch.tensor([[-0.8, -0.9, 0.0]])
+    mu = torch.tensor([[-1.0, -0.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    weights = importance_weights(pi_old - mu, mask, "sequence-tis", 2.0)
+    assert torch.allclose(weights, torch.tensor([[math.exp(-0.2), math.exp(-0.2), 0.0]]), atol=1e-6)
+    capped = importance_weights(torch.tensor([[0.5, 0.4, 0.0]]), mask, "sequence-tis", 2.0)
+    assert torch.allclose(capped, torch.tensor([[2.0, 2.0, 0.0]]))
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    (tmp_path / "flight_rewards.py").write_text(REWARDS)
+    return tmp_path
+
+
+def _args(model, data, output, *extra):
+    return ["post-train", "--model", str(model), "--dataset", str(data), "--steps", "6", "--prompts-per-step", "4",
+            "--group-size", "4", "--max-new-tokens", "12", "--learning-rate", "1e-2", "--evaluation-examples", "8",
+            "--eval-every", "0", "--temperature", "1.0", "--offline", "--device", "cpu", "--no-progress",
+            "--threads", "1", "--reward", "flight_rewards:checksum", "--output-dir", str(output), *extra]
+
+
+def _rows(output: Path) -> list[dict]:
+    run = next(output.iterdir())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{key: value for key, value in row.items() if not key.startswith("time_") and key not in TIMES}
+            for row in rows]
+
+
+def test_partial_rollouts_train_whole_groups_within_the_staleness_bound_and_repeat_exactly(
+        tiny_model_dir, sums_jsonl, workdir, monkeypatch):
+    from auto_research.cli import main
+
+    monkeypatch.chdir(workdir)
+    args = ("--max-staleness", "2", "--in-flight-updates")
+    assert main(_args(tiny_model_dir, sums_jsonl, workdir / "a", *args)) == 0
+    rows = [row for row in _rows(workdir / "a") if "staleness_max" in row]
+    assert len(rows) == 6
+    for row in rows:
+        assert row["staleness_max"] <= 2  # no token older than K versions is trained on
+        assert row["completions"] == 16  # the batch stays 4 groups of 4
+    # Some completion spans two versions (the swap happened mid-completion), and later steps train on tokens of
+    # the weights before the previous step.
+    assert max(row["versions_per_sequence_max"] for row in rows) == 2
+    assert max(row["staleness_max"] for row in rows) == 2
+    assert main(_args(tiny_model_dir, sums_jsonl, workdir / "b", *args)) == 0
+    assert _rows(workdir / "a") == _rows(workdir / "b")
+
+
+def test_at_k_1_no_completion_spans_versions(tiny_model_dir, sums_jsonl, workdir, monkeypatch):
+    """K = 1: a group carried over a round would hold a token two versions old, so it is drawn again."""
+    from auto_research.cli import main
+
+    monkeypatch.chdir(workdir)
+    assert main(_args(tiny_model_dir, sums_jsonl, workdir / "a", "--max-staleness", "1", "--in-flight-updates",
+                      "--steps", "4")) == 0
+    rows = [row for row in _rows(workdir / "a") if "staleness_max" in row]
+    assert len(rows) == 4 and all(row["versions_per_sequence_max"] == 1 for row in rows)
+    assert all(row["staleness_max"] <= 1 for row in rows)
+
+
+def test_in_flight_updates_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp_path, capsys):
+    from auto_research.cli import main
+
+    def error(*extra) -> str:
+        assert main(_args(tiny_model_dir, sums_jsonl, tmp_path, *extra)) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("auto-research: error: "), lines
+        return lines[0][len("auto-research: error: "):]
+
+    assert error("--in-flight-updates") == ("--in-flight-updates needs --max-staleness K >= 1 (weights change while "
+                                            "the rollout side draws; K bounds how old a trained token may be)")
+    assert error("--recompute-kv-on-update") == "--recompute-kv-on-update is for --in-flight-updates"
+    assert error("--in-flight-updates", "--max-staleness", "1", "--rollout-mode", "process").startswith(
+        "--in-flight-updates is built for the builtin sampler in the trainer's process")
+    assert error("--in-flight-updates", "--max-staleness", "1", "--sampler", "vllm").startswith(
+        "--in-flight-updates is built for the builtin sampler in the trainer's process")
+    assert error("--in-flight-updates", "--max-staleness", "1", "--algorithm", "remax").startswith(
+        "--in-flight-updates with remax is not built")
+    assert error("--in-flight-updates", "--max-staleness", "1", "--dynamic-sampling").startswith(
+        "--in-flight-updates with --dynamic-sampling is not built")
+    assert not tmp_path.joinpath("rloo-sums-seed42").exists()
