@@ -48,7 +48,8 @@ def test_the_continuous_batch_draws_what_the_builtin_sampler_draws():
     ``sample`` draws for its prompt and seed alone."""
     model, tokenizer = _model(0)
     seeds = [prompt_seed(42, 3, i) for i in range(len(PROMPTS))]
-    pool, done, admitted = _pool(model, tokenizer), [], 0
+    pool, done, admitted = _pool(model, tokenizer), [], 2
+    pool.admit_many([(i, _ids(tokenizer, PROMPTS[i]), seeds[i]) for i in range(2)])  # one prefill, left-padded
     while len(done) < len(PROMPTS):
         while pool.size < 8 and admitted < len(PROMPTS):  # room for two groups: later ones wait for a free lane
             pool.admit(admitted, _ids(tokenizer, PROMPTS[admitted]), seeds[admitted])
@@ -192,3 +193,34 @@ def test_in_flight_updates_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp
     assert error("--in-flight-updates", "--max-staleness", "1", "--dynamic-sampling").startswith(
         "--in-flight-updates with --dynamic-sampling is not built")
     assert not tmp_path.joinpath("rloo-sums-seed42").exists()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_sigkill_then_resume_gives_the_rows_of_the_uninterrupted_run(tiny_model_dir, sums_jsonl, workdir, recompute):
+    """The checkpoint holds the next batch and the rollout side as its round left it (groups mid-completion with
+    their KV caches, groups done but not handed over, the queue): the resumed run's rows are the same."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from conftest import kill_after_checkpoint, run_cli
+
+    env = {"PYTHONPATH": str(workdir) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    common = ("--max-staleness", "2", "--in-flight-updates", "--checkpoint-every", "2", "--steps", "5",
+              *(("--recompute-kv-on-update",) if recompute else ()))
+    whole = run_cli(*_args(tiny_model_dir, sums_jsonl, workdir / "whole", *common), env=env, cwd=workdir)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    rows = _rows(workdir / "whole")
+    killed = workdir / "killed"
+    args = _args(tiny_model_dir, sums_jsonl, killed, *common)
+    checkpoint = killed / "rloo-sums-seed42" / "checkpoints" / "step-000002"
+    kill_after_checkpoint(args, {**os.environ, **env}, checkpoint)
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["in_flight"][0]
+    assert [batch["step"] for batch in saved[:-1]] == [3] and saved[-1]["side"]["lanes"]  # groups mid-completion
+    resumed = run_cli(*args, "--resume", env=env, cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _rows(killed) == rows
+    final = sorted((next(killed.iterdir()) / "checkpoints").iterdir())[-1] / "model.safetensors"
+    expected = sorted((next((workdir / "whole").iterdir()) / "checkpoints").iterdir())[-1] / "model.safetensors"
+    got, want = load_file(str(final)), load_file(str(expected))
+    assert all(torch.equal(got[name], want[name]) for name in want)

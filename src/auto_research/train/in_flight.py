@@ -167,7 +167,8 @@ def rollout_source(c: Components, sampler, model, context, reference=None) -> Ro
                          None if c.episodes is None else dataclasses.replace(c.episodes, generate=sampler.generate_ids))
 
 
-def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpus: set[int] | None = None):
+def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpus: set[int] | None = None,
+                   side: tuple[dict, dict] | None = None):
     """The rollout side of a run at its current step: synchronous, or in flight with a copy of the weights."""
     config = c.config
     if not config.max_staleness:
@@ -189,7 +190,7 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
 
         c.rollouts = PartialInFlight(rollout_source(c, None, model, c.autocast, reference), model.eval(), c.tokenizer,
                                      sampling_settings(config), state.rng, config.max_staleness, config.steps,
-                                     state.step, c.policy, config.recompute_kv_on_update, list(saved), cpus)
+                                     state.step, c.policy, config.recompute_kv_on_update, list(saved), cpus, side)
         return c.rollouts
     sampler = BuiltinSampler(model, c.tokenizer, sampling_settings(config), chunk_prompts(config), c.autocast)
     c.rollouts = InFlight(rollout_source(c, sampler, model, c.autocast, reference), model, state.rng,

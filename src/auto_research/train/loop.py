@@ -40,20 +40,25 @@ def restore(c: Components, state: LoopState, folder: Path, log) -> None:
     state.restore(saved)
     in_flight = checkpoints.read_in_flight(folder)
     if c.config.max_staleness:
-        batches = []
+        batches, side = [], None
         if in_flight is not None:  # this rank's: tensors keyed rank/index/name
             tensors, plain = in_flight
             prefix = f"{c.world.rank}/"
             mine = {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
-            batches = from_files(rollout_source(c, c.sampler, c.policy, c.sampling), mine, plain[c.world.rank])
-        needed = min(c.config.max_staleness, c.config.steps - state.step)
+            mine_plain = list(plain[c.world.rank])
+            if mine_plain and "side" in mine_plain[-1]:  # --in-flight-updates: the rollout side's own state
+                side = ({key[len("side/"):]: value for key, value in mine.items() if key.startswith("side/")},
+                        mine_plain.pop()["side"])
+            batches = from_files(rollout_source(c, c.sampler, c.policy, c.sampling), mine, mine_plain)
+        depth = 1 if c.config.in_flight_updates else c.config.max_staleness  # batches drawn ahead of the trainer
+        needed = min(depth, c.config.steps - state.step)
         batches = batches[:needed]  # a run shortened by --steps: the batches past its new end are not trained on
         if len(batches) != needed:  # their weights are gone: without them the rollout side would wait forever
             raise UserError(f"--resume: {folder} holds {len(batches)} batches in flight, and --max-staleness "
                             f"{c.config.max_staleness} needs {needed} there (a run drawn ahead is extended by "
                             "--steps only from a checkpoint that many steps before its end); resume from another "
                             "checkpoint")
-        start_rollouts(c, state, batches)
+        start_rollouts(c, state, batches, side=side)
     c.world.on_main(lambda: MetricsLog(c.config.run_dir).truncate(state.step))
     log(f"resumed from {folder} (step {state.step})")
 
@@ -109,7 +114,12 @@ class RunLoop:
         rng, in_flight = rng or checkpoints.capture_rng(self.state.rng), None
         if c.config.max_staleness and c.rollouts is not None:  # the batches drawn ahead, every rank's
             batches, rng["numpy"] = c.rollouts.checkpoint(step)
-            shares = world.gather_objects(to_files(batches))
+            tensors, plain = to_files(batches)
+            if hasattr(c.rollouts, "state"):  # --in-flight-updates: the groups still decoding, after the batches
+                side_tensors, side = c.rollouts.state(step)
+                tensors.update({f"side/{key}": value for key, value in side_tensors.items()})
+                plain.append({"side": side})
+            shares = world.gather_objects((tensors, plain))
             in_flight = ({f"{rank}/{key}": value for rank, (tensors, _) in enumerate(shares)
                           for key, value in tensors.items()}, [plain for _, plain in shares])
 

@@ -18,9 +18,9 @@ K = 2.
 Each token carries the version that drew it and μ's log-prob under that version; the trainer's correction
 (``experience.build_experience``) weights each token by π_old / μ_version (truncated, --rollout-correction).
 
-A checkpoint after step s saves the batch of step s + 1; the groups still decoding are not saved (their KV caches
-are the old weights'): a resumed run puts their prompts back in the queue, so --resume continues, but not exactly
-as the uninterrupted run would.
+A checkpoint after step s saves the batch of step s + 1 and the rollout side as round s + 1 left it: the groups
+decoding with their KV caches (the old weights' own), those done but not handed over, the queue and the prompt
+generator. A resumed run decodes on from there: SIGKILL and --resume end with the uninterrupted run's rows.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections import deque
 import torch
 
 from auto_research.engine.rollout import Rollout, eos_ids
-from auto_research.engine.rollout.partial import Finished, Pool, lanes_to_rows
+from auto_research.engine.rollout.partial import Finished, Pool, lanes_to_rows, pool_from_files, pool_to_files
 from auto_research.train.experience import Batch
 from auto_research.train.rollouts import Drawn, RolloutSource, draw_batch, score, signal_counts
 from auto_research.errors import RewardError
@@ -50,7 +50,8 @@ class PartialInFlight:
     max_depth = 1
 
     def __init__(self, source: RolloutSource, model, tokenizer, settings, rng, max_staleness: int, last_step: int,
-                 version: int, policy, recompute_kv: bool, saved: list[Drawn] = (), cpus: set[int] | None = None):
+                 version: int, policy, recompute_kv: bool, saved: list[Drawn] = (), cpus: set[int] | None = None,
+                 state: tuple[dict, dict] | None = None):
         self.source, self.model, self.rng, self.cpus = source, model, rng, cpus
         self.tokenizer, self.max_staleness, self.last_step = tokenizer, max_staleness, last_step
         self.recompute_kv = recompute_kv
@@ -69,6 +70,10 @@ class PartialInFlight:
         self.per_step: int | None = None
         self.numpy_after = saved[-1].numpy_after if saved else rng.bit_generator.state
         self.requeued = 0
+        self.states: dict[int, tuple[dict, dict]] = {}
+        """The rollout side after each round (``_state``), until a checkpoint no longer needs it."""
+        if state is not None:
+            self._restore(*state)
         self.publish(version, policy)
         self.thread = threading.Thread(target=self._run, name="auto-research-partial-rollouts", daemon=True)
         self.thread.start()
@@ -92,7 +97,8 @@ class PartialInFlight:
             self.condition.notify_all()
 
     def checkpoint(self, step: int) -> tuple[list[Drawn], dict]:
-        """The batch of step + 1 (waited for) and the prompt generator's state after it was drawn."""
+        """The batch of step + 1 (waited for) and the prompt generator's state after it was drawn (``state``: the
+        rest of the rollout side)."""
         last = min(step + self.max_depth, self.last_step)
         with self.condition:
             while any(s not in self.ready for s in range(step + 1, last + 1)) and self.error is None:
@@ -101,6 +107,30 @@ class PartialInFlight:
                 raise self.error
             batches = [self.ready[s] for s in range(step + 1, last + 1)]
             return batches, batches[-1].numpy_after if batches else self.numpy_after
+
+    def state(self, step: int) -> tuple[dict, dict]:
+        """The rollout side as the round of step + 1 left it (``checkpoint`` waited for that round)."""
+        last = min(step + self.max_depth, self.last_step)
+        with self.condition:
+            for older in [s for s in self.states if s < last]:
+                del self.states[older]
+            return self.states.get(last, ({}, {}))
+
+    def _state(self) -> tuple[dict, dict]:
+        tensors, plain = pool_to_files(self.pool, self.finished)
+        plain.update(pending=[list(item) for item in self.pending], draws=self.draws, per_step=self.per_step,
+                     requeued=self.requeued, loaded=self.loaded)
+        return tensors, plain
+
+    def _restore(self, tensors: dict, plain: dict) -> None:
+        if not plain:
+            return
+        self.finished = pool_from_files(self.pool, tensors, plain)
+        self.pending = deque(tuple(item) for item in plain["pending"])
+        self.draws, self.per_step, self.requeued = plain["draws"], plain["per_step"], plain["requeued"]
+        self.loaded = plain["loaded"]
+        if self.loaded is not None:  # the weights those caches were decoding with: swapped for the next at once
+            self.loaded = -1
 
     def close(self) -> None:
         with self.condition:
@@ -120,7 +150,9 @@ class PartialInFlight:
                     return
                 idle = time.perf_counter() - waiting
                 drawn = self._round(step, idle)
+                state = self._state()
                 with self.condition:
+                    self.states[step] = state
                     self.ready[step] = drawn
                     self.numpy_after = drawn.numpy_after
                     self.condition.notify_all()
@@ -167,8 +199,8 @@ class PartialInFlight:
     def _fill(self) -> None:
         """Admit groups into the free rows (the batch's rows: P · K), drawing the next prompts when the queue is
         empty (one draw a step's worth, from the run's generator and seed)."""
-        K = self.source.group_size
-        while self.per_step is None or self.pool.size + K <= self.per_step * K:
+        K, admitted = self.source.group_size, []
+        while self.per_step is None or self.pool.size + K * (len(admitted) + 1) <= self.per_step * K:
             if not self.pending:
                 self.draws += 1
                 batch = draw_batch(self.source, self.rng, self.draws)
@@ -176,7 +208,8 @@ class PartialInFlight:
                 self.pending.extend(zip(batch.indices, batch.seeds))
             index, seed = self.pending.popleft()
             ids = self.tokenizer(self.source.prompts[index], add_special_tokens=False)["input_ids"]
-            self.pool.admit((index, seed), ids, seed)
+            admitted.append(((index, seed), ids, seed))
+        self.pool.admit_many(admitted)
 
     def _drawn(self, step: int, lanes: list[Finished], idle: float, sample_seconds: float) -> Drawn:
         source, K = self.source, self.source.group_size

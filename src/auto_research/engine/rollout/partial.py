@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from auto_research.engine.rollout import completion_mask
-from auto_research.engine.rollout.builtin import _prefill, _uniforms, cache_argument, cache_of, droppable, next_token
+from auto_research.engine.rollout.builtin import (_prefill, _uniforms, cache_argument, cache_of, droppable,
+                                                  encode_prompts, next_token)
 
 
 @dataclass
@@ -71,27 +72,35 @@ class Pool:
 
     # --- admitting and dropping lanes -------------------------------------------------------------------------
 
-    @torch.no_grad()
     def admit(self, key, prompt_ids: list[int], seed: int) -> None:
         """A prompt's K rows, prefilled under the current weights; its uniforms from its seed alone."""
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        attention = torch.ones_like(ids)
+        self.admit_many([(key, prompt_ids, seed)])
+
+    @torch.no_grad()
+    def admit_many(self, groups: list[tuple[object, list[int], int]]) -> None:
+        """Several prompts' groups (key, prompt ids, seed), prefilled in one forward (left-padded, as ``sample``
+        prefills a batch: each row's draws are its own)."""
+        if not groups:
+            return
+        ids, attention = encode_prompts(self.tokenizer, [list(prompt) for _, prompt, _ in groups], self.device)
         logits, cache, position = _prefill(self.model, ids, attention, self.K)
         if not droppable(cache):
             raise ValueError("--in-flight-updates needs a model whose KV cache is a plain dynamic cache per layer")
-        K, width = self.K, self.max_new
-        rows = {"attention": attention.repeat(K, 1), "position": position, "logits": logits,
-                "logits_version": torch.full((K,), self.version, dtype=torch.long, device=self.device),
-                "t": torch.zeros(K, dtype=torch.long, device=self.device),
-                "ended": torch.zeros(K, dtype=torch.bool, device=self.device),
-                "tokens": torch.full((K, width), self.pad, dtype=torch.long, device=self.device),
-                "logprobs": torch.zeros(K, width, device=self.device),
-                "entropies": torch.zeros(K, width, device=self.device),
-                "versions": torch.full((K, width), -1, dtype=torch.long, device=self.device),
-                "uniforms": _uniforms([seed], 1, K, K, width, self.device)}
+        rows_count, width = len(groups) * self.K, self.max_new
+        rows = {"attention": attention.repeat_interleave(self.K, dim=0), "position": position, "logits": logits,
+                "logits_version": torch.full((rows_count,), self.version, dtype=torch.long, device=self.device),
+                "t": torch.zeros(rows_count, dtype=torch.long, device=self.device),
+                "ended": torch.zeros(rows_count, dtype=torch.bool, device=self.device),
+                "tokens": torch.full((rows_count, width), self.pad, dtype=torch.long, device=self.device),
+                "logprobs": torch.zeros(rows_count, width, device=self.device),
+                "entropies": torch.zeros(rows_count, width, device=self.device),
+                "versions": torch.full((rows_count, width), -1, dtype=torch.long, device=self.device),
+                "uniforms": _uniforms([seed for _, _, seed in groups], len(groups), rows_count, self.K, width,
+                                      self.device)}
         self._append(cache, rows)
-        self.lanes.append({"key": key, "order": self.admitted, "prompt_ids": list(prompt_ids)})
-        self.admitted += 1
+        for key, prompt, _ in groups:
+            self.lanes.append({"key": key, "order": self.admitted, "prompt_ids": list(prompt)})
+            self.admitted += 1
 
     def _append(self, cache, rows: dict) -> None:
         if self.cache is None:
@@ -215,6 +224,41 @@ class Pool:
         self.cache = cache
         self.rows.update(attention=attention, position=position, logits=logits,
                          logits_version=torch.full_like(self.rows["logits_version"], version))
+
+
+def pool_to_files(pool: Pool, finished: list[Finished]) -> tuple[dict, dict]:
+    """The pool and the groups done but not yet handed over, as tensors (copies) and plain values: what a
+    checkpoint saves so that a resumed run decodes on from the very same KV cache."""
+    tensors = {f"rows/{name}": value.detach().clone() for name, value in pool.rows.items()}
+    for index, layer in enumerate(pool.cache.layers if pool.cache is not None else ()):
+        tensors[f"cache/{index}/keys"], tensors[f"cache/{index}/values"] = layer.keys.clone(), layer.values.clone()
+    for index, lane in enumerate(finished):
+        for name in ("tokens", "logprobs", "entropies", "versions"):
+            tensors[f"finished/{index}/{name}"] = getattr(lane, name).clone()
+    plain = {"lanes": [{**lane, "key": list(lane["key"])} for lane in pool.lanes], "admitted": pool.admitted,
+             "version": pool.version, "layers": len(pool.cache.layers) if pool.cache is not None else 0,
+             "finished": [{"key": list(lane.key), "order": lane.order, "prompt_ids": lane.prompt_ids}
+                          for lane in finished]}
+    return tensors, plain
+
+
+def pool_from_files(pool: Pool, tensors: dict, plain: dict) -> list[Finished]:
+    """``pool_to_files``' values back into ``pool`` (made with the run's settings); the groups done, returned."""
+    from transformers.cache_utils import DynamicCache
+
+    pool.lanes = [{**lane, "key": tuple(lane["key"])} for lane in plain["lanes"]]
+    pool.admitted, pool.version = plain["admitted"], plain["version"]
+    pool.rows = {key[len("rows/"):]: value.to(pool.device) for key, value in tensors.items() if key.startswith("rows/")}
+    pool.cache = None
+    if plain["layers"]:
+        pool.cache = DynamicCache()
+        for index in range(plain["layers"]):
+            pool.cache.update(tensors[f"cache/{index}/keys"].to(pool.device),
+                              tensors[f"cache/{index}/values"].to(pool.device), index)
+    return [Finished(tuple(lane["key"]), lane["order"], lane["prompt_ids"],
+                     *(tensors[f"finished/{index}/{name}"].to(pool.device)
+                       for name in ("tokens", "logprobs", "entropies", "versions")))
+            for index, lane in enumerate(plain["finished"])]
 
 
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
