@@ -9,8 +9,6 @@ trainer and the rollout side on disjoint cores.
     python benchmarks/async.py --model tiny --staleness 1,1+,2,2+ --long-tail 0.1:8 --max-new-tokens 48 --steps 14
                                                         # in-flight updates (K+) against whole draws, long tail
 
-    python benchmarks/async.py --staleness 1,2+ --learning 1,2,3   # learning: held-out accuracy after 200 steps
-    python benchmarks/async.py --staleness 1,2+ --learning 1 --learning-task sums   # SmolLM2's two-digit sums
 
 A level written K+ runs with --in-flight-updates (weights taken between two decode steps, partial rollouts;
 docs/async.md). --long-tail F:X gives completions a long-tailed length, whatever the weights: a forward hook on the
@@ -199,54 +197,6 @@ def summary(runs: list[dict]) -> dict:
                for key in ("trainer_cpu", "trainer_queued", "sampler_cpu", "sampler_queued")}}
 
 
-def learning(options, levels: list[str]) -> None:
-    """Held-out accuracy after --learning-steps on arithmetic-generate (its presets), or with --learning-task sums
-    on SmolLM2-135M-Instruct's two-digit sums (benchmarks/real_model.py's task and recipe, its 30 steps), each level
-    at each seed of --learning, two runs at a time: the mean and the seeds' range, before and after."""
-    import subprocess
-    from concurrent.futures import ThreadPoolExecutor
-
-    seeds = [int(seed) for seed in options.learning.split(",")]
-    folder = Path(options.learning_dir) / options.learning_task
-    folder.mkdir(parents=True, exist_ok=True)
-    if options.learning_task == "sums":
-        from real_model import RECIPE, write_task
-
-        task = ["--model", "smollm2-135m-instruct", "--dataset", str(write_task(folder)), "--prompt-field", "question",
-                "--answer-field", "answer", *RECIPE]
-    else:
-        task = ["--dataset", "arithmetic-generate", "--steps", str(options.learning_steps)]
-
-    def run(level: str, seed: int) -> dict:
-        output = folder / f"K{level.replace('+', 'p')}-seed{seed}"
-        found = sorted(output.glob("*/metrics.json"))
-        if not found:
-            K = level.rstrip("+")
-            command = [sys.executable, "-m", "auto_research", "post-train", *task, "--seed", str(seed),
-                       "--max-staleness", K, "--threads", "1", "--no-progress", "--output-dir", str(output),
-                       "--overwrite", *(["--in-flight-updates"] if level.endswith("+") else [])]
-            output.mkdir(parents=True, exist_ok=True)
-            with open(output / "log.txt", "w") as log:
-                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
-            if code:
-                raise SystemExit(f"{' '.join(command)} failed (exit {code}); its output: {output / 'log.txt'}")
-            found = sorted(output.glob("*/metrics.json"))
-        metrics = json.loads(found[0].read_text())
-        return {"before": metrics["baseline"]["accuracy"], "after": metrics["final"]["accuracy"]}
-
-    jobs = [(level, seed) for level in levels for seed in seeds]
-    with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(jobs, pool.map(lambda job: run(*job), jobs)))
-    print(f"learning: {options.learning_task}, seeds {seeds}, held-out greedy accuracy: "
-          f"{' '.join(['post-train', *task])}")
-    print("| K (+: in-flight updates) | before | after, each seed | after, mean | after, range |")
-    print("|---:|---:|---:|---:|---:|")
-    for level in levels:
-        after = [results[(level, seed)]["after"] for seed in seeds]
-        print(f"| {level} | {results[(level, seeds[0])]['before']:.3f} | {', '.join(f'{a:.3f}' for a in after)} | "
-              f"{statistics.fmean(after):.3f} | {min(after):.3f}–{max(after):.3f} |")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a model folder, tiny or wide (random, built here: 2 layers of "
@@ -268,12 +218,6 @@ def main() -> None:
                         help="the rollout side in a thread of the trainer's process, or in a rollout server's process")
     parser.add_argument("--engine", choices=("builtin", "vllm"), default="builtin", help="the server's engine")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    parser.add_argument("--learning", default=None, help="seeds, e.g. 1,2,3: instead of throughput, held-out accuracy "
-                        "on arithmetic-generate after --learning-steps for each level of --staleness")
-    parser.add_argument("--learning-steps", type=int, default=200, help="arithmetic-generate's steps")
-    parser.add_argument("--learning-task", choices=("arithmetic", "sums"), default="arithmetic")
-    parser.add_argument("--learning-dir", default="runs/async-learning", help="each run's folder (kept: reruns "
-                        "read finished runs)")
     options = parser.parse_args()
     if options.rollout_side == "thread" and options.engine != "builtin":
         parser.error("--engine vllm needs --rollout-side server")
@@ -282,8 +226,6 @@ def main() -> None:
 
     torch.set_num_threads(1)
     levels = [value.strip() for value in options.staleness.split(",")]
-    if options.learning:
-        return learning(options, levels)
     with tempfile.TemporaryDirectory() as folder:
         model = random_model(Path(folder) / options.model, options.model) if options.model in SHAPES else options.model
         results = {K: [] for K in levels}

@@ -4,6 +4,8 @@ over three seeds, the same number of steps each, and at K = 4 with and without t
     python benchmarks/async_learning.py                 # 200 steps a run
     python benchmarks/async_learning.py --steps 600     # the preset's length
     python benchmarks/async_learning.py --jobs 2        # two runs at a time (accuracy does not depend on it)
+    python benchmarks/async_learning.py --levels 1,2+ --jobs 2     # K = 1 against K = 2 with --in-flight-updates
+    python benchmarks/async_learning.py --levels 1,2+ --task sums --seeds 42 --jobs 2   # SmolLM2's two-digit sums
 
 Prints held-out greedy accuracy after training (mean ± spread over the seeds, and each seed), the mean
 staleness-correction weight and the mismatch between the stale weights and the trained ones at the last step.
@@ -22,20 +24,38 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def run(output: Path, seed: int, K: int, steps: int, correction: str | None) -> dict:
-    command = [sys.executable, "-m", "auto_research", "post-train", "--dataset", "arithmetic-generate",
-               "--steps", str(steps), "--seed", str(seed), "--max-staleness", str(K), "--threads", "1",
-               "--no-progress", "--output-dir", str(output), "--eval-every", "0"]
-    if correction:
-        command += ["--rollout-correction", correction]
-    finished = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if finished.returncode:
-        raise SystemExit(finished.stderr[-2000:])
-    folder = next(output.iterdir())
-    metrics = json.loads((folder / "metrics.json").read_text())
-    last = json.loads((folder / "metrics.jsonl").read_text().splitlines()[-1])
+def run(output: Path, seed: int, level: str, task: list[str], correction: str | None) -> dict:
+    """One run (its folder kept: a finished run is read, not run again); ``level`` K, or K+ for
+    --in-flight-updates."""
+    found = sorted(output.glob("*/metrics.json"))
+    if not found:
+        command = [sys.executable, "-m", "auto_research", "post-train", *task, "--seed", str(seed), "--max-staleness",
+                   level.rstrip("+"), "--threads", "1", "--no-progress", "--output-dir", str(output), "--overwrite",
+                   *(["--in-flight-updates"] if level.endswith("+") else [])]
+        if correction:
+            command += ["--rollout-correction", correction]
+        output.mkdir(parents=True, exist_ok=True)
+        with open(output / "log.txt", "w") as log:
+            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+        if code:
+            raise SystemExit(f"{' '.join(command)} failed (exit {code}): {output / 'log.txt'}")
+        found = sorted(output.glob("*/metrics.json"))
+    metrics = json.loads(found[0].read_text())
+    last = json.loads((found[0].parent / "metrics.jsonl").read_text().splitlines()[-1])
     return {"before": metrics["baseline"]["accuracy"], "after": metrics["final"]["accuracy"],
             "weight": last.get("rollout_weight_mean"), "mismatch": last.get("rollout_logprob_diff_mean")}
+
+
+def task_arguments(task: str, steps: int, folder: Path) -> list[str]:
+    """arithmetic-generate (the embedded model, its presets) or SmolLM2-135M-Instruct's two-digit sums
+    (benchmarks/real_model.py's task and recipe, whose 30 steps it keeps)."""
+    if task == "sums":
+        from real_model import RECIPE, write_task
+
+        return ["--model", "smollm2-135m-instruct", "--dataset", str(write_task(folder)), "--prompt-field", "question",
+                "--answer-field", "answer", *RECIPE]
+    return ["--dataset", "arithmetic-generate", "--steps", str(steps), "--eval-every", "0"]
 
 
 def main() -> None:
@@ -43,15 +63,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", default="42,43,44")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each on one thread)")
+    parser.add_argument("--levels", default=None, help="K values, K+ with --in-flight-updates, e.g. 1,2+ (default: "
+                        "0, 1, 2 over the seeds, and 4 with and without the correction at the first)")
+    parser.add_argument("--task", choices=("arithmetic", "sums"), default="arithmetic")
+    parser.add_argument("--output-dir", type=Path, default=None, help="keep the runs here (a rerun reads the "
+                        "finished ones); default: a temporary folder")
     options = parser.parse_args()
     seeds = [int(seed) for seed in options.seeds.split(",")]
-    plans = [(K, None, seeds) for K in (0, 1, 2)] + [(4, None, seeds[:1]), (4, "none", seeds[:1])]
-    print(f"RLOO, arithmetic-generate, embedded model, {options.steps} steps a run; held-out greedy accuracy")
-    print("| K | correction | after training (mean ± std over seeds) | each seed | last step: weight mean, |log π − log μ| |")
-    print("|---:|---|---:|---|---|")
-    with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(options.jobs) as pool:
-        pending = [[pool.submit(run, Path(folder) / f"{K}-{correction}-{seed}", seed, K, options.steps, correction)
-                    for seed in plan_seeds] for K, correction, plan_seeds in plans]
+    if options.levels:
+        plans = [(level.strip(), None, seeds) for level in options.levels.split(",")]
+    else:
+        plans = [(str(K), None, seeds) for K in (0, 1, 2)] + [("4", None, seeds[:1]), ("4", "none", seeds[:1])]
+    with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(options.jobs) as pool:
+        folder = options.output_dir or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        task = task_arguments(options.task, options.steps, folder)
+        print(f"RLOO, post-train {' '.join(task)}; held-out greedy accuracy")
+        print("| K (+: in-flight updates) | correction | after training (mean ± std over seeds) | each seed | last step: "
+              "weight mean, |log π − log μ| |")
+        print("|---:|---|---:|---|---|")
+        pending = [[pool.submit(run, folder / f"{options.task}-{level.replace('+', 'p')}-{correction}-{seed}", seed,
+                                level, task, correction)
+                    for seed in plan_seeds] for level, correction, plan_seeds in plans]
         means = {}
         for (K, correction, _), futures in zip(plans, pending):
             results = [future.result() for future in futures]
@@ -63,11 +96,13 @@ def main() -> None:
                   f"| {', '.join(f'{value:.3f}' for value in after)} (from {results[0]['before']:.3f}) | {drift} |",
                   flush=True)
             means[K, correction] = after
-    low, high = min(means[0, None]), max(means[0, None])
-    for K in (1, 2):
-        mean = statistics.fmean(means[K, None])
-        print(f"K={K}: mean {mean:.3f} {'lies within' if low <= mean <= high else 'lies outside'} K=0's seeds' range "
-              f"[{low:.3f}, {high:.3f}]")
+    first = plans[0][0]
+    low, high = min(means[first, None]), max(means[first, None])
+    for level, correction, _ in plans[1:]:
+        if correction is None:
+            mean = statistics.fmean(means[level, None])
+            print(f"K={level}: mean {mean:.3f} {'lies within' if low <= mean <= high else 'lies outside'} K={first}'s "
+                  f"seeds' range [{low:.3f}, {high:.3f}]")
 
 if __name__ == "__main__":
     main()

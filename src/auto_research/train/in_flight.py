@@ -145,15 +145,17 @@ class InFlight:
                 self.condition.notify_all()
 
 
-def rollout_source(c: Components, sampler, model, context, reference=None) -> RolloutSource:
+def rollout_source(c: Components, sampler, model, context, reference=None, tokenizer=None) -> RolloutSource:
     """What the rollout side needs of a run; ``reference``: a frozen reference of its own, whose log-probs it
-    then computes (in the micro-batches the trainer would use, so the numbers are the trainer's)."""
+    then computes (in the micro-batches the trainer would use, so the numbers are the trainer's); ``tokenizer``:
+    the rollout side's own (default: the trainer's)."""
     config, world = c.config, c.world
+    tokenizer = tokenizer or c.tokenizer
     greedy = reference_logprobs = None
     if c.algorithm.needs_greedy:
         def greedy(prompts):
             with context():
-                return sample(model, c.tokenizer, prompts, 1, config.max_new_tokens, greedy=True)
+                return sample(model, tokenizer, prompts, 1, config.max_new_tokens, greedy=True)
     if reference is not None:
         def reference_logprobs(rollout):
             if reference is c.reference:  # offloaded: shared with the trainer, in the process only while in use
@@ -185,14 +187,19 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
                               config.max_staleness, config.steps, state.step, c.policy, list(saved), cpus, c.sampler)
         return c.rollouts
     model = copy.deepcopy(c.policy).requires_grad_(False)
+    # A tokenizer of its own: a fast tokenizer's padding is state of the tokenizer, so the trainer's evaluation
+    # (padded batches) and the rollout thread's calls at the same time broke one another (seen: "Unable to create
+    # tensor" in a held-out evaluation).
+    tokenizer = copy.deepcopy(c.tokenizer)
     if config.in_flight_updates:
         from auto_research.train.partial_flight import PartialInFlight  # noqa: PLC0415
 
-        c.rollouts = PartialInFlight(rollout_source(c, None, model, c.autocast, reference), model.eval(), c.tokenizer,
+        c.rollouts = PartialInFlight(rollout_source(c, None, model, c.autocast, reference, tokenizer), model.eval(),
+                                     tokenizer,
                                      sampling_settings(config), state.rng, config.max_staleness, config.steps,
                                      state.step, c.policy, config.recompute_kv_on_update, list(saved), cpus, side)
         return c.rollouts
-    sampler = BuiltinSampler(model, c.tokenizer, sampling_settings(config), chunk_prompts(config), c.autocast)
-    c.rollouts = InFlight(rollout_source(c, sampler, model, c.autocast, reference), model, state.rng,
+    sampler = BuiltinSampler(model, tokenizer, sampling_settings(config), chunk_prompts(config), c.autocast)
+    c.rollouts = InFlight(rollout_source(c, sampler, model, c.autocast, reference, tokenizer), model, state.rng,
                           config.max_staleness, config.steps, state.step, c.policy, list(saved), cpus)
     return c.rollouts
