@@ -172,7 +172,7 @@ def test_at_k_1_no_completion_spans_versions(tiny_model_dir, sums_jsonl, workdir
     assert all(row["staleness_max"] <= 1 for row in rows)
 
 
-def test_in_flight_updates_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp_path, capsys):
+def test_in_flight_updates_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp_path, capsys, monkeypatch):
     from auto_research.cli import main
 
     def error(*extra) -> str:
@@ -192,6 +192,9 @@ def test_in_flight_updates_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp
         "--in-flight-updates with remax is not built")
     assert error("--in-flight-updates", "--max-staleness", "1", "--dynamic-sampling").startswith(
         "--in-flight-updates with --dynamic-sampling is not built")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it, checked before any process group starts
+    assert error("--in-flight-updates", "--max-staleness", "1").startswith(
+        "--in-flight-updates under torchrun is not built")
     assert not tmp_path.joinpath("rloo-sums-seed42").exists()
 
 

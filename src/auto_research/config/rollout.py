@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from auto_research.algorithms.registry import ROLLOUT_CORRECTIONS
 from auto_research.config.fields import check_choice, check_positive_finite, setting
 from auto_research.config.loss import by_algorithm
-from auto_research.engine.launch import parse_cores
+from auto_research.engine.launch import environment_world_size, parse_cores
 from auto_research.engine.samplers import ENGINES, ROLLOUT_MODES, VLLM_MEMORY_CPU, VLLM_MEMORY_GPU
 from auto_research.errors import UserError
 
@@ -132,6 +132,10 @@ class RolloutSection:
                             f"builtin --rollout-mode colocate), not --sampler {self.sampler} --rollout-mode "
                             f"{self.rollout_mode}: the rollout server cannot pause a draw to take new weights yet, and "
                             "the installed vLLM's server is not wired to pause_generation (docs/async.md)")
+        if environment_world_size() > 1:
+            raise UserError("--in-flight-updates under torchrun is not built: each rank's continuous batch would "
+                            "finish its groups in its own order, so the run's rows would depend on how many "
+                            "processes ran it; run it in one process")
         if algorithm.needs_greedy:
             raise UserError(f"--in-flight-updates with {algorithm.name} is not built (its greedy baseline would be "
                             "drawn by weights other than its samples')")
