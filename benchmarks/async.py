@@ -10,7 +10,7 @@ trainer and the rollout side on disjoint cores.
                                                         # in-flight updates (K+) against whole draws, long tail
 
 
-A level written K+ runs with --in-flight-updates (weights taken between two decode steps, partial rollouts;
+A level written K+ runs with --in-flight-updates (K+r: and --recompute-kv-on-update) (weights taken between two decode steps, partial rollouts;
 docs/async.md). --long-tail F:X gives completions a long-tailed length, whatever the weights: a forward hook on the
 model (trainer, rollout side and reference alike, so every log-prob agrees) makes a completion end with probability
 1/M a token (M = --max-new-tokens / X, the typical length), and enter a "long" mode with probability F/M a token, in
@@ -139,10 +139,10 @@ def one_run(options, level: str, model: str | None, output: Path, server=None) -
     from auto_research.train.in_flight import start_rollouts
     from auto_research.train.trainer import Trainer
 
-    K, in_flight = int(level.rstrip("+")), level.endswith("+")
+    K, in_flight, recompute = int(level.split("+")[0]), "+" in level, level.endswith("+r")
     os.sched_setaffinity(0, options.trainer_cores)  # the main thread: the trainer
     config = GenerationConfig(dataset="arithmetic-generate", model=model, steps=options.steps + K + 1, max_staleness=K,
-                              in_flight_updates=in_flight,
+                              in_flight_updates=in_flight, recompute_kv_on_update=recompute,
                               **({"max_rollout_mismatch": 1e9} if options.long_tail else {}),
                               seed=options.seed, threads=1, device="cpu", output_dir=output, progress=False,
                               prompts_per_step=options.prompts_per_step, group_size=options.group_size,
@@ -192,6 +192,7 @@ def summary(runs: list[dict]) -> dict:
             "staleness_max": max(row["staleness_max"] for row in rows), "steps": steps,
             "versions_per_sequence_max": max(row.get("versions_per_sequence_max", 1) for row in rows),
             "completion_length": statistics.fmean(row["completion_length"] for row in rows),
+            "mismatch": statistics.fmean(row.get("rollout_logprob_diff_mean", 0.0) for row in rows),
             "requeued": sum(run["requeued"] for run in runs),
             **{key: sum(run[key] for run in runs) / steps
                for key in ("trainer_cpu", "trainer_queued", "sampler_cpu", "sampler_queued")}}
@@ -256,13 +257,15 @@ def main() -> None:
           f"{bound:.2f}×, goal 0.9 × bound = {0.9 * bound:.2f}×" + (f"; long tail {options.long_tail}"
                                                                     if options.long_tail else ""))
     print(f"| K (+: in-flight updates) | steps/min | speedup vs K={levels[0]} | trainer idle | rollout side idle | "
-          "staleness max | versions a completion | mean completion tokens | groups drawn again | per step: trainer "
+          "staleness max | versions a completion | mean completion tokens | groups drawn again | mean |log π − log μ| "
+          "| per step: trainer "
           "CPU s (waiting for a CPU s) | rollout side CPU s (waiting for a CPU s) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for K, figure in figures.items():
         print(f"| {K} | {figure['steps_per_minute']:.1f} | {figure['steps_per_minute'] / base['steps_per_minute']:.2f}× "
               f"| {figure['trainer_idle']:.1%} | {figure['sampler_idle']:.1%} | {figure['staleness_max']} "
               f"| {figure['versions_per_sequence_max']} | {figure['completion_length']:.1f} | {figure['requeued']} "
+              f"| {figure['mismatch']:.2e} "
               f"| {figure['trainer_cpu']:.3f} ({figure['trainer_queued']:.3f}) "
               f"| {figure['sampler_cpu']:.3f} ({figure['sampler_queued']:.3f}) |")
     print(f"load average {os.getloadavg()[0]:.2f} at the end (other work on the machine delays both threads: the "

@@ -33,13 +33,48 @@ from auto_research.train.rollouts import Drawn, RolloutSource, Synchronous, draw
 from auto_research.train.state import LoopState
 
 
-class InFlight:
+class Handover:
+    """The trainer's side of a rollout side in a thread: the batches it drew, by step (``ready``), handed over under
+    one condition; ``error``, raised where the trainer waits. A subclass sets ``depth`` (batches drawn ahead of the
+    trainer), ``last_step``, ``numpy_after``, ``stopping`` and ``thread``."""
+
+    depth: int
+
+    def take(self, step: int) -> Drawn:
+        with self.condition:
+            while step not in self.ready and self.error is None:
+                self.condition.wait()
+            if step not in self.ready:
+                raise self.error
+            return self.ready.pop(step)
+
+    def checkpoint(self, step: int) -> tuple[list[Drawn], dict]:
+        """The batches of steps step + 1 … step + depth (waited for: their weights are published) and the prompt
+        generator's state after the last of them."""
+        last = min(step + self.depth, self.last_step)
+        with self.condition:
+            while any(s not in self.ready for s in range(step + 1, last + 1)) and self.error is None:
+                self.condition.wait()
+            if self.error is not None:
+                raise self.error
+            batches = [self.ready[s] for s in range(step + 1, last + 1)]
+            return batches, batches[-1].numpy_after if batches else self.numpy_after
+
+    def close(self) -> None:
+        with self.condition:
+            self.stopping = True
+            self.condition.notify_all()
+        self.thread.join(timeout=60)
+
+
+class InFlight(Handover):
     """The rollout side in a thread: ``take``, ``publish``, ``checkpoint`` and ``close`` as ``Synchronous``'s."""
 
     def __init__(self, source: RolloutSource, model, rng, max_staleness: int, last_step: int, version: int, policy,
                  saved: list[Drawn] = (), cpus: set[int] | None = None, remote=None):
         self.source, self.model, self.rng, self.remote = source, model, rng, remote
         self.max_staleness, self.last_step, self.cpus = max_staleness, last_step, cpus
+        self.depth = max_staleness
         self.condition = threading.Condition()
         self.ready = {drawn.step: drawn for drawn in saved}
         self.snapshots: dict[int, dict | None] = {}
@@ -57,14 +92,6 @@ class InFlight:
         self.thread.start()
 
     # --- the trainer's side ---------------------------------------------------------------------------------
-
-    def take(self, step: int) -> Drawn:
-        with self.condition:
-            while step not in self.ready and self.error is None:
-                self.condition.wait()
-            if step not in self.ready:
-                raise self.error
-            return self.ready.pop(step)
 
     def publish(self, version: int, policy) -> None:
         """A copy of the weights of ``version`` for the producer, unless no batch left to draw needs it."""
@@ -92,24 +119,6 @@ class InFlight:
         with self.condition:
             self.snapshots[version] = None
             self.condition.notify_all()
-
-    def checkpoint(self, step: int) -> tuple[list[Drawn], dict]:
-        """The batches of steps step + 1 … step + K (waited for: their weights are published) and the prompt
-        generator's state after the last of them."""
-        last = min(step + self.max_staleness, self.last_step)
-        with self.condition:
-            while any(s not in self.ready for s in range(step + 1, last + 1)) and self.error is None:
-                self.condition.wait()
-            if self.error is not None:
-                raise self.error
-            batches = [self.ready[s] for s in range(step + 1, last + 1)]
-            return batches, batches[-1].numpy_after if batches else self.numpy_after
-
-    def close(self) -> None:
-        with self.condition:
-            self.stopping = True
-            self.condition.notify_all()
-        self.thread.join(timeout=60)
 
     # --- the producer's side ----------------------------------------------------------------------------------
 

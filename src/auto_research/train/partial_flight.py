@@ -35,6 +35,7 @@ import torch
 from auto_research.engine.rollout import Rollout, eos_ids
 from auto_research.engine.rollout.partial import Finished, Pool, lanes_to_rows, pool_from_files, pool_to_files
 from auto_research.train.experience import Batch
+from auto_research.train.in_flight import Handover
 from auto_research.train.rollouts import Drawn, RolloutSource, draw_batch, score, signal_counts
 from auto_research.errors import RewardError
 
@@ -44,10 +45,11 @@ def round_version(step: int) -> int:
     return max(0, step - 2)
 
 
-class PartialInFlight:
-    """The rollout side of --in-flight-updates: ``take``, ``publish``, ``checkpoint`` and ``close`` as ``InFlight``'s."""
+class PartialInFlight(Handover):
+    """The rollout side of --in-flight-updates: ``take``, ``checkpoint`` (the batch of the next step) and ``close``
+    are ``Handover``'s; ``state``, the rest of the rollout side for a checkpoint."""
 
-    max_depth = 1
+    depth = 1
 
     def __init__(self, source: RolloutSource, model, tokenizer, settings, rng, max_staleness: int, last_step: int,
                  version: int, policy, recompute_kv: bool, saved: list[Drawn] = (), cpus: set[int] | None = None,
@@ -78,15 +80,7 @@ class PartialInFlight:
         self.thread = threading.Thread(target=self._run, name="auto-research-partial-rollouts", daemon=True)
         self.thread.start()
 
-    # --- the trainer's side (as InFlight's) --------------------------------------------------------------------
-
-    def take(self, step: int) -> Drawn:
-        with self.condition:
-            while step not in self.ready and self.error is None:
-                self.condition.wait()
-            if step not in self.ready:
-                raise self.error
-            return self.ready.pop(step)
+    # --- the trainer's side --------------------------------------------------------------------------------------
 
     def publish(self, version: int, policy) -> None:
         if version > round_version(self.last_step):
@@ -96,21 +90,9 @@ class PartialInFlight:
             self.snapshots[version] = snapshot
             self.condition.notify_all()
 
-    def checkpoint(self, step: int) -> tuple[list[Drawn], dict]:
-        """The batch of step + 1 (waited for) and the prompt generator's state after it was drawn (``state``: the
-        rest of the rollout side)."""
-        last = min(step + self.max_depth, self.last_step)
-        with self.condition:
-            while any(s not in self.ready for s in range(step + 1, last + 1)) and self.error is None:
-                self.condition.wait()
-            if self.error is not None:
-                raise self.error
-            batches = [self.ready[s] for s in range(step + 1, last + 1)]
-            return batches, batches[-1].numpy_after if batches else self.numpy_after
-
     def state(self, step: int) -> tuple[dict, dict]:
         """The rollout side as the round of step + 1 left it (``checkpoint`` waited for that round)."""
-        last = min(step + self.max_depth, self.last_step)
+        last = min(step + self.depth, self.last_step)
         with self.condition:
             for older in [s for s in self.states if s < last]:
                 del self.states[older]
@@ -131,12 +113,6 @@ class PartialInFlight:
         self.loaded = plain["loaded"]
         if self.loaded is not None:  # the weights those caches were decoding with: swapped for the next at once
             self.loaded = -1
-
-    def close(self) -> None:
-        with self.condition:
-            self.stopping = True
-            self.condition.notify_all()
-        self.thread.join(timeout=60)
 
     # --- the producer's side ------------------------------------------------------------------------------------
 
