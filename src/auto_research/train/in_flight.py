@@ -206,7 +206,8 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
         c.rollouts = PartialInFlight(rollout_source(c, None, model, c.autocast, reference, tokenizer), model.eval(),
                                      tokenizer,
                                      sampling_settings(config), state.rng, config.max_staleness, config.steps,
-                                     state.step, c.policy, config.recompute_kv_on_update, list(saved), cpus, side)
+                                     state.step, c.policy, config.recompute_kv_on_update, list(saved), cpus, side,
+                                     c.autocast)
         return c.rollouts
     sampler = BuiltinSampler(model, tokenizer, sampling_settings(config), chunk_prompts(config), c.autocast)
     c.rollouts = InFlight(rollout_source(c, sampler, model, c.autocast, reference, tokenizer), model, state.rng,

@@ -25,6 +25,7 @@ generator. A resumed run decodes on from there: SIGKILL and --resume end with th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -53,10 +54,11 @@ class PartialInFlight(Handover):
 
     def __init__(self, source: RolloutSource, model, tokenizer, settings, rng, max_staleness: int, last_step: int,
                  version: int, policy, recompute_kv: bool, saved: list[Drawn] = (), cpus: set[int] | None = None,
-                 state: tuple[dict, dict] | None = None):
+                 state: tuple[dict, dict] | None = None, context=contextlib.nullcontext):
         self.source, self.model, self.rng, self.cpus = source, model, rng, cpus
         self.tokenizer, self.max_staleness, self.last_step = tokenizer, max_staleness, last_step
-        self.recompute_kv = recompute_kv
+        self.recompute_kv, self.context = recompute_kv, context
+        """``context``: entered around every forward of the rollout side (the trainer's bf16 autocast)."""
         self.pool = Pool(model, tokenizer, source.group_size, settings.max_new_tokens, settings.temperature,
                          settings.top_k, settings.top_p, eos_ids(tokenizer, model), source.pad_token_id)
         self.condition = threading.Condition()
@@ -122,10 +124,11 @@ class PartialInFlight(Handover):
                 os.sched_setaffinity(0, self.cpus)
             for step in range(self.first_step, self.last_step + 1):
                 waiting = time.perf_counter()
-                if not self._take_weights(round_version(step)):
-                    return
-                idle = time.perf_counter() - waiting
-                drawn = self._round(step, idle)
+                with self.context():
+                    if not self._take_weights(round_version(step)):
+                        return
+                    idle = time.perf_counter() - waiting
+                    drawn = self._round(step, idle)
                 state = self._state()
                 with self.condition:
                     self.states[step] = state
