@@ -29,42 +29,8 @@ from auto_research.engine.logprobs import token_logprobs
 from auto_research.engine.rollout.builtin import BuiltinSampler, sample
 from auto_research.train.components import Components, chunk_prompts, sampling_settings
 from auto_research.train.experience import no_grad_forward
-from auto_research.train.rollouts import Drawn, RolloutSource, Synchronous, drawing_version, produce
+from auto_research.train.rollouts import Drawn, Handover, RolloutSource, Synchronous, drawing_version, produce
 from auto_research.train.state import LoopState
-
-
-class Handover:
-    """The trainer's side of a rollout side in a thread: the batches it drew, by step (``ready``), handed over under
-    one condition; ``error``, raised where the trainer waits. A subclass sets ``depth`` (batches drawn ahead of the
-    trainer), ``last_step``, ``numpy_after``, ``stopping`` and ``thread``."""
-
-    depth: int
-
-    def take(self, step: int) -> Drawn:
-        with self.condition:
-            while step not in self.ready and self.error is None:
-                self.condition.wait()
-            if step not in self.ready:
-                raise self.error
-            return self.ready.pop(step)
-
-    def checkpoint(self, step: int) -> tuple[list[Drawn], dict]:
-        """The batches of steps step + 1 … step + depth (waited for: their weights are published) and the prompt
-        generator's state after the last of them."""
-        last = min(step + self.depth, self.last_step)
-        with self.condition:
-            while any(s not in self.ready for s in range(step + 1, last + 1)) and self.error is None:
-                self.condition.wait()
-            if self.error is not None:
-                raise self.error
-            batches = [self.ready[s] for s in range(step + 1, last + 1)]
-            return batches, batches[-1].numpy_after if batches else self.numpy_after
-
-    def close(self) -> None:
-        with self.condition:
-            self.stopping = True
-            self.condition.notify_all()
-        self.thread.join(timeout=60)
 
 
 class InFlight(Handover):

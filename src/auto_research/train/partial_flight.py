@@ -36,8 +36,7 @@ import torch
 from auto_research.engine.rollout import Rollout, eos_ids
 from auto_research.engine.rollout.partial import Finished, Pool, lanes_to_rows, pool_from_files, pool_to_files
 from auto_research.train.experience import Batch
-from auto_research.train.in_flight import Handover
-from auto_research.train.rollouts import Drawn, RolloutSource, draw_batch, score, signal_counts
+from auto_research.train.rollouts import Drawn, Handover, RolloutSource, draw_batch, score, signal_counts
 from auto_research.errors import RewardError
 
 
