@@ -279,7 +279,22 @@ def _wait_for(condition, seconds: float, what: str, run: subprocess.Popen | None
             pytest.fail(f"the run ended (status {run.returncode}) before {what}: {log.read_text()[-2000:]}")
         time.sleep(0.1)
     tail = f": {log.read_text()[-2000:]}" if log is not None else ""
-    pytest.fail(f"{what} did not happen within {seconds:g} s{tail}")
+    pytest.fail(f"{what} did not happen within {seconds:g} s{tail}{_stacks(run)}")
+
+
+def _stacks(run: subprocess.Popen | None) -> str:
+    """Where a hung run and its children are (py-spy's dump of every thread), when py-spy is installed: a run that
+    hangs once in many says nothing else."""
+    import shutil
+
+    if run is None or shutil.which("py-spy") is None:
+        return ""
+    children = Path(f"/proc/{run.pid}/task/{run.pid}/children")
+    pids = [run.pid, *(int(pid) for pid in (children.read_text().split() if children.exists() else []))]
+    dumps = [subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+             for pid in pids]
+    return "".join(f"\n--- py-spy dump of {pid}:\n{dump.stdout[-6000:]}{dump.stderr[-500:]}"
+                   for pid, dump in zip(pids, dumps))
 
 
 def _buffers(pid: int) -> list[Path]:
