@@ -291,10 +291,14 @@ def _stacks(run: subprocess.Popen | None) -> str:
         return ""
     children = Path(f"/proc/{run.pid}/task/{run.pid}/children")
     pids = [run.pid, *(int(pid) for pid in (children.read_text().split() if children.exists() else []))]
-    dumps = [subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
-             for pid in pids]
-    return "".join(f"\n--- py-spy dump of {pid}:\n{dump.stdout[-6000:]}{dump.stderr[-500:]}"
-                   for pid, dump in zip(pids, dumps))
+    texts = []
+    for pid in pids:
+        try:
+            dump = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+            texts.append(f"\n--- py-spy dump of {pid}:\n{dump.stdout[-6000:]}{dump.stderr[-500:]}")
+        except (OSError, subprocess.TimeoutExpired) as error:
+            texts.append(f"\n--- py-spy dump of {pid} failed: {error}")
+    return "".join(texts)
 
 
 def _buffers(pid: int) -> list[Path]:
