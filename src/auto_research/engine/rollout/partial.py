@@ -138,7 +138,7 @@ class Pool:
     def drop(self, keep) -> list:
         """Take out every lane whose key ``keep`` refuses, unfinished; their keys, in row order."""
         kept = [i for i, lane in enumerate(self.lanes) if keep(lane["key"])]
-        dropped = [lane["key"] for i, lane in enumerate(self.lanes) if i not in set(kept)]
+        dropped = [lane["key"] for lane in self.lanes if not keep(lane["key"])]
         if dropped:
             self._keep(kept)
         return dropped
