@@ -95,14 +95,9 @@ class InFlight(Handover):
             for step in range(self.first_step, self.last_step + 1):
                 version = drawing_version(step, self.max_staleness)
                 waiting = time.perf_counter()
-                with self.condition:
-                    while version not in self.snapshots and not self.stopping:
-                        self.condition.wait()
-                    if self.stopping:
-                        return
-                    snapshot = self.snapshots[version]
-                    for older in [v for v in self.snapshots if v < version]:
-                        del self.snapshots[older]
+                going, snapshot = self._await_version(version)
+                if not going:
+                    return
                 idle = time.perf_counter() - waiting
                 loading = time.perf_counter()
                 if self.loaded != version and snapshot is not None:
@@ -110,14 +105,10 @@ class InFlight(Handover):
                     self.loaded = version
                 drawn = produce(self.source, self.rng, step, version, idle, time.perf_counter() - loading)
                 with self.condition:
-                    self.ready[step] = drawn
-                    self.drawn_through = step
-                    self.numpy_after = drawn.numpy_after
-                    self.condition.notify_all()
+                    self.drawn_through = step  # (``_push`` waits for it, woken by the hand-over)
+                self._hand_over(step, drawn)
         except BaseException as error:  # handed to the trainer, raised where it waits
-            with self.condition:
-                self.error = error
-                self.condition.notify_all()
+            self._fail(error)
 
 
 def rollout_source(c: Components, sampler, model, context, reference=None, tokenizer=None) -> RolloutSource:

@@ -130,24 +130,15 @@ class PartialInFlight(Handover):
                     drawn = self._round(step, idle)
                 state = self._state()
                 with self.condition:
-                    self.states[step] = state
-                    self.ready[step] = drawn
-                    self.numpy_after = drawn.numpy_after
-                    self.condition.notify_all()
+                    self.states[step] = state  # before the batch: ``checkpoint`` waits for the batch, then reads it
+                self._hand_over(step, drawn)
         except BaseException as error:  # handed to the trainer, raised where it waits
-            with self.condition:
-                self.error = error
-                self.condition.notify_all()
+            self._fail(error)
 
     def _take_weights(self, version: int) -> bool:
-        with self.condition:
-            while version not in self.snapshots and not self.stopping:
-                self.condition.wait()
-            if self.stopping:
-                return False
-            snapshot = self.snapshots[version]
-            for older in [v for v in self.snapshots if v < version]:
-                del self.snapshots[older]
+        going, snapshot = self._await_version(version)
+        if not going:
+            return False
         if self.loaded != version:
             self.model.load_state_dict(snapshot)
             self.loaded = version

@@ -360,6 +360,32 @@ class Handover:
             self.condition.notify_all()
         self.thread.join(timeout=60)
 
+    # --- the producer's side: waiting for weights, handing a batch or an error over ------------------------------
+
+    def _await_version(self, version: int) -> tuple[bool, object]:
+        """(True, the weights of ``version``, published by the trainer; older ones dropped), or (False, None)
+        once the run closes."""
+        with self.condition:
+            while version not in self.snapshots and not self.stopping:
+                self.condition.wait()
+            if self.stopping:
+                return False, None
+            for older in [v for v in self.snapshots if v < version]:
+                del self.snapshots[older]
+            return True, self.snapshots[version]
+
+    def _hand_over(self, step: int, drawn: Drawn) -> None:
+        with self.condition:
+            self.ready[step] = drawn
+            self.numpy_after = drawn.numpy_after
+            self.condition.notify_all()
+
+    def _fail(self, error: BaseException) -> None:
+        """The producer's error, raised where the trainer waits."""
+        with self.condition:
+            self.error = error
+            self.condition.notify_all()
+
 
 # --- batches in flight, in a checkpoint (safetensors and JSON: nothing unpickled) ------------------------------
 
