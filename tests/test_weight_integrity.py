@@ -298,6 +298,14 @@ def _stacks(run: subprocess.Popen | None) -> str:
             texts.append(f"\n--- py-spy dump of {pid}:\n{dump.stdout[-6000:]}{dump.stderr[-500:]}")
         except (OSError, subprocess.TimeoutExpired) as error:
             texts.append(f"\n--- py-spy dump of {pid} failed: {error}")
+    try:  # the processes' TCP connections, and every socket on their listening ports (SYN-RECV too)
+        lines = subprocess.run(["ss", "-tanpo"], capture_output=True, text=True, timeout=30).stdout.splitlines()
+        theirs = [line for line in lines if any(f"pid={pid}," in line for pid in pids)]
+        ports = {line.split()[3].rpartition(":")[2] for line in theirs if line.startswith("LISTEN")}
+        texts.append("\n--- their TCP sockets (ss -tanpo):\n" + "\n".join(
+            line for line in lines if line in theirs or any(f":{port} " in line for port in ports)))
+    except (OSError, subprocess.TimeoutExpired, IndexError) as error:
+        texts.append(f"\n--- ss failed: {error}")
     return "".join(texts)
 
 
