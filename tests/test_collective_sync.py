@@ -119,3 +119,42 @@ def test_sync_refusals_are_one_line(capsys, monkeypatch, tmp_path):
             "(another host or user, or a server started without one)")
     finally:
         stop(started)
+
+
+def test_the_backend_is_chosen_by_device_nccl_between_gpus_gloo_otherwise(monkeypatch):
+    """One code path: NCCL where both sides' weights are on CUDA and both torches have it, else gloo (this CPU
+    torch has no NCCL, so the CUDA case is this torch told it has)."""
+    import torch.distributed as dist
+
+    from auto_research.engine.rollout.pushes import backends, choose_backend
+
+    assert backends("cpu") == ["gloo"]
+    assert backends("cuda") == (["nccl", "gloo"] if dist.is_nccl_available() else ["gloo"])
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert backends("cuda:1") == ["nccl", "gloo"] and backends("cpu") == ["gloo"]
+    assert choose_backend(["nccl", "gloo"], ["nccl", "gloo"]) == "nccl"  # two GPUs
+    assert choose_backend(["nccl", "gloo"], ["gloo"]) == "gloo"  # a server on the CPU
+    assert choose_backend(["gloo"], ["nccl", "gloo"]) == "gloo"  # a trainer on the CPU
+    assert choose_backend(["gloo"], True) == "gloo"  # an older server's "collective": true
+    assert choose_backend(["gloo"], []) is None and choose_backend(["gloo"], None) is None
+
+
+def test_a_backend_the_server_cannot_take_is_refused_in_one_line(server, tmp_path, monkeypatch):
+    import json
+
+    from auto_research.engine.rollout import server as server_module
+    from auto_research.errors import RolloutEngineError, UserError
+
+    engine, address = server
+    client = _client(build_model(build_tokenizer(), seed=1), address, tmp_path / "run", "collective")
+    with pytest.raises(RolloutEngineError) as caught:  # a trainer on a GPU asking for NCCL: the engine is on the CPU
+        client._call("/weights/collective", json.dumps({"store": "127.0.0.1:1", "group": "g",
+                                                        "backend": "nccl"}).encode())
+    assert str(caught.value) == (f"--rollout-server {address} refused /weights/collective: this server cannot join "
+                                 "a 'nccl' group: its engine on cpu takes gloo")
+    client.close()
+    monkeypatch.setattr(server_module, "backends", lambda device: ["nccl"])  # /health: a server on a GPU
+    with pytest.raises(UserError) as caught:
+        _client(build_model(build_tokenizer(), seed=1), address, tmp_path / "run2", "collective")
+    assert str(caught.value) == (f"--rollout-server {address} cannot join a torch.distributed group with this "
+                                 "trainer (the server takes nccl; this trainer, its weights on cpu, gloo)")

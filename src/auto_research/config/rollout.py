@@ -40,7 +40,8 @@ class RolloutSection:
                                            "sampling", flag="--rollout-memory", aliases=("--vllm-memory",), type=float)
     rollout_sync: str = setting("auto", "how the policy's weights reach a rollout server (--rollout-mode server or "
                                         "process): auto (the server's shared-memory buffer on this host, a "
-                                        "torch.distributed group (gloo) with a server on another host, else HTTP), "
+                                        "torch.distributed group with a server on another host (NCCL between GPUs, "
+                                        "else gloo), else HTTP), "
                                         "shared-memory, collective or http", "sampling")
     rollout_cores: str | None = setting(None, "CPUs of the rollout process (--rollout-mode process), e.g. 1 or 2-3; "
                                               "the trainer keeps the others", "sampling",

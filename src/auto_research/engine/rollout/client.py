@@ -96,7 +96,8 @@ class ServerSampler:
         self.shared, self.link, self.transfer = None, None, "HTTP"
         """Rank 0's map of the server's shared buffer when it sees it (same host), else None; its group with the
         server (``pushes.CollectiveLink``) when the weights go that way, else None; HTTP otherwise."""
-        self.world.agree(self._claim(run_dir, sync, shared, bool(health.get("collective"))) if world.main else None)
+        self.device = next(model.parameters()).device
+        self.world.agree(self._claim(run_dir, sync, shared, health.get("collective")) if world.main else None)
         self.lease = self.world.gather_objects(self.lease)[0]
         self.weight_sync_seconds, self.pushed_bytes = 0.0, 0
         """The last push's time, and the bytes of tensors it sent."""
@@ -107,7 +108,7 @@ class ServerSampler:
         self.instance, self.version = health.get("instance"), int(health.get("weights_version", 0))
         self.load_weights(model)
 
-    def _claim(self, run_dir, sync: str, shared: bool, collective: bool) -> UserError | None:
+    def _claim(self, run_dir, sync: str, shared: bool, collective) -> UserError | None:
         """Rank 0 takes the server's lease, chooses the weights' path (``_choose_path``) and starts its heartbeat;
         the refusal, for every rank to raise."""
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "run": str(Path(run_dir).resolve())}
@@ -120,12 +121,12 @@ class ServerSampler:
         threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True).start()
         return self._choose_path(sync, answer.get("shared") if shared else None, collective)
 
-    def _choose_path(self, sync: str, offered, collective: bool) -> UserError | None:
+    def _choose_path(self, sync: str, offered, collective) -> UserError | None:
         """--rollout-sync: ``auto`` takes the server's shared buffer (``offered``) when this process can map it
-        (same host, same user), else a gloo group with a server on another host (``collective``: the server can
-        join one), else HTTP; ``shared-memory`` and ``collective`` insist (one line when they cannot); ``http``
-        always sends HTTP parts."""
-        from auto_research.engine.rollout.pushes import CollectiveLink  # noqa: PLC0415
+        (same host, same user), else a group with a server on another host (``collective``: the backends the server
+        can join; NCCL when both sides' weights are on GPUs, else gloo), else HTTP; ``shared-memory`` and
+        ``collective`` insist (one line when they cannot); ``http`` always sends HTTP parts."""
+        from auto_research.engine.rollout.pushes import CollectiveLink, backends, choose_backend  # noqa: PLC0415
 
         if sync in ("auto", "shared-memory") and offered:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not this host's file
@@ -134,12 +135,15 @@ class ServerSampler:
                 return None
         host, port = split_address(self.address)
         if sync == "collective" or (sync == "auto" and not is_loopback(host)):
-            if not collective:
-                return UserError(f"--rollout-server {self.address} cannot join a torch.distributed group (its torch "
-                                 "has no gloo)") if sync == "collective" else None
+            ours, backend = backends(self.device), choose_backend(backends(self.device), collective)
+            if backend is None:
+                theirs = ["gloo"] if collective is True else list(collective or [])
+                return UserError(f"--rollout-server {self.address} cannot join a torch.distributed group with this "
+                                 f"trainer (the server takes {', '.join(theirs) or 'none'}; this trainer, its weights "
+                                 f"on {self.device.type}, {', '.join(ours) or 'none'})") if sync == "collective" else None
             try:
-                self.link = CollectiveLink(self._call, host, port)
-                self.transfer = "a torch.distributed group (gloo)"
+                self.link = CollectiveLink(self._call, host, port, backend=backend, device=self.device)
+                self.transfer = f"a torch.distributed group ({backend})"
             except (UserError, RuntimeError, OSError) as error:
                 if sync == "collective":
                     return UserError(f"--rollout-sync collective: no group with --rollout-server {self.address} "

@@ -2,9 +2,10 @@
 (this host's shared memory): a LoRA run's adapter alone, and the weights over a torch.distributed group of two.
 
 - ``POST /weights/adapter`` (``adapter_push``): see server.py's docstring and ``guard.check_adapter``.
-- ``POST /weights/collective`` with ``{"store": "HOST:PORT", "group": nonce}`` (``collective_join``): the server
-  joins a gloo group of two (rank 1) through the trainer's TCPStore at that address, under a prefix that names this
-  link, and answers the names it expects, in order. One link per lease; a new join replaces it.
+- ``POST /weights/collective`` with ``{"store": "HOST:PORT", "group": nonce, "backend": "gloo" | "nccl"}``
+  (``collective_join``): the server joins a group of two (rank 1) of that backend through the trainer's TCPStore at
+  that address, under a prefix that names this link, and answers the names it expects, in order. One link per
+  lease; a new join replaces it. A backend the server cannot take is a 400 (``/health`` lists those it can).
 - ``POST /weights/collective/push`` (``collective_push``): the server receives every weight it expects, in that
   order, by broadcasts from the trainer (rank 0), which sends them while this request waits; then each tensor is
   checked (finite) and the engine reloads them, as a ``/weights`` push → ``{"weights_version", "seconds"}``. A
@@ -13,7 +14,12 @@
 
 The group spans one trainer and one server, never several servers, so a dead server stalls nobody but its own
 push (bounded). The store and the group carry no key of their own: the store's port is random and told only to
-the lease holder's server, over the API key's connection. gloo on the CPU; NCCL on GPUs is not built.
+the lease holder's server, over the API key's connection.
+
+One code path for both backends, chosen by device (``choose_backend``): NCCL where the trainer's weights and the
+server's engine are both on CUDA GPUs and both torches have NCCL (the tensors then go GPU to GPU, received on the
+engine's device), gloo otherwise (CPU tensors). NCCL has not run here: it needs two GPUs (one rank per device),
+and this project's machines have had at most one.
 
 The trainer's side is ``CollectiveLink``: it hosts the store, joins the group with the server, and sends a push's
 tensors while its request waits.
@@ -47,10 +53,38 @@ def _broadcast_options():
     return options
 
 
-def _group(store, prefix: str, rank: int, seconds: float):
+def backends(device: torch.device | str) -> list[str]:
+    """The groups this side can form with its weights on ``device``, the fastest first: NCCL for CUDA tensors
+    when this torch has it, gloo (any tensor, sent from the CPU) when this torch has it."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, datetime.timedelta(seconds=seconds))
+    if not dist.is_available():
+        return []
+    fast = ["nccl"] if torch.device(device).type == "cuda" and dist.is_nccl_available() else []
+    return fast + (["gloo"] if dist.is_gloo_available() else [])
+
+
+def choose_backend(ours: list[str], theirs) -> str | None:
+    """The first of ``ours`` (fastest first) that the server lists too; None when they share none. An older
+    server's ``/health`` said ``"collective": true`` for gloo."""
+    offered = ["gloo"] if theirs is True else list(theirs or [])
+    return next((backend for backend in ours if backend in offered), None)
+
+
+def _group(store, prefix: str, rank: int, seconds: float, backend: str = "gloo"):
+    import torch.distributed as dist  # noqa: PLC0415
+
+    timeout, store = datetime.timedelta(seconds=seconds), dist.PrefixStore(prefix, store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+def _device(backend: str, device) -> torch.device:
+    """Where a push's tensors travel: the CUDA device under NCCL, the CPU under gloo."""
+    return torch.device(device) if backend == "nccl" else torch.device("cpu")
 
 
 # --- the server's side (each takes the request's handler: server.Handler) --------------------------------------
@@ -86,18 +120,22 @@ def collective_join(handler):
     try:
         request = json.loads(body)
         host, port = split_address(str(request["store"]), "store")
-        prefix = str(request["group"])
+        prefix, backend = str(request["group"]), str(request.get("backend", "gloo"))
     except Exception as error:  # noqa: BLE001 - not JSON, a key missing, a bad address (UserError)
         raise Refused(400, f"/weights/collective needs {{\"store\": \"HOST:PORT\", \"group\": name}} ({error})"[:300]) \
             from None
+    device = handler.serving.served.device
+    if backend not in backends(device):
+        raise Refused(400, f"this server cannot join a {backend[:20]!r} group: its engine on {device} takes "
+                           f"{', '.join(backends(device)) or 'none'}")
     try:
         store = dist.TCPStore(host, port, 2, False, timeout=datetime.timedelta(seconds=JOIN_SECONDS))
-        group = _group(store, prefix, 1, PUSH_SECONDS)
+        group = _group(store, prefix, 1, PUSH_SECONDS, backend)
     except Exception as error:  # noqa: BLE001 - torch raises RuntimeError and its own types
         raise Refused(400, f"cannot join the trainer's group at {host}:{port} ({type(error).__name__}: "
                            f"{str(error).splitlines()[0] if str(error) else ''})"[:300]) from None
     handler.serving.links.clear()  # one link, the lease holder's
-    handler.serving.links[handler.headers.get("X-Lease")] = (store, group)
+    handler.serving.links[handler.headers.get("X-Lease")] = (store, group, _device(backend, device))
     return 200, {"names": list(handler.serving.served.spec)}
 
 
@@ -107,11 +145,11 @@ def collective_push(handler):
     link = serving.links.get(handler.headers.get("X-Lease"))
     if link is None:
         raise Refused(409, "no group with this lease's trainer: POST /weights/collective first")
-    _, group = link
+    _, group, device = link
     tensors, options = {}, _broadcast_options()
     try:
         for name, (shape, dtype) in serving.served.spec.items():
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             group.broadcast([tensor], options).wait()
             tensors[name] = tensor
     except Exception as error:  # noqa: BLE001 - a timeout or a peer gone: the link is dropped
@@ -135,11 +173,13 @@ def local_address(host: str, port: int) -> str:
 
 
 class CollectiveLink:
-    """A gloo group of two with one rollout server: ``call(path, body)`` is the client's request under its lease.
-    ``begin`` starts a push's request, ``send`` broadcasts each tensor in the server's order, ``finish`` waits for
-    its answer (raising the server's refusal)."""
+    """A group of two (``backend``: gloo or NCCL) with one rollout server: ``call(path, body)`` is the client's
+    request under its lease. ``begin`` starts a push's request, ``send`` broadcasts each tensor in the server's
+    order (from ``device``: the trainer's GPU under NCCL), ``finish`` waits for its answer (raising the server's
+    refusal)."""
 
-    def __init__(self, call, host: str, port: int, names: list[str] | None = None):
+    def __init__(self, call, host: str, port: int, names: list[str] | None = None, backend: str = "gloo",
+                 device: torch.device | str = "cpu"):
         import torch.distributed as dist  # noqa: PLC0415
 
         address = local_address(host, port)
@@ -149,21 +189,21 @@ class CollectiveLink:
 
         def join() -> None:
             try:
-                joined["group"] = _group(self.store, prefix, 0, PUSH_SECONDS)
+                joined["group"] = _group(self.store, prefix, 0, PUSH_SECONDS, backend)
             except Exception as error:  # noqa: BLE001 - reported below
                 joined["error"] = error
 
         thread = threading.Thread(target=join, name="collective-join", daemon=True)
         thread.start()
-        answer = call("/weights/collective", json.dumps({"store": f"{address}:{self.store.port}",
-                                                         "group": prefix}).encode())
+        answer = call("/weights/collective", json.dumps({"store": f"{address}:{self.store.port}", "group": prefix,
+                                                         "backend": backend}).encode())
         thread.join(JOIN_SECONDS)
         if "group" not in joined:
             raise RolloutEngineError(f"the trainer's side of the group did not form ({joined.get('error')})")
         self.group, self.names, self.options = joined["group"], list(answer["names"]), _broadcast_options()
         if names is not None and names != self.names:
             raise RolloutEngineError("the server expects other weights, or in another order, than this run pushes")
-        self.pending: dict = {}
+        self.backend, self.device, self.pending = backend, _device(backend, device), {}
 
     def begin(self) -> None:
         self.pending = {"sent": 0}
@@ -182,7 +222,7 @@ class CollectiveLink:
         if name != expected:
             raise RolloutEngineError(f"the push sends {name!r} where the server expects {expected!r}")
         try:
-            self.group.broadcast([tensor.detach().to("cpu").contiguous()], self.options).wait()
+            self.group.broadcast([tensor.detach().to(self.device).contiguous()], self.options).wait()
         except RuntimeError as error:  # the server gone or timed out
             raise RolloutEngineError(f"the push over the group failed ({str(error).splitlines()[0][:300]})") from None
         self.pending["sent"] += 1

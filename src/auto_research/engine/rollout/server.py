@@ -34,7 +34,8 @@ every request carries ``Authorization: Bearer KEY``, the key's UTF-8 bytes (``au
   checked against the checksum the trainer took after its copy (``transfer.py``).
 
 - ``POST /weights/collective`` and ``/weights/collective/push`` with the lease: the same push over a torch.distributed
-  group of two (gloo) between the trainer and this server, for a trainer on another host (``pushes.py``).
+  group of two between the trainer and this server, for a trainer on another host (``pushes.py``): NCCL between
+  two GPUs, gloo otherwise (``"collective"`` in ``/health``: the backends this server can join).
 - ``POST /weights/adapter`` with the lease and a safetensors body of a LoRA run's adapter (``<weight>::A``,
   ``::B``, ``::scaling`` for each adapted weight; ``guard.check_adapter``): an engine that applies adapters (the
   builtin one; ``"adapters"`` in ``/health``) sets each adapted weight to its base (kept from the last full push)
@@ -72,7 +73,7 @@ from urllib.parse import parse_qs, urlparse
 from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, MAX_REQUEST_TOKENS, MAX_SERVER_TOKENS,
                                                 Leases, Refused, check_claim, check_generate, check_size, describe,
                                                 slices)
-from auto_research.engine.rollout.pushes import adapter_push, collective_join, collective_push
+from auto_research.engine.rollout.pushes import adapter_push, backends, collective_join, collective_push
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
 from auto_research.errors import is_decimal, one_line
 from auto_research.http import api_key, authorization
@@ -116,6 +117,8 @@ class Served:
     """``{checkpoint name: (shape, dtype name)}`` of every weight the engine loads."""
     vocab_size: int
     dtype: str
+    device: str = "cpu"
+    """The engine's device: a push over a group is received there (NCCL on a GPU, ``pushes.backends``)."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,7 @@ class Serving:
     large: threading.BoundedSemaphore | None = None
     """Slots for the bodies over ``LARGE_BODY_BYTES`` of clients without the lease, read and held at once."""
     links: dict = field(default_factory=dict)
-    """The lease holder's gloo group, by lease (``pushes.collective_join``): one at a time."""
+    """The lease holder's group (gloo or NCCL), by lease (``pushes.collective_join``): one at a time."""
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -324,8 +327,8 @@ class Handler(BaseHTTPRequestHandler):
                      "max_model_len": serving.sampler.max_model_len, "dtype": serving.served.dtype,
                      "vocab_size": serving.served.vocab_size, "max_group_size": limits.max_group_size,
                      "max_request_tokens": limits.max_request_tokens, "lease_seconds": limits.lease_seconds,
-                     "adapters": hasattr(serving.sampler, "load_adapter"), "collective": _gloo(),
-                     "lease": serving.leases.status()}
+                     "adapters": hasattr(serving.sampler, "load_adapter"),
+                     "collective": backends(serving.served.device), "lease": serving.leases.status()}
 
     def _post(self):
         self.serving.intake.prune(self.serving.leases.holds)  # a lapsed lease's buffer goes
@@ -423,13 +426,6 @@ class Handler(BaseHTTPRequestHandler):
             turns.version += 1
             version = turns.version
         return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
-
-
-def _gloo() -> bool:
-    """Whether this server can join a trainer's gloo group (``/weights/collective``)."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    return dist.is_available() and dist.is_gloo_available()
 
 
 def make_server(sampler, served: Served, host: str, port: int, limits: Limits = Limits(), log=None,
