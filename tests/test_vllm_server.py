@@ -50,11 +50,13 @@ class Server:
 
     def __init__(self, model):
         self.model, self.port, self.lines, self.process = model, 0, [], None
+        self.start_args: tuple = ()
 
     def start(self) -> str:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "auto_research", "vllm-serve", "--model", str(self.model), "--port", str(self.port),
-             "--vllm-memory", "0.02", "--offline", "--read-timeout", "30", "--lease-seconds", "600"],
+             "--vllm-memory", "0.02", "--offline", "--read-timeout", "30", "--lease-seconds", "600",
+             *self.start_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in self.process.stderr], daemon=True).start()
@@ -205,6 +207,32 @@ def test_one_and_two_processes_sample_from_the_server_with_fresh_weights_every_s
         for a, b in zip(rows, got_rows):
             assert a["reward_mean"] == b["reward_mean"] and a["completion_length"] == b["completion_length"]
         assert _largest_difference(_final(tmp_path / name), expected) <= 1e-5, name
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="tensor parallelism on the CPU takes a core a worker")
+def test_two_vllm_servers_one_of_them_tensor_parallel_draw_what_one_server_draws(served_model, sums, tmp_path, server):
+    """The fleet with real engines: a run over the module's server and a second one started with
+    --tensor-parallel-size 2 (vLLM's CPU workers, one a core) draws the same samples as the run over the first
+    server alone (each group's draw depends on its seeds only) and ends with its weights."""
+    second = Server(served_model)
+    second.start_args = ("--tensor-parallel-size", "2")
+    second.start()
+    try:
+        assert any("tensor parallel 2 over CPUs" in line for line in second.lines), second.lines[-5:]
+        runs = {}
+        for name, address in (("one", server), ("two", f"{server},{second.address}")):
+            run = run_cli(*_args(served_model, sums, tmp_path / name, address, "--steps", "4", "--reward", "match",
+                                 "--checkpoint-every", "0"), cwd=tmp_path, env=ENV)
+            assert run.returncode == 0, (name, run.stderr[-3000:])
+            runs[name] = run
+    finally:
+        second.stop()
+    assert "sampling with 2 vllm rollout servers" in runs["two"].stderr
+    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert [(r["reward_mean"], r["completion_length"]) for r in one] == [
+        (r["reward_mean"], r["completion_length"]) for r in two]
+    assert all(row["rollout_logprob_diff_max"] < 1e-4 for row in two), [r["rollout_logprob_diff_max"] for r in two]
+    assert _largest_difference(_final(tmp_path / "two"), _final(tmp_path / "one")) <= 1e-4
 
 
 def test_a_second_trainer_is_refused_while_the_first_holds_the_server(one_process):
@@ -458,7 +486,7 @@ def test_server_mode_refusals_are_one_line_before_any_work(served_model, sums_js
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("metrics.jsonl"))
 
 
-def test_vllm_serve_refusals_are_one_line(tiny_model_dir, capsys, monkeypatch):
+def test_vllm_serve_refusals_are_one_line(tiny_model_dir, served_model, capsys, monkeypatch):
     from auto_research.cli import main
 
     def error(*args) -> str:
@@ -476,6 +504,24 @@ def test_vllm_serve_refusals_are_one_line(tiny_model_dir, capsys, monkeypatch):
     assert error("--engine", "sglang") == "--engine must be vllm or builtin, got 'sglang'"
     assert error("--engine", "builtin", "--dtype", "bfloat16") == (
         "--dtype is vLLM's; the builtin engine samples in float32 with the model's own cache, as the trainer does")
+    assert error("--engine", "builtin", "--tensor-parallel-size", "2") == (
+        "--tensor-parallel-size is vLLM's (--engine vllm); the builtin engine runs on one device (several servers "
+        "behind one trainer spread its groups: docs/scaling-out.md)")
+    assert error("--data-parallel-size", "0") == "--data-parallel-size must be a positive integer, got 0"
+    cores = sorted(os.sched_getaffinity(0))
+    assert error("--tensor-parallel-size", str(len(cores) + 1), "--device", "cpu").startswith(
+        f"rollout-serve: --tensor-parallel-size {len(cores) + 1} on the CPU needs a core per worker at least; this "
+        f"process may use {len(cores)} (")
+    # vLLM 0.32's LLM refuses data parallelism in one process: its reason, in one line, before the engine starts
+    # (after the line that says one is starting).
+    assert main(["vllm-serve", "--model", str(served_model), "--data-parallel-size", "2", "--device", "cpu",
+                 "--offline"]) == 2
+    start, line = capsys.readouterr().err.strip().splitlines()
+    assert start.startswith("starting a vLLM engine for ")
+    line = line.removeprefix("auto-research: error: ")
+    assert line.startswith("--tensor-parallel-size 1 --data-parallel-size 2: the installed vLLM (0.32.0) refuses it "
+                           "(LLM(data_parallel_size=2) is not supported for single-process usage and may hang)"), line
+    assert line.endswith("start 2 servers and give them all to the trainer's --rollout-server (docs/scaling-out.md)")
     # tiny_model_dir has 16 per head: refused before any engine starts.
     line = error("--model", str(tiny_model_dir), "--offline", "--device", "cpu")
     assert "vLLM's CPU attention serves head sizes 32, 64" in line and "has 16 (32 over 2 heads)" in line

@@ -193,6 +193,11 @@ class ServeConfig:
                                       type=int)
     max_server_tokens: int = setting(2**22, "most tokens the /generate requests of clients without the lease may "
                                             "hold at once (the lease holder's always go in, and first)", type=int)
+    tensor_parallel_size: int = setting(1, "vLLM's tensor parallelism: the model split over this many GPUs (on the "
+                                           "CPU, over this many groups of this process's cores)", type=int)
+    data_parallel_size: int = setting(1, "vLLM's data parallelism: this many copies of the model, passed through to "
+                                         "vLLM (one line where the installed vLLM cannot; several servers behind one "
+                                         "trainer are the other way, docs/scaling-out.md)", type=int)
 
     def validate(self) -> "ServeConfig":
         from auto_research.engine.sources import require_vllm
@@ -201,6 +206,10 @@ class ServeConfig:
             raise UserError(f"--engine must be {' or '.join(served_engines())}, got {self.engine!r}")
         if self.engine == "vllm":
             require_vllm()
+        elif self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
+            flag = "--tensor-parallel-size" if self.tensor_parallel_size != 1 else "--data-parallel-size"
+            raise UserError(f"{flag} is vLLM's (--engine vllm); the builtin engine runs on one device (several "
+                            "servers behind one trainer spread its groups: docs/scaling-out.md)")
         elif self.rollout_memory is not None or self.dtype != "auto":
             raise UserError(f"{'--rollout-memory' if self.rollout_memory is not None else '--dtype'} is vLLM's; the "
                             "builtin engine samples in float32 with the model's own cache, as the trainer does")
@@ -211,7 +220,9 @@ class ServeConfig:
         check_positive_integers(("--max-model-len", self.max_model_len), ("--threads", self.threads),
                                 ("--max-group-size", self.max_group_size),
                                 ("--max-request-tokens", self.max_request_tokens),
-                                ("--max-server-tokens", self.max_server_tokens))
+                                ("--max-server-tokens", self.max_server_tokens),
+                                ("--tensor-parallel-size", self.tensor_parallel_size),
+                                ("--data-parallel-size", self.data_parallel_size))
         if self.max_server_tokens < self.max_request_tokens:
             raise UserError(f"--max-server-tokens {self.max_server_tokens} is below --max-request-tokens "
                             f"{self.max_request_tokens}: a request allowed alone could never go in")

@@ -3,6 +3,7 @@ interrupted (``server.py`` is the server and its protocol)."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import torch
@@ -45,6 +46,10 @@ def start_engine(config, log) -> tuple[object, Served]:
     from auto_research.engine.models import context_length, load_policy, resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
+    if config.engine == "vllm":
+        from auto_research.engine.rollout.vllm import check_parallel
+
+        check_parallel(device, config.tensor_parallel_size, config.data_parallel_size)
     if config.model is None:
         from auto_research.engine.tiny import build_model, build_tokenizer
 
@@ -70,11 +75,14 @@ def start_engine(config, log) -> tuple[object, Served]:
                        "serve it from a GPU, with --engine builtin, or train with --sampler builtin")
         memory, of_what = vllm_memory(config.rollout_memory, device)
         dtype = resolve_dtype(config.dtype, device)
-        log(f"starting a vLLM engine for {name} ({memory:g} of the {of_what}, max_model_len {longest})")
+        split = (f", tensor parallel {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else "") + (
+            f" over CPUs {os.environ['VLLM_CPU_OMP_THREADS_BIND']}" if config.tensor_parallel_size > 1 and device == "cpu"
+            else "")
+        log(f"starting a vLLM engine for {name} ({memory:g} of the {of_what}, max_model_len {longest}{split})")
         sampler = VLLMSampler(model, tokenizer, SamplingSettings(max_new_tokens=16), memory, dtype, longest,
-                              config.seed)
+                              config.seed, parallel=(config.tensor_parallel_size, config.data_parallel_size))
     return sampler, Served(name, fingerprint(model.config, tokenizer), weight_spec(pushed_weights(model, dtype)),
-                           int(model.config.vocab_size), str(dtype).removeprefix("torch."))
+                           int(model.config.vocab_size), str(dtype).removeprefix("torch."), str(device))
 
 
 def _interrupt(*_) -> None:

@@ -51,6 +51,38 @@ def check_servable(config, device: str, model_name: str, where: str = "--sampler
                         f"heads); {instead}")
 
 
+def check_parallel(device: str, tensor: int, data: int, where: str = "rollout-serve") -> None:
+    """vLLM's parallelism against this host, in one line before any model loads: on GPUs, tensor × data GPUs must
+    be visible; on the CPU, each tensor-parallel worker takes a group of this process's cores (bound here through
+    ``VLLM_CPU_OMP_THREADS_BIND`` unless the user set it: vLLM-CPU otherwise wants a NUMA node per worker)."""
+    if tensor == 1 and data == 1:
+        return
+    if device.startswith("cuda"):
+        visible = torch.cuda.device_count()
+        if tensor * data > visible:
+            raise UserError(f"{where}: --tensor-parallel-size {tensor} × --data-parallel-size {data} asks for "
+                            f"{tensor * data} GPUs; this process sees {visible} (CUDA_VISIBLE_DEVICES)")
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if tensor > len(cores):
+        raise UserError(f"{where}: --tensor-parallel-size {tensor} on the CPU needs a core per worker at least; this "
+                        f"process may use {len(cores)} ({_ranges(cores)})")
+    share = len(cores) // tensor
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+        _ranges(cores[worker * share: (worker + 1) * share]) for worker in range(tensor)))
+
+
+def _ranges(cores: list[int]) -> str:
+    """[0, 1, 2, 5] → "0-2,5" (the form taskset and VLLM_CPU_OMP_THREADS_BIND take)."""
+    runs: list[list[int]] = []
+    for core in cores:
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(f"{first}-{last}" if last > first else str(first) for first, last in runs)
+
+
 def engine_seed(seed: int) -> int:
     """A prompt's seed in the range vLLM's generators take (its K children use seed + k)."""
     return seed % (2**31 - 2**16)
@@ -87,7 +119,8 @@ class VLLMSampler:
     """The Sampler seam over a colocated vLLM engine (see the module docstring)."""
 
     def __init__(self, model, tokenizer, settings: SamplingSettings, memory: float, dtype: torch.dtype,
-                 max_model_len: int, seed: int = 0, push_weights: bool = True, verbose: bool = False):
+                 max_model_len: int, seed: int = 0, push_weights: bool = True, verbose: bool = False,
+                 parallel: tuple[int, int] = (1, 1)):
         require_vllm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         self.verbose = _verbose(verbose)
@@ -98,6 +131,8 @@ class VLLMSampler:
         self._folder = tempfile.TemporaryDirectory(prefix="auto-research-vllm-")
         config.save_pretrained(self._folder.name)
         tokenizer.save_pretrained(self._folder.name)
+        self.parallel = parallel
+        """vLLM's (tensor, data) parallel sizes: above 1, its workers are processes of their own."""
         with harmless_lines_hidden(not self.verbose):
             self.llm = self._engine(model, memory, dtype, max_model_len, seed)
         self.weight_sync_seconds = 0.0
@@ -120,11 +155,24 @@ class VLLMSampler:
 
         launcher = (dict(distributed_executor_backend="external_launcher")
                     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else {})
+        tensor, data = self.parallel
+        parallel = dict(tensor_parallel_size=tensor, data_parallel_size=data) if self.parallel != (1, 1) else {}
         with _process_kept():
-            return LLM(model=self._folder.name, tokenizer=self._folder.name, load_format="dummy",
-                       dtype=dtype, enforce_eager=True, generation_config="vllm",
-                       logprobs_mode="processed_logprobs", seed=seed, max_model_len=max_model_len,
-                       enable_prefix_caching=True, **memory_setting, **launcher)
+            try:
+                return LLM(model=self._folder.name, tokenizer=self._folder.name, load_format="dummy",
+                           dtype=dtype, enforce_eager=True, generation_config="vllm",
+                           logprobs_mode="processed_logprobs", seed=seed, max_model_len=max_model_len,
+                           enable_prefix_caching=True, **memory_setting, **launcher, **parallel)
+            except ValueError as error:
+                if not parallel:
+                    raise
+                from vllm import __version__  # noqa: PLC0415
+
+                # vLLM 0.32's LLM takes data parallelism in one process on TPUs only: its own reason, in one line.
+                raise UserError(f"--tensor-parallel-size {tensor} --data-parallel-size {data}: the installed vLLM "
+                                f"({__version__}) refuses it ({str(error).split('. ')[0][:200]}); for data "
+                                f"parallelism start {data} servers and give them all to the trainer's "
+                                "--rollout-server (docs/scaling-out.md)") from None
 
     def sampling_params(self, group_size: int, seed: int, settings: SamplingSettings | None = None):
         from vllm import SamplingParams  # noqa: PLC0415
@@ -182,6 +230,8 @@ class VLLMSampler:
         """Every weight (checkpoint names) into the engine in place, then a fresh prefix cache."""
         # In this process, the generator is consumed one tensor at a time; a reload says "Failed to load weights"
         # of the rotary embedding every time (quiet.HARMLESS).
+        if self.parallel != (1, 1):  # the workers are other processes: the tensors go to them, not a generator
+            weights = list(weights)
         with _process_kept(), harmless_lines_hidden(not self.verbose):
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
             self.llm.reset_prefix_cache()
