@@ -1,13 +1,15 @@
 """LoRA adapter-only weight sync against merged pushes, side by side: a LoRA policy (every linear layer, rank
---rank) and a builtin rollout server in a process of its own (``rollout-serve --engine builtin``).
+--rank) and a rollout server in a process of its own: the builtin engine, which merges the adapter itself, or vLLM
+started with --enable-lora, which applies it unmerged (``--engine vllm``).
 
-    python benchmarks/adapter_sync.py                              # SmolLM2-135M-Instruct, r = 16
+    python benchmarks/adapter_sync.py                              # SmolLM2-135M-Instruct, r = 16, builtin
+    python benchmarks/adapter_sync.py --engine vllm                # the same against a vLLM server
     python benchmarks/adapter_sync.py --model embedded --rounds 5  # the embedded model: seconds
 
 Each round, under the same load: the merged weights over HTTP (what a LoRA run pushed before, and still pushes to
-an engine that merges no adapters: vLLM's), the merged weights through the server's shared-memory buffer (same
-host only), then the base weights once more (untimed: the server's base for the adapter) and the adapter alone
-over HTTP. Each time is the trainer's, until the server says the weights are in: walking the weights (merging the
+an engine that takes no adapters: vLLM's without --enable-lora), the merged weights through the server's
+shared-memory buffer (same host only), then the base weights once more (untimed: the server's base for the adapter)
+and the adapter alone over HTTP. Each time is the trainer's, until the server says the weights are in: walking the weights (merging the
 adapter, for the merged pushes), serialising, sending, the server's checks and its copy or merge. Bytes are the
 tensors' own. After the last round the server draws the same seeded samples after the adapter push and after a
 merged push of the same weights (compared, printed).
@@ -28,6 +30,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="smollm2-135m-instruct or embedded")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--engine", default="builtin", choices=("builtin", "vllm"))
     options = parser.parse_args()
 
     import torch
@@ -42,11 +45,14 @@ def main() -> None:
     base, tokenizer, folder = load(options.model)
     policy = get_peft_model(base, LoraConfig(r=options.rank, lora_alpha=2 * options.rank, target_modules="all-linear",
                                              lora_dropout=0.0))
-    process, address = start_server(str(folder) if folder else None, engine="builtin")
+    lora = ("--enable-lora", "--max-lora-rank", str(options.rank)) if options.engine == "vllm" else ()
+    process, address = start_server(str(folder) if folder else None, engine=options.engine, extra=lora,
+                                    memory=0.05 if options.engine == "vllm" else None)
     try:
         with tempfile.TemporaryDirectory() as run:
             client = ServerSampler(policy, tokenizer, SamplingSettings(max_new_tokens=8), address, options.model,
-                                   World(), run, engine="builtin")
+                                   World(), run, engine=options.engine)
+            assert client.adapters, "the server takes no adapters"
             shared, client.shared = client.shared, None
             times = {"merged, HTTP": [], "merged, shared memory": [], "adapter, HTTP": []}
             sizes = {}
@@ -87,7 +93,8 @@ def main() -> None:
     merged = dict(pushed_weights(policy, torch.float32))
     print(f"draws after the adapter push and after a merged push: token ids {'the same' if same else 'DIFFERENT'}, "
           f"log-probs at most {gap:.1e} apart")
-    print(f"\n{options.model}, LoRA r = {options.rank} on every linear layer; {options.rounds} rounds")
+    print(f"\n{options.model}, LoRA r = {options.rank} on every linear layer, a {options.engine} server; "
+          f"{options.rounds} rounds")
     reference = statistics.median(times["merged, HTTP"])
     for label, values in times.items():
         if not values:

@@ -8,7 +8,8 @@ import threading
 
 
 def start_server(model: str | None = None, threads: int | None = None, memory: float | None = None,
-                 engine: str = "vllm", cores: set[int] | None = None) -> tuple[subprocess.Popen, str]:
+                 engine: str = "vllm", cores: set[int] | None = None, extra: tuple = ()
+                 ) -> tuple[subprocess.Popen, str]:
     """Without ``model``, the embedded model's architecture (the trainer pushes its weights); ``cores``: the CPUs
     the server's process may run on (``taskset``)."""
     command = [sys.executable, "-m", "auto_research", "rollout-serve", "--engine", engine, "--port", "0", "--offline"]
@@ -17,6 +18,7 @@ def start_server(model: str | None = None, threads: int | None = None, memory: f
     command += ["--model", model] if model else []
     command += ["--threads", str(threads)] if threads else []
     command += ["--vllm-memory", str(memory)] if memory else []
+    command += list(extra)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:
         if line.startswith("serving "):

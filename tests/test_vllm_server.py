@@ -209,30 +209,60 @@ def test_one_and_two_processes_sample_from_the_server_with_fresh_weights_every_s
         assert _largest_difference(_final(tmp_path / name), expected) <= 1e-5, name
 
 
+@pytest.fixture(scope="module")
+def second_server(served_model):
+    """A second vLLM server, tensor parallel over two workers (one a core) and taking LoRA adapters up to rank 8."""
+    second = Server(served_model)
+    second.start_args = ("--tensor-parallel-size", "2", "--enable-lora", "--max-lora-rank", "8")
+    second.start()
+    yield second
+    second.stop()
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="tensor parallelism on the CPU takes a core a worker")
-def test_two_vllm_servers_one_of_them_tensor_parallel_draw_what_one_server_draws(served_model, sums, tmp_path, server):
+def test_two_vllm_servers_one_of_them_tensor_parallel_draw_what_one_server_draws(served_model, sums, tmp_path,
+                                                                                  server, second_server):
     """The fleet with real engines: a run over the module's server and a second one started with
     --tensor-parallel-size 2 (vLLM's CPU workers, one a core) draws the same samples as the run over the first
     server alone (each group's draw depends on its seeds only) and ends with its weights."""
-    second = Server(served_model)
-    second.start_args = ("--tensor-parallel-size", "2")
-    second.start()
-    try:
-        assert any("tensor parallel 2 over CPUs" in line for line in second.lines), second.lines[-5:]
-        runs = {}
-        for name, address in (("one", server), ("two", f"{server},{second.address}")):
-            run = run_cli(*_args(served_model, sums, tmp_path / name, address, "--steps", "4", "--reward", "match",
-                                 "--checkpoint-every", "0"), cwd=tmp_path, env=ENV)
-            assert run.returncode == 0, (name, run.stderr[-3000:])
-            runs[name] = run
-    finally:
-        second.stop()
+    assert any("tensor parallel 2 over CPUs" in line for line in second_server.lines), second_server.lines[-5:]
+    runs = {}
+    for name, address in (("one", server), ("two", f"{server},{second_server.address}")):
+        run = run_cli(*_args(served_model, sums, tmp_path / name, address, "--steps", "4", "--reward", "match",
+                             "--checkpoint-every", "0"), cwd=tmp_path, env=ENV)
+        assert run.returncode == 0, (name, run.stderr[-3000:])
+        runs[name] = run
     assert "sampling with 2 vllm rollout servers" in runs["two"].stderr
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert [(r["reward_mean"], r["completion_length"]) for r in one] == [
         (r["reward_mean"], r["completion_length"]) for r in two]
     assert all(row["rollout_logprob_diff_max"] < 1e-4 for row in two), [r["rollout_logprob_diff_max"] for r in two]
     assert _largest_difference(_final(tmp_path / "two"), _final(tmp_path / "one")) <= 1e-4
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="tensor parallelism on the CPU takes a core a worker")
+def test_a_lora_run_pushes_its_adapter_alone_to_a_vllm_server_with_lora(served_model, sums, tmp_path, server,
+                                                                       second_server):
+    """--enable-lora: after the base weights once, each push is the adapter alone, which vLLM applies unmerged;
+    the run draws and trains as the run that pushes merged weights to a server without LoRA, for a fraction of
+    the bytes. An adapter over the server's --max-lora-rank stops the run at its first push, in one line."""
+    lora = ("--lora-r", "4", "--lora-alpha", "8", "--steps", "3", "--reward", "match", "--checkpoint-every", "0")
+    for name, address in (("adapter", second_server.address), ("merged", server)):
+        run = run_cli(*_args(served_model, sums, tmp_path / name, address, *lora), cwd=tmp_path, env=ENV)
+        assert run.returncode == 0, (name, run.stderr[-3000:])
+    adapter, merged = _rows(tmp_path / "adapter"), _rows(tmp_path / "merged")
+    assert [(r["reward_mean"], r["completion_length"]) for r in adapter] == [
+        (r["reward_mean"], r["completion_length"]) for r in merged]
+    assert all(row["rollout_logprob_diff_max"] < 1e-4 for row in adapter)
+    assert all(a["weight_sync_bytes"] * 10 < m["weight_sync_bytes"] for a, m in zip(adapter, merged))
+    assert _largest_difference(_final(tmp_path / "adapter", "adapter_model.safetensors"),
+                               _final(tmp_path / "merged", "adapter_model.safetensors")) <= 1e-5
+    run = run_cli(*_args(served_model, sums, tmp_path / "r16", second_server.address, "--lora-r", "16",
+                         "--steps", "1"), cwd=tmp_path, env=ENV)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"auto-research: error: --rollout-server {second_server.address} refused /weights/adapter: an adapter of "
+        "rank 16 is over this server's --max-lora-rank 8")
 
 
 def test_a_second_trainer_is_refused_while_the_first_holds_the_server(one_process):
@@ -503,11 +533,16 @@ def test_vllm_serve_refusals_are_one_line(tiny_model_dir, served_model, capsys, 
     assert error("--api-key", " ") == "--api-key is empty"
     assert error("--engine", "sglang") == "--engine must be vllm or builtin, got 'sglang'"
     assert error("--engine", "builtin", "--dtype", "bfloat16") == (
-        "--dtype is vLLM's; the builtin engine samples in float32 with the model's own cache, as the trainer does")
+        "--dtype is vLLM's (--engine vllm); the builtin engine samples in float32 with the model's own cache, as the "
+        "trainer does")
     assert error("--engine", "builtin", "--tensor-parallel-size", "2") == (
         "--tensor-parallel-size is vLLM's (--engine vllm); the builtin engine runs on one device (several servers "
         "behind one trainer spread its groups: docs/scaling-out.md)")
     assert error("--data-parallel-size", "0") == "--data-parallel-size must be a positive integer, got 0"
+    assert error("--engine", "builtin", "--enable-lora") == (
+        "--enable-lora is vLLM's (--engine vllm); the builtin engine always takes a LoRA run's adapter alone")
+    assert error("--max-lora-rank", "12") == ("--max-lora-rank must be one of vLLM's 1, 8, 16, 32, 64, 128, 256, 320, "
+                                              "512, got 12")
     cores = sorted(os.sched_getaffinity(0))
     assert error("--tensor-parallel-size", str(len(cores) + 1), "--device", "cpu").startswith(
         f"rollout-serve: --tensor-parallel-size {len(cores) + 1} on the CPU needs a core per worker at least; this "

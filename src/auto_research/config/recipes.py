@@ -156,6 +156,10 @@ class RLHFConfig:
         return comma_list("--seeds", self.seeds, int, "seed")
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM's choices of ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``, 0.32)."""
+
+
 @dataclass
 class ServeConfig:
     """``auto-research rollout-serve`` (alias ``vllm-serve``): one rollout engine behind an HTTP port, for
@@ -195,9 +199,29 @@ class ServeConfig:
                                             "hold at once (the lease holder's always go in, and first)", type=int)
     tensor_parallel_size: int = setting(1, "vLLM's tensor parallelism: the model split over this many GPUs (on the "
                                            "CPU, over this many groups of this process's cores)", type=int)
+    enable_lora: bool = setting(False, "vLLM applies a LoRA run's pushed adapter itself: after the base weights "
+                                       "once, each push is the adapter alone (the builtin engine always takes "
+                                       "adapters)", action="store_true")
+    max_lora_rank: int = setting(16, "with --enable-lora, the largest adapter rank vLLM makes room for: 1, 8, 16, "
+                                     "32, 64, 128, 256, 320 or 512 (vLLM's choices)", type=int)
     data_parallel_size: int = setting(1, "vLLM's data parallelism: this many copies of the model, passed through to "
                                          "vLLM (one line where the installed vLLM cannot; several servers behind one "
                                          "trainer are the other way, docs/scaling-out.md)", type=int)
+
+    def _check_builtin(self) -> None:
+        """vLLM's settings, refused for the builtin engine with what it does instead."""
+        why = {"--rollout-memory": "the builtin engine samples in float32 with the model's own cache, as the "
+                                   "trainer does",
+               "--tensor-parallel-size": "the builtin engine runs on one device (several servers behind one trainer "
+                                         "spread its groups: docs/scaling-out.md)",
+               "--enable-lora": "the builtin engine always takes a LoRA run's adapter alone"}
+        why["--dtype"], why["--data-parallel-size"] = why["--rollout-memory"], why["--tensor-parallel-size"]
+        given = {"--rollout-memory": self.rollout_memory is not None, "--dtype": self.dtype != "auto",
+                 "--tensor-parallel-size": self.tensor_parallel_size != 1,
+                 "--data-parallel-size": self.data_parallel_size != 1, "--enable-lora": self.enable_lora}
+        flag = next((flag for flag, set_ in given.items() if set_), None)
+        if flag is not None:
+            raise UserError(f"{flag} is vLLM's (--engine vllm); {why[flag]}")
 
     def validate(self) -> "ServeConfig":
         from auto_research.engine.sources import require_vllm
@@ -206,13 +230,11 @@ class ServeConfig:
             raise UserError(f"--engine must be {' or '.join(served_engines())}, got {self.engine!r}")
         if self.engine == "vllm":
             require_vllm()
-        elif self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
-            flag = "--tensor-parallel-size" if self.tensor_parallel_size != 1 else "--data-parallel-size"
-            raise UserError(f"{flag} is vLLM's (--engine vllm); the builtin engine runs on one device (several "
-                            "servers behind one trainer spread its groups: docs/scaling-out.md)")
-        elif self.rollout_memory is not None or self.dtype != "auto":
-            raise UserError(f"{'--rollout-memory' if self.rollout_memory is not None else '--dtype'} is vLLM's; the "
-                            "builtin engine samples in float32 with the model's own cache, as the trainer does")
+        else:
+            self._check_builtin()
+        if self.max_lora_rank not in LORA_RANKS:
+            raise UserError(f"--max-lora-rank must be one of vLLM's {', '.join(map(str, LORA_RANKS))}, got "
+                            f"{self.max_lora_rank}")
         if not 0 <= self.port < 65536:
             raise UserError(f"--port must be in 0..65535, got {self.port}")
         if self.rollout_memory is not None and not (0 < self.rollout_memory <= 1):

@@ -140,7 +140,8 @@ class ServerSampler:
                 theirs = ["gloo"] if collective is True else list(collective or [])
                 return UserError(f"--rollout-server {self.address} cannot join a torch.distributed group with this "
                                  f"trainer (the server takes {', '.join(theirs) or 'none'}; this trainer, its weights "
-                                 f"on {self.device.type}, {', '.join(ours) or 'none'})") if sync == "collective" else None
+                                 f"on {self.device.type}, {', '.join(ours) or 'none'})"
+                                 ) if sync == "collective" else None
             try:
                 self.link = CollectiveLink(self._call, host, port, backend=backend, device=self.device)
                 self.transfer = f"a torch.distributed group ({backend})"

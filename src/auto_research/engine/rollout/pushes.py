@@ -37,7 +37,7 @@ import time
 import torch
 
 from auto_research.engine.rollout.guard import Refused, all_finite, check_adapter
-from auto_research.errors import RolloutEngineError
+from auto_research.errors import RolloutEngineError, one_line
 
 JOIN_SECONDS = 30.0
 """How long a group's two sides wait for each other to join."""
@@ -90,22 +90,35 @@ def _device(backend: str, device) -> torch.device:
 # --- the server's side (each takes the request's handler: server.Handler) --------------------------------------
 
 
+def takes_adapters(sampler) -> bool:
+    """Whether ``sampler`` applies a pushed LoRA adapter itself: the builtin engine always, vLLM when started with
+    --enable-lora (``takes_adapters``)."""
+    return bool(getattr(sampler, "takes_adapters", hasattr(sampler, "load_adapter")))
+
+
 def adapter_push(handler, limit: int):
     """A LoRA run's adapter alone (``limit`` bytes at most), merged by the engine onto the base weights of the last
     full push (an engine that cannot: 400, and the trainer pushes merged weights instead)."""
     from safetensors.torch import load  # noqa: PLC0415
 
-    body = handler.holder_body(limit)
-    if not hasattr(handler.serving.sampler, "load_adapter"):
+    body, sampler = handler.holder_body(limit), handler.serving.sampler
+    if not takes_adapters(sampler):
         raise Refused(400, "this server's engine takes merged weights only (POST /weights)")
     try:
         factors = load(body)
     except Exception as error:  # noqa: BLE001 - safetensors raises its own types for a corrupt body
         raise Refused(400, f"the adapter is not a safetensors file ({type(error).__name__})") from None
     checked = check_adapter(factors, handler.serving.served.spec)
+    limit = getattr(sampler, "max_adapter_rank", None)
+    rank = max(A.shape[0] for A, _, _ in checked.values()) if checked else 0
+    if limit is not None and rank > limit:
+        raise Refused(400, f"an adapter of rank {rank} is over this server's --max-lora-rank {limit}")
     started, turns = time.perf_counter(), handler.serving.turns
     with turns.turn(first=True):
-        handler.serving.sampler.load_adapter(checked)
+        try:
+            sampler.load_adapter(checked)
+        except (ValueError, RuntimeError) as error:  # vLLM: a module it cannot adapt; the old adapter stays
+            raise Refused(400, f"the engine cannot apply this adapter ({one_line(error)})"[:400]) from None
         turns.version += 1
         version = turns.version
     return 200, {"weights_version": version, "seconds": time.perf_counter() - started}

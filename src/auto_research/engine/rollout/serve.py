@@ -76,11 +76,13 @@ def start_engine(config, log) -> tuple[object, Served]:
         memory, of_what = vllm_memory(config.rollout_memory, device)
         dtype = resolve_dtype(config.dtype, device)
         split = (f", tensor parallel {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else "") + (
-            f" over CPUs {os.environ['VLLM_CPU_OMP_THREADS_BIND']}" if config.tensor_parallel_size > 1 and device == "cpu"
-            else "")
+            f" over CPUs {os.environ['VLLM_CPU_OMP_THREADS_BIND']}"
+            if config.tensor_parallel_size > 1 and device == "cpu" else "")
+        split += f", LoRA adapters up to rank {config.max_lora_rank}" if config.enable_lora else ""
         log(f"starting a vLLM engine for {name} ({memory:g} of the {of_what}, max_model_len {longest}{split})")
         sampler = VLLMSampler(model, tokenizer, SamplingSettings(max_new_tokens=16), memory, dtype, longest,
-                              config.seed, parallel=(config.tensor_parallel_size, config.data_parallel_size))
+                              config.seed, parallel=(config.tensor_parallel_size, config.data_parallel_size),
+                              lora_rank=config.max_lora_rank if config.enable_lora else None)
     return sampler, Served(name, fingerprint(model.config, tokenizer), weight_spec(pushed_weights(model, dtype)),
                            int(model.config.vocab_size), str(dtype).removeprefix("torch."), str(device))
 

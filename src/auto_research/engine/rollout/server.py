@@ -73,7 +73,8 @@ from urllib.parse import parse_qs, urlparse
 from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, MAX_REQUEST_TOKENS, MAX_SERVER_TOKENS,
                                                 Leases, Refused, check_claim, check_generate, check_size, describe,
                                                 slices)
-from auto_research.engine.rollout.pushes import adapter_push, backends, collective_join, collective_push
+from auto_research.engine.rollout.pushes import (adapter_push, backends, collective_join, collective_push,
+                                                takes_adapters)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
 from auto_research.errors import is_decimal, one_line
 from auto_research.http import api_key, authorization
@@ -327,7 +328,7 @@ class Handler(BaseHTTPRequestHandler):
                      "max_model_len": serving.sampler.max_model_len, "dtype": serving.served.dtype,
                      "vocab_size": serving.served.vocab_size, "max_group_size": limits.max_group_size,
                      "max_request_tokens": limits.max_request_tokens, "lease_seconds": limits.lease_seconds,
-                     "adapters": hasattr(serving.sampler, "load_adapter"),
+                     "adapters": takes_adapters(serving.sampler),
                      "collective": backends(serving.served.device), "lease": serving.leases.status()}
 
     def _post(self):

@@ -120,7 +120,7 @@ class VLLMSampler:
 
     def __init__(self, model, tokenizer, settings: SamplingSettings, memory: float, dtype: torch.dtype,
                  max_model_len: int, seed: int = 0, push_weights: bool = True, verbose: bool = False,
-                 parallel: tuple[int, int] = (1, 1)):
+                 parallel: tuple[int, int] = (1, 1), lora_rank: int | None = None):
         require_vllm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         self.verbose = _verbose(verbose)
@@ -133,6 +133,10 @@ class VLLMSampler:
         tokenizer.save_pretrained(self._folder.name)
         self.parallel = parallel
         """vLLM's (tensor, data) parallel sizes: above 1, its workers are processes of their own."""
+        self.max_adapter_rank, self.adapter, self._adapters = lora_rank, None, None
+        """With ``lora_rank`` (rollout-serve --enable-lora): vLLM applies a pushed LoRA adapter itself
+        (``load_adapter``) of rank up to this; ``adapter`` is the one it draws with (a LoRARequest), None after a
+        full push."""
         with harmless_lines_hidden(not self.verbose):
             self.llm = self._engine(model, memory, dtype, max_model_len, seed)
         self.weight_sync_seconds = 0.0
@@ -157,6 +161,8 @@ class VLLMSampler:
                     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else {})
         tensor, data = self.parallel
         parallel = dict(tensor_parallel_size=tensor, data_parallel_size=data) if self.parallel != (1, 1) else {}
+        if self.max_adapter_rank is not None:
+            parallel.update(enable_lora=True, max_lora_rank=self.max_adapter_rank, max_loras=1)
         with _process_kept():
             try:
                 return LLM(model=self._folder.name, tokenizer=self._folder.name, load_format="dummy",
@@ -197,7 +203,7 @@ class VLLMSampler:
         with _process_kept():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids],
                                         [self.sampling_params(1 if greedy else group_size, seed, settings)
-                                         for seed in seeds], use_tqdm=False)
+                                         for seed in seeds], use_tqdm=False, lora_request=self.adapter)
         completions, logprobs = [], []
         for output in outputs:
             for sample in sorted(output.outputs, key=lambda one: one.index):
@@ -232,6 +238,62 @@ class VLLMSampler:
         # of the rotary embedding every time (quiet.HARMLESS).
         if self.parallel != (1, 1):  # the workers are other processes: the tensors go to them, not a generator
             weights = list(weights)
+        self._drop_adapter()  # a full push is the whole policy (or the base the next adapter goes onto)
         with _process_kept(), harmless_lines_hidden(not self.verbose):
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
             self.llm.reset_prefix_cache()
+
+    @property
+    def takes_adapters(self) -> bool:
+        """Whether a LoRA adapter can be pushed alone (rollout-serve --enable-lora)."""
+        return self.max_adapter_rank is not None
+
+    def load_adapter(self, factors: dict) -> None:
+        """A LoRA adapter (``{weight: (A, B, scaling)}``, checked by the server) for vLLM to apply over the base
+        weights of the last full push, unmerged: written as a PEFT adapter (each B times its scaling, every rank
+        padded with zeros to the largest, so one ``r`` and ``lora_alpha`` = r fit all) under a new id, and loaded at
+        once, so an adapter vLLM cannot apply fails its push rather than the next draw."""
+        import json  # noqa: PLC0415
+
+        from safetensors.torch import save_file  # noqa: PLC0415
+        from vllm.lora.request import LoRARequest  # noqa: PLC0415
+
+        rank = max(A.shape[0] for A, _, _ in factors.values())
+        tensors, modules = {}, set()
+        for name, (A, B, scaling) in factors.items():
+            module = name.removesuffix(".weight")
+            padded_A, padded_B = A.new_zeros(rank, A.shape[1]), B.new_zeros(B.shape[0], rank)
+            padded_A[: A.shape[0]], padded_B[:, : B.shape[1]] = A, B * scaling
+            tensors[f"base_model.model.{module}.lora_A.weight"] = padded_A.contiguous()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = padded_B.contiguous()
+            modules.add(module.rsplit(".", 1)[-1])
+        if self._adapters is None:
+            self._adapters = tempfile.TemporaryDirectory(prefix="auto-research-adapters-")
+        number = self.adapter.lora_int_id + 1 if self.adapter is not None else 1
+        folder = os.path.join(self._adapters.name, str(number))
+        os.makedirs(folder)
+        save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+        with open(os.path.join(folder, "adapter_config.json"), "w", encoding="utf-8") as file:
+            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": sorted(modules),
+                       "bias": "none", "lora_dropout": 0.0}, file)
+        adapter = LoRARequest(f"policy-{number}", number, folder)
+        try:
+            with _process_kept(), harmless_lines_hidden(not self.verbose):
+                self.llm.llm_engine.add_lora(adapter)  # raises here for an adapter vLLM cannot apply
+        except BaseException:
+            import shutil  # noqa: PLC0415
+
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self._drop_adapter()
+        self.adapter = adapter
+
+    def _drop_adapter(self) -> None:
+        """The adapter vLLM held, unloaded, and its folder removed."""
+        if self.adapter is None:
+            return
+        import shutil  # noqa: PLC0415
+
+        self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
+        shutil.rmtree(self.adapter.lora_path, ignore_errors=True)
+        self.adapter = None
