@@ -158,3 +158,32 @@ def test_a_backend_the_server_cannot_take_is_refused_in_one_line(server, tmp_pat
         _client(build_model(build_tokenizer(), seed=1), address, tmp_path / "run2", "collective")
     assert str(caught.value) == (f"--rollout-server {address} cannot join a torch.distributed group with this "
                                  "trainer (the server takes nccl; this trainer, its weights on cpu, gloo)")
+
+
+def test_a_push_goes_in_buckets_of_one_dtype_up_to_64_mib_a_larger_tensor_alone():
+    from auto_research.engine.rollout.pushes import BUCKET_BYTES, layout
+
+    assert BUCKET_BYTES == 64 * 2**20
+    mib = 2**20 // 4  # float32 values in a MiB
+    spec = {"a": ((mib, 10), "float32"), "b": ((mib, 50), "float32"), "c": ((mib, 10), "float32"),  # 10+50, then 10
+            "d": ((mib * 100,), "float32"),  # 100 MiB: alone
+            "e": ((3,), "float32"), "f": ((4,), "bfloat16"), "g": ((5,), "bfloat16")}  # another dtype: a new bucket
+    assert layout(spec) == [
+        ("float32", [("a", 0, 10 * mib, (mib, 10)), ("b", 10 * mib, 50 * mib, (mib, 50))], 60 * mib),
+        ("float32", [("c", 0, 10 * mib, (mib, 10))], 10 * mib),
+        ("float32", [("d", 0, 100 * mib, (mib * 100,))], 100 * mib),
+        ("float32", [("e", 0, 3, (3,))], 3),
+        ("bfloat16", [("f", 0, 4, (4,)), ("g", 4, 5, (5,))], 9)]
+
+
+def test_a_tensor_of_another_shape_than_the_servers_is_refused_before_it_is_sent(server, tmp_path):
+    from auto_research.errors import RolloutEngineError
+
+    _, address = server
+    trained = build_model(build_tokenizer(), seed=1)
+    client = _client(trained, address, tmp_path / "run", "collective")
+    client.link.begin()
+    with pytest.raises(RolloutEngineError) as caught:
+        client.link.send("model.embed_tokens.weight", torch.zeros(3, 3))
+    assert str(caught.value).startswith("the push sends 'model.embed_tokens.weight' as [3, 3] torch.float32 where "
+                                        "the server expects [")
