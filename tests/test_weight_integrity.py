@@ -293,11 +293,16 @@ def _stacks(run: subprocess.Popen | None) -> str:
     pids = [run.pid, *(int(pid) for pid in (children.read_text().split() if children.exists() else []))]
     texts = []
     for pid in pids:
-        try:
-            dump = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
-            texts.append(f"\n--- py-spy dump of {pid}:\n{dump.stdout[-6000:]}{dump.stderr[-500:]}")
-        except (OSError, subprocess.TimeoutExpired) as error:
-            texts.append(f"\n--- py-spy dump of {pid} failed: {error}")
+        for look in (1, 2):  # twice, 5 s apart: a thread that moved is slow, one that did not is stuck
+            try:
+                dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True,
+                                      text=True, timeout=60)
+                texts.append(f"\n--- py-spy dump {look} of {pid} ({_cpu_times(pid)}):\n{dump.stdout[-6000:]}"
+                             f"{dump.stderr[-500:]}")
+            except (OSError, subprocess.TimeoutExpired) as error:
+                texts.append(f"\n--- py-spy dump of {pid} failed: {error}")
+            if look == 1:
+                time.sleep(5)
     try:  # the processes' TCP connections, and every socket on their listening ports (SYN-RECV too)
         lines = subprocess.run(["ss", "-tanpo"], capture_output=True, text=True, timeout=30).stdout.splitlines()
         theirs = [line for line in lines if any(f"pid={pid}," in line for pid in pids)]
@@ -307,6 +312,21 @@ def _stacks(run: subprocess.Popen | None) -> str:
     except (OSError, subprocess.TimeoutExpired, IndexError) as error:
         texts.append(f"\n--- ss failed: {error}")
     return "".join(texts)
+
+
+def _cpu_times(pid: int) -> str:
+    """A process's state and each thread's CPU seconds (user + system), from /proc: a thread that spins, one that
+    waits, and a process stopped or in the D state tell apart."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        threads = []
+        for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            threads.append(f"{task.name}: {(int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK'):.2f} s "
+                           f"{fields[0]}")
+        return f"state {state}; threads " + ", ".join(threads)
+    except (OSError, IndexError, ValueError) as error:
+        return f"/proc unreadable: {error}"
 
 
 def _buffers(pid: int) -> list[Path]:
