@@ -40,14 +40,18 @@ def shared_data() -> Path:
 
 
 def kill_after_checkpoint(args: list[str], env: dict, checkpoint: Path, timeout: float = 240) -> None:
-    """Run ``python -m auto_research ARGS`` and SIGKILL it as soon as ``checkpoint`` exists (a crash mid-run)."""
+    """Run ``python -m auto_research ARGS`` and SIGKILL it as soon as ``checkpoint`` or a later one exists (a crash
+    mid-run): with two checkpoints kept, a fast run removes ``step-000002`` at step 4, between two looks."""
     import signal
     import time
+
+    def saved() -> bool:
+        return checkpoint.is_dir() or any(path.name > checkpoint.name for path in checkpoint.parent.glob("step-*"))
 
     process = subprocess.Popen([sys.executable, "-m", "auto_research", *args], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout
-    while time.time() < deadline and not checkpoint.is_dir():
+    while time.time() < deadline and not saved():
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
