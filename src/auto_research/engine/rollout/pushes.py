@@ -132,10 +132,10 @@ def adapter_push(handler, limit: int):
     except Exception as error:  # noqa: BLE001 - safetensors raises its own types for a corrupt body
         raise Refused(400, f"the adapter is not a safetensors file ({type(error).__name__})") from None
     checked = check_adapter(factors, handler.serving.served.spec)
-    limit = getattr(sampler, "max_adapter_rank", None)
+    most = getattr(sampler, "max_adapter_rank", None)
     rank = max(A.shape[0] for A, _, _ in checked.values()) if checked else 0
-    if limit is not None and rank > limit:
-        raise Refused(400, f"an adapter of rank {rank} is over this server's --max-lora-rank {limit}")
+    if most is not None and rank > most:
+        raise Refused(400, f"an adapter of rank {rank} is over this server's --max-lora-rank {most}")
     started, turns = time.perf_counter(), handler.serving.turns
     with turns.turn(first=True):
         try:
