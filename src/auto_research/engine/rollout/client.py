@@ -126,7 +126,8 @@ class ServerSampler:
         (same host, same user), else a group with a server on another host (``collective``: the backends the server
         can join; NCCL when both sides' weights are on GPUs, else gloo), else HTTP; ``shared-memory`` and
         ``collective`` insist (one line when they cannot); ``http`` always sends HTTP parts."""
-        from auto_research.engine.rollout.pushes import CollectiveLink, backends, choose_backend  # noqa: PLC0415
+        from auto_research.engine.rollout.pushes import (CollectiveLink, backends, choose_backend,  # noqa: PLC0415
+                                                         offered_backends)
 
         if sync in ("auto", "shared-memory") and offered:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not this host's file
@@ -135,12 +136,12 @@ class ServerSampler:
                 return None
         host, port = split_address(self.address)
         if sync == "collective" or (sync == "auto" and not is_loopback(host)):
-            ours, backend = backends(self.device), choose_backend(backends(self.device), collective)
+            ours = backends(self.device)
+            backend = choose_backend(ours, collective)
             if backend is None:
-                theirs = ["gloo"] if collective is True else list(collective or [])
                 return UserError(f"--rollout-server {self.address} cannot join a torch.distributed group with this "
-                                 f"trainer (the server takes {', '.join(theirs) or 'none'}; this trainer, its weights "
-                                 f"on {self.device.type}, {', '.join(ours) or 'none'})"
+                                 f"trainer (the server takes {', '.join(offered_backends(collective)) or 'none'}; "
+                                 f"this trainer, its weights on {self.device.type}, {', '.join(ours) or 'none'})"
                                  ) if sync == "collective" else None
             try:
                 self.link = CollectiveLink(self._call, host, port, backend=backend, device=self.device)

@@ -73,10 +73,15 @@ def backends(device: torch.device | str) -> list[str]:
     return fast + (["gloo"] if dist.is_gloo_available() else [])
 
 
+def offered_backends(collective) -> list[str]:
+    """The backends a server's ``/health`` lists under ``"collective"``; an older server said ``true`` for gloo."""
+    return ["gloo"] if collective is True else list(collective or [])
+
+
 def choose_backend(ours: list[str], theirs) -> str | None:
-    """The first of ``ours`` (fastest first) that the server lists too; None when they share none. An older
-    server's ``/health`` said ``"collective": true`` for gloo."""
-    offered = ["gloo"] if theirs is True else list(theirs or [])
+    """The first of ``ours`` (fastest first) that the server offers too (``offered_backends``); None when they
+    share none."""
+    offered = offered_backends(theirs)
     return next((backend for backend in ours if backend in offered), None)
 
 
@@ -253,7 +258,7 @@ class CollectiveLink:
         self.where = {entry[0]: (index, entry) for index, (_, entries, _) in enumerate(self.buckets)
                       for entry in entries}
         """Each name's bucket and (name, offset, numel, shape) in it."""
-        self.backend, self.device, self.pending = backend, _device(backend, device), {}
+        self.device, self.pending = _device(backend, device), {}
         self.staging: list = [None, None]
         """Two buffers a bucket is copied into, one filling while the other is sent: [tensor, its last send]."""
 
