@@ -176,8 +176,9 @@ def collective_join(handler):
         raise Refused(400, f"cannot join the trainer's group at {host}:{port} ({type(error).__name__}: "
                            f"{str(error).splitlines()[0] if str(error) else ''})"[:300]) from None
     handler.serving.links.clear()  # one link, the lease holder's
-    handler.serving.links[handler.headers.get("X-Lease")] = (store, group, _device(backend, device), [])
     spec = handler.serving.served.spec
+    handler.serving.links[handler.headers.get("X-Lease")] = (store, group, _device(backend, device), layout(spec),
+                                                             [])
     return 200, {"names": list(spec), "spec": {name: [list(shape), dtype] for name, (shape, dtype) in spec.items()}}
 
 
@@ -187,10 +188,10 @@ def collective_push(handler):
     link = serving.links.get(handler.headers.get("X-Lease"))
     if link is None:
         raise Refused(409, "no group with this lease's trainer: POST /weights/collective first")
-    _, group, device, buffers = link
+    _, group, device, buckets, buffers = link
     tensors, options, bad = {}, _broadcast_options(), None
     try:
-        buckets, works = layout(serving.served.spec), []
+        works = []
         for index, (dtype, _, numel) in enumerate(buckets):  # every receive queued: gloo takes them in order
             if index == len(buffers):  # the link's first push: its buffers, kept for the next
                 buffers.append(torch.empty(numel, dtype=getattr(torch, dtype), device=device))

@@ -198,7 +198,8 @@ class Serving:
     large: threading.BoundedSemaphore | None = None
     """Slots for the bodies over ``LARGE_BODY_BYTES`` of clients without the lease, read and held at once."""
     links: dict = field(default_factory=dict)
-    """The lease holder's group (gloo or NCCL), by lease (``pushes.collective_join``): one at a time."""
+    """The lease holder's group (gloo or NCCL), by lease (``pushes.collective_join``): one at a time, with the
+    device a push is received on, its buckets (``pushes.layout``) and the buffers they are received into."""
 
 
 class Handler(BaseHTTPRequestHandler):
