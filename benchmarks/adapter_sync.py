@@ -9,10 +9,10 @@ started with --enable-lora, which applies it unmerged (``--engine vllm``).
 Each round, under the same load: the merged weights over HTTP (what a LoRA run pushed before, and still pushes to
 an engine that takes no adapters: vLLM's without --enable-lora), the merged weights through the server's
 shared-memory buffer (same host only), then the base weights once more (untimed: the server's base for the adapter)
-and the adapter alone over HTTP. Each time is the trainer's, until the server says the weights are in: walking the weights (merging the
-adapter, for the merged pushes), serialising, sending, the server's checks and its copy or merge. Bytes are the
-tensors' own. After the last round the server draws the same seeded samples after the adapter push and after a
-merged push of the same weights (compared, printed).
+and the adapter alone over HTTP. Each time is the trainer's, until the server says the weights are in: walking
+the weights (merging the adapter, for the merged pushes), serialising, sending, the server's checks and its copy or
+merge. Bytes are the tensors' own. After the last round the server draws the same seeded samples after the
+adapter push and after a merged push of the same weights (compared, printed).
 """
 
 from __future__ import annotations

@@ -75,10 +75,12 @@ def start_engine(config, log) -> tuple[object, Served]:
                        "serve it from a GPU, with --engine builtin, or train with --sampler builtin")
         memory, of_what = vllm_memory(config.rollout_memory, device)
         dtype = resolve_dtype(config.dtype, device)
-        split = (f", tensor parallel {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else "") + (
-            f" over CPUs {os.environ['VLLM_CPU_OMP_THREADS_BIND']}"
-            if config.tensor_parallel_size > 1 and device == "cpu" else "")
-        split += f", LoRA adapters up to rank {config.max_lora_rank}" if config.enable_lora else ""
+        split = ""
+        if config.tensor_parallel_size > 1:
+            split += f", tensor parallel {config.tensor_parallel_size}"
+            split += f" over CPUs {os.environ['VLLM_CPU_OMP_THREADS_BIND']}" if device == "cpu" else ""
+        if config.enable_lora:
+            split += f", LoRA adapters up to rank {config.max_lora_rank}"
         log(f"starting a vLLM engine for {name} ({memory:g} of the {of_what}, max_model_len {longest}{split})")
         sampler = VLLMSampler(model, tokenizer, SamplingSettings(max_new_tokens=16), memory, dtype, longest,
                               config.seed, parallel=(config.tensor_parallel_size, config.data_parallel_size),

@@ -19,6 +19,7 @@ logging level, unless ``verbose`` (``--verbose``, or VLLM_LOGGING_LEVEL set to I
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import tempfile
 import time
@@ -134,6 +135,8 @@ class VLLMSampler:
         self.parallel = parallel
         """vLLM's (tensor, data) parallel sizes: above 1, its workers are processes of their own."""
         self.max_adapter_rank, self.adapter, self._adapters = lora_rank, None, None
+        self._adapter_ids = itertools.count(1)
+        """vLLM's ids of the adapters pushed, each new (its LoRA cache knows an adapter by its id)."""
         """With ``lora_rank`` (rollout-serve --enable-lora): vLLM applies a pushed LoRA adapter itself
         (``load_adapter``) of rank up to this; ``adapter`` is the one it draws with (a LoRARequest), None after a
         full push."""
@@ -269,7 +272,7 @@ class VLLMSampler:
             modules.add(module.rsplit(".", 1)[-1])
         if self._adapters is None:
             self._adapters = tempfile.TemporaryDirectory(prefix="auto-research-adapters-")
-        number = self.adapter.lora_int_id + 1 if self.adapter is not None else 1
+        number = next(self._adapter_ids)
         folder = os.path.join(self._adapters.name, str(number))
         os.makedirs(folder)
         save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
