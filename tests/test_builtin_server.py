@@ -143,6 +143,14 @@ def test_rollout_process_refusals_are_one_line(capsys):
     assert error("--rollout-mode", "process", "--rollout-cores", spelled) == (
         f"--rollout-cores {spelled!r} takes every CPU this process may use; leave the trainer one")
     assert error("--rollout-cores", str(cores[0])) == "--rollout-cores is for --rollout-mode process"
+    before = os.sched_getaffinity(0)
+    try:  # a process left one CPU (a pinned container, say) has none to give its rollout process
+        os.sched_setaffinity(0, {cores[0]})
+        assert error("--rollout-mode", "process") == (
+            f"--rollout-mode process needs two CPUs, the rollout process's and the trainer's, and this process may "
+            f"run on CPU {cores[0]} only (use --rollout-mode colocate)")
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def test_a_server_restarted_under_a_run_is_refused_before_its_samples_are_trained_on(monkeypatch, tmp_path):

@@ -40,6 +40,9 @@ def check_world(fsdp: bool, prompts_per_step: int, mini_batches: int, size: int 
 def parse_cores(text: str | None, available: set[int]) -> set[int]:
     """``--rollout-cores``: a comma list of CPU numbers or ranges (``1``, ``2-3``, ``0,4``); None: the last core."""
     if text is None:
+        if len(available) < 2:
+            raise UserError(f"--rollout-mode process needs two CPUs, the rollout process's and the trainer's, and this "
+                            f"process may run on CPU {min(available)} only (use --rollout-mode colocate)")
         return {max(available)}
     cores: set[int] = set()
     for part in str(text).split(","):

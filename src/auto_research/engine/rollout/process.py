@@ -49,6 +49,9 @@ class RolloutProcess(ServerSampler):
                                       env=environment, preexec_fn=lambda: os.sched_setaffinity(0, cores))
         address = self._wait_for_address()
         trainer_cores = set(os.sched_getaffinity(0)) - cores
+        self.before = (os.sched_getaffinity(0), torch.get_num_threads())
+        """This thread's cores and torch's threads before the run: given back at ``close`` (a run started from
+        Python leaves its caller as it found it)."""
         os.sched_setaffinity(0, trainer_cores)  # this thread: the trainer's work
         if not config.threads:
             torch.set_num_threads(len(trainer_cores))
@@ -58,6 +61,7 @@ class RolloutProcess(ServerSampler):
                              sync=config.rollout_sync)
         except BaseException:
             self._stop_child()
+            self._give_cores_back()
             raise
         self.cores, self.trainer_cores = cores, trainer_cores
 
@@ -135,3 +139,10 @@ class RolloutProcess(ServerSampler):
             super().close()
         finally:
             self._stop_child()
+            self._give_cores_back()
+
+    def _give_cores_back(self) -> None:
+        import torch  # noqa: PLC0415
+
+        os.sched_setaffinity(0, self.before[0])
+        torch.set_num_threads(self.before[1])
