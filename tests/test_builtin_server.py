@@ -233,3 +233,81 @@ def test_multi_turn_trajectories_through_a_live_server_are_the_trainer_s_own_tok
         assert ours.logprobs == pytest.approx(theirs.logprobs, abs=2e-6)
     assert sum(t.turns for t in runs["server"]) > 9  # some went on after the environment answered "no"
     assert any(0 in t.loss_mask for t in runs["server"])  # environment tokens, masked out
+
+
+def _call(address: str, path: str, body=None, lease: str | None = None) -> tuple[int, object]:
+    """(status, JSON answer, or the bytes of a binary one)."""
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    sent = urllib.request.Request(f"http://{address}{path}", data=data, headers={"X-Lease": lease} if lease else {})
+    try:
+        with urllib.request.urlopen(sent, timeout=60) as answer:
+            raw = answer.read()
+            return answer.status, raw if answer.headers["Content-Type"] == "application/octet-stream" else json.loads(raw)
+    except urllib.error.HTTPError as error:
+        text = error.read().decode()
+        assert text.count("\n") == 0, text  # one JSON line
+        return error.code, json.loads(text)["error"]
+
+
+def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state_goes_back_exactly(builtin_server):
+    """/partial/round, /partial/state and /partial/restore (partial_serve.py): what a run with --in-flight-updates
+    in a rollout server sends, and each refusal a line."""
+    engine, address = builtin_server
+    tokenizer = build_tokenizer()
+    status, lease = _call(address, "/lease", {"holder": {"host": "h", "pid": 1, "run": "/r"}, "secret": "5" * 64})
+    assert status == 200
+    lease = lease["lease"]
+    supply = [[[index, 100 + index], tokenizer(prompt, add_special_tokens=False)["input_ids"], 100 + index]
+              for index, prompt in enumerate(PROMPTS * 3)]
+    body = {"round": 1, "version": 0, "weights_version": 0, "per_step": 4, "oldest_allowed": -1,
+            "recompute_kv": False, "group_size": 2, "supply": supply,
+            "settings": {"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "top_k": 0}}
+    status, refusal = _call(address, "/partial/round", body)
+    assert status == 409 and refusal.startswith("this request does not carry the server's lease")
+    assert _call(address, "/partial/round", body, "x" * 32) == (status, refusal)
+    assert _call(address, "/partial/round", {**body, "weights_version": 3}, lease) == (
+        409, "the round names weights version 3, but the server holds version 0")
+    assert _call(address, "/partial/round", {**body, "supply": [[[0, 1], [5], 2]]}, lease) == (
+        400, "supply item 0 must be [[prompt index, seed], prompt ids, seed]")
+    assert _call(address, "/partial/round", {**body, "round": 2}, lease) == (
+        409, "round 2 after round 0: rounds come one at a time, in order")
+    status, first = _call(address, "/partial/round", body, lease)
+    assert status == 200 and len(first["lanes"]) == 4
+    lanes = first["lanes"]
+    assert all(len(lane["tokens"]) == 2 and set(sum(lane["versions"], [])) <= {0, -1} for lane in lanes)
+    # The pool holds 4 groups; the 4 done were replaced from the queue: 12 supplied, 8 admitted so far at least.
+    assert first["pending"] <= 12 - 8 and first["requeued"] == 0
+    status, saved = _call(address, "/partial/state", {"round": 1}, lease)
+    assert status == 200 and isinstance(saved, bytes)
+    assert _call(address, "/partial/state", {"round": 7}, lease) == (404, "no state of round 7 is kept for this "
+                                                                          "lease (kept: [1])")
+    second = {**body, "round": 2, "supply": []}
+    status, after = _call(address, "/partial/round", second, lease)
+    assert status == 200
+    # The state of round 1 put back: round 2 again draws the very same groups, tokens and log-probs.
+    assert _call(address, "/partial/restore", saved, lease) == (200, {"round": 1})
+    status, again = _call(address, "/partial/round", second, lease)
+    assert status == 200 and again["lanes"] == after["lanes"]
+    assert _call(address, "/partial/restore", b"not a state", lease)[0] == 400
+    assert _call(address, "/partial/round", {**second, "round": 3, "settings": {**body["settings"], "top_k": 5}},
+                 lease)[0] == 400  # a lease's rounds keep their settings
+
+
+def test_in_flight_updates_against_a_server_that_cannot_decode_partial_rollouts_is_one_line(builtin_server, tmp_path,
+                                                                                          capsys):
+    """A vLLM server, or a builtin one older than partial_serve.py, says ``"partial": false`` (or nothing)."""
+    from auto_research.cli import main
+
+    engine, address = builtin_server
+    engine.rounds = None  # as an engine without the continuous batch
+    assert main(["post-train", "--dataset", "arithmetic-generate", "--steps", "2", "--rollout-mode", "server",
+                 "--rollout-server", address, "--max-staleness", "1", "--in-flight-updates",
+                 "--output-dir", str(tmp_path), "--no-progress"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == (f"auto-research: error: --in-flight-updates: the rollout server at {address} cannot decode "
+                         "partial rollouts (it needs one builtin rollout server, auto-research rollout-serve --engine "
+                         "builtin, of this version or later)")
+    assert not lease_held(address)  # the run gave the lease back

@@ -184,10 +184,13 @@ def test_in_flight_updates_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp
     assert error("--in-flight-updates") == ("--in-flight-updates needs --max-staleness K >= 1 (weights change while "
                                             "the rollout side draws; K bounds how old a trained token may be)")
     assert error("--recompute-kv-on-update") == "--recompute-kv-on-update is for --in-flight-updates"
-    assert error("--in-flight-updates", "--max-staleness", "1", "--rollout-mode", "process").startswith(
-        "--in-flight-updates is built for the builtin sampler in the trainer's process")
     assert error("--in-flight-updates", "--max-staleness", "1", "--sampler", "vllm").startswith(
-        "--in-flight-updates is built for the builtin sampler in the trainer's process")
+        "--in-flight-updates is built for the builtin sampler (in the trainer's process, in --rollout-mode process, "
+        "or behind one builtin rollout server), not --sampler vllm")
+    assert error("--in-flight-updates", "--max-staleness", "1", "--rollout-mode", "server", "--rollout-server",
+                 "127.0.0.1:9,127.0.0.1:10") == (
+        "--in-flight-updates with several rollout servers is not built: one server holds the continuous batch; give "
+        "--rollout-server one HOST:PORT")
     assert error("--in-flight-updates", "--max-staleness", "1", "--algorithm", "remax").startswith(
         "--in-flight-updates with remax is not built")
     assert error("--in-flight-updates", "--max-staleness", "1", "--dynamic-sampling").startswith(
@@ -198,10 +201,33 @@ def test_in_flight_updates_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp
     assert not tmp_path.joinpath("rloo-sums-seed42").exists()
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_a_sigkill_then_resume_gives_the_rows_of_the_uninterrupted_run(tiny_model_dir, sums_jsonl, workdir, recompute):
+def test_a_rollout_process_decodes_the_rows_the_trainers_own_process_decodes(tiny_model_dir, sums_jsonl, workdir,
+                                                                             monkeypatch):
+    """--rollout-mode process: the continuous batch lives in the builtin rollout server (partial_serve.py), driven a
+    round at a time, the weights pushed between rounds. Same seed, same rows as in the trainer's process, token
+    versions and staleness included; only the push's own metric is new."""
+    from auto_research.cli import main
+
+    import os
+
+    monkeypatch.chdir(workdir)
+    args = ("--max-staleness", "2", "--in-flight-updates")
+    assert main(_args(tiny_model_dir, sums_jsonl, workdir / "here", *args)) == 0
+    cores = os.sched_getaffinity(0)
+    assert main(_args(tiny_model_dir, sums_jsonl, workdir / "apart", *args, "--rollout-mode", "process")) == 0
+    assert os.sched_getaffinity(0) == cores  # the caller's cores given back (the run pinned its thread meanwhile)
+    here, apart = _rows(workdir / "here"), _rows(workdir / "apart")
+    assert max(row.get("versions_per_sequence_max", 0) for row in apart) == 2  # completions spanning a push
+    assert all(row.pop("weight_sync_bytes") > 0 for row in apart if "staleness_max" in row)
+    assert here == apart
+
+
+@pytest.mark.parametrize("recompute, mode", [(False, "colocate"), (True, "colocate"), (False, "process")])
+def test_a_sigkill_then_resume_gives_the_rows_of_the_uninterrupted_run(tiny_model_dir, sums_jsonl, workdir, recompute,
+                                                                       mode):
     """The checkpoint holds the next batch and the rollout side as its round left it (groups mid-completion with
-    their KV caches, groups done but not handed over, the queue): the resumed run's rows are the same."""
+    their KV caches, groups done but not handed over, the queue): the resumed run's rows are the same. In a rollout
+    process that state is the server's, read at the checkpoint and restored into the new process."""
     import os
 
     from safetensors.torch import load_file
@@ -210,7 +236,7 @@ def test_a_sigkill_then_resume_gives_the_rows_of_the_uninterrupted_run(tiny_mode
 
     env = {"PYTHONPATH": str(workdir) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     common = ("--max-staleness", "2", "--in-flight-updates", "--checkpoint-every", "2", "--steps", "5",
-              *(("--recompute-kv-on-update",) if recompute else ()))
+              "--rollout-mode", mode, *(("--recompute-kv-on-update",) if recompute else ()))
     whole = run_cli(*_args(tiny_model_dir, sums_jsonl, workdir / "whole", *common), env=env, cwd=workdir)
     assert whole.returncode == 0, whole.stderr[-3000:]
     rows = _rows(workdir / "whole")

@@ -63,7 +63,8 @@ class RolloutSection:
                                     "updated, the rollout side sampling in a thread of its own while the trainer "
                                     "trains (step s is drawn by weights version max(0, s − 1 − K)); 0 = sample, then "
                                     "train (docs/async.md)", "sampling", type=int)
-    in_flight_updates: bool = setting(False, "with --max-staleness K >= 1, the builtin sampler decodes a continuous "
+    in_flight_updates: bool = setting(False, "with --max-staleness K >= 1, the builtin sampler (in this process, a "
+                                              "rollout process or one builtin rollout server) decodes a continuous "
                                               "batch and takes new weights between two decode steps: a group not "
                                               "finished when its step is due goes on under the next weights (partial "
                                               "rollouts), each token keeps the version that drew it and is corrected "
@@ -128,11 +129,17 @@ class RolloutSection:
         if not self.max_staleness:
             raise UserError("--in-flight-updates needs --max-staleness K >= 1 (weights change while the rollout side "
                             "draws; K bounds how old a trained token may be)")
-        if self.sampler != "builtin" or self.rollout_mode != "colocate":
-            raise UserError(f"--in-flight-updates is built for the builtin sampler in the trainer's process (--sampler "
-                            f"builtin --rollout-mode colocate), not --sampler {self.sampler} --rollout-mode "
-                            f"{self.rollout_mode}: the rollout server cannot pause a draw to take new weights yet, and "
-                            "the installed vLLM's server is not wired to pause_generation (docs/async.md)")
+        if self.sampler != "builtin":
+            raise UserError(f"--in-flight-updates is built for the builtin sampler (in the trainer's process, in "
+                            f"--rollout-mode process, or behind one builtin rollout server), not --sampler "
+                            f"{self.sampler}: our vLLM server runs vLLM's offline engine, which cannot pause a draw "
+                            "to take new weights; vLLM's pause_generation is not wired to it (docs/async.md)")
+        if self.rollout_mode == "server" and self.rollout_server is not None:
+            from auto_research.http import split_addresses  # noqa: PLC0415
+
+            if len(split_addresses(self.rollout_server)) > 1:
+                raise UserError("--in-flight-updates with several rollout servers is not built: one server holds "
+                                "the continuous batch; give --rollout-server one HOST:PORT")
         if environment_world_size() > 1:
             raise UserError("--in-flight-updates under torchrun is not built: each rank's continuous batch would "
                             "finish its groups in its own order, so the run's rows would depend on how many "

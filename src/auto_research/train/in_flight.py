@@ -27,6 +27,7 @@ import time
 
 from auto_research.engine.logprobs import token_logprobs
 from auto_research.engine.rollout.builtin import BuiltinSampler, sample
+from auto_research.errors import UserError
 from auto_research.train.components import Components, chunk_prompts, sampling_settings
 from auto_research.train.experience import no_grad_forward
 from auto_research.train.rollouts import Drawn, Handover, RolloutSource, Synchronous, drawing_version, produce
@@ -148,6 +149,20 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
     reference = None
     if c.reference is not None and not config.lora_r:
         reference = c.reference if c.offloaded_reference is not None else copy.deepcopy(c.reference)
+    if c.engine.pushes_weights and config.in_flight_updates:  # a builtin rollout server's continuous batch
+        from auto_research.train.partial_flight import PartialInFlight  # noqa: PLC0415
+
+        if not getattr(c.sampler, "partial", False):
+            raise UserError(f"--in-flight-updates: the rollout server at {c.sampler.address} cannot decode partial "
+                            "rollouts (it needs one builtin rollout server, auto-research rollout-serve --engine "
+                            "builtin, of this version or later)")
+        # (a tokenizer of its own: see below)
+        c.rollouts = PartialInFlight(rollout_source(c, c.sampler, None, c.autocast, reference), None,
+                                     copy.deepcopy(c.tokenizer),
+                                     sampling_settings(config), state.rng, config.max_staleness, config.steps,
+                                     state.step, c.policy, config.recompute_kv_on_update, list(saved), cpus, side,
+                                     remote=c.sampler)
+        return c.rollouts
     if c.engine.pushes_weights:  # a rollout server: its own weights, pushed version by version
         c.rollouts = InFlight(rollout_source(c, c.sampler, None, c.autocast, reference), None, state.rng,
                               config.max_staleness, config.steps, state.step, c.policy, list(saved), cpus, c.sampler)

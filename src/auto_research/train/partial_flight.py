@@ -1,7 +1,9 @@
 """Weights updated in flight, and partial rollouts (--in-flight-updates, with --max-staleness K ≥ 1; docs/async.md).
 
-The rollout side keeps a continuous batch of groups (``engine/rollout/partial.Pool``) in a thread of its own, and
-produces one step's batch a *round*. Round r (for step r) decodes with the weights of version max(0, r − 2), taken
+The rollout side keeps a continuous batch of groups (``engine/rollout/partial.Rounds`` over a ``Pool``) and
+produces one step's batch a *round*, from a thread of its own: in this process (``LocalRounds``, a copy of the
+policy) or in a builtin rollout server (``RemoteRounds``: ``--rollout-mode process|server``, ``partial_serve.py``),
+whose weights the trainer pushes between rounds. Round r (for step r) decodes with the weights of version max(0, r − 2), taken
 between two decode steps (the rows in flight go on from where they were, their KV cache kept or recomputed), while
 the trainer trains step r − 1. A round admits groups into the rows that finished groups freed and decodes until P
 groups (this rank's prompts a step) have all K completions done; those P, in the order they finished, are step
@@ -29,12 +31,11 @@ import contextlib
 import os
 import threading
 import time
-from collections import deque
 
 import torch
 
 from auto_research.engine.rollout import Rollout, eos_ids
-from auto_research.engine.rollout.partial import Finished, Pool, lanes_to_rows, pool_from_files, pool_to_files
+from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, Finished, Pool, Rounds, lanes_to_rows
 from auto_research.train.experience import Batch
 from auto_research.train.rollouts import Drawn, Handover, RolloutSource, draw_batch, score, signal_counts
 from auto_research.errors import RewardError
@@ -45,39 +46,105 @@ def round_version(step: int) -> int:
     return max(0, step - 2)
 
 
+class LocalRounds:
+    """The rounds in the trainer's process: a copy of the policy, loaded with each version's snapshot, decoding
+    under the trainer's autocast (``context``)."""
+
+    def __init__(self, model, tokenizer, source: RolloutSource, settings, recompute_kv: bool, context):
+        self.model, self.recompute_kv, self.context = model, recompute_kv, context
+        self.rounds = Rounds(Pool(model, tokenizer, source.group_size, settings.max_new_tokens, settings.temperature,
+                                  settings.top_k, settings.top_p, eos_ids(tokenizer, model), source.pad_token_id))
+        self.loaded: int | None = None
+        self.states: dict[int, tuple[dict, dict]] = {}
+
+    def load(self, version: int, snapshot) -> None:
+        if self.loaded != version:
+            self.model.load_state_dict(snapshot)
+            self.loaded = version
+
+    def run(self, number: int, version: int, per_step: int, oldest_allowed: int, supply: list) -> tuple:
+        """Round ``number``'s lanes, the groups put back so far and the queue's length after it."""
+        self.rounds.supply(supply)
+        with self.context():
+            lanes = self.rounds.run(version, per_step, oldest_allowed, self.recompute_kv)
+        self.states[number] = self.rounds.to_files()
+        return lanes, self.rounds.requeued, len(self.rounds.pending)
+
+    def state(self, number: int) -> tuple[dict, dict]:
+        for older in [n for n in list(self.states) if n < number]:  # (the producer adds to it meanwhile)
+            del self.states[older]
+        return self.states.get(number, ({}, {}))
+
+    def restore(self, tensors: dict, plain: dict) -> None:
+        self.rounds.restore(tensors, plain)
+
+
+class RemoteRounds:
+    """The rounds in a builtin rollout server (``partial_serve.py``), which holds the continuous batch and the
+    weights this run pushed (``sampler``: the run's ``ServerSampler``)."""
+
+    def __init__(self, sampler, source: RolloutSource, settings, recompute_kv: bool):
+        self.sampler, self.recompute_kv = sampler, recompute_kv
+        self.fixed = {"group_size": source.group_size, "recompute_kv": recompute_kv,
+                      "settings": {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
+                                   "top_p": settings.top_p, "top_k": settings.top_k}}
+
+    def load(self, version: int, snapshot) -> None:
+        """Nothing: the trainer pushed ``version`` before the producer was let through (``PartialInFlight._push``)."""
+
+    def run(self, number: int, version: int, per_step: int, oldest_allowed: int, supply: list) -> tuple:
+        answer = self.sampler.partial_round({
+            **self.fixed, "round": number, "version": version, "per_step": per_step, "oldest_allowed": oldest_allowed,
+            "supply": [[list(key), ids, seed] for key, ids, seed in supply]})
+        lanes = [Finished(tuple(lane["key"]), lane["order"], lane["prompt_ids"],
+                          torch.tensor(lane["tokens"], dtype=torch.long), torch.tensor(lane["logprobs"]),
+                          torch.tensor(lane["entropies"]), torch.tensor(lane["versions"], dtype=torch.long))
+                 for lane in answer["lanes"]]
+        return lanes, answer["requeued"], answer["pending"]
+
+    def state(self, number: int) -> tuple[dict, dict]:
+        return self.sampler.partial_state(number)
+
+    def restore(self, tensors: dict, plain: dict) -> None:
+        self.sampler.partial_restore(tensors, plain)
+
+
 class PartialInFlight(Handover):
     """The rollout side of --in-flight-updates: ``take``, ``checkpoint`` (the batch of the next step) and ``close``
-    are ``Handover``'s; ``state``, the rest of the rollout side for a checkpoint."""
+    are ``Handover``'s; ``state``, the rest of the rollout side for a checkpoint. The rounds run in this process
+    (``model``: a copy of the policy) or in a builtin rollout server (``remote``: the run's ``ServerSampler``)."""
 
     depth = 1
 
     def __init__(self, source: RolloutSource, model, tokenizer, settings, rng, max_staleness: int, last_step: int,
                  version: int, policy, recompute_kv: bool, saved: list[Drawn] = (), cpus: set[int] | None = None,
-                 state: tuple[dict, dict] | None = None, context=contextlib.nullcontext):
-        self.source, self.model, self.rng, self.cpus = source, model, rng, cpus
+                 state: tuple[dict, dict] | None = None, context=contextlib.nullcontext, remote=None):
+        self.source, self.rng, self.cpus, self.remote = source, rng, cpus, remote
         self.tokenizer, self.max_staleness, self.last_step = tokenizer, max_staleness, last_step
-        self.recompute_kv, self.context = recompute_kv, context
-        """``context``: entered around every forward of the rollout side (the trainer's bf16 autocast)."""
-        self.pool = Pool(model, tokenizer, source.group_size, settings.max_new_tokens, settings.temperature,
-                         settings.top_k, settings.top_p, eos_ids(tokenizer, model), source.pad_token_id)
+        self.eos = eos_ids(tokenizer, policy)
+        self.engine = (LocalRounds(model, tokenizer, source, settings, recompute_kv, context) if remote is None
+                       else RemoteRounds(remote, source, settings, recompute_kv))
         self.condition = threading.Condition()
         self.ready = {drawn.step: drawn for drawn in saved}
-        self.snapshots: dict[int, dict] = {}
-        self.loaded: int | None = None
+        self.snapshots: dict[int, dict | None] = {}
         self.error: BaseException | None = None
         self.stopping = False
         self.first_step = version + 1 + len(saved)
-        self.pending: deque = deque()
-        self.finished: list[Finished] = []
+        self.drawn_through = self.first_step - 1
         self.draws = self.first_step - 1  # a resumed run draws new prompt seeds, not the first run's again
         self.per_step: int | None = None
+        self.pending = 0
+        """Groups in the engine's queue after the last round."""
         self.numpy_after = saved[-1].numpy_after if saved else rng.bit_generator.state
         self.requeued = 0
-        self.states: dict[int, tuple[dict, dict]] = {}
-        """The rollout side after each round (``_state``), until a checkpoint no longer needs it."""
-        if state is not None:
+        self.counts: dict[int, dict] = {}
+        """This side's own plain values after each round (``_state``), until a checkpoint no longer needs them."""
+        if state is not None and state[1]:
             self._restore(*state)
-        self.publish(version, policy)
+        if remote is None:
+            self.publish(version, policy)
+        else:  # the server was given these weights when the run started (or resumed)
+            self.snapshots[version] = None
         self.thread = threading.Thread(target=self._run, name="auto-research-partial-rollouts", daemon=True)
         self.thread.start()
 
@@ -86,34 +153,44 @@ class PartialInFlight(Handover):
     def publish(self, version: int, policy) -> None:
         if version > round_version(self.last_step):
             return
+        if self.remote is not None:
+            return self._push(version, policy)
         snapshot = {name: tensor.detach().clone() for name, tensor in policy.state_dict().items()}
         with self.condition:
             self.snapshots[version] = snapshot
+            self.condition.notify_all()
+
+    def _push(self, version: int, policy) -> None:
+        """A server holds one version at a time: version v goes in once the last round that decodes with v − 1
+        (round v + 1) is done, between two of its decode steps; the server decodes round v + 2 while the trainer
+        trains step v + 1."""
+        last_by_previous = min(version + 1, self.last_step)
+        with self.condition:
+            while self.drawn_through < last_by_previous and self.error is None:
+                self.condition.wait()
+            if self.error is not None:
+                raise self.error
+        self.remote.load_weights(policy)
+        with self.condition:
+            self.snapshots[version] = None
             self.condition.notify_all()
 
     def state(self, step: int) -> tuple[dict, dict]:
         """The rollout side as the round of step + 1 left it (``checkpoint`` waited for that round)."""
         last = min(step + self.depth, self.last_step)
         with self.condition:
-            for older in [s for s in self.states if s < last]:
-                del self.states[older]
-            return self.states.get(last, ({}, {}))
-
-    def _state(self) -> tuple[dict, dict]:
-        tensors, plain = pool_to_files(self.pool, self.finished)
-        plain.update(pending=[list(item) for item in self.pending], draws=self.draws, per_step=self.per_step,
-                     requeued=self.requeued, loaded=self.loaded)
-        return tensors, plain
+            for older in [s for s in self.counts if s < last]:
+                del self.counts[older]
+            counts = self.counts.get(last)
+        if counts is None:
+            return {}, {}
+        tensors, plain = self.engine.state(last)
+        return tensors, {**plain, **counts}
 
     def _restore(self, tensors: dict, plain: dict) -> None:
-        if not plain:
-            return
-        self.finished = pool_from_files(self.pool, tensors, plain)
-        self.pending = deque(tuple(item) for item in plain["pending"])
+        self.engine.restore(tensors, plain)
         self.draws, self.per_step, self.requeued = plain["draws"], plain["per_step"], plain["requeued"]
-        self.loaded = plain["loaded"]
-        if self.loaded is not None:  # the weights those caches were decoding with: swapped for the next at once
-            self.loaded = -1
+        self.pending = plain["pending_count"]
 
     # --- the producer's side ------------------------------------------------------------------------------------
 
@@ -123,67 +200,49 @@ class PartialInFlight(Handover):
                 os.sched_setaffinity(0, self.cpus)
             for step in range(self.first_step, self.last_step + 1):
                 waiting = time.perf_counter()
-                with self.context():
-                    if not self._take_weights(round_version(step)):
-                        return
-                    idle = time.perf_counter() - waiting
-                    drawn = self._round(step, idle)
-                state = self._state()
-                with self.condition:
-                    self.states[step] = state  # before the batch: ``checkpoint`` waits for the batch, then reads it
+                going, snapshot = self._await_version(round_version(step))
+                if not going:
+                    return
+                idle = time.perf_counter() - waiting
+                self.engine.load(round_version(step), snapshot)
+                drawn = self._round(step, idle)
+                with self.condition:  # before the batch: ``checkpoint`` waits for the batch, then reads them
+                    self.counts[step] = {"draws": self.draws, "per_step": self.per_step, "requeued": self.requeued,
+                                         "pending_count": self.pending}
+                    self.drawn_through = step  # (``_push`` waits for it, woken by the hand-over)
                 self._hand_over(step, drawn)
         except BaseException as error:  # handed to the trainer, raised where it waits
             self._fail(error)
 
-    def _take_weights(self, version: int) -> bool:
-        going, snapshot = self._await_version(version)
-        if not going:
-            return False
-        if self.loaded != version:
-            self.model.load_state_dict(snapshot)
-            self.loaded = version
-            self.pool.swap(version, self.recompute_kv)  # between two decode steps of the rows in flight
-        return True
-
     def _round(self, step: int, idle: float) -> Drawn:
-        """Step ``step``'s batch: the stale groups back in the queue, then decode steps until P groups are done."""
+        """Step ``step``'s batch: the queue topped up, then the engine's round (stale groups back in its queue,
+        decode steps until P groups are done), scored here."""
         started = time.perf_counter()
-        oldest_allowed = (step - 1) - self.max_staleness
-        stale = [lane for lane in self.finished if int(lane.versions[lane.versions >= 0].min()) < oldest_allowed]
-        self.finished = [lane for lane in self.finished if all(lane is not other for other in stale)]
-        dropped = {key for key, oldest in self.pool.oldest_versions() if oldest < oldest_allowed}
-        requeue = [lane.key for lane in stale] + self.pool.drop(lambda key: key not in dropped)
-        self.requeued += len(requeue)
-        self.pending.extendleft(reversed(requeue))  # drawn again first, in the order they were first admitted
-        self._fill()
-        while self.per_step is None or len(self.finished) < self.per_step:
-            self.finished += self.pool.tick()
-            self._fill()
-        taken, self.finished = self.finished[: self.per_step], self.finished[self.per_step:]
+        supply = self._supply()
+        lanes, self.requeued, self.pending = self.engine.run(
+            step, round_version(step), self.per_step, (step - 1) - self.max_staleness, supply)
         sampled = time.perf_counter()
-        drawn = self._drawn(step, taken, idle, sampled - started)
+        drawn = self._drawn(step, lanes, idle, sampled - started)
         drawn.seconds["score"] = time.perf_counter() - sampled
         return drawn
 
-    def _fill(self) -> None:
-        """Admit groups into the free rows (the batch's rows: P · K), drawing the next prompts when the queue is
-        empty (one draw a step's worth, from the run's generator and seed)."""
-        K, admitted = self.source.group_size, []
-        while self.per_step is None or self.pool.size + K * (len(admitted) + 1) <= self.per_step * K:
-            if not self.pending:
-                self.draws += 1
-                batch = draw_batch(self.source, self.rng, self.draws)
-                self.per_step = self.per_step or len(batch.indices)
-                self.pending.extend(zip(batch.indices, batch.seeds))
-            index, seed = self.pending.popleft()
-            ids = self.tokenizer(self.source.prompts[index], add_special_tokens=False)["input_ids"]
-            admitted.append(((index, seed), ids, seed))
-        self.pool.admit_many(admitted)
+    def _supply(self) -> list:
+        """New groups for the engine's queue (key, prompt ids, seed), drawn a step's worth at a time from the run's
+        generator and seed, until it holds ``SUPPLY_ROUNDS`` steps' worth: a round never runs dry."""
+        supply = []
+        while self.per_step is None or self.pending + len(supply) < SUPPLY_ROUNDS * self.per_step:
+            self.draws += 1
+            batch = draw_batch(self.source, self.rng, self.draws)
+            self.per_step = self.per_step or len(batch.indices)
+            for index, seed in zip(batch.indices, batch.seeds):
+                ids = self.tokenizer(self.source.prompts[index], add_special_tokens=False)["input_ids"]
+                supply.append(((int(index), int(seed)), ids, int(seed)))
+        return supply
 
     def _drawn(self, step: int, lanes: list[Finished], idle: float, sample_seconds: float) -> Drawn:
         source, K = self.source, self.source.group_size
         prompt, prompt_mask, tokens, mask, logprobs, entropies, versions = lanes_to_rows(
-            lanes, source.pad_token_id, eos_ids(self.tokenizer, self.model))
+            lanes, source.pad_token_id, self.eos)
         texts = self.tokenizer.batch_decode(tokens * mask + source.pad_token_id * (1 - mask), skip_special_tokens=True)
         oldest = versions.masked_fill(versions < 0, 1 << 62).amin(1)
         rollout = Rollout(torch.cat([prompt, tokens], dim=1), prompt_mask, mask, texts, K, logprobs, entropies,

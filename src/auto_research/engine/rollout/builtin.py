@@ -318,6 +318,14 @@ class BuiltinEngine:
         return ([row[:length] for row, length in zip(ids, lengths)],
                 [row[:length] for row, length in zip(logprobs, lengths)])
 
+    def rounds(self, group_size: int, settings: SamplingSettings):
+        """Partial rollouts over this engine's model (``partial.Rounds``; a rollout server's ``/partial/round``)."""
+        from auto_research.engine.rollout.partial import Pool, Rounds  # noqa: PLC0415 - it imports this module
+
+        pad = self.tokenizer.pad_token_id or 0  # as the trainer's rollout side pads
+        return Rounds(Pool(self.model, self.tokenizer, group_size, settings.max_new_tokens, settings.temperature,
+                           settings.top_k, settings.top_p, eos_ids(self.tokenizer, self.model), pad))
+
     @torch.no_grad()
     def load_named(self, weights) -> None:
         """Pushed tensors (checked against this model's names, shapes and dtypes by the server) copied in place.

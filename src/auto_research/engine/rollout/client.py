@@ -104,6 +104,8 @@ class ServerSampler:
         self.adapters = bool(health.get("adapters")) and health.get("dtype") == "float32"
         """The server merges a LoRA run's adapter itself: after the base weights once, only the adapter is pushed."""
         self.base_pushed = False
+        self.partial = bool(health.get("partial"))
+        """The server decodes partial rollouts (``partial_serve.py``: a builtin server)."""
         # Every draw must come from the weights this run pushed: the server's life and its version after them.
         self.instance, self.version = health.get("instance"), int(health.get("weights_version", 0))
         self.load_weights(model)
@@ -200,6 +202,11 @@ class ServerSampler:
     def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None
               ) -> dict:
         """The server's JSON answer; one line naming the server, the path and the last failure otherwise."""
+        return json.loads(self._answer(path, body, content_type, retries))
+
+    def _answer(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None
+                ) -> bytes:
+        """The server's answer, as bytes (``_call``)."""
         try:
             answer = request(self.base + path, body, content_type, self.timeout,
                              self.retries if retries is None else retries, 0.5, self._lease_headers())
@@ -209,7 +216,35 @@ class ServerSampler:
                                          f"{failed.detail or failed.failure}") from None
             raise RolloutEngineError(f"--rollout-server {self.address}: {path.split('?')[0]} failed ({failed.failure} "
                                      f"after {failed.attempts} attempt(s)); the server is gone or failing") from None
-        return json.loads(answer)
+        return answer
+
+    # --- partial rollouts (--in-flight-updates; partial_serve.py) ---------------------------------------------------
+
+    def partial_round(self, body: dict) -> dict:
+        """One round of the server's continuous batch, on the weights this run pushed last. Sent once: a round is
+        not idempotent, so a failure stops the run (``--resume`` goes on from its last checkpoint)."""
+        answer = self._call("/partial/round", json.dumps({**body, "weights_version": self.version}).encode(),
+                            retries=0)
+        self._check_drawn_by_this_run(answer)
+        return answer
+
+    def partial_state(self, number: int) -> tuple[dict, dict]:
+        """The server's partial rollouts as round ``number`` left them: tensors and plain values."""
+        from auto_research.engine.rollout.partial_serve import read_state  # noqa: PLC0415
+        from auto_research.engine.rollout.guard import Refused  # noqa: PLC0415
+
+        body = self._answer("/partial/state", json.dumps({"round": number}).encode())
+        try:
+            return read_state(body)
+        except Refused as refused:
+            raise RolloutEngineError(f"--rollout-server {self.address}: {refused.message}") from None
+
+    def partial_restore(self, tensors: dict, plain: dict) -> None:
+        """A checkpoint's partial rollouts back into the server (``--resume``)."""
+        import safetensors.torch  # noqa: PLC0415
+
+        self._call("/partial/restore", safetensors.torch.save(tensors, metadata={"plain": json.dumps(plain)}),
+                   "application/octet-stream")
 
     def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
         return sample_by_ids(self, prompts, group_size, seeds)

@@ -16,6 +16,7 @@ depend only on its prompt's seed and the weights at each of its tokens, never on
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -293,3 +294,68 @@ def lanes_to_rows(finished: list[Finished], pad: int, eos: list[int]):
     mask = completion_mask(tokens, eos)
     return (prompt, prompt_mask, tokens, mask, logprobs * mask, entropies * mask,
             torch.where(mask.bool(), versions, torch.full_like(versions, -1)))
+
+
+SUPPLY_ROUNDS = 3
+"""A round admits fewer than 3·P groups (P to fill the rows free at its start, fewer than P as groups finish before
+its last tick, at most P after it): a queue of 3·P prompts never runs dry mid-round."""
+
+
+class Rounds:
+    """Partial rollouts over a ``Pool``, a round at a time (the same in the trainer's process and in a rollout
+    server): the queue of groups to draw (``supply`` appends; a stale group goes back to its front), and the groups
+    done but not yet handed over. ``run`` makes one step's batch."""
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.pending: deque = deque()
+        """(key, prompt ids, seed) of each group to draw, in order; a key is (prompt index, seed)."""
+        self.finished: list[Finished] = []
+        self.requeued = 0
+        """Groups put back in the queue so far (their tokens had grown too old)."""
+
+    def supply(self, groups) -> None:
+        self.pending.extend((key, list(ids), seed) for key, ids, seed in groups)
+
+    def run(self, version: int, per_step: int, oldest_allowed: int, recompute_kv: bool) -> list[Finished]:
+        """One step's batch: the weights of ``version`` (in the model now) taken between two decode steps, every
+        group (done or not) holding a token older than ``oldest_allowed`` put back at the front of the queue, then
+        decode steps until ``per_step`` groups are done; those, in the order they finished."""
+        if self.pool.version != version:
+            self.pool.swap(version, recompute_kv)
+        stale = [lane for lane in self.finished if int(lane.versions[lane.versions >= 0].min()) < oldest_allowed]
+        self.finished = [lane for lane in self.finished if all(lane is not other for other in stale)]
+        dropped = {key for key, oldest in self.pool.oldest_versions() if oldest < oldest_allowed}
+        again = [(lane.key, list(lane.prompt_ids), lane.key[1]) for lane in stale] + [  # a key's seed is its own
+            (lane["key"], list(lane["prompt_ids"]), lane["key"][1]) for lane in self.pool.lanes if lane["key"] in dropped]
+        self.pool.drop(lambda key: key not in dropped)
+        self.requeued += len(again)
+        self.pending.extendleft(reversed(again))  # drawn again first, in the order they were first admitted
+        self._fill(per_step)
+        while len(self.finished) < per_step:
+            self.finished += self.pool.tick()
+            self._fill(per_step)
+        taken, self.finished = self.finished[:per_step], self.finished[per_step:]
+        return taken
+
+    def _fill(self, per_step: int) -> None:
+        """Admit groups into the free rows (the batch's rows: P · K)."""
+        K, admitted = self.pool.K, []
+        while self.pool.size + K * (len(admitted) + 1) <= per_step * K:
+            if not self.pending:
+                raise RuntimeError(f"the queue of prompts ran dry mid-round (it is kept at {SUPPLY_ROUNDS} steps' "
+                                   "worth before each round)")
+            admitted.append(self.pending.popleft())
+        self.pool.admit_many(admitted)
+
+    def to_files(self) -> tuple[dict, dict]:
+        """The rounds' state as tensors (copies) and plain values (``pool_to_files``, the queue, the count)."""
+        tensors, plain = pool_to_files(self.pool, self.finished)
+        plain.update(pending=[[list(key), list(ids), seed] for key, ids, seed in self.pending], requeued=self.requeued)
+        return tensors, plain
+
+    def restore(self, tensors: dict, plain: dict) -> None:
+        """``to_files``' values back."""
+        self.finished = pool_from_files(self.pool, tensors, plain)
+        self.pending = deque((tuple(key), list(ids), seed) for key, ids, seed in plain["pending"])
+        self.requeued = plain["requeued"]

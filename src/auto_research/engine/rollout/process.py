@@ -95,12 +95,12 @@ class RolloutProcess(ServerSampler):
         last = next((line for line in reversed(seen) if line), "no output")
         raise UserError(f"--rollout-mode process: the rollout process did not start ({last})")
 
-    def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None
-              ) -> dict:
+    def _answer(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None
+                ) -> bytes:
         """The server's answer; when the request failed because the child died, one line that says so (the user
         started no server to restart: ``--resume`` starts a new child)."""
         try:
-            return super()._call(path, body, content_type, retries)
+            return super()._answer(path, body, content_type, retries)
         except RolloutEngineError:
             death = self._death()
             if death is None:

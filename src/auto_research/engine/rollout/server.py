@@ -8,7 +8,8 @@ the CPU). With a key (``AUTO_RESEARCH_API_KEY`` on both sides; ``--api-key`` wor
 every request carries ``Authorization: Bearer KEY``, the key's UTF-8 bytes (``authorization``).
 
 - ``GET /health`` → ``{"model", "fingerprint", "weights_version", "instance", "max_model_len", "dtype",
-  "vocab_size", "max_group_size", "max_request_tokens", "lease_seconds", "lease"}`` (``instance``: random, one
+  "vocab_size", "max_group_size", "max_request_tokens", "lease_seconds", "adapters", "collective", "partial",
+  "lease"}`` (``instance``: random, one
   per server start). The fingerprint hashes the architecture's shape and the tokenizer's vocabulary: a trainer
   whose ``--model`` differs is refused. ``lease`` is ``{"held"}`` and, while held, the holder: its host, PID and
   run folder behind an API key, its host alone on a server without one.
@@ -41,6 +42,9 @@ every request carries ``Authorization: Bearer KEY``, the key's UTF-8 bytes (``au
   builtin one; ``"adapters"`` in ``/health``) sets each adapted weight to its base (kept from the last full push)
   + (B·A)·scaling, as PEFT merges → ``{"weights_version", "seconds"}``; any other engine answers 400 and the
   trainer pushes merged weights.
+- ``POST /partial/round``, ``/partial/state`` and ``/partial/restore`` with the lease (builtin engine only,
+  ``"partial"`` in ``/health``): partial rollouts for ``--in-flight-updates``, a round at a time
+  (``partial_serve.py``).
 
 Every refusal is a 4xx with one JSON line ``{"error": ...}`` and leaves the engine as it was; an engine failure
 is a 500 with its one-line cause. Each connection has its own thread and a read timeout, so a client that never
@@ -200,6 +204,8 @@ class Serving:
     links: dict = field(default_factory=dict)
     """The lease holder's group (gloo or NCCL), by lease (``pushes.collective_join``): one at a time, with the
     device a push is received on, its buckets (``pushes.layout``) and the buffers they are received into."""
+    partial: object = None
+    """The lease holder's partial rollouts (``partial_serve.Session``), once it ran a round or restored one."""
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -207,7 +213,9 @@ class Handler(BaseHTTPRequestHandler):
 
     POSTS = {"/generate": "_generate", "/lease": "_lease", "/lease/renew": "_renew", "/lease/release": "_release",
              "/weights": "_weights", "/weights/shared": "_shared", "/weights/adapter": "_adapter",
-             "/weights/collective": "_collective_join", "/weights/collective/push": "_collective_push"}
+             "/weights/collective": "_collective_join", "/weights/collective/push": "_collective_push",
+             "/partial/round": "_partial_round", "/partial/state": "_partial_state",
+             "/partial/restore": "_partial_restore"}
 
     def setup(self):
         self.serving: Serving = self.server.serving
@@ -244,10 +252,12 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:  # the client went away
             self.close_connection = True
 
-    def _answer(self, status: int, payload: dict) -> None:
-        body = json.dumps(payload).encode()
+    def _answer(self, status: int, payload: dict | bytes) -> None:
+        """A JSON answer, or a binary one (``/partial/state``'s safetensors)."""
+        binary = isinstance(payload, bytes)
+        body = payload if binary else json.dumps(payload).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "application/octet-stream" if binary else "application/json")
         self.send_header("Content-Length", str(len(body)))
         if status == 429:
             self.send_header("Retry-After", "1")
@@ -330,7 +340,8 @@ class Handler(BaseHTTPRequestHandler):
                      "vocab_size": serving.served.vocab_size, "max_group_size": limits.max_group_size,
                      "max_request_tokens": limits.max_request_tokens, "lease_seconds": limits.lease_seconds,
                      "adapters": takes_adapters(serving.sampler),
-                     "collective": backends(serving.served.device), "lease": serving.leases.status()}
+                     "collective": backends(serving.served.device),
+                     "partial": callable(getattr(serving.sampler, "rounds", None)), "lease": serving.leases.status()}
 
     def _post(self):
         self.serving.intake.prune(self.serving.leases.holds)  # a lapsed lease's buffer goes
@@ -402,6 +413,21 @@ class Handler(BaseHTTPRequestHandler):
 
     def _collective_push(self):
         return collective_push(self)
+
+    def _partial_round(self):
+        from auto_research.engine.rollout.partial_serve import partial_round  # noqa: PLC0415 - torch
+
+        return partial_round(self)
+
+    def _partial_state(self):
+        from auto_research.engine.rollout.partial_serve import partial_state  # noqa: PLC0415 - torch
+
+        return partial_state(self)
+
+    def _partial_restore(self):
+        from auto_research.engine.rollout.partial_serve import partial_restore  # noqa: PLC0415 - torch
+
+        return partial_restore(self)
 
     def holder_body(self, limit: int) -> bytes:
         """The lease holder's body (``limit`` bytes at most); another client's is read, dropped and refused."""

@@ -1,0 +1,177 @@
+"""Partial rollouts in a builtin rollout server (--in-flight-updates with --rollout-mode server or process;
+docs/async.md): the continuous batch (``partial.Rounds`` over a ``Pool``) lives in the server, and the lease holder
+drives it a round at a time. Weights are pushed between rounds as ever, so a new version reaches the rows in
+flight between two of their decode steps, their KV cache kept or recomputed.
+
+- ``POST /partial/round`` with the lease and ``{"round", "version", "weights_version", "per_step",
+  "oldest_allowed", "recompute_kv", "group_size", "settings", "supply"}``: ``supply`` is ``[[[index, seed],
+  prompt ids, seed], ...]``, appended to the queue of groups to draw (the trainer keeps it at three steps'
+  worth); ``version`` names, in the trainer's numbering, the weights the server holds (``weights_version``, its
+  own push count, must match them). The server puts back the groups holding a token older than
+  ``oldest_allowed``, decodes until ``per_step`` groups are done → ``{"lanes": [{"key", "order", "prompt_ids",
+  "tokens", "logprobs", "entropies", "versions"}], "requeued", "pending", "weights_version", "instance"}``. Rounds
+  come in order (``round`` is the last one's + 1, else 409): a round is not idempotent, and a client never
+  sends one twice.
+- ``POST /partial/state`` with the lease and ``{"round"}`` → the state as that round left it (kept for the last
+  ``KEPT_STATES`` rounds): a safetensors body, its plain values as JSON in the metadata's ``"plain"``. A
+  checkpoint saves it; ``POST /partial/restore`` with the lease and that body puts it back for ``--resume``.
+
+The state belongs to the lease that made it: another lease (a new run, or the same run resumed with its secret)
+starts from an empty one, or from what it restores.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+
+import safetensors.torch
+
+from auto_research.engine.rollout.guard import MAX_PROMPTS, Refused, check_generate
+
+KEPT_STATES = 3
+"""Rounds whose state the server keeps: a checkpoint after step s reads round s + 1's, and round s + 2 may have run."""
+STATE_BYTES = 2**31
+"""The bound on a restored state's body (the pool's KV cache and its rows)."""
+ROUND_FIELDS = ("round", "version", "weights_version", "per_step", "oldest_allowed", "recompute_kv", "group_size",
+                "settings", "supply")
+
+
+@dataclass
+class Session:
+    """One lease's rounds: its settings (fixed by its first round, or by what it restored), the rounds, and the
+    state after each of the last rounds."""
+
+    lease: str
+    config: dict
+    rounds: object
+    last_round: int = 0
+    states: dict = field(default_factory=dict)
+
+
+def _integer(value, name: str, low: int, high: int = 2**62) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise Refused(400, f"{name} must be an integer in {low}..{high}, got {str(value)[:40]}")
+    return value
+
+
+def _session(handler, token: str, config: dict, fresh: bool) -> Session:
+    """The lease's session, made (or remade, from ``config``) when ``fresh`` or when it has none."""
+    serving = handler.serving
+    session = serving.partial
+    if fresh or session is None or session.lease != token:
+        engine = serving.sampler
+        if not callable(getattr(engine, "rounds", None)):
+            raise Refused(400, "this server's engine cannot decode partial rollouts (--in-flight-updates needs a "
+                               "builtin rollout server)")
+        _, group_size, _, settings = check_generate(
+            {"prompt_ids": [[0]], "group_size": config["group_size"], "seeds": [0], "settings": config["settings"]},
+            serving.served.vocab_size, engine.max_model_len, serving.limits.max_group_size)
+        rounds = engine.rounds(group_size, settings)
+        session = serving.partial = Session(token, config, rounds)
+    elif session.config != config:
+        raise Refused(400, f"this lease's rounds run with {json.dumps(session.config)}, not {json.dumps(config)}")
+    return session
+
+
+def partial_round(handler):
+    """One round for the lease holder (see the module)."""
+    serving = handler.serving
+    token = handler.headers.get("X-Lease")
+    serving.leases.check(token)
+    body = handler._json(2**26)
+    if not isinstance(body, dict) or sorted(body) != sorted(ROUND_FIELDS):
+        raise Refused(400, f"a round has the fields {', '.join(ROUND_FIELDS)}")
+    number = _integer(body["round"], "round", 1)
+    version = _integer(body["version"], "version", 0)
+    per_step = _integer(body["per_step"], "per_step", 1, MAX_PROMPTS)
+    oldest = _integer(body["oldest_allowed"], "oldest_allowed", -(2**62))
+    supply = body["supply"]
+    if not isinstance(supply, list) or len(supply) > 4 * per_step:
+        raise Refused(400, f"supply must be a list of at most {4 * per_step} groups (four steps' worth)")
+    for index, item in enumerate(supply):
+        if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], list) or len(item[0]) != 2
+                or item[0][1] != item[2]):
+            raise Refused(400, f"supply item {index} must be [[prompt index, seed], prompt ids, seed]")
+        _integer(item[0][0], "a prompt index", 0)
+    if not isinstance(body["recompute_kv"], bool):
+        raise Refused(400, "recompute_kv must be true or false")
+    prompts, group_size, seeds, settings = check_generate(
+        {"prompt_ids": [item[1] for item in supply] or [[0]], "group_size": body["group_size"],
+         "seeds": [item[2] for item in supply] or [0], "settings": body["settings"]},
+        serving.served.vocab_size, serving.sampler.max_model_len, serving.limits.max_group_size)
+    longest = max(map(len, prompts))
+    if per_step * group_size * (longest + settings.max_new_tokens) > serving.limits.max_request_tokens:
+        raise Refused(413, f"a round of {per_step} groups of {group_size} with prompts of {longest} tokens and "
+                           f"{settings.max_new_tokens} new tokens is over the server's --max-request-tokens "
+                           f"{serving.limits.max_request_tokens}")
+    config = {"group_size": group_size, "settings": body["settings"], "recompute_kv": body["recompute_kv"]}
+    with serving.turns.turn(first=True):
+        if body["weights_version"] != serving.turns.version:
+            raise Refused(409, f"the round names weights version {body['weights_version']}, but the server holds "
+                               f"version {serving.turns.version}")
+        session = _session(handler, token, config, fresh=number == 1)
+        if number != session.last_round + 1:
+            raise Refused(409, f"round {number} after round {session.last_round}: rounds come one at a time, in "
+                               "order")
+        session.rounds.supply([(tuple(item[0]), item[1], item[2]) for item in supply])
+        lanes = session.rounds.run(version, per_step, oldest, body["recompute_kv"])
+        session.last_round = number
+        tensors, plain = session.rounds.to_files()
+        session.states[number] = (tensors, {**plain, "config": config, "round": number})
+        for older in [r for r in session.states if r <= number - KEPT_STATES]:
+            del session.states[older]
+        version_now = serving.turns.version
+    return 200, {"lanes": [{"key": list(lane.key), "order": lane.order, "prompt_ids": lane.prompt_ids,
+                            "tokens": lane.tokens.tolist(), "logprobs": lane.logprobs.tolist(),
+                            "entropies": lane.entropies.tolist(), "versions": lane.versions.tolist()}
+                           for lane in lanes],
+                 "requeued": session.rounds.requeued, "pending": len(session.rounds.pending),
+                 "weights_version": version_now, "instance": serving.instance}
+
+
+def partial_state(handler):
+    """The state after a round the server kept, as a safetensors body."""
+    serving = handler.serving
+    token = handler.headers.get("X-Lease")
+    serving.leases.check(token)
+    body = handler._json(2**16)
+    number = _integer(body.get("round") if isinstance(body, dict) else None, "round", 1)
+    session = serving.partial
+    if session is None or session.lease != token or number not in session.states:
+        kept = sorted(session.states) if session is not None and session.lease == token else []
+        raise Refused(404, f"no state of round {number} is kept for this lease (kept: {kept or 'none'})")
+    tensors, plain = session.states[number]
+    return 200, safetensors.torch.save(tensors, metadata={"plain": json.dumps(plain)})
+
+
+def partial_restore(handler):
+    """A state saved by ``/partial/state`` back into this lease's session, which then goes on from its round."""
+    serving = handler.serving
+    token = handler.headers.get("X-Lease")
+    tensors, plain = read_state(handler.holder_body(STATE_BYTES))
+    try:
+        config, number = plain["config"], _integer(plain["round"], "round", 1)
+        with serving.turns.turn(first=True):
+            session = _session(handler, token, config, fresh=True)
+            session.rounds.restore(tensors, plain)
+            session.last_round, session.states = number, {number: (tensors, plain)}
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:
+        serving.partial = None
+        raise Refused(400, f"the state does not fit this server's model and rounds: {str(error)[:200]}") from None
+    return 200, {"round": number}
+
+
+def read_state(body: bytes) -> tuple[dict, dict]:
+    """A safetensors body's tensors and its metadata's ``"plain"`` values; ``Refused(400)`` when it is not one."""
+    try:
+        (length,) = struct.unpack("<Q", body[:8])
+        header = json.loads(body[8: 8 + length])
+        plain = json.loads(header["__metadata__"]["plain"])
+        tensors = safetensors.torch.load(body)
+    except (struct.error, ValueError, KeyError, TypeError, safetensors.SafetensorError) as error:
+        raise Refused(400, f"the body is not a saved partial-rollout state: {str(error)[:200]}") from None
+    if not isinstance(plain, dict):
+        raise Refused(400, "the body's plain values are not a JSON object")
+    return tensors, plain
