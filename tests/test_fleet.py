@@ -4,6 +4,10 @@ the current weights, and one line when none is left. Builtin servers in this pro
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -389,9 +393,6 @@ def test_a_server_that_stops_answering_is_left_by_its_heartbeat_and_its_unit_dra
 
 def _rollout_serve(model_dir):
     """``rollout-serve --engine builtin`` of ``model_dir`` in a process of its own: (the process, its address)."""
-    import os
-    import subprocess
-    import sys
     import threading
 
     env = {key: value for key, value in os.environ.items() if key != "AUTO_RESEARCH_API_KEY"}
@@ -430,3 +431,61 @@ def test_two_torchrun_processes_over_two_servers_end_with_the_weights_of_one_pro
     assert max(float((got[name] - expected[name]).abs().max()) for name in expected) <= 1e-5
     for a, b in zip(_rows(workdir / "one"), _rows(workdir / "two"), strict=True):
         assert a["reward_mean"] == b["reward_mean"] and a["completion_length"] == b["completion_length"]
+
+
+def test_in_flight_updates_under_torchrun_over_one_server_end_where_one_process_ends(tiny_model_dir, sums_jsonl,
+                                                                                     workdir):
+    """--in-flight-updates under torchrun (partial_serve.py): the server holds one continuous batch for the run,
+    every rank sends each round and takes its slice of the groups it finished. Two processes train on what one
+    process trains on: the same rows, and the same weights (≤ 1e-5)."""
+    from tests.conftest import run_cli
+    from tests.test_distributed import _args, _final, _rows, _torchrun
+
+    server, address = _rollout_serve(tiny_model_dir)
+    try:
+        served = ("--sampler", "builtin", "--rollout-mode", "server", "--rollout-server", address,
+                  "--max-staleness", "2", "--in-flight-updates", "--steps", "5", "--checkpoint-every", "2")
+        one = run_cli(*_args(tiny_model_dir, sums_jsonl, workdir / "one", *served), cwd=workdir)
+        assert one.returncode == 0, one.stderr[-3000:]
+        two = _torchrun(_args(tiny_model_dir, sums_jsonl, workdir / "two", *served), cwd=workdir)
+        assert two.returncode == 0, two.stderr[-3000:]
+        # Every process SIGKILLed after the checkpoint of step 2 (which holds the server's state as round 3 left
+        # it), then --resume: rank 0 restores the state into the server, and the run ends as the uninterrupted one.
+        killed = workdir / "killed"
+        _kill_torchrun_after(_args(tiny_model_dir, sums_jsonl, killed, *served), workdir,
+                             killed / "rloo-sums-seed42" / "checkpoints" / "step-000002")
+        resumed = _torchrun(_args(tiny_model_dir, sums_jsonl, killed, *served, "--resume"), cwd=workdir)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    uninterrupted, again = _final(workdir / "two"), _final(killed)
+    assert all(torch.equal(uninterrupted[name], again[name]) for name in uninterrupted)
+    expected, got = _final(workdir / "one"), _final(workdir / "two")
+    assert max(float((got[name] - expected[name]).abs().max()) for name in expected) <= 1e-5
+    rows_one, rows_two = _rows(workdir / "one"), _rows(workdir / "two")
+    assert max(row.get("versions_per_sequence_max", 0) for row in rows_one) == 2  # completions spanning a push
+    for a, b in zip(rows_one, rows_two, strict=True):
+        for name in ("reward_mean", "completion_length", "staleness_mean", "staleness_max", "completions"):
+            assert a.get(name) == b.get(name), (name, a.get(name), b.get(name))
+
+
+def _kill_torchrun_after(args: list[str], workdir, checkpoint) -> None:
+    """torchrun --nproc-per-node 2 ARGS, every process of it SIGKILLed once ``checkpoint`` exists."""
+    import signal
+    import time
+    from pathlib import Path
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "auto_research", *args]
+    agent = subprocess.Popen(command, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 240
+    while time.time() < deadline and not checkpoint.is_dir() and agent.poll() is None:
+        time.sleep(0.02)
+    assert checkpoint.is_dir(), "the run never saved the checkpoint"
+    workers = [int(pid) for task in Path(f"/proc/{agent.pid}/task").iterdir()
+               for pid in (task / "children").read_text().split()]
+    for session in (agent.pid, *workers):  # torchrun starts each worker in a session of its own
+        os.killpg(session, signal.SIGKILL)
+    agent.wait()

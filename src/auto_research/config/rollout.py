@@ -140,10 +140,10 @@ class RolloutSection:
             if len(split_addresses(self.rollout_server)) > 1:
                 raise UserError("--in-flight-updates with several rollout servers is not built: one server holds "
                                 "the continuous batch; give --rollout-server one HOST:PORT")
-        if environment_world_size() > 1:
-            raise UserError("--in-flight-updates under torchrun is not built: each rank's continuous batch would "
-                            "finish its groups in its own order, so the run's rows would depend on how many "
-                            "processes ran it; run it in one process")
+        if environment_world_size() > 1 and self.rollout_mode != "server":
+            raise UserError("--in-flight-updates under torchrun needs one rollout server (--rollout-mode server): in "
+                            "the trainers' own processes each rank's continuous batch would finish its groups in its "
+                            "own order, so the run's rows would depend on how many processes ran it")
         if algorithm.needs_greedy:
             raise UserError(f"--in-flight-updates with {algorithm.name} is not built (its greedy baseline would be "
                             "drawn by weights other than its samples')")

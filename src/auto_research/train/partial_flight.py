@@ -28,6 +28,7 @@ generator. A resumed run decodes on from there: SIGKILL and --resume end with th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -38,7 +39,7 @@ from auto_research.engine.rollout import Rollout, eos_ids
 from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, Finished, Pool, Rounds, lanes_to_rows
 from auto_research.train.experience import Batch
 from auto_research.train.rollouts import Drawn, Handover, RolloutSource, draw_batch, score, signal_counts
-from auto_research.errors import RewardError
+from auto_research.errors import RewardError, RolloutEngineError
 
 
 def round_version(step: int) -> int:
@@ -106,7 +107,15 @@ class RemoteRounds:
         return self.sampler.partial_state(number)
 
     def restore(self, tensors: dict, plain: dict) -> None:
-        self.sampler.partial_restore(tensors, plain)
+        """Rank 0 puts the state back (every rank saved the same); no rank sends a round before it is in."""
+        world = self.sampler.world
+        error = None
+        if world.main:
+            try:
+                self.sampler.partial_restore(tensors, plain)
+            except Exception as failed:  # noqa: BLE001 - agreed: every rank stops with its line
+                error = failed
+        world.agree(error, RolloutEngineError)
 
 
 class PartialInFlight(Handover):
@@ -120,6 +129,9 @@ class PartialInFlight(Handover):
                  version: int, policy, recompute_kv: bool, saved: list[Drawn] = (), cpus: set[int] | None = None,
                  state: tuple[dict, dict] | None = None, context=contextlib.nullcontext, remote=None):
         self.source, self.rng, self.cpus, self.remote = source, rng, cpus, remote
+        self.whole = dataclasses.replace(source, share=list)
+        """The source unshared: a round holds every rank's groups (one continuous batch, in a rollout server under
+        torchrun), and each rank takes its slice of the groups it finished."""
         self.tokenizer, self.max_staleness, self.last_step = tokenizer, max_staleness, last_step
         self.eos = eos_ids(tokenizer, policy)
         self.engine = (LocalRounds(model, tokenizer, source, settings, recompute_kv, context) if remote is None
@@ -221,6 +233,7 @@ class PartialInFlight(Handover):
         supply = self._supply()
         lanes, self.requeued, self.pending = self.engine.run(
             step, round_version(step), self.per_step, (step - 1) - self.max_staleness, supply)
+        lanes = self.source.share(lanes)  # this rank's slice of the step's groups, in the order they finished
         sampled = time.perf_counter()
         drawn = self._drawn(step, lanes, idle, sampled - started)
         drawn.seconds["score"] = time.perf_counter() - sampled
@@ -232,7 +245,7 @@ class PartialInFlight(Handover):
         supply = []
         while self.per_step is None or self.pending + len(supply) < SUPPLY_ROUNDS * self.per_step:
             self.draws += 1
-            batch = draw_batch(self.source, self.rng, self.draws)
+            batch = draw_batch(self.whole, self.rng, self.draws)  # every rank's prompts: one queue for the run
             self.per_step = self.per_step or len(batch.indices)
             for index, seed in zip(batch.indices, batch.seeds):
                 ids = self.tokenizer(self.source.prompts[index], add_special_tokens=False)["input_ids"]

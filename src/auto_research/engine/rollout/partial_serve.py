@@ -10,8 +10,9 @@ flight between two of their decode steps, their KV cache kept or recomputed.
   own push count, must match them). The server puts back the groups holding a token older than
   ``oldest_allowed``, decodes until ``per_step`` groups are done → ``{"lanes": [{"key", "order", "prompt_ids",
   "tokens", "logprobs", "entropies", "versions"}], "requeued", "pending", "weights_version", "instance"}``. Rounds
-  come in order (``round`` is the last one's + 1, else 409): a round is not idempotent, and a client never
-  sends one twice.
+  come in order (``round`` is the last one's + 1, else 409). Under torchrun every rank sends each round (the same
+  request: the whole step's groups): the first runs it, the others get its answer, and each rank trains its own
+  slice of the groups. A round sent again with another request is a 409.
 - ``POST /partial/state`` with the lease and ``{"round"}`` → the state as that round left it (kept for the last
   ``KEPT_STATES`` rounds): a safetensors body, its plain values as JSON in the metadata's ``"plain"``. A
   checkpoint saves it; ``POST /partial/restore`` with the lease and that body puts it back for ``--resume``.
@@ -22,6 +23,7 @@ starts from an empty one, or from what it restores.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass, field
@@ -48,6 +50,9 @@ class Session:
     rounds: object
     last_round: int = 0
     states: dict = field(default_factory=dict)
+    answers: dict = field(default_factory=dict)
+    """Each kept round's request (a hash) and answer: under torchrun every rank sends the round, the first runs
+    it, the others get its answer."""
 
 
 def _integer(value, name: str, low: int, high: int = 2**62) -> int:
@@ -107,7 +112,15 @@ def partial_round(handler):
                            f"{settings.max_new_tokens} new tokens is over the server's --max-request-tokens "
                            f"{serving.limits.max_request_tokens}")
     config = {"group_size": group_size, "settings": body["settings"], "recompute_kv": body["recompute_kv"]}
+    asked = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     with serving.turns.turn(first=True):
+        session = serving.partial
+        if session is not None and session.lease == token and number in session.answers:
+            drawn_for, payload = session.answers[number]  # another rank's copy of the round (torchrun)
+            if drawn_for != asked:
+                raise Refused(409, f"round {number} was drawn already, for another request (every rank sends the "
+                                   "same one)")
+            return 200, payload
         if body["weights_version"] != serving.turns.version:
             raise Refused(409, f"the round names weights version {body['weights_version']}, but the server holds "
                                f"version {serving.turns.version}")
@@ -120,15 +133,17 @@ def partial_round(handler):
         session.last_round = number
         tensors, plain = session.rounds.to_files()
         session.states[number] = (tensors, {**plain, "config": config, "round": number})
-        for older in [r for r in session.states if r <= number - KEPT_STATES]:
-            del session.states[older]
-        version_now = serving.turns.version
-    return 200, {"lanes": [{"key": list(lane.key), "order": lane.order, "prompt_ids": lane.prompt_ids,
-                            "tokens": lane.tokens.tolist(), "logprobs": lane.logprobs.tolist(),
-                            "entropies": lane.entropies.tolist(), "versions": lane.versions.tolist()}
-                           for lane in lanes],
-                 "requeued": session.rounds.requeued, "pending": len(session.rounds.pending),
-                 "weights_version": version_now, "instance": serving.instance}
+        payload = {"lanes": [{"key": list(lane.key), "order": lane.order, "prompt_ids": lane.prompt_ids,
+                              "tokens": lane.tokens.tolist(), "logprobs": lane.logprobs.tolist(),
+                              "entropies": lane.entropies.tolist(), "versions": lane.versions.tolist()}
+                             for lane in lanes],
+                   "requeued": session.rounds.requeued, "pending": len(session.rounds.pending),
+                   "weights_version": serving.turns.version, "instance": serving.instance}
+        session.answers[number] = (asked, payload)
+        for kept in (session.states, session.answers):
+            for older in [r for r in kept if r <= number - KEPT_STATES]:
+                del kept[older]
+    return 200, payload
 
 
 def partial_state(handler):
