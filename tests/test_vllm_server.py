@@ -455,6 +455,50 @@ def test_a_dead_trainer_keeps_the_server_until_its_resume_and_a_dead_server_is_r
     assert not any(KEY in text for text in outputs)
 
 
+@pytest.fixture(scope="module")
+def short_server(tmp_path_factory):
+    """A vLLM server of a model whose end-of-sequence embedding is scaled up, so completions end at many lengths
+    (the module's model runs most of them to --max-new-tokens): groups then finish at different decode steps."""
+    folder = tmp_path_factory.mktemp("short-model")
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0, **ARCH)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[tokenizer.eos_token_id].mul_(25.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    server = Server(folder)
+    server.start()
+    yield folder, server
+    server.stop()
+
+
+def test_in_flight_updates_on_a_vllm_server_span_versions_within_the_bound_and_repeat_exactly(short_server, sums,
+                                                                                               tmp_path):
+    """--in-flight-updates over rollout-serve --engine vllm (vllm_partial.py): groups go on under the next
+    weights (completions spanning two versions), no token older than K = 2 versions is trained on, the batch stays
+    fixed, and a second run gives the same rows. A SIGKILL after a checkpoint, then --resume, runs to the end within
+    the bound (the groups decoding at the checkpoint are drawn again: vLLM's KV cache is not saved)."""
+    model, server = short_server
+    common = ("--steps", "6", "--checkpoint-every", "2", "--reward", "match", "--max-staleness", "2",
+              "--in-flight-updates", "--group-size", "2", "--max-new-tokens", "16")
+    rows = {}
+    for name in ("a", "b"):
+        run = run_cli(*_args(model, sums, tmp_path / name, server.address, *common), cwd=tmp_path, env=ENV)
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows[name] = [{key: value for key, value in row.items() if not key.startswith("time") and "second" not in key}
+                      for row in _rows(tmp_path / name)]
+    assert rows["a"] == rows["b"]
+    assert max(row["versions_per_sequence_max"] for row in rows["a"]) == 2
+    assert all(row["staleness_max"] <= 2 and row["completions"] == 8 for row in rows["a"])
+    args = _args(model, sums, tmp_path / "killed", server.address, *common)
+    kill_after_checkpoint(args, ENV, tmp_path / "killed" / "rloo-sums-seed3" / "checkpoints" / "step-000002")
+    resumed = run_cli(*args, "--resume", cwd=tmp_path, env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = _rows(tmp_path / "killed")
+    assert [row["step"] for row in again] == list(range(1, 7))
+    assert all(row["staleness_max"] <= 2 and row["completions"] == 8 for row in again)
+
+
 class FakeServer:
     """A server that answers /health for another model."""
 

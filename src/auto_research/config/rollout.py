@@ -64,7 +64,8 @@ class RolloutSection:
                                     "trains (step s is drawn by weights version max(0, s − 1 − K)); 0 = sample, then "
                                     "train (docs/async.md)", "sampling", type=int)
     in_flight_updates: bool = setting(False, "with --max-staleness K >= 1, the builtin sampler (in this process, a "
-                                              "rollout process or one builtin rollout server) decodes a continuous "
+                                              "rollout process or one rollout server) or one vLLM rollout server "
+                                              "decodes a continuous "
                                               "batch and takes new weights between two decode steps: a group not "
                                               "finished when its step is due goes on under the next weights (partial "
                                               "rollouts), each token keeps the version that drew it and is corrected "
@@ -129,11 +130,10 @@ class RolloutSection:
         if not self.max_staleness:
             raise UserError("--in-flight-updates needs --max-staleness K >= 1 (weights change while the rollout side "
                             "draws; K bounds how old a trained token may be)")
-        if self.sampler != "builtin":
-            raise UserError(f"--in-flight-updates is built for the builtin sampler (in the trainer's process, in "
-                            f"--rollout-mode process, or behind one builtin rollout server), not --sampler "
-                            f"{self.sampler}: our vLLM server runs vLLM's offline engine, which cannot pause a draw "
-                            "to take new weights; vLLM's pause_generation is not wired to it (docs/async.md)")
+        if self.sampler != "builtin" and self.rollout_mode != "server":
+            raise UserError(f"--in-flight-updates with --sampler {self.sampler} needs --rollout-mode server (auto-research "
+                            f"rollout-serve --engine {self.sampler}): its colocated engine is not wired to partial "
+                            "rollouts (docs/async.md)")
         if self.rollout_mode == "server" and self.rollout_server is not None:
             from auto_research.http import split_addresses  # noqa: PLC0415
 

@@ -154,8 +154,8 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
 
         if not getattr(c.sampler, "partial", False):
             raise UserError(f"--in-flight-updates: the rollout server at {c.sampler.address} cannot decode partial "
-                            "rollouts (it needs one builtin rollout server, auto-research rollout-serve --engine "
-                            "builtin, of this version or later)")
+                            "rollouts (it needs one rollout server, auto-research rollout-serve --engine builtin "
+                            "or vllm, of this version or later)")
         # (a tokenizer of its own: see below)
         c.rollouts = PartialInFlight(rollout_source(c, c.sampler, None, c.autocast, reference), None,
                                      copy.deepcopy(c.tokenizer),

@@ -99,7 +99,8 @@ class RemoteRounds:
             "supply": [[list(key), ids, seed] for key, ids, seed in supply]})
         lanes = [Finished(tuple(lane["key"]), lane["order"], lane["prompt_ids"],
                           torch.tensor(lane["tokens"], dtype=torch.long), torch.tensor(lane["logprobs"]),
-                          torch.tensor(lane["entropies"]), torch.tensor(lane["versions"], dtype=torch.long))
+                          None if lane["entropies"] is None else torch.tensor(lane["entropies"]),
+                          torch.tensor(lane["versions"], dtype=torch.long))
                  for lane in answer["lanes"]]
         return lanes, answer["requeued"], answer["pending"]
 

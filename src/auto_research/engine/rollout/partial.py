@@ -39,7 +39,8 @@ class Finished:
     """(K, C) the drawn ids, padding after each row's end; C = the longest row's length."""
     logprobs: torch.Tensor
     """(K, C) μ's log-prob of each drawn token (0 after the row's end)."""
-    entropies: torch.Tensor
+    entropies: torch.Tensor | None
+    """(K, C) the sampler's entropy at each token (None: the engine gives none, as vLLM)."""
     versions: torch.Tensor
     """(K, C) the weights version that drew each token (−1 after the row's end)."""
 
@@ -290,9 +291,12 @@ def lanes_to_rows(finished: list[Finished], pad: int, eos: list[int]):
         prompt[rows, prompt_width - len(ids):] = ids
         prompt_mask[rows, prompt_width - len(ids):] = 1
         tokens[rows, :length], logprobs[rows, :length] = lane.tokens, lane.logprobs
-        entropies[rows, :length], versions[rows, :length] = lane.entropies, lane.versions
+        versions[rows, :length] = lane.versions
+        if lane.entropies is not None:
+            entropies[rows, :length] = lane.entropies
     mask = completion_mask(tokens, eos)
-    return (prompt, prompt_mask, tokens, mask, logprobs * mask, entropies * mask,
+    known = all(lane.entropies is not None for lane in finished)  # vLLM gives none
+    return (prompt, prompt_mask, tokens, mask, logprobs * mask, entropies * mask if known else None,
             torch.where(mask.bool(), versions, torch.full_like(versions, -1)))
 
 

@@ -1,6 +1,6 @@
-"""Partial rollouts in a builtin rollout server (--in-flight-updates with --rollout-mode server or process;
-docs/async.md): the continuous batch (``partial.Rounds`` over a ``Pool``) lives in the server, and the lease holder
-drives it a round at a time. Weights are pushed between rounds as ever, so a new version reaches the rows in
+"""Partial rollouts in a rollout server (--in-flight-updates with --rollout-mode server or process; docs/async.md):
+the continuous batch (the builtin engine's ``partial.Rounds`` over a ``Pool``, or vLLM's ``vllm_partial.VLLMRounds``)
+lives in the server, and the lease holder drives it a round at a time. Weights are pushed between rounds as ever, so a new version reaches the rows in
 flight between two of their decode steps, their KV cache kept or recomputed.
 
 - ``POST /partial/round`` with the lease and ``{"round", "version", "weights_version", "per_step",
@@ -69,11 +69,14 @@ def _session(handler, token: str, config: dict, fresh: bool) -> Session:
         engine = serving.sampler
         if not callable(getattr(engine, "rounds", None)):
             raise Refused(400, "this server's engine cannot decode partial rollouts (--in-flight-updates needs a "
-                               "builtin rollout server)")
+                               "builtin or vLLM rollout server of this version or later)")
         _, group_size, _, settings = check_generate(
             {"prompt_ids": [[0]], "group_size": config["group_size"], "seeds": [0], "settings": config["settings"]},
             serving.served.vocab_size, engine.max_model_len, serving.limits.max_group_size)
-        rounds = engine.rounds(group_size, settings)
+        try:
+            rounds = engine.rounds(group_size, settings)
+        except ValueError as error:
+            raise Refused(400, str(error)) from None
         session = serving.partial = Session(token, config, rounds)
     elif session.config != config:
         raise Refused(400, f"this lease's rounds run with {json.dumps(session.config)}, not {json.dumps(config)}")
@@ -135,7 +138,8 @@ def partial_round(handler):
         session.states[number] = (tensors, {**plain, "config": config, "round": number})
         payload = {"lanes": [{"key": list(lane.key), "order": lane.order, "prompt_ids": lane.prompt_ids,
                               "tokens": lane.tokens.tolist(), "logprobs": lane.logprobs.tolist(),
-                              "entropies": lane.entropies.tolist(), "versions": lane.versions.tolist()}
+                              "entropies": None if lane.entropies is None else lane.entropies.tolist(),
+                              "versions": lane.versions.tolist()}
                              for lane in lanes],
                    "requeued": session.rounds.requeued, "pending": len(session.rounds.pending),
                    "weights_version": serving.turns.version, "instance": serving.instance}

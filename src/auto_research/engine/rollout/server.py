@@ -42,8 +42,8 @@ every request carries ``Authorization: Bearer KEY``, the key's UTF-8 bytes (``au
   builtin one; ``"adapters"`` in ``/health``) sets each adapted weight to its base (kept from the last full push)
   + (B·A)·scaling, as PEFT merges → ``{"weights_version", "seconds"}``; any other engine answers 400 and the
   trainer pushes merged weights.
-- ``POST /partial/round``, ``/partial/state`` and ``/partial/restore`` with the lease (builtin engine only,
-  ``"partial"`` in ``/health``): partial rollouts for ``--in-flight-updates``, a round at a time
+- ``POST /partial/round``, ``/partial/state`` and ``/partial/restore`` with the lease (``"partial"`` in
+  ``/health``; the builtin engine's ``partial.Rounds`` or vLLM's ``vllm_partial.VLLMRounds``): partial rollouts for ``--in-flight-updates``, a round at a time
   (``partial_serve.py``).
 
 Every refusal is a 4xx with one JSON line ``{"error": ...}`` and leaves the engine as it was; an engine failure

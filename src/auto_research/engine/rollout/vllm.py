@@ -246,6 +246,15 @@ class VLLMSampler:
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
             self.llm.reset_prefix_cache()
 
+    def rounds(self, group_size: int, settings: SamplingSettings):
+        """Partial rollouts on this engine (``vllm_partial.VLLMRounds``; a rollout server's ``/partial/round``)."""
+        if self.max_adapter_rank is not None:
+            raise ValueError("partial rollouts on a server started with --enable-lora are not built (an adapter "
+                             "pushed while requests decode would change under them); start it without")
+        from auto_research.engine.rollout.vllm_partial import VLLMRounds  # noqa: PLC0415
+
+        return VLLMRounds(self, group_size, settings)
+
     @property
     def takes_adapters(self) -> bool:
         """Whether a LoRA adapter can be pushed alone (rollout-serve --enable-lora)."""
