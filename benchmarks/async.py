@@ -8,6 +8,8 @@ trainer and the rollout side on disjoint cores.
     python benchmarks/async.py --rollout-side server --engine vllm --model smollm2-135m-instruct --max-new-tokens 16
     python benchmarks/async.py --model tiny --staleness 1,1+,2,2+ --long-tail 0.1:8 --max-new-tokens 48 --steps 14
                                                         # in-flight updates (K+) against whole draws, long tail
+    python benchmarks/async.py --model tiny --staleness 1,3+ --long-tail 0.1:8 --max-new-tokens 48 --rollout-side server
+                                                        # the same in a rollout server (its model hooked there)
 
 
 A level written K+ runs with --in-flight-updates (K+r: and --recompute-kv-on-update) (weights taken between two decode steps, partial rollouts;
@@ -131,6 +133,27 @@ def long_tail_hook(fraction: float, factor: float, typical: float, eos: int, lat
     return hook
 
 
+SERVE_WITH_TAIL = "--serve-with-long-tail"
+
+
+def serve_with_long_tail(spec: str, arguments: list[str]) -> int:
+    """``auto-research ARGUMENTS`` (a builtin rollout server) whose engine's model samples the long tail: ``spec``
+    is F:X:max new tokens:decode latency in ms."""
+    from auto_research.cli import main as auto_research
+    from auto_research.engine.rollout.builtin import BuiltinEngine
+
+    fraction, factor, max_new, latency = (float(part) for part in spec.split(":"))
+    built = BuiltinEngine.__init__
+
+    def hooked(self, model, tokenizer):
+        built(self, model, tokenizer)
+        model.register_forward_hook(long_tail_hook(fraction, factor, max_new / factor, tokenizer.eos_token_id,
+                                                   latency / 1000), with_kwargs=True)
+
+    BuiltinEngine.__init__ = hooked
+    return auto_research(arguments)
+
+
 def one_run(options, level: str, model: str | None, output: Path, server=None) -> dict:
     """One run at --max-staleness K: its timed steps' wall time, rows, and each thread's CPU and run-queue time.
     The run is configured K + 1 steps longer than it is stepped, so that its rollout thread is still alive (waiting
@@ -153,7 +176,7 @@ def one_run(options, level: str, model: str | None, output: Path, server=None) -
     trainer = Trainer.build(config, log=lambda text: None)
     if K:
         start_rollouts(trainer.components, trainer.state, cpus=options.sampler_cores)
-    if options.long_tail:  # on the sampling model only (its first batch, drawn at once, is in the warm-up)
+    if options.long_tail and not server:  # on the sampling model only (its first batch, drawn at once, is in the warm-up)
         fraction, factor = (float(part) for part in options.long_tail.split(":"))
         c = trainer.components
         hook = long_tail_hook(fraction, factor, options.max_new_tokens / factor, c.tokenizer.eos_token_id,
@@ -185,7 +208,10 @@ def summary(runs: list[dict]) -> dict:
     rows = [row for run in runs for row in run["rows"]]
     steps = len(rows)
     sample = statistics.fmean(row["time_sample"] + row["time_score"] for row in rows)
-    waiting = sum(row["time_waiting_for_rollouts"] for row in rows)
+    # With a rollout server a push waits for the batches the previous weights still draw: that wait is the
+    # trainer's idle time too, counted with the push itself (weight_sync_seconds; the push alone is milliseconds on
+    # the tiny model), as benchmarks/fleet.py counts it.
+    waiting = sum(row["time_waiting_for_rollouts"] + row.get("weight_sync_seconds", 0.0) for row in rows)
     return {"steps_per_minute": 60 * steps / wall, "t_sample": sample,
             "t_train": statistics.fmean(row["step_seconds"] - row["time_waiting_for_rollouts"] for row in rows),
             "trainer_idle": waiting / wall, "sampler_idle": sum(row["time_sampler_idle"] for row in rows) / wall,
@@ -222,6 +248,8 @@ def main() -> None:
     options = parser.parse_args()
     if options.rollout_side == "thread" and options.engine != "builtin":
         parser.error("--engine vllm needs --rollout-side server")
+    if options.long_tail and options.engine != "builtin":
+        parser.error("--long-tail hooks the builtin engine's model (--engine builtin)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -234,8 +262,13 @@ def main() -> None:
         if options.rollout_side == "server":
             from servers import start_server
 
+            program = ("-m", "auto_research")
+            if options.long_tail:  # the server's model samples the long tail: this script, as its launcher
+                program = (__file__, SERVE_WITH_TAIL, f"{options.long_tail}:{options.max_new_tokens}:"
+                                                      f"{options.decode_latency}")
             server = start_server(model, threads=len(options.sampler_cores), engine=options.engine,
-                                  memory=0.05 if options.engine == "vllm" else None, cores=options.sampler_cores)
+                                  memory=0.05 if options.engine == "vllm" else None, cores=options.sampler_cores,
+                                  program=program)
         try:
             for round_ in range(options.rounds):
                 for K in levels:
@@ -275,4 +308,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == SERVE_WITH_TAIL:
+        raise SystemExit(serve_with_long_tail(sys.argv[2], sys.argv[3:]))
     main()

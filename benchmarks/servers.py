@@ -8,11 +8,12 @@ import threading
 
 
 def start_server(model: str | None = None, threads: int | None = None, memory: float | None = None,
-                 engine: str = "vllm", cores: set[int] | None = None, extra: tuple = ()
-                 ) -> tuple[subprocess.Popen, str]:
+                 engine: str = "vllm", cores: set[int] | None = None, extra: tuple = (),
+                 program: tuple = ("-m", "auto_research")) -> tuple[subprocess.Popen, str]:
     """Without ``model``, the embedded model's architecture (the trainer pushes its weights); ``cores``: the CPUs
-    the server's process may run on (``taskset``)."""
-    command = [sys.executable, "-m", "auto_research", "rollout-serve", "--engine", engine, "--port", "0", "--offline"]
+    the server's process may run on (``taskset``); ``program``: what Python runs (a benchmark's own launcher,
+    which takes the same arguments)."""
+    command = [sys.executable, *program, "rollout-serve", "--engine", engine, "--port", "0", "--offline"]
     if cores:
         command = ["taskset", "-c", ",".join(map(str, sorted(cores)))] + command
     command += ["--model", model] if model else []
