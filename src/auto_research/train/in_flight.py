@@ -72,20 +72,9 @@ class InFlight(Handover):
             self.condition.notify_all()
 
     def _push(self, version: int, policy) -> None:
-        """A remote engine (a rollout server) holds one version at a time: version v goes in once every batch
-        drawn by v − 1 is drawn (the last is step v + K), then the producer may draw with it. The trainer pushes
-        (every rank takes part, as at K = 0) while the producer waits; the engine samples step v + K + 1 while
-        the trainer trains."""
-        last_by_previous = min(version + self.max_staleness, self.last_step)
-        with self.condition:
-            while self.drawn_through < last_by_previous and self.error is None:
-                self.condition.wait()
-            if self.error is not None:
-                raise self.error
-        self.remote.load_weights(policy)
-        with self.condition:
-            self.snapshots[version] = None
-            self.condition.notify_all()
+        """Version v goes in once every batch drawn by v − 1 is drawn (the last is step v + K); the engine samples
+        step v + K + 1 while the trainer trains."""
+        self._push_when_drawn(version, min(version + self.max_staleness, self.last_step), policy)
 
     # --- the producer's side ----------------------------------------------------------------------------------
 

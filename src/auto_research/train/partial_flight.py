@@ -174,19 +174,9 @@ class PartialInFlight(Handover):
             self.condition.notify_all()
 
     def _push(self, version: int, policy) -> None:
-        """A server holds one version at a time: version v goes in once the last round that decodes with v − 1
-        (round v + 1) is done, between two of its decode steps; the server decodes round v + 2 while the trainer
-        trains step v + 1."""
-        last_by_previous = min(version + 1, self.last_step)
-        with self.condition:
-            while self.drawn_through < last_by_previous and self.error is None:
-                self.condition.wait()
-            if self.error is not None:
-                raise self.error
-        self.remote.load_weights(policy)
-        with self.condition:
-            self.snapshots[version] = None
-            self.condition.notify_all()
+        """Version v goes in once the last round that decodes with v − 1 (round v + 1) is done, between two of its
+        decode steps; the server decodes round v + 2 while the trainer trains step v + 1."""
+        self._push_when_drawn(version, min(version + 1, self.last_step), policy)
 
     def state(self, step: int) -> tuple[dict, dict]:
         """The rollout side as the round of step + 1 left it (``checkpoint`` waited for that round)."""

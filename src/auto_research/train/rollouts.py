@@ -330,7 +330,8 @@ class Synchronous:
 class Handover:
     """The trainer's side of a rollout side in a thread: the batches it drew, by step (``ready``), handed over under
     one condition; ``error``, raised where the trainer waits. A subclass sets ``depth`` (batches drawn ahead of the
-    trainer), ``last_step``, ``numpy_after``, ``stopping`` and ``thread``."""
+    trainer), ``last_step``, ``numpy_after``, ``stopping`` and ``thread``; over a rollout server, ``remote`` (its
+    client) and ``drawn_through`` (the last step drawn) too."""
 
     depth: int
 
@@ -359,6 +360,20 @@ class Handover:
             self.stopping = True
             self.condition.notify_all()
         self.thread.join(timeout=60)
+
+    def _push_when_drawn(self, version: int, through: int, policy) -> None:
+        """A rollout server (``self.remote``) holds one version at a time: ``version`` goes in once the producer
+        has drawn every batch through step ``through`` (the last the previous version draws), then the producer may
+        draw with it. The trainer pushes (every rank takes part, as at K = 0) while the producer waits."""
+        with self.condition:
+            while self.drawn_through < through and self.error is None:
+                self.condition.wait()
+            if self.error is not None:
+                raise self.error
+        self.remote.load_weights(policy)
+        with self.condition:
+            self.snapshots[version] = None
+            self.condition.notify_all()
 
     # --- the producer's side: waiting for weights, handing a batch or an error over ------------------------------
 
