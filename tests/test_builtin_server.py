@@ -272,8 +272,10 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
         409, "the round names weights version 3, but the server holds version 0")
     assert _call(address, "/partial/round", {**body, "supply": [[[0, 1], [5], 2]]}, lease) == (
         400, "supply item 0 must be [[prompt index, seed], prompt ids, seed]")
-    assert _call(address, "/partial/round", {**body, "round": 2}, lease) == (
-        409, "round 2 after round 0: rounds come one at a time, in order")
+    assert _call(address, "/partial/round", {**body, "supply": supply[:11]}, lease) == (
+        400, "the queue would hold 11 groups; a round needs 12 (3 steps' worth) so as never to run dry")
+    assert _call(address, "/partial/round", {**body, "supply": supply[:11] + supply[:1]}, lease) == (
+        400, "supply holds a group twice (its [prompt index, seed])")
     status, first = _call(address, "/partial/round", body, lease)
     assert status == 200 and len(first["lanes"]) == 4
     lanes = first["lanes"]
@@ -284,16 +286,28 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
     assert status == 200 and isinstance(saved, bytes)
     assert _call(address, "/partial/state", {"round": 7}, lease) == (404, "no state of round 7 is kept for this "
                                                                           "lease (kept: [1])")
-    second = {**body, "round": 2, "supply": []}
+    assert _call(address, "/partial/round", {**body, "round": 3}, lease) == (
+        409, "round 3 after round 1: rounds come one at a time, in order")
+    status, refusal = _call(address, "/partial/round", {**body, "round": 2}, lease)  # groups queued already
+    assert status == 400 and refusal.startswith("supply holds group [") and refusal.endswith(
+        "which these rounds hold already")
+    second = {**body, "round": 2, "supply": supply[:8]}  # fresh groups for the queue (held ones are refused)
+    second["supply"] = [[[index + 100, seed], ids, seed] for (index, seed), ids, seed in supply[:8]]
     status, after = _call(address, "/partial/round", second, lease)
     assert status == 200
+    assert _call(address, "/partial/round", second, lease) == (200, after)  # sent again: the same answer
     # The state of round 1 put back: round 2 again draws the very same groups, tokens and log-probs.
     assert _call(address, "/partial/restore", saved, lease) == (200, {"round": 1})
     status, again = _call(address, "/partial/round", second, lease)
     assert status == 200 and again["lanes"] == after["lanes"]
     assert _call(address, "/partial/restore", b"not a state", lease)[0] == 400
-    assert _call(address, "/partial/round", {**second, "round": 3, "settings": {**body["settings"], "top_k": 5}},
-                 lease)[0] == 400  # a lease's rounds keep their settings
+    assert _call(address, "/partial/round", {**second, "round": 3, "supply": [],
+                                             "settings": {**body["settings"], "top_k": 5}}, lease)[0] == 400
+    # The lease given back: its rounds go with it.
+    assert _call(address, "/lease/release", {}, lease) == (200, {})
+    status, lease = _call(address, "/lease", {"holder": {"host": "h", "pid": 1, "run": "/r"}, "secret": "5" * 64})
+    assert _call(address, "/partial/state", {"round": 2}, lease["lease"]) == (
+        404, "no state of round 2 is kept for this lease (kept: none)")
 
 
 def test_in_flight_updates_against_a_server_that_cannot_decode_partial_rollouts_is_one_line(builtin_server, tmp_path,

@@ -383,7 +383,7 @@ def test_partial_rounds_on_vllm_record_the_version_and_log_prob_of_each_token(en
     rounds.supply([((0, 7), ids, 7), ((1, 8), ids, 8)])  # the second takes the rows the first frees
     rounds._fill(1)  # the first admitted under version 0, then three decode steps
     for _ in range(3):
-        rounds._step()
+        assert rounds.pool.tick() == []
     sampler.load_named(pushed_weights(other, torch.float32))
     try:
         finished = rounds.run(1, 1, 0, recompute)  # the same group, finished under version 1

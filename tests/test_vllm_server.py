@@ -481,12 +481,26 @@ def test_in_flight_updates_on_a_vllm_server_span_versions_within_the_bound_and_r
     model, server = short_server
     common = ("--steps", "6", "--checkpoint-every", "2", "--reward", "match", "--max-staleness", "2",
               "--in-flight-updates", "--group-size", "2", "--max-new-tokens", "16")
-    rows = {}
-    for name in ("a", "b"):
-        run = run_cli(*_args(model, sums, tmp_path / name, server.address, *common), cwd=tmp_path, env=ENV)
-        assert run.returncode == 0, run.stderr[-3000:]
-        rows[name] = [{key: value for key, value in row.items() if not key.startswith("time") and "second" not in key}
-                      for row in _rows(tmp_path / name)]
+    # While the run's groups decode in vLLM's engine, another client's draw is refused (vLLM's generate would run
+    # them to their end); once the run has given its lease back, its rounds are gone and draws are served again.
+    first = subprocess.Popen([sys.executable, "-m", "auto_research", *_args(model, sums, tmp_path / "a", server.address,
+                                                                              *common)],
+                             cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    answers = []
+    while first.poll() is None:
+        answers.append(_call(server.address, "/generate", {
+            "prompt_ids": [[5, 6, 7]], "group_size": 2, "seeds": [11],
+            "settings": {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0}}))
+        time.sleep(0.1)
+    assert first.wait() == 0, first.stderr.read()[-3000:]
+    assert (409, json.dumps({"error": "this vLLM server is decoding a run's partial rollouts (--in-flight-updates), "
+                                      "which vLLM's generate would run to their end; use another server"}).encode()
+            ) in answers
+    _draw(server.address)
+    run = run_cli(*_args(model, sums, tmp_path / "b", server.address, *common), cwd=tmp_path, env=ENV)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {name: [{key: value for key, value in row.items() if not key.startswith("time") and "second" not in key}
+                   for row in _rows(tmp_path / name)] for name in ("a", "b")}
     assert rows["a"] == rows["b"]
     assert max(row["versions_per_sequence_max"] for row in rows["a"]) == 2
     assert all(row["staleness_max"] <= 2 and row["completions"] == 8 for row in rows["a"])

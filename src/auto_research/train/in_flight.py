@@ -138,7 +138,7 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
     reference = None
     if c.reference is not None and not config.lora_r:
         reference = c.reference if c.offloaded_reference is not None else copy.deepcopy(c.reference)
-    if c.engine.pushes_weights and config.in_flight_updates:  # a builtin rollout server's continuous batch
+    if c.engine.pushes_weights and config.in_flight_updates:  # a rollout server's continuous batch
         from auto_research.train.partial_flight import PartialInFlight  # noqa: PLC0415
 
         if not getattr(c.sampler, "partial", False):

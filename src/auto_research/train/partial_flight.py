@@ -1,16 +1,17 @@
 """Weights updated in flight, and partial rollouts (--in-flight-updates, with --max-staleness K ≥ 1; docs/async.md).
 
-The rollout side keeps a continuous batch of groups (``engine/rollout/partial.Rounds`` over a ``Pool``) and
+The rollout side keeps a continuous batch of groups (``engine/rollout/partial.Rounds`` over a pool of lanes) and
 produces one step's batch a *round*, from a thread of its own: in this process (``LocalRounds``, a copy of the
-policy) or in a builtin rollout server (``RemoteRounds``: ``--rollout-mode process|server``, ``partial_serve.py``),
-whose weights the trainer pushes between rounds. Round r (for step r) decodes with the weights of version max(0, r − 2), taken
-between two decode steps (the rows in flight go on from where they were, their KV cache kept or recomputed), while
-the trainer trains step r − 1. A round admits groups into the rows that finished groups freed and decodes until P
-groups (this rank's prompts a step) have all K completions done; those P, in the order they finished, are step
-r's batch. A group still decoding is not waited for: it goes on in the next round under the next weights, so a
-completion may span versions, and the trainer takes other finished groups instead. Nothing depends on timing:
-"due" is counted in decode steps (a round ends when its P-th group finishes), and every round waits for its
-version, so one seed gives one schedule.
+policy) or in a rollout server, builtin or vLLM (``RemoteRounds``: ``--rollout-mode process|server``,
+``partial_serve.py``), whose weights the trainer pushes between rounds. Round r (for step r) decodes with the
+weights of version max(0, r − 2), taken between two decode steps (the rows in flight go on from where they were,
+their KV cache kept or recomputed), while the trainer trains step r − 1. A round admits groups into the rows that
+finished groups freed and decodes until P groups (the step's prompts, every rank's under torchrun, where each rank
+then trains its slice) have all K completions done; those P, in the order they finished, are step r's batch. A
+group still decoding is not waited for: it goes on in the next round under the next weights, so a completion may
+span versions, and the trainer takes other finished groups instead. Nothing depends on timing: "due" is counted in
+decode steps (a round ends when its P-th group finishes), and every round waits for its version, so one seed
+gives one schedule.
 
 Bounded: before round r, a group (finished or not) holding a token drawn by a version older than (r − 1) − K is
 put back in the queue, to be drawn again from its first token (same prompt, same seed) under the current weights;
@@ -22,7 +23,8 @@ Each token carries the version that drew it and μ's log-prob under that version
 
 A checkpoint after step s saves the batch of step s + 1 and the rollout side as round s + 1 left it: the groups
 decoding with their KV caches (the old weights' own), those done but not handed over, the queue and the prompt
-generator. A resumed run decodes on from there: SIGKILL and --resume end with the uninterrupted run's rows.
+generator. A resumed run decodes on from there: SIGKILL and --resume end with the uninterrupted run's rows. On vLLM
+the groups decoding cannot be saved: they are drawn again from their first token (``vllm_partial.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 
 from auto_research.engine.rollout import Rollout, eos_ids
 from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, Finished, Pool, Rounds, lanes_to_rows
+from auto_research.engine.rollout.partial_serve import KEPT_STATES
 from auto_research.train.experience import Batch
 from auto_research.train.rollouts import Drawn, Handover, RolloutSource, draw_batch, score, signal_counts
 from auto_research.errors import RewardError, RolloutEngineError
@@ -69,6 +72,8 @@ class LocalRounds:
         with self.context():
             lanes = self.rounds.run(version, per_step, oldest_allowed, self.recompute_kv)
         self.states[number] = self.rounds.to_files()
+        for older in [n for n in list(self.states) if n <= number - KEPT_STATES]:  # a checkpoint reads no older one
+            del self.states[older]
         return lanes, self.rounds.requeued, len(self.rounds.pending)
 
     def state(self, number: int) -> tuple[dict, dict]:
@@ -81,7 +86,7 @@ class LocalRounds:
 
 
 class RemoteRounds:
-    """The rounds in a builtin rollout server (``partial_serve.py``), which holds the continuous batch and the
+    """The rounds in a rollout server (``partial_serve.py``), which holds the continuous batch and the
     weights this run pushed (``sampler``: the run's ``ServerSampler``)."""
 
     def __init__(self, sampler, source: RolloutSource, settings, recompute_kv: bool):
@@ -105,7 +110,8 @@ class RemoteRounds:
         return lanes, answer["requeued"], answer["pending"]
 
     def state(self, number: int) -> tuple[dict, dict]:
-        return self.sampler.partial_state(number)
+        """Rank 0's copy alone (it alone restores it): the other ranks save their own plain values only."""
+        return self.sampler.partial_state(number) if self.sampler.world.main else ({}, {})
 
     def restore(self, tensors: dict, plain: dict) -> None:
         """Rank 0 puts the state back (every rank saved the same); no rank sends a round before it is in."""
@@ -122,7 +128,7 @@ class RemoteRounds:
 class PartialInFlight(Handover):
     """The rollout side of --in-flight-updates: ``take``, ``checkpoint`` (the batch of the next step) and ``close``
     are ``Handover``'s; ``state``, the rest of the rollout side for a checkpoint. The rounds run in this process
-    (``model``: a copy of the policy) or in a builtin rollout server (``remote``: the run's ``ServerSampler``)."""
+    (``model``: a copy of the policy) or in a rollout server (``remote``: the run's ``ServerSampler``)."""
 
     depth = 1
 

@@ -105,7 +105,7 @@ class ServerSampler:
         """The server merges a LoRA run's adapter itself: after the base weights once, only the adapter is pushed."""
         self.base_pushed = False
         self.partial = bool(health.get("partial"))
-        """The server decodes partial rollouts (``partial_serve.py``: a builtin server)."""
+        """The server decodes partial rollouts (``partial_serve.py``: a builtin or vLLM server of this version)."""
         # Every draw must come from the weights this run pushed: the server's life and its version after them.
         self.instance, self.version = health.get("instance"), int(health.get("weights_version", 0))
         self.load_weights(model)
@@ -221,10 +221,9 @@ class ServerSampler:
     # --- partial rollouts (--in-flight-updates; partial_serve.py) ---------------------------------------------------
 
     def partial_round(self, body: dict) -> dict:
-        """One round of the server's continuous batch, on the weights this run pushed last. Sent once: a round is
-        not idempotent, so a failure stops the run (``--resume`` goes on from its last checkpoint)."""
-        answer = self._call("/partial/round", json.dumps({**body, "weights_version": self.version}).encode(),
-                            retries=0)
+        """One round of the server's continuous batch, on the weights this run pushed last. A round sent again
+        (a retry, or another rank's copy under torchrun) is answered with what it drew the first time."""
+        answer = self._call("/partial/round", json.dumps({**body, "weights_version": self.version}).encode())
         self._check_drawn_by_this_run(answer)
         return answer
 

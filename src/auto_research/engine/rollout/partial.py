@@ -202,6 +202,15 @@ class Pool:
                         self.rows["logprobs"][part, :width].clone(), self.rows["entropies"][part, :width].clone(),
                         self.rows["versions"][part, :width].clone())
 
+    def to_files(self, finished: list[Finished]) -> tuple[dict, dict]:
+        return pool_to_files(self, finished)
+
+    def from_files(self, tensors: dict, plain: dict) -> list[Finished]:
+        return pool_from_files(self, tensors, plain)
+
+    def close(self) -> None:
+        pass
+
     @torch.no_grad()
     def swap(self, version: int, recompute_kv: bool) -> None:
         """New weights are in the model (the caller loaded them). The rows going on keep their KV cache, or with
@@ -306,11 +315,14 @@ its last tick, at most P after it): a queue of 3·P prompts never runs dry mid-r
 
 
 class Rounds:
-    """Partial rollouts over a ``Pool``, a round at a time (the same in the trainer's process and in a rollout
+    """Partial rollouts over a pool of lanes, a round at a time (the same in the trainer's process and in a rollout
     server): the queue of groups to draw (``supply`` appends; a stale group goes back to its front), and the groups
-    done but not yet handed over. ``run`` makes one step's batch."""
+    done but not yet handed over. ``run`` makes one step's batch. The pool is the builtin engine's ``Pool`` or
+    vLLM's (``vllm_partial.VLLMPool``): ``K``, ``version``, ``size``, ``lanes`` (each a dict with its ``key`` and
+    ``prompt_ids``), ``admit_many``, ``tick``, ``swap``, ``oldest_versions``, ``drop``, ``to_files``,
+    ``from_files`` and ``close``."""
 
-    def __init__(self, pool: Pool):
+    def __init__(self, pool):
         self.pool = pool
         self.pending: deque = deque()
         """(key, prompt ids, seed) of each group to draw, in order; a key is (prompt index, seed)."""
@@ -321,17 +333,22 @@ class Rounds:
     def supply(self, groups) -> None:
         self.pending.extend((key, list(ids), seed) for key, ids, seed in groups)
 
+    def keys(self) -> list:
+        """Every group the rounds hold: queued, decoding or done."""
+        return ([key for key, _, _ in self.pending] + [lane["key"] for lane in self.pool.lanes]
+                + [lane.key for lane in self.finished])
+
     def run(self, version: int, per_step: int, oldest_allowed: int, recompute_kv: bool) -> list[Finished]:
         """One step's batch: the weights of ``version`` (in the model now) taken between two decode steps, every
         group (done or not) holding a token older than ``oldest_allowed`` put back at the front of the queue, then
         decode steps until ``per_step`` groups are done; those, in the order they finished."""
         if self.pool.version != version:
             self.pool.swap(version, recompute_kv)
-        stale = [lane for lane in self.finished if int(lane.versions[lane.versions >= 0].min()) < oldest_allowed]
-        self.finished = [lane for lane in self.finished if all(lane is not other for other in stale)]
+        stale = {id(lane) for lane in self.finished if int(lane.versions[lane.versions >= 0].min()) < oldest_allowed}
         dropped = {key for key, oldest in self.pool.oldest_versions() if oldest < oldest_allowed}
-        again = [(lane.key, list(lane.prompt_ids), lane.key[1]) for lane in stale] + [  # a key's seed is its own
+        again = [(lane.key, list(lane.prompt_ids), lane.key[1]) for lane in self.finished if id(lane) in stale] + [
             (lane["key"], list(lane["prompt_ids"]), lane["key"][1]) for lane in self.pool.lanes if lane["key"] in dropped]
+        self.finished = [lane for lane in self.finished if id(lane) not in stale]  # (a key's seed is its own)
         self.pool.drop(lambda key: key not in dropped)
         self.requeued += len(again)
         self.pending.extendleft(reversed(again))  # drawn again first, in the order they were first admitted
@@ -347,19 +364,27 @@ class Rounds:
         K, admitted = self.pool.K, []
         while self.pool.size + K * (len(admitted) + 1) <= per_step * K:
             if not self.pending:
+                self.pending.extendleft(reversed(admitted))  # nothing is lost: the caller's error, with the queue
                 raise RuntimeError(f"the queue of prompts ran dry mid-round (it is kept at {SUPPLY_ROUNDS} steps' "
                                    "worth before each round)")
             admitted.append(self.pending.popleft())
         self.pool.admit_many(admitted)
 
     def to_files(self) -> tuple[dict, dict]:
-        """The rounds' state as tensors (copies) and plain values (``pool_to_files``, the queue, the count)."""
-        tensors, plain = pool_to_files(self.pool, self.finished)
-        plain.update(pending=[[list(key), list(ids), seed] for key, ids, seed in self.pending], requeued=self.requeued)
+        """The rounds' state as tensors (copies) and plain values (the pool's, the queue, the count). A pool that
+        cannot save its groups in flight (vLLM's) hands them back as ``"unfinished"``: first in the queue."""
+        tensors, plain = self.pool.to_files(self.finished)
+        unfinished = plain.pop("unfinished", [])
+        plain.update(pending=unfinished + [[list(key), list(ids), seed] for key, ids, seed in self.pending],
+                     requeued=self.requeued)
         return tensors, plain
 
     def restore(self, tensors: dict, plain: dict) -> None:
         """``to_files``' values back."""
-        self.finished = pool_from_files(self.pool, tensors, plain)
+        self.finished = self.pool.from_files(tensors, plain)
         self.pending = deque((tuple(key), list(ids), seed) for key, ids, seed in plain["pending"])
         self.requeued = plain["requeued"]
+
+    def close(self) -> None:
+        """The groups in flight given up (vLLM's requests aborted); nothing else is done with these rounds."""
+        self.pool.close()

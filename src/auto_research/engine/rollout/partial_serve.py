@@ -17,8 +17,10 @@ flight between two of their decode steps, their KV cache kept or recomputed.
   ``KEPT_STATES`` rounds): a safetensors body, its plain values as JSON in the metadata's ``"plain"``. A
   checkpoint saves it; ``POST /partial/restore`` with the lease and that body puts it back for ``--resume``.
 
-The state belongs to the lease that made it: another lease (a new run, or the same run resumed with its secret)
-starts from an empty one, or from what it restores.
+The state belongs to the lease that made it, and goes when the lease is released or lapses (vLLM's requests
+aborted): another lease (a new run, or the same run resumed with its secret) starts from an empty one, at any
+round, or from what it restores. While a vLLM engine holds a session's requests, other clients' ``/generate`` is a
+409 (vLLM's ``generate`` would step them to their end).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 import safetensors.torch
 
 from auto_research.engine.rollout.guard import MAX_PROMPTS, Refused, check_generate
+from auto_research.engine.rollout.partial import SUPPLY_ROUNDS
 
 KEPT_STATES = 3
 """Rounds whose state the server keeps: a checkpoint after step s reads round s + 1's, and round s + 2 may have run."""
@@ -61,6 +64,30 @@ def _integer(value, name: str, low: int, high: int = 2**62) -> int:
     return value
 
 
+def close(serving) -> None:
+    """The server's partial rollouts given up (vLLM's requests aborted): another lease's rounds, or none."""
+    if serving.partial is not None:
+        serving.partial.rounds.close()
+        serving.partial = None
+
+
+def prune(serving) -> None:
+    """A session whose lease was released or lapsed goes, with what it held (every request calls this)."""
+    session = serving.partial
+    if session is not None and not serving.leases.holds(session.lease):
+        with serving.turns.turn(first=True):
+            if serving.partial is session:
+                close(serving)
+
+
+def blocks_generate(serving) -> bool:
+    """vLLM's own ``generate`` steps every request in its engine to its end, partial rollouts' included: while a
+    session has groups decoding on a vLLM engine, other clients' draws wait for a server without them."""
+    session = serving.partial
+    return session is not None and getattr(session.rounds.pool, "engine", None) is not None and bool(
+        session.rounds.pool.lanes)
+
+
 def _session(handler, token: str, config: dict, fresh: bool) -> Session:
     """The lease's session, made (or remade, from ``config``) when ``fresh`` or when it has none."""
     serving = handler.serving
@@ -77,6 +104,7 @@ def _session(handler, token: str, config: dict, fresh: bool) -> Session:
             rounds = engine.rounds(group_size, settings)
         except ValueError as error:
             raise Refused(400, str(error)) from None
+        close(serving)
         session = serving.partial = Session(token, config, rounds)
     elif session.config != config:
         raise Refused(400, f"this lease's rounds run with {json.dumps(session.config)}, not {json.dumps(config)}")
@@ -114,7 +142,11 @@ def partial_round(handler):
         raise Refused(413, f"a round of {per_step} groups of {group_size} with prompts of {longest} tokens and "
                            f"{settings.max_new_tokens} new tokens is over the server's --max-request-tokens "
                            f"{serving.limits.max_request_tokens}")
-    config = {"group_size": group_size, "settings": body["settings"], "recompute_kv": body["recompute_kv"]}
+    config = {"group_size": group_size, "settings": body["settings"], "recompute_kv": body["recompute_kv"],
+              "per_step": per_step}
+    keys = [tuple(item[0]) for item in supply]
+    if len(set(keys)) < len(keys):
+        raise Refused(400, "supply holds a group twice (its [prompt index, seed])")
     asked = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     with serving.turns.turn(first=True):
         session = serving.partial
@@ -128,9 +160,16 @@ def partial_round(handler):
             raise Refused(409, f"the round names weights version {body['weights_version']}, but the server holds "
                                f"version {serving.turns.version}")
         session = _session(handler, token, config, fresh=number == 1)
-        if number != session.last_round + 1:
+        if session.last_round and number != session.last_round + 1:  # a new session starts at any round
             raise Refused(409, f"round {number} after round {session.last_round}: rounds come one at a time, in "
                                "order")
+        held = set(session.rounds.keys()) & set(keys)
+        if held:
+            raise Refused(400, f"supply holds group {list(sorted(held)[0])}, which these rounds hold already")
+        if len(session.rounds.pending) + len(supply) < SUPPLY_ROUNDS * per_step:
+            raise Refused(400, f"the queue would hold {len(session.rounds.pending) + len(supply)} groups; a round "
+                               f"needs {SUPPLY_ROUNDS * per_step} ({SUPPLY_ROUNDS} steps' worth) so as never to run "
+                               "dry")
         session.rounds.supply([(tuple(item[0]), item[1], item[2]) for item in supply])
         lanes = session.rounds.run(version, per_step, oldest, body["recompute_kv"])
         session.last_round = number
@@ -162,7 +201,11 @@ def partial_state(handler):
         kept = sorted(session.states) if session is not None and session.lease == token else []
         raise Refused(404, f"no state of round {number} is kept for this lease (kept: {kept or 'none'})")
     tensors, plain = session.states[number]
-    return 200, safetensors.torch.save(tensors, metadata={"plain": json.dumps(plain)})
+    body = safetensors.torch.save(tensors, metadata={"plain": json.dumps(plain)})
+    if len(body) > STATE_BYTES:  # refused now, at the checkpoint, rather than at --resume
+        raise Refused(413, f"the state of round {number} is {len(body)} bytes, over the {STATE_BYTES} a restore "
+                           "takes")
+    return 200, body
 
 
 def partial_restore(handler):

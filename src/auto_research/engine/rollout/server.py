@@ -345,6 +345,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _post(self):
         self.serving.intake.prune(self.serving.leases.holds)  # a lapsed lease's buffer goes
+        if self.serving.partial is not None:  # and its partial rollouts
+            from auto_research.engine.rollout.partial_serve import prune  # noqa: PLC0415
+
+            prune(self.serving)
         name = self.POSTS.get(self._path())
         if name is None:
             raise Refused(404, f"no such path {self._path()}")
@@ -358,6 +362,12 @@ class Handler(BaseHTTPRequestHandler):
         new = settings.max_new_tokens
         tokens = check_size(prompts, group_size, new, limits.max_request_tokens)
         first = serving.leases.holds(self.headers.get("X-Lease"))
+        if serving.partial is not None:
+            from auto_research.engine.rollout.partial_serve import blocks_generate  # noqa: PLC0415
+
+            if blocks_generate(serving):
+                raise Refused(409, "this vLLM server is decoding a run's partial rollouts (--in-flight-updates), "
+                                   "which vLLM's generate would run to their end; use another server")
         parts = [(0, len(prompts))] if first else slices(prompts, group_size, new, limits.slice_tokens)
         completions, logprobs, version = [], [], None
         with serving.turns.admitted(tokens, first):

@@ -168,10 +168,13 @@ class VLLMSampler:
             parallel.update(enable_lora=True, max_lora_rank=self.max_adapter_rank, max_loras=1)
         with _process_kept():
             try:
+                # Synchronous scheduling: when a step returns, no other step is under way, so weights pushed
+                # between two steps reach the next one (partial rollouts record each token's version by it).
                 return LLM(model=self._folder.name, tokenizer=self._folder.name, load_format="dummy",
                            dtype=dtype, enforce_eager=True, generation_config="vllm",
                            logprobs_mode="processed_logprobs", seed=seed, max_model_len=max_model_len,
-                           enable_prefix_caching=True, **memory_setting, **launcher, **parallel)
+                           enable_prefix_caching=True, async_scheduling=False, **memory_setting, **launcher,
+                           **parallel)
             except ValueError as error:
                 if not parallel:
                     raise
@@ -247,13 +250,15 @@ class VLLMSampler:
             self.llm.reset_prefix_cache()
 
     def rounds(self, group_size: int, settings: SamplingSettings):
-        """Partial rollouts on this engine (``vllm_partial.VLLMRounds``; a rollout server's ``/partial/round``)."""
+        """Partial rollouts on this engine (``partial.Rounds`` over a ``vllm_partial.VLLMPool``; a rollout server's
+        ``/partial/round``)."""
         if self.max_adapter_rank is not None:
             raise ValueError("partial rollouts on a server started with --enable-lora are not built (an adapter "
                              "pushed while requests decode would change under them); start it without")
-        from auto_research.engine.rollout.vllm_partial import VLLMRounds  # noqa: PLC0415
+        from auto_research.engine.rollout.partial import Rounds  # noqa: PLC0415
+        from auto_research.engine.rollout.vllm_partial import VLLMPool  # noqa: PLC0415
 
-        return VLLMRounds(self, group_size, settings)
+        return Rounds(VLLMPool(self, group_size, settings))
 
     @property
     def takes_adapters(self) -> bool:
