@@ -316,12 +316,12 @@ def test_in_flight_updates_against_a_server_that_cannot_decode_partial_rollouts_
     from auto_research.cli import main
 
     engine, address = builtin_server
-    engine.rounds = None  # as an engine without the continuous batch
+    engine.partial_rollouts = False  # as an engine without the continuous batch
     assert main(["post-train", "--dataset", "arithmetic-generate", "--steps", "2", "--rollout-mode", "server",
                  "--rollout-server", address, "--max-staleness", "1", "--in-flight-updates",
                  "--output-dir", str(tmp_path), "--no-progress"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1] == (f"auto-research: error: --in-flight-updates: the rollout server at {address} cannot decode "
                          "partial rollouts (it needs one rollout server, auto-research rollout-serve --engine builtin "
-                         "or vllm, of this version or later)")
+                         "or vllm, of this version or later, without --enable-lora)")
     assert not lease_held(address)  # the run gave the lease back

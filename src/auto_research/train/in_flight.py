@@ -144,7 +144,7 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
         if not getattr(c.sampler, "partial", False):
             raise UserError(f"--in-flight-updates: the rollout server at {c.sampler.address} cannot decode partial "
                             "rollouts (it needs one rollout server, auto-research rollout-serve --engine builtin "
-                            "or vllm, of this version or later)")
+                            "or vllm, of this version or later, without --enable-lora)")
         # (a tokenizer of its own: see below)
         c.rollouts = PartialInFlight(rollout_source(c, c.sampler, None, c.autocast, reference), None,
                                      copy.deepcopy(c.tokenizer),

@@ -306,6 +306,8 @@ class BuiltinEngine:
         self.bases: dict = {}
         """The adapted weights as the last full push left them (``load_adapter`` merges onto these)."""
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", None) or 4096)
+        self.partial_rollouts = True
+        """A rollout server over it decodes partial rollouts (``partial.builtin_rounds``; ``/partial/round``)."""
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int],
                  settings: SamplingSettings) -> tuple[list[list[int]], list[list[float]]]:
@@ -317,14 +319,6 @@ class BuiltinEngine:
         ids, logprobs = rollout.completion_ids.tolist(), rollout.sampler_logprobs.tolist()
         return ([row[:length] for row, length in zip(ids, lengths)],
                 [row[:length] for row, length in zip(logprobs, lengths)])
-
-    def rounds(self, group_size: int, settings: SamplingSettings):
-        """Partial rollouts over this engine's model (``partial.Rounds``; a rollout server's ``/partial/round``)."""
-        from auto_research.engine.rollout.partial import Pool, Rounds  # noqa: PLC0415 - it imports this module
-
-        pad = self.tokenizer.pad_token_id or 0  # as the trainer's rollout side pads
-        return Rounds(Pool(self.model, self.tokenizer, group_size, settings.max_new_tokens, settings.temperature,
-                           settings.top_k, settings.top_p, eos_ids(self.tokenizer, self.model), pad))
 
     @torch.no_grad()
     def load_named(self, weights) -> None:

@@ -19,6 +19,7 @@ server without one shows the holder's host alone (its own log names the rest).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -385,3 +386,48 @@ def check_adapter(factors: dict, spec: dict) -> dict:
                                f"B ({out}, r), 0 < r ≤ {MAX_ADAPTER_RANK}, one scaling)")
         checked[weight] = (A, B, float(scaling.reshape(())))
     return checked
+
+
+class Turns:
+    """The engine, one request (or slice) at a time, the lease holder's first; and the tokens that the requests
+    of other clients hold, waiting or drawn, bounded (the holder's always go in)."""
+
+    def __init__(self, bound: int):
+        self.bound, self.others = bound, 0
+        self.busy, self.waiting_first = False, 0
+        self.version = 0
+        """The engine's weights' version: read and moved only while holding a turn."""
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self, first: bool):
+        """The engine is the caller's alone inside; ``first``: the lease holder's, served before any other waiting."""
+        with self._changed:
+            self.waiting_first += first
+            try:
+                self._changed.wait_for(lambda: not self.busy and (first or not self.waiting_first))
+            finally:
+                self.waiting_first -= first
+            self.busy = True
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.busy = False
+                self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def admitted(self, tokens: int, first: bool):
+        """Count ``tokens`` in hand while inside, or ``Refused(429)`` when another client's request would go over
+        the bound."""
+        with self._changed:
+            if not first and self.others + tokens > self.bound:
+                raise Refused(429, f"the server has {self.others} tokens of other clients' requests in hand; {tokens} "
+                                   f"more would go over its bound of {self.bound} (rollout-serve --max-server-tokens): "
+                                   "try again when they are answered")
+            self.others += 0 if first else tokens
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.others -= 0 if first else tokens

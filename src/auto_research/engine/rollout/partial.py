@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from auto_research.engine.rollout import completion_mask
+from auto_research.engine.rollout import completion_mask, eos_ids
 from auto_research.engine.rollout.builtin import (_prefill, _uniforms, cache_argument, cache_of, droppable,
                                                   encode_prompts, next_token)
 
@@ -388,3 +388,11 @@ class Rounds:
     def close(self) -> None:
         """The groups in flight given up (vLLM's requests aborted); nothing else is done with these rounds."""
         self.pool.close()
+
+
+def builtin_rounds(engine, group_size: int, settings) -> Rounds:
+    """Partial rollouts over a ``BuiltinEngine``'s model (a rollout server's ``/partial/round``), padded as the
+    trainer's rollout side pads."""
+    pad = engine.tokenizer.pad_token_id or 0
+    return Rounds(Pool(engine.model, engine.tokenizer, group_size, settings.max_new_tokens, settings.temperature,
+                       settings.top_k, settings.top_p, eos_ids(engine.tokenizer, engine.model), pad))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import safetensors.torch
 
 from auto_research.engine.rollout.guard import MAX_PROMPTS, Refused, check_generate
-from auto_research.engine.rollout.partial import SUPPLY_ROUNDS
+from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, builtin_rounds
 
 KEPT_STATES = 3
 """Rounds whose state the server keeps: a checkpoint after step s reads round s + 1's, and round s + 2 may have run."""
@@ -94,16 +94,14 @@ def _session(handler, token: str, config: dict, fresh: bool) -> Session:
     session = serving.partial
     if fresh or session is None or session.lease != token:
         engine = serving.sampler
-        if not callable(getattr(engine, "rounds", None)):
+        if not getattr(engine, "partial_rollouts", False):
             raise Refused(400, "this server's engine cannot decode partial rollouts (--in-flight-updates needs a "
-                               "builtin or vLLM rollout server of this version or later)")
+                               "builtin or vLLM rollout server of this version or later, without --enable-lora)")
         _, group_size, _, settings = check_generate(
             {"prompt_ids": [[0]], "group_size": config["group_size"], "seeds": [0], "settings": config["settings"]},
             serving.served.vocab_size, engine.max_model_len, serving.limits.max_group_size)
-        try:
-            rounds = engine.rounds(group_size, settings)
-        except ValueError as error:
-            raise Refused(400, str(error)) from None
+        rounds = engine.rounds(group_size, settings) if hasattr(engine, "rounds") else builtin_rounds(
+            engine, group_size, settings)
         close(serving)
         session = serving.partial = Session(token, config, rounds)
     elif session.config != config:
@@ -117,6 +115,43 @@ def partial_round(handler):
     token = handler.headers.get("X-Lease")
     serving.leases.check(token)
     body = handler._json(2**26)
+    number, version, per_step, oldest, supply, config = _read_round(serving, body)
+    asked = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    with serving.turns.turn(first=True):
+        session = serving.partial
+        if session is not None and session.lease == token and number in session.answers:
+            drawn_for, payload = session.answers[number]  # another rank's copy of the round (torchrun)
+            if drawn_for != asked:
+                raise Refused(409, f"round {number} was drawn already, for another request (every rank sends the "
+                                   "same one)")
+            return 200, payload
+        if body["weights_version"] != serving.turns.version:
+            raise Refused(409, f"the round names weights version {body['weights_version']}, but the server holds "
+                               f"version {serving.turns.version}")
+        session = _session(handler, token, config, fresh=number == 1)
+        _check_queue(session, number, per_step, supply)
+        session.rounds.supply(supply)
+        lanes = session.rounds.run(version, per_step, oldest, config["recompute_kv"])
+        session.last_round = number
+        tensors, plain = session.rounds.to_files()
+        session.states[number] = (tensors, {**plain, "config": config, "round": number})
+        payload = {"lanes": [{"key": list(lane.key), "order": lane.order, "prompt_ids": lane.prompt_ids,
+                              "tokens": lane.tokens.tolist(), "logprobs": lane.logprobs.tolist(),
+                              "entropies": None if lane.entropies is None else lane.entropies.tolist(),
+                              "versions": lane.versions.tolist()}
+                             for lane in lanes],
+                   "requeued": session.rounds.requeued, "pending": len(session.rounds.pending),
+                   "weights_version": serving.turns.version, "instance": serving.instance}
+        session.answers[number] = (asked, payload)
+        for kept in (session.states, session.answers):
+            for older in [r for r in kept if r <= number - KEPT_STATES]:
+                del kept[older]
+    return 200, payload
+
+
+def _read_round(serving, body) -> tuple:
+    """A round's number, version, per_step, oldest version allowed, supply ((key, ids, seed) each) and the settings
+    its lease's rounds keep; ``Refused`` naming the first field that is wrong."""
     if not isinstance(body, dict) or sorted(body) != sorted(ROUND_FIELDS):
         raise Refused(400, f"a round has the fields {', '.join(ROUND_FIELDS)}")
     number = _integer(body["round"], "round", 1)
@@ -133,7 +168,7 @@ def partial_round(handler):
         _integer(item[0][0], "a prompt index", 0)
     if not isinstance(body["recompute_kv"], bool):
         raise Refused(400, "recompute_kv must be true or false")
-    prompts, group_size, seeds, settings = check_generate(
+    prompts, group_size, _, settings = check_generate(
         {"prompt_ids": [item[1] for item in supply] or [[0]], "group_size": body["group_size"],
          "seeds": [item[2] for item in supply] or [0], "settings": body["settings"]},
         serving.served.vocab_size, serving.sampler.max_model_len, serving.limits.max_group_size)
@@ -142,51 +177,24 @@ def partial_round(handler):
         raise Refused(413, f"a round of {per_step} groups of {group_size} with prompts of {longest} tokens and "
                            f"{settings.max_new_tokens} new tokens is over the server's --max-request-tokens "
                            f"{serving.limits.max_request_tokens}")
-    config = {"group_size": group_size, "settings": body["settings"], "recompute_kv": body["recompute_kv"],
-              "per_step": per_step}
     keys = [tuple(item[0]) for item in supply]
     if len(set(keys)) < len(keys):
         raise Refused(400, "supply holds a group twice (its [prompt index, seed])")
-    asked = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-    with serving.turns.turn(first=True):
-        session = serving.partial
-        if session is not None and session.lease == token and number in session.answers:
-            drawn_for, payload = session.answers[number]  # another rank's copy of the round (torchrun)
-            if drawn_for != asked:
-                raise Refused(409, f"round {number} was drawn already, for another request (every rank sends the "
-                                   "same one)")
-            return 200, payload
-        if body["weights_version"] != serving.turns.version:
-            raise Refused(409, f"the round names weights version {body['weights_version']}, but the server holds "
-                               f"version {serving.turns.version}")
-        session = _session(handler, token, config, fresh=number == 1)
-        if session.last_round and number != session.last_round + 1:  # a new session starts at any round
-            raise Refused(409, f"round {number} after round {session.last_round}: rounds come one at a time, in "
-                               "order")
-        held = set(session.rounds.keys()) & set(keys)
-        if held:
-            raise Refused(400, f"supply holds group {list(sorted(held)[0])}, which these rounds hold already")
-        if len(session.rounds.pending) + len(supply) < SUPPLY_ROUNDS * per_step:
-            raise Refused(400, f"the queue would hold {len(session.rounds.pending) + len(supply)} groups; a round "
-                               f"needs {SUPPLY_ROUNDS * per_step} ({SUPPLY_ROUNDS} steps' worth) so as never to run "
-                               "dry")
-        session.rounds.supply([(tuple(item[0]), item[1], item[2]) for item in supply])
-        lanes = session.rounds.run(version, per_step, oldest, body["recompute_kv"])
-        session.last_round = number
-        tensors, plain = session.rounds.to_files()
-        session.states[number] = (tensors, {**plain, "config": config, "round": number})
-        payload = {"lanes": [{"key": list(lane.key), "order": lane.order, "prompt_ids": lane.prompt_ids,
-                              "tokens": lane.tokens.tolist(), "logprobs": lane.logprobs.tolist(),
-                              "entropies": None if lane.entropies is None else lane.entropies.tolist(),
-                              "versions": lane.versions.tolist()}
-                             for lane in lanes],
-                   "requeued": session.rounds.requeued, "pending": len(session.rounds.pending),
-                   "weights_version": serving.turns.version, "instance": serving.instance}
-        session.answers[number] = (asked, payload)
-        for kept in (session.states, session.answers):
-            for older in [r for r in kept if r <= number - KEPT_STATES]:
-                del kept[older]
-    return 200, payload
+    config = {"group_size": group_size, "settings": body["settings"], "recompute_kv": body["recompute_kv"],
+              "per_step": per_step}
+    return number, version, per_step, oldest, [(key, item[1], item[2]) for key, item in zip(keys, supply)], config
+
+
+def _check_queue(session: Session, number: int, per_step: int, supply: list) -> None:
+    """The round comes next, its groups are new to the session, and the queue will hold enough never to run dry."""
+    if session.last_round and number != session.last_round + 1:  # a new session starts at any round
+        raise Refused(409, f"round {number} after round {session.last_round}: rounds come one at a time, in order")
+    held = set(session.rounds.keys()) & {key for key, _, _ in supply}
+    if held:
+        raise Refused(400, f"supply holds group {list(sorted(held)[0])}, which these rounds hold already")
+    if len(session.rounds.pending) + len(supply) < SUPPLY_ROUNDS * per_step:
+        raise Refused(400, f"the queue would hold {len(session.rounds.pending) + len(supply)} groups; a round needs "
+                           f"{SUPPLY_ROUNDS * per_step} ({SUPPLY_ROUNDS} steps' worth) so as never to run dry")
 
 
 def partial_state(handler):

@@ -62,7 +62,6 @@ else HTTP (NCCL between trainer and server is not built: see docs/vllm.md).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import json
@@ -75,8 +74,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, MAX_REQUEST_TOKENS, MAX_SERVER_TOKENS,
-                                                Leases, Refused, check_claim, check_generate, check_size, describe,
-                                                slices)
+                                                Leases, Refused, Turns, check_claim, check_generate, check_size,
+                                                describe, slices)
 from auto_research.engine.rollout.pushes import (adapter_push, backends, collective_join, collective_push,
                                                 takes_adapters)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
@@ -140,51 +139,6 @@ class Limits:
     large_bodies: int = LARGE_BODIES
 
 
-class Turns:
-    """The engine, one request (or slice) at a time, the lease holder's first; and the tokens that the requests
-    of other clients hold, waiting or drawn, bounded (the holder's always go in)."""
-
-    def __init__(self, bound: int):
-        self.bound, self.others = bound, 0
-        self.busy, self.waiting_first = False, 0
-        self.version = 0
-        """The engine's weights' version: read and moved only while holding a turn."""
-        self._changed = threading.Condition()
-
-    @contextlib.contextmanager
-    def turn(self, first: bool):
-        """The engine is the caller's alone inside; ``first``: the lease holder's, served before any other waiting."""
-        with self._changed:
-            self.waiting_first += first
-            try:
-                self._changed.wait_for(lambda: not self.busy and (first or not self.waiting_first))
-            finally:
-                self.waiting_first -= first
-            self.busy = True
-        try:
-            yield
-        finally:
-            with self._changed:
-                self.busy = False
-                self._changed.notify_all()
-
-    @contextlib.contextmanager
-    def admitted(self, tokens: int, first: bool):
-        """Count ``tokens`` in hand while inside, or ``Refused(429)`` when another client's request would go over
-        the bound."""
-        with self._changed:
-            if not first and self.others + tokens > self.bound:
-                raise Refused(429, f"the server has {self.others} tokens of other clients' requests in hand; {tokens} "
-                                   f"more would go over its bound of {self.bound} (rollout-serve --max-server-tokens): "
-                                   "try again when they are answered")
-            self.others += 0 if first else tokens
-        try:
-            yield
-        finally:
-            with self._changed:
-                self.others -= 0 if first else tokens
-
-
 @dataclass
 class Serving:
     """What every request's handler shares: the engine and what guards it."""
@@ -213,9 +167,9 @@ class Handler(BaseHTTPRequestHandler):
 
     POSTS = {"/generate": "_generate", "/lease": "_lease", "/lease/renew": "_renew", "/lease/release": "_release",
              "/weights": "_weights", "/weights/shared": "_shared", "/weights/adapter": "_adapter",
-             "/weights/collective": "_collective_join", "/weights/collective/push": "_collective_push",
-             "/partial/round": "_partial_round", "/partial/state": "_partial_state",
-             "/partial/restore": "_partial_restore"}
+             "/weights/collective": "_collective_join", "/weights/collective/push": "_collective_push"}
+    PARTIAL = {"/partial/round": "partial_round", "/partial/state": "partial_state", "/partial/restore": "partial_restore"}
+    """Paths answered by ``partial_serve.py``'s functions of these names."""
 
     def setup(self):
         self.serving: Serving = self.server.serving
@@ -341,7 +295,8 @@ class Handler(BaseHTTPRequestHandler):
                      "max_request_tokens": limits.max_request_tokens, "lease_seconds": limits.lease_seconds,
                      "adapters": takes_adapters(serving.sampler),
                      "collective": backends(serving.served.device),
-                     "partial": callable(getattr(serving.sampler, "rounds", None)), "lease": serving.leases.status()}
+                     "partial": bool(getattr(serving.sampler, "partial_rollouts", False)),
+                     "lease": serving.leases.status()}
 
     def _post(self):
         self.serving.intake.prune(self.serving.leases.holds)  # a lapsed lease's buffer goes
@@ -349,6 +304,10 @@ class Handler(BaseHTTPRequestHandler):
             from auto_research.engine.rollout.partial_serve import prune  # noqa: PLC0415
 
             prune(self.serving)
+        if self._path() in self.PARTIAL:
+            from auto_research.engine.rollout import partial_serve  # noqa: PLC0415 - torch, only when asked
+
+            return getattr(partial_serve, self.PARTIAL[self._path()])(self)
         name = self.POSTS.get(self._path())
         if name is None:
             raise Refused(404, f"no such path {self._path()}")
@@ -424,20 +383,8 @@ class Handler(BaseHTTPRequestHandler):
     def _collective_push(self):
         return collective_push(self)
 
-    def _partial_round(self):
-        from auto_research.engine.rollout.partial_serve import partial_round  # noqa: PLC0415 - torch
 
-        return partial_round(self)
 
-    def _partial_state(self):
-        from auto_research.engine.rollout.partial_serve import partial_state  # noqa: PLC0415 - torch
-
-        return partial_state(self)
-
-    def _partial_restore(self):
-        from auto_research.engine.rollout.partial_serve import partial_restore  # noqa: PLC0415 - torch
-
-        return partial_restore(self)
 
     def holder_body(self, limit: int) -> bytes:
         """The lease holder's body (``limit`` bytes at most); another client's is read, dropped and refused."""

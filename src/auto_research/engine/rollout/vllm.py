@@ -249,12 +249,15 @@ class VLLMSampler:
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
             self.llm.reset_prefix_cache()
 
+    @property
+    def partial_rollouts(self) -> bool:
+        """A rollout server over it decodes partial rollouts (``rounds``), unless it applies LoRA adapters (one
+        pushed while requests decode would change under them)."""
+        return self.max_adapter_rank is None
+
     def rounds(self, group_size: int, settings: SamplingSettings):
         """Partial rollouts on this engine (``partial.Rounds`` over a ``vllm_partial.VLLMPool``; a rollout server's
         ``/partial/round``)."""
-        if self.max_adapter_rank is not None:
-            raise ValueError("partial rollouts on a server started with --enable-lora are not built (an adapter "
-                             "pushed while requests decode would change under them); start it without")
         from auto_research.engine.rollout.partial import Rounds  # noqa: PLC0415
         from auto_research.engine.rollout.vllm_partial import VLLMPool  # noqa: PLC0415
 
