@@ -10,16 +10,20 @@ at a time) in a process of its own, in front of an engine that sleeps instead of
 takes its longest completion's length × --token-seconds (a batch decodes its rows together), and lengths have a
 long tail (--tail-share of completions --tail-factor × the median; drawn from each completion's seed, so every
 run draws the same lengths). Sleeping takes no CPU, so 8 servers and the real trainer (the embedded architecture,
-random weights, RLOO) share 2 cores without slowing each other.
+random weights, RLOO) share 2 cores; their HTTP, JSON and pushes still take some of it.
+
+At K ≥ 1 (one process) a fleet draws across batches (``engine/rollout/fleet_stream.py``): each server moves on to
+the next version's units once none of its own is left. Each such run is repeated with whole batches (one version on
+every server, a push to all between two batches: the path K = 0 and torchrun take), side by side.
 
 The two rates come from the N = 1, K = 0 run's own phases: one server's rate is 60 / its mean time to draw a batch
 (``time_waiting_for_rollouts``: the trainer waits for the whole draw at K = 0), the trainer's is 60 / the rest of
 its step (train, push the weights). At K ≥ 1 the trainer's rate is measured by a run of its own against servers
 that answer at once: its rollout side (sending, parsing, scoring, the reference's log-probs) then works in this
 process while it trains. The bound at K ≥ 1 is min(N × one server's rate, the trainer's rate at K); at K = 0,
-which draws and then trains, it is 60 / (the draw's time / N + the trainer's). Idle fractions: the trainer's time waiting for a batch or inside its push
-(which waits for the batches of the previous weights) over the timed wall time, and each server's time without a
-request in its engine. The first --warmup steps of each run are not timed.
+which draws and then trains, it is 60 / (the draw's time / N + the trainer's). Idle fractions: the trainer's time
+waiting for a batch or inside its push over the timed wall time, and each server's time without a request in its
+engine. The first --warmup steps of each run are not timed.
 """
 
 from __future__ import annotations
@@ -118,11 +122,13 @@ def start_servers(n: int, model, tokenizer, options) -> list[Simulated]:
     return [Simulated(options, spec) for _ in range(n)]
 
 
-def one_run(options, n: int, K: int, model_dir: str, model, tokenizer, output: Path, lose_at: int | None = None
-            ) -> dict:
+def one_run(options, n: int, K: int, model_dir: str, model, tokenizer, output: Path, lose_at: int | None = None,
+            whole_batches: bool = False) -> dict:
     """One run over ``n`` simulated servers at --max-staleness K: its timed steps' wall time and rows, each
-    server's busy time; ``lose_at``: the step after which the last server stops."""
+    server's busy time; ``lose_at``: the step after which the last server stops; ``whole_batches``: a fleet draws
+    each batch with one version on every server (the path before ``fleet_stream.py``; K = 0 and torchrun's)."""
     from auto_research.config.generation import GenerationConfig
+    from auto_research.train import in_flight
     from auto_research.train.in_flight import start_rollouts
     from auto_research.train.trainer import Trainer
 
@@ -138,7 +144,13 @@ def one_run(options, n: int, K: int, model_dir: str, model, tokenizer, output: P
     lines: list[str] = []
     trainer = Trainer.build(config, log=lines.append)
     if K:
-        start_rollouts(trainer.components, trainer.state)
+        streams = in_flight.streams
+        if whole_batches:
+            in_flight.streams = lambda components, source: False
+        try:
+            start_rollouts(trainer.components, trainer.state)
+        finally:
+            in_flight.streams = streams
     rows, times, started, busy = [], [], None, None
     try:
         for step in range(1, options.steps + 1):
@@ -200,6 +212,10 @@ def main() -> None:
         for n, K in plan:
             print(f"N = {n}, K = {K} ...", flush=True)
             results[n, K] = one_run(options, n, K, model_dir, model, tokenizer, Path(folder) / f"n{n}-k{K}")
+            if n > 1 and K:
+                print(f"N = {n}, K = {K}, whole batches ...", flush=True)
+                results[n, K, "whole"] = one_run(options, n, K, model_dir, model, tokenizer,
+                                                 Path(folder) / f"n{n}-k{K}-whole", whole_batches=True)
         instant = argparse.Namespace(**{**vars(options), "token_seconds": 0.0})
         for K in [K for K in stalenesses if K]:  # the trainer's own rate at K, its rollout side's CPU work included
             print(f"the trainer alone (servers that answer at once), K = {K} ...", flush=True)
@@ -226,21 +242,18 @@ def report(options, results: dict, counts: list[int], stalenesses: list[int], fa
           f"{trainer_rate:.1f} steps/min at K = 0 ({train:.2f} s a step without drawing), "
           + ", ".join(f"{rate:.1f} at K = {K}" for K, rate in trainer_rates.items())
           + " (against servers that answer at once: its rollout side's own work, in this process, included)\n")
-    print("| N | K | steps/min | bound | ratio | trainer waiting (batch or push) | servers idle (mean, max) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| N | K | steps/min | bound | ratio | trainer waiting (batch or push) | servers idle (mean, max) | "
+          "whole batches: steps/min, ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in counts:
         for K in stalenesses:
-            run = results[n, K]
-            rate = 60 * len(run["rows"]) / run["wall"]
             # K = 0 draws, then trains: the bound is serial. K ≥ 1 overlaps them: the slower side sets the pace.
             bound = 60 / (draw / n + train) if K == 0 else min(n * server_rate, trainer_rates[K])
-            # At K ≥ 1 the trainer also waits inside its push: version v goes to the servers once the batches
-            # drawn by v − 1 are drawn (train/in_flight.py); the push itself takes milliseconds here.
-            waiting = sum(row["time_waiting_for_rollouts"] + row.get("weight_sync_seconds", 0.0)
-                          for row in run["rows"]) / run["wall"]
-            idle = [1 - busy / run["wall"] for busy in run["busy"]]
+            rate, waiting, idle = _figures(results[n, K])
+            whole = results.get((n, K, "whole"))
+            versus = f"{_figures(whole)[0]:.1f}, {_figures(whole)[0] / bound:.2f}" if whole else "—"
             print(f"| {n} | {K} | {rate:.1f} | {bound:.1f} | {rate / bound:.2f} | {waiting:.0%} | "
-                  f"{statistics.mean(idle):.0%}, {max(idle):.0%} |")
+                  f"{statistics.mean(idle):.0%}, {max(idle):.0%} | {versus} |")
     if fault is not None:
         times = fault["times"][options.warmup:]
         after = times[options.lose_at - options.warmup:]
@@ -252,6 +265,16 @@ def report(options, results: dict, counts: list[int], stalenesses: list[int], fa
                   f"it ({max(after) - usual:+.2f} s); one request redrawn takes at most "
                   f"{options.median * options.tail_factor * options.token_seconds:.2f} s, plus the failed request's "
                   "one retry (0.5 s)")
+
+def _figures(run: dict) -> tuple[float, float, list[float]]:
+    """A run's steps/min, the trainer's waiting fraction (for its batch, or inside its push: with whole batches
+    version v goes to the servers once the batches drawn by v − 1 are drawn, train/in_flight.py; across batches
+    a push is a copy of the weights) and each server's idle fraction."""
+    rate = 60 * len(run["rows"]) / run["wall"]
+    waiting = sum(row["time_waiting_for_rollouts"] + row.get("weight_sync_seconds", 0.0)
+                  for row in run["rows"]) / run["wall"]
+    return rate, waiting, [1 - busy / run["wall"] for busy in run["busy"]]
+
 
 if __name__ == "__main__":
     main()

@@ -198,6 +198,7 @@ def _trainer_run(address, tmp_path, name, **extra):
     try:
         rows = [trainer.step(step) for step in range(1, 4)]
         weights = {name: tensor.detach().clone() for name, tensor in trainer.components.policy.named_parameters()}
+        lines.append(f"rollouts: {type(trainer.components.rollouts).__name__}")
     finally:
         trainer.close()
     return rows, weights, lines
@@ -208,6 +209,7 @@ def test_a_run_over_two_servers_ends_with_the_weights_of_one_and_survives_a_serv
                                                                                              staleness):
     """3 steps of RLOO over one server, over two, and over two of which the second fails from its second draw on
     (HTTP 500 after the client's retries): the same rewards at every step and the same final weights (≤ 1e-5).
+    At K = 1 the two servers draw across batches (``fleet_stream``), the one server a batch at a time.
     One torch thread: two servers drawing at once in this one process share its thread pool, which changes their
     kernels' summation order (log-probs 1e-7 apart, weights 2e-5 after Adam's 3 steps, measured); servers in
     processes of their own each have theirs."""
@@ -224,7 +226,9 @@ def test_a_run_over_two_servers_ends_with_the_weights_of_one_and_survives_a_serv
 def _runs_with_a_fault(servers, tmp_path, staleness, BuiltinEngine):
 
     rows_one, weights_one, _ = _trainer_run(servers(1)[0], tmp_path, "one", max_staleness=staleness)
-    rows_two, weights_two, _ = _trainer_run(",".join(servers(2)), tmp_path, "two", max_staleness=staleness)
+    rows_two, weights_two, lines = _trainer_run(",".join(servers(2)), tmp_path, "two", max_staleness=staleness)
+    # at K = 1 the fleet draws across batches (fleet_stream.py): each server moves on to the next version alone
+    assert lines[-1] == f"rollouts: {'StreamedInFlight' if staleness else 'Synchronous'}"
     addresses = servers(2)
     failing = servers.engines[-1]
     calls = []

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import queue
 import threading
 import time
 
@@ -30,7 +31,8 @@ from auto_research.engine.rollout.builtin import BuiltinSampler, sample
 from auto_research.errors import UserError
 from auto_research.train.components import Components, chunk_prompts, sampling_settings
 from auto_research.train.experience import no_grad_forward
-from auto_research.train.rollouts import Drawn, Handover, RolloutSource, Synchronous, drawing_version, produce
+from auto_research.train.rollouts import (Drawn, Handover, RolloutSource, Synchronous, draw_batch, drawing_version,
+                                          finish, produce)
 from auto_research.train.state import LoopState
 
 
@@ -101,6 +103,68 @@ class InFlight(Handover):
             self._fail(error)
 
 
+class StreamedInFlight(InFlight):
+    """``InFlight`` over a fleet of rollout servers, drawing across batches (``fleet_stream.Stream``): a batch's
+    units are queued as soon as its version is published, and each server moves on to the next version when no unit
+    of its own is left, whatever the others still draw. Publishing copies the weights (the pushes happen on the
+    servers' threads), so the trainer never waits for a push. One thread queues the batches, another scores each
+    once drawn, in order. The same batches as ``InFlight``'s (each unit drawn by its version's weights)."""
+
+    def __init__(self, source: RolloutSource, rng, max_staleness: int, last_step: int, version: int, policy,
+                 saved: list[Drawn] = (), cpus: set[int] | None = None, fleet=None):
+        self.stream, self.queued = fleet.stream(version, policy), queue.Queue()
+        super().__init__(source, None, rng, max_staleness, last_step, version, policy, saved, cpus, fleet)
+
+    def _push(self, version: int, policy) -> None:
+        self.stream.publish(version, policy)
+        with self.condition:
+            self.snapshots[version] = None
+            self.condition.notify_all()
+
+    def _run(self) -> None:
+        """Queue each step's batch once its version is published; a thread of its own scores them."""
+        scorer = threading.Thread(target=self._score_each, name="auto-research-scoring", daemon=True)
+        scorer.start()
+        try:
+            if self.cpus:
+                os.sched_setaffinity(0, self.cpus)
+            for step in range(self.first_step, self.last_step + 1):
+                version = drawing_version(step, self.max_staleness)
+                waiting = time.perf_counter()
+                going, _ = self._await_version(version)
+                if not going:
+                    return
+                idle = time.perf_counter() - waiting
+                batch = draw_batch(self.source, self.rng, step)
+                ticket = self.stream.sample(batch.prompts, self.source.group_size, batch.seeds, version)
+                self.queued.put((step, version, batch, self.rng.bit_generator.state, ticket, idle,
+                                 time.perf_counter()))
+        except BaseException as error:  # handed to the trainer, raised where it waits
+            self._fail(error)
+        finally:
+            self.queued.put(None)
+
+    def _score_each(self) -> None:
+        try:
+            while (item := self.queued.get()) is not None:
+                step, version, batch, numpy_after, ticket, idle, queued = item
+                rollout = ticket.rollout()
+                drawn = finish(self.source, step, version, batch, rollout, numpy_after,
+                               {"sample": time.perf_counter() - queued, "idle": idle})
+                with self.condition:
+                    self.drawn_through = step
+                self._hand_over(step, drawn)
+        except BaseException as error:
+            self._fail(error)
+
+
+def streams(c: Components, source: RolloutSource) -> bool:
+    """Whether a run's batches are drawn across batches over a fleet (``StreamedInFlight``): several servers, one
+    process, one draw per batch (no multi-turn episodes, refills or greedy baseline, which draw again mid-batch)."""
+    return (hasattr(c.sampler, "stream") and not c.world.distributed and source.episodes is None
+            and source.max_refills is None and source.greedy is None)
+
+
 def rollout_source(c: Components, sampler, model, context, reference=None, tokenizer=None) -> RolloutSource:
     """What the rollout side needs of a run; ``reference``: a frozen reference of its own, whose log-probs it
     then computes (in the micro-batches the trainer would use, so the numbers are the trainer's); ``tokenizer``:
@@ -153,8 +217,13 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
                                      remote=c.sampler)
         return c.rollouts
     if c.engine.pushes_weights:  # a rollout server: its own weights, pushed version by version
-        c.rollouts = InFlight(rollout_source(c, c.sampler, None, c.autocast, reference), None, state.rng,
-                              config.max_staleness, config.steps, state.step, c.policy, list(saved), cpus, c.sampler)
+        source = rollout_source(c, c.sampler, None, c.autocast, reference)
+        if streams(c, source):
+            c.rollouts = StreamedInFlight(source, state.rng, config.max_staleness, config.steps, state.step,
+                                          c.policy, list(saved), cpus, c.sampler)
+            return c.rollouts
+        c.rollouts = InFlight(source, None, state.rng, config.max_staleness, config.steps, state.step, c.policy,
+                              list(saved), cpus, c.sampler)
         return c.rollouts
     model = copy.deepcopy(c.policy).requires_grad_(False)
     # A tokenizer of its own: a fast tokenizer's padding is state of the tokenizer, so the trainer's evaluation

@@ -1,8 +1,7 @@
 """The rollout side of a run: draw prompts → sample → score, one frozen batch per step, each row tagged with the
-policy version that drew it, handed to the trainer side (experience → advantages → update → publish weights)
-through a bounded queue.
+policy version that drew it, handed to the trainer side (experience → advantages → update → publish weights).
 
-    rollouts = start_rollouts(c, state)   # Synchronous (--max-staleness 0) or InFlight (in_flight.py)
+    rollouts = start_rollouts(c, state)   # Synchronous (--max-staleness 0), else InFlight & co (in_flight.py)
     drawn = rollouts.take(step)           # the step's frozen batch (waits for it)
     scores = agreed_scores(world, drawn, step)
     ...                                   # experience, advantages, update
@@ -107,9 +106,15 @@ def produce(source: RolloutSource, rng: np.random.Generator, step: int, version:
     batch = draw_batch(source, rng, step)
     numpy_after = rng.bit_generator.state
     rollout = sample_batch(source, batch)
+    seconds = {"sample": time.perf_counter() - started + loading, "idle": idle}
+    return finish(source, step, version, batch, rollout, numpy_after, seconds)
+
+
+def finish(source: RolloutSource, step: int, version: int, batch: Batch, rollout: Rollout, numpy_after: dict,
+           seconds: dict) -> Drawn:
+    """A sampled batch scored (refilled with dynamic sampling), its reference log-probs; ``score`` time added."""
     rollout = replace(rollout, policy_versions=torch.full((rollout.sequences.shape[0],), version, dtype=torch.long))
     sampled = time.perf_counter()
-    K = source.group_size
     greedy = source.greedy(batch.prompts) if source.greedy is not None else None
     rewards = greedy_rewards = failure = None
     try:
@@ -117,7 +122,7 @@ def produce(source: RolloutSource, rng: np.random.Generator, step: int, version:
         greedy_rewards = checked(source.reward(batch.prompts, greedy.completions, batch.examples)) if greedy else None
     except RewardError as error:
         failure = str(error)
-    counts = signal_counts(rewards, K) if failure is None else None
+    counts = signal_counts(rewards, source.group_size) if failure is None else None
     if source.max_refills is not None and failure is None:
         try:
             batch, rollout, rewards, counts = refill(source, step, batch, rollout, rewards)
@@ -126,7 +131,7 @@ def produce(source: RolloutSource, rng: np.random.Generator, step: int, version:
         rollout = replace(rollout, policy_versions=torch.full((rollout.sequences.shape[0],), version,
                                                               dtype=torch.long))
     reference = source.reference(rollout) if source.reference is not None and failure is None else None
-    seconds = {"sample": sampled - started + loading, "score": time.perf_counter() - sampled, "idle": idle}
+    seconds = {**seconds, "score": time.perf_counter() - sampled}
     return Drawn(step, batch, rollout, rewards, greedy_rewards, failure, numpy_after, seconds, reference, counts)
 
 

@@ -24,6 +24,10 @@ that every answer came from the weights this run pushed to it. What the fleet ad
   that answers joins only after it holds this run's lease and the current weights (a new ``ServerSampler``).
 - **No server left.** ``RolloutEngineError`` naming each server's failure: the run stops with the last good
   checkpoint, as with one server.
+- **Across batches** (``stream``: --max-staleness K ≥ 1 in one process): each server holds a version of its own and
+  moves on to the next batch's units as soon as none of its version is left to draw (``fleet_stream.py``), so no
+  server idles until the batch's slowest unit is drawn. ``sample`` and ``load_weights`` above draw a batch with one
+  version on every server (K = 0, torchrun, multi-turn episodes, refills).
 
 Under torchrun every rank holds a fleet of its own and draws its own prompts; the pushes (collective: FSDP's
 gathers, the ranks' agreement) go to the servers every rank still has, one after the other, and a rejoin is
@@ -39,13 +43,12 @@ import time
 from typing import Callable
 
 from auto_research.engine.rollout import Rollout, SamplingSettings
+from auto_research.engine.rollout.fleet_stream import POLL_SECONDS, Stream
 from auto_research.engine.rollout.remote import sample_by_ids
 from auto_research.errors import RolloutEngineError, UserError
 
 REJOIN_SECONDS = 10.0
 """A server that left the pool is asked again at the next push at most this often."""
-POLL_SECONDS = 0.5
-"""How often a draw looks at its servers' heartbeats while it waits for their answers."""
 
 
 class Fleet:
@@ -61,6 +64,10 @@ class Fleet:
         """address → (why it left, when it was last asked to rejoin)."""
         self.sticky: dict[int, dict[tuple, str]] = {}
         """The last multi-turn draw: history length → {history (prompt and completion ids): its server}."""
+        self.lock = threading.RLock()
+        """Guards the pool (``members``, ``left``) where threads other than the caller's change it (``stream``)."""
+        self.streaming = None
+        """The ``fleet_stream.Stream`` once ``stream`` started one (--max-staleness K ≥ 1 in one process)."""
         try:
             for address in self.addresses:  # all of them at the start: an address with no server is a typo
                 self.members[address] = connect(address, model)
@@ -80,38 +87,57 @@ class Fleet:
         return ", ".join(f"{address} {member.transfer}" for address, member in self.members.items())
 
     def _leave(self, address: str, why: str) -> None:
-        member = self.members.pop(address, None)
-        if member is None:
-            return
-        member.abandon()
-        self.left[address] = (why, time.monotonic())
+        with self.lock:
+            member = self.members.pop(address, None)
+            if member is None:
+                return
+            member.abandon()
+            self.left[address] = (why, time.monotonic())
         self.log(f"rollout server {address} left the pool ({why}); {len(self.members)} of {len(self.addresses)} "
                  "serve on")
 
     def _none_left(self) -> RolloutEngineError:
-        reasons = "; ".join(f"{address}: {why}" for address, (why, _) in self.left.items())
+        reasons = "; ".join(f"{address}: {self.left[address][0]}" for address in self.addresses if address in self.left)
         return RolloutEngineError(f"--rollout-server: every rollout server of this run has left the pool ({reasons})")
 
     def _rejoin(self, model) -> None:
+        """The servers that left and answer again join the pool with the current weights (``reconnect``)."""
+        for address, member in self.reconnect(model):
+            self.members[address] = member
+
+    def reconnect(self, model) -> list[tuple[str, object]]:
         """Rank 0 asks the addresses that left, at most every ``REJOIN_SECONDS`` each; the ranks agree on those that
-        answered, and each joins by a new client: this run's lease, then the current weights (its first push)."""
+        answered, and each is connected by a new client: this run's lease, then ``model``'s weights (its first
+        push). The new clients by address, for the caller to put in the pool."""
         now = time.monotonic()
-        due = [address for address, (_, asked) in self.left.items() if now - asked >= REJOIN_SECONDS]
+        with self.lock:
+            due = [address for address, (_, asked) in self.left.items() if now - asked >= REJOIN_SECONDS]
         answered = [address for address in due if self.world.main and _answers(address)]
+        joined = []
         for address in self.world.gather_objects(answered)[0]:
             why, _ = self.left[address]
             try:
                 member = self.connect(address, model)  # takes the lease and pushes the current weights
             except (UserError, RolloutEngineError) as error:
-                self.left[address] = (str(error), now)
+                with self.lock:
+                    self.left[address] = (str(error), now)
                 continue
-            del self.left[address]
-            self.members[address] = member
+            with self.lock:
+                del self.left[address]
+            joined.append((address, member))
             self.log(f"rollout server {address} joined the pool again with the current weights through "
                      f"{member.transfer} (it had left: {why})")
-        for address in due:
-            if address in self.left:
-                self.left[address] = (self.left[address][0], now)
+        with self.lock:
+            for address in due:
+                if address in self.left:
+                    self.left[address] = (self.left[address][0], now)
+        return joined
+
+    def stream(self, version: int, policy):
+        """Draws across batches from here on (``fleet_stream.Stream``): the servers hold ``version``, ``policy``'s
+        weights now."""
+        self.streaming = Stream(self, version, policy)
+        return self.streaming
 
     # --- weights -----------------------------------------------------------------------------------------------
 
@@ -149,7 +175,7 @@ class Fleet:
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int]
                  ) -> tuple[list[list[int]], list[list[float]]]:
         """``group_size`` completions of each prompt, the prompts' groups in units spread over the pool."""
-        size = self.chunk_prompts or max(1, math.ceil(len(prompt_ids) / (2 * len(self.addresses))))
+        size = self.unit_size(len(prompt_ids))
         units = [list(range(start, min(start + size, len(prompt_ids)))) for start in range(0, len(prompt_ids), size)]
         completions, logprobs, _ = self._draw(units, [None] * len(units), lambda member, rows: member.generate(
             [prompt_ids[row] for row in rows], group_size, [seeds[row] for row in rows]), group_size)
@@ -171,6 +197,10 @@ class Fleet:
             [histories[row] for row in rows], 1, [seeds[row] for row in rows]), 1)
         self._remember(histories, completions, drawn_by)
         return completions, logprobs
+
+    def unit_size(self, prompts: int) -> int:
+        """Prompts a unit holds: the builtin engine's chunk, else a share of the batch (two units per server)."""
+        return self.chunk_prompts or max(1, math.ceil(prompts / (2 * len(self.addresses))))
 
     def _home(self, history: list[int]) -> str | None:
         """The server that drew the turn this history extends, when it is still in the pool."""
@@ -236,7 +266,9 @@ class Fleet:
         return completions, logprobs, drawn_by
 
     def close(self) -> None:
-        for member in self.members.values():
+        if self.streaming is not None:
+            self.streaming.close()
+        for member in list(self.members.values()):
             member.close()
 
 

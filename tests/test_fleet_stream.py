@@ -1,0 +1,140 @@
+"""A fleet drawing across batches (engine/rollout/fleet_stream.py): a server that finished its share of a batch moves
+on to the next version while another still draws the old one, every unit is drawn by its own version's weights
+(a failed one too, after every server left has moved on), and old copies of the weights are let go. Scripted
+servers in this process: each draw's tokens name the version the server held and the seed."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from auto_research.engine.tiny import build_tokenizer
+from auto_research.errors import RolloutEngineError
+
+
+class Scripted:
+    """A ServerSampler's face to the fleet: ``load_weights`` takes the version a model's one weight holds; a draw's
+    completion is [10 + version, 100 + seed % 100]; ``gates`` hold the next draws until set; ``fail`` fails the next
+    draw once its gate opens; ``entered`` is set once a draw began, ``seeds``: each draw's."""
+
+    def __init__(self, address, model, events):
+        self.address, self.events = address, events
+        self.tokenizer = build_tokenizer()
+        self.eos, self.pad = (self.tokenizer.eos_token_id,), self.tokenizer.pad_token_id
+        self.transfer, self.weight_sync_seconds, self.pushed_bytes, self.answering = "HTTP", 0.0, 0, True
+        self.gates: list[threading.Event] = []
+        self.fail, self.entered, self.seeds = False, threading.Event(), []
+        self.load_weights(model)
+
+    def load_weights(self, model) -> None:
+        self.version = int(model.weight.item())
+        self.pushed_bytes = 4
+        self.events.append((self.address, "push", self.version))
+
+    def generate(self, prompt_ids, group_size, seeds):
+        self.seeds.append(tuple(seeds))
+        self.entered.set()
+        gate = self.gates.pop(0) if self.gates else None
+        if gate is not None:
+            assert gate.wait(30)
+        if self.fail:
+            raise RolloutEngineError(f"{self.address} failed")
+        self.events.append((self.address, "draw", self.version, tuple(seeds)))
+        rows = [[10 + self.version, 100 + seed % 100] for seed in seeds for _ in range(group_size)]
+        return rows, [[-1.0, -1.0] for _ in rows]
+
+    def abandon(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _policy(version: float) -> torch.nn.Module:
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(version)
+    return model
+
+
+@pytest.fixture
+def fleet():
+    from auto_research.engine.distributed import World
+    from auto_research.engine.rollout.fleet import Fleet
+
+    events, lines = [], []
+    made = Fleet(lambda address, model: Scripted(address, model, events), ["a:1", "b:2"], _policy(0), World(),
+                 lines.append, chunk_prompts=1)
+    made.events, made.lines = events, lines
+    yield made
+    made.close()
+
+
+def _versions(rollout) -> list[int]:
+    return [tokens[0] - 10 for tokens in rollout.token_lists()]
+
+
+def test_a_server_done_with_its_share_draws_the_next_version_while_another_draws_the_old(fleet):
+    a, b = fleet.members["a:1"], fleet.members["b:2"]
+    held = threading.Event()
+    a.gates.append(b.entered)  # each takes one of the first batch's units
+    b.gates.append(held)  # b's waits
+    stream = fleet.stream(0, _policy(0))
+    first = stream.sample(["1+1=", "2+2="], 2, [7, 8], 0)
+    stream.publish(1, _policy(1))
+    second = stream.sample(["3+3=", "4+4="], 2, [9, 10], 1)
+    rollout = second.rollout()  # drawn while b still holds the first batch's unit
+    assert not held.is_set()
+    assert _versions(rollout) == [1, 1, 1, 1]
+    assert [tokens[1] for tokens in rollout.token_lists()] == [109, 109, 110, 110]
+    assert [event for event in fleet.events if event[0] == "a:1"][-4:] == [
+        ("a:1", "draw", 0, a.seeds[0]), ("a:1", "push", 1), ("a:1", "draw", 1, (9,)), ("a:1", "draw", 1, (10,))]
+    held.set()
+    assert _versions(first.rollout()) == [0, 0, 0, 0]
+    assert set(stream.copies) == {1} and b.version == 0  # b took no unit of version 1: nothing pushed to it
+
+
+def test_a_unit_whose_server_fails_after_the_others_moved_on_is_drawn_by_its_own_version(fleet):
+    a, b = fleet.members["a:1"], fleet.members["b:2"]
+    held = threading.Event()
+    a.gates.append(b.entered)  # each takes one of the first batch's units
+    b.gates.append(held)
+    stream = fleet.stream(0, _policy(0))
+    first = stream.sample(["1+1=", "2+2="], 1, [7, 8], 0)
+    stream.publish(1, _policy(1))
+    assert _versions(stream.sample(["3+3="], 1, [9], 1).rollout()) == [1]
+    stream.publish(2, _policy(2))
+    assert _versions(stream.sample(["5+5="], 1, [11], 2).rollout()) == [2]
+    assert set(stream.copies) == {0, 2}  # b's unit still needs version 0
+    b.fail = True
+    held.set()
+    rollout = first.rollout()
+    assert _versions(rollout) == [0, 0] and [tokens[1] for tokens in rollout.token_lists()] == [107, 108]
+    a_events = [event[1:] for event in fleet.events if event[0] == "a:1"]
+    assert a_events[-3:] == [("draw", 2, (11,)), ("push", 0), ("draw", 0, b.seeds[0])]  # a went back to version 0
+    assert fleet.lines == ["rollout server b:2 left the pool (b:2 failed); 1 of 2 serve on"]
+    assert set(stream.copies) == {2}
+
+
+def test_with_no_server_left_every_waiting_batch_is_one_error_naming_them(fleet):
+    for member in fleet.members.values():
+        member.fail = True
+    stream = fleet.stream(0, _policy(0))
+    ticket = stream.sample(["1+1=", "2+2=", "3+3="], 1, [1, 2, 3], 0)
+    with pytest.raises(RolloutEngineError, match=r"every rollout server of this run has left the pool \(a:1: a:1 "
+                                                 r"failed; b:2: b:2 failed\)"):
+        ticket.rollout()
+
+
+def test_a_version_published_before_its_batch_is_queued_is_kept_for_it(fleet):
+    """At K ≥ 2 the trainer may publish the next version before the rollout side queued the batch of this one."""
+    stream = fleet.stream(0, _policy(0))
+    stream.publish(1, _policy(1))
+    stream.publish(2, _policy(2))
+    assert set(stream.copies) == {0, 1, 2}
+    assert _versions(stream.sample(["1+1="], 1, [1], 1).rollout()) == [1]
+    assert set(stream.copies) == {1, 2}  # 0 comes before the queued batch's version: no batch needs it again
+    assert _versions(stream.sample(["2+2="], 1, [2], 2).rollout()) == [2]
+    assert set(stream.copies) == {2} and len(stream.spare) == 2
