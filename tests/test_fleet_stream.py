@@ -138,3 +138,58 @@ def test_a_version_published_before_its_batch_is_queued_is_kept_for_it(fleet):
     assert set(stream.copies) == {1, 2}  # 0 comes before the queued batch's version: no batch needs it again
     assert _versions(stream.sample(["2+2="], 1, [2], 2).rollout()) == [2]
     assert set(stream.copies) == {2} and len(stream.spare) == 2
+
+
+def _until(condition, seconds=10.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_server_that_rejoins_mid_batch_draws_the_unit_it_lost_by_that_unit_s_version(fleet, monkeypatch):
+    """a stops answering its heartbeat mid-draw and rejoins (a new client, holding version 1) while b still draws:
+    the new client draws a's unit after a push of version 0, then the next batch after a push of version 1; the old
+    client's late answer is dropped."""
+    a, b = fleet.members["a:1"], fleet.members["b:2"]
+    late, held = threading.Event(), threading.Event()
+    a.gates.append(late)
+    b.gates.append(held)
+    stream = fleet.stream(0, _policy(0))
+    first = stream.sample(["1+1=", "2+2="], 1, [7, 8], 0)
+    _until(lambda: a.entered.is_set() and b.entered.is_set())
+    waited = {}
+    waiter = threading.Thread(target=lambda: waited.update(rollout=first.rollout()))
+    waiter.start()
+    a.answering = False
+    _until(lambda: "a:1" not in fleet.members)
+    own = []
+    rejoined = Scripted("a:1", _policy(1), own)
+    monkeypatch.setattr(fleet, "reconnect", lambda model: [("a:1", rejoined)])
+    stream.publish(1, _policy(1))
+    monkeypatch.setattr(fleet, "reconnect", lambda model: [])
+    _until(lambda: len(rejoined.seeds) == 1)
+    assert _versions(stream.sample(["3+3="], 1, [9], 1).rollout()) == [1]
+    late.set()  # the old client answers now, too late
+    held.set()
+    waiter.join(10)
+    assert _versions(waited["rollout"]) == [0, 0]
+    assert [event[1:] for event in own] == [
+        ("push", 1), ("push", 0), ("draw", 0, a.seeds[0]), ("push", 1), ("draw", 1, (9,))]
+    assert fleet.members["a:1"] is rejoined and stream.held["a:1"] == 1
+    assert fleet.lines == ["rollout server a:1 left the pool (it stopped answering (no heartbeat)); 1 of 2 serve on"]
+
+
+def test_a_push_that_fails_in_this_process_is_raised_as_it_is_and_no_server_leaves(fleet):
+    """A fault that is not the server's (out of memory, a bug) stops the run as a whole-batch push would."""
+    for member in fleet.members.values():
+        member.load_weights = lambda model: (_ for _ in ()).throw(TypeError("a bug in this process"))
+    stream = fleet.stream(0, _policy(0))
+    stream.publish(1, _policy(1))
+    with pytest.raises(TypeError, match="a bug in this process"):
+        stream.sample(["1+1="], 1, [1], 1).rollout()
+    assert fleet.lines == [] and set(fleet.members) == {"a:1", "b:2"}
+    with pytest.raises(TypeError, match="a bug in this process"):
+        stream.sample(["2+2="], 1, [2], 1)

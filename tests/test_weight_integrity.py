@@ -114,6 +114,31 @@ def test_a_shared_push_must_carry_one_checksum_per_tensor(tmp_path):
         buffer.close()
 
 
+def test_a_writer_closed_by_another_thread_refuses_the_rest_of_its_push(tmp_path):
+    """A fleet leaves a server (its heartbeat) from one thread while that server's push writes from another: the
+    writes after the close are refused in one line (a write into the unmapped buffer would crash the process)."""
+    from auto_research.engine.rollout.guard import weight_spec
+    from auto_research.engine.rollout.remote import pushed_weights
+    from auto_research.engine.rollout.transfer import SharedBuffer, SharedWriter
+    from auto_research.errors import RolloutEngineError
+
+    model = build_model(build_tokenizer(), seed=0)
+    weights = dict(pushed_weights(model, torch.float32))
+    buffer = SharedBuffer(weight_spec(weights.items()), "lease", tmp_path)
+    try:
+        writer = SharedWriter(buffer.offer())
+        first, second = sorted(buffer.spec)[:2]
+        writer.write(first, weights[first])
+        assert torch.equal(buffer.views[first], weights[first])
+        writer.close()
+        writer.close()  # the fleet's leave and the run's close may both come
+        with pytest.raises(RolloutEngineError, match="the push was abandoned: the server left the pool or the run "
+                                                     "closed"):
+            writer.write(second, weights[second])
+    finally:
+        buffer.close()
+
+
 # --- 2. --max-rollout-mismatch ----------------------------------------------------------------------------------
 
 

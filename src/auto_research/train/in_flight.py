@@ -113,7 +113,18 @@ class StreamedInFlight(InFlight):
     def __init__(self, source: RolloutSource, rng, max_staleness: int, last_step: int, version: int, policy,
                  saved: list[Drawn] = (), cpus: set[int] | None = None, fleet=None):
         self.stream, self.queued = fleet.stream(version, policy), queue.Queue()
+        self.scorer = threading.Thread(target=self._score_each, name="auto-research-scoring", daemon=True)
         super().__init__(source, None, rng, max_staleness, last_step, version, policy, saved, cpus, fleet)
+
+    def close(self) -> None:
+        """The drawer stopped, the stream closed (its servers' threads end; batches waited for fail), the scorer
+        joined."""
+        try:
+            super().close()
+        finally:
+            self.stream.close()
+            if self.scorer.ident is not None:
+                self.scorer.join(timeout=60)
 
     def _push(self, version: int, policy) -> None:
         self.stream.publish(version, policy)
@@ -123,8 +134,7 @@ class StreamedInFlight(InFlight):
 
     def _run(self) -> None:
         """Queue each step's batch once its version is published; a thread of its own scores them."""
-        scorer = threading.Thread(target=self._score_each, name="auto-research-scoring", daemon=True)
-        scorer.start()
+        self.scorer.start()
         try:
             if self.cpus:
                 os.sched_setaffinity(0, self.cpus)
@@ -146,6 +156,8 @@ class StreamedInFlight(InFlight):
 
     def _score_each(self) -> None:
         try:
+            if self.cpus:
+                os.sched_setaffinity(0, self.cpus)  # this thread only
             while (item := self.queued.get()) is not None:
                 step, version, batch, numpy_after, ticket, idle, queued = item
                 rollout = ticket.rollout()

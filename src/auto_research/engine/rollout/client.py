@@ -317,7 +317,8 @@ class ServerSampler:
         from safetensors.torch import save  # noqa: PLC0415
 
         sent, part, size, batch, seen, failure = 0, 0, 0, {}, set(), None
-        link = self.link if self.world.main else None
+        # this push's paths, read once: a fleet may abandon the server meanwhile (the writer then refuses)
+        link, shared = (self.link, self.shared) if self.world.main else (None, None)
         if link is not None:
             link.begin()  # the server waits for the tensors in its request
 
@@ -333,8 +334,8 @@ class ServerSampler:
             if not self.world.main or failure is not None:  # every rank still takes part in each gather
                 continue
             sent += tensor.numel() * tensor.element_size()
-            if self.shared is not None:  # straight into the server's slot, from wherever the tensor lives
-                failure = _attempt(self.shared.write, name, tensor)
+            if shared is not None:  # straight into the server's slot, from wherever the tensor lives
+                failure = _attempt(shared.write, name, tensor)
                 continue
             if link is not None:  # broadcast to the server, which is receiving them in order
                 failure = _attempt(link.send, name, tensor)
@@ -347,8 +348,8 @@ class ServerSampler:
                 send(last=False)
             batch[name] = tensor
             size += tensor.numel() * tensor.element_size()
-        if self.world.main and self.shared is not None:
-            body = self.shared.commit()  # the next push starts afresh, whatever became of this one
+        if shared is not None:
+            body = shared.commit()  # the next push starts afresh, whatever became of this one
             failure = failure or _attempt(self._call, "/weights/shared", body)
         elif link is not None:
             failure = failure or _attempt(link.finish)

@@ -43,6 +43,8 @@ class _Unit:
     index: int
     rows: list[int]
     version: int
+    weights: object = None
+    """The copy to push first (its server holds another version), while it is drawn."""
 
     @property
     def order(self) -> tuple[int, int, int]:
@@ -75,7 +77,9 @@ class Stream:
 
     def __init__(self, fleet, version: int, policy):
         self.fleet = fleet
-        self.tokenizer = copy.deepcopy(fleet.tokenizer)  # a fast tokenizer's state is not shared between threads
+        # a tokenizer of its own, not the trainer's (whose padded batches set its state); encoding on the drawer's
+        # thread and decoding on the scorer's set no padding
+        self.tokenizer = copy.deepcopy(fleet.tokenizer)
         self.condition = threading.Condition(fleet.lock)
         self.queue: list[_Unit] = []
         """Units to draw, in the order of their versions, then batches, then places in the batch."""
@@ -85,13 +89,13 @@ class Stream:
         """address → the version of the weights its server holds."""
         self.copies: dict[int, torch.nn.Module] = {}
         self.spare: list[torch.nn.Module] = []
-        self.tickets, self.stopping, self.pushed_bytes = 0, False, 0
+        self.tickets, self.stopping, self.pushed_bytes, self.failure = 0, False, 0, None
         self.submitted = version
         """The version of the last batch queued: batches come in the order of their versions, so an older copy that
         no unit needs is needed no more (a newer one may be published before its batch is queued)."""
+        for address, member in list(fleet.members.items()):
+            self._start(address, member)
         self.publish(version, policy)
-        for address in list(fleet.members):
-            self._start(address)
 
     # --- the trainer's side -------------------------------------------------------------------------------------
 
@@ -116,7 +120,7 @@ class Stream:
             with self.condition:
                 self.fleet.members[address] = member
                 self.held[address] = version
-                self._start(address)
+                self._start(address, member)
 
     def sample(self, prompts: list[str], group_size: int, seeds: list[int], version: int) -> Ticket:
         """The batch's units queued for servers holding ``version`` (published before); its ticket."""
@@ -124,6 +128,8 @@ class Stream:
         size = self.fleet.unit_size(len(prompt_ids))
         units = [list(range(start, min(start + size, len(prompt_ids)))) for start in range(0, len(prompt_ids), size)]
         with self.condition:
+            if self.failure is not None:
+                raise self.failure
             if version not in self.copies:
                 raise ValueError(f"version {version} was not published to the stream")
             self.tickets, self.submitted = self.tickets + 1, version
@@ -150,55 +156,82 @@ class Stream:
 
     def close(self) -> None:
         with self.condition:
-            self.stopping = True
-            for unit in self.queue + list(self.drawing.values()):
-                unit.ticket.error = unit.ticket.error or RolloutEngineError("the run closed its rollout servers")
-            self.condition.notify_all()
+            self._fail_all(RolloutEngineError("the run closed its rollout servers"))
 
     # --- each server's thread -----------------------------------------------------------------------------------
 
-    def _start(self, address: str) -> None:
-        threading.Thread(target=self._serve, args=(address,), name=f"stream-{address}", daemon=True).start()
+    def _start(self, address: str, member) -> None:
+        threading.Thread(target=self._serve, args=(address, member), name=f"stream-{address}", daemon=True).start()
 
-    def _serve(self, address: str) -> None:
-        """Take the oldest unit, bring this server to its version, draw it; until the server leaves or the run
-        closes."""
-        while True:
-            with self.condition:
-                while not self.stopping and address in self.fleet.members and not self.queue:
-                    self.condition.wait()
-                if self.stopping or address not in self.fleet.members:
+    def _serve(self, address: str, member) -> None:
+        """Take the oldest unit, bring this server to its version, draw it; until this client of the server leaves
+        the pool (a rejoined server has a new client, and a thread of its own) or the run closes. A thread that
+        stops on anything unforeseen puts its unit back and takes its server out of the pool."""
+        unit = None
+        try:
+            while (unit := self._take(address, member)) is not None:
+                answer, error, pushed = self._draw(member, unit)
+                with self.condition:
+                    if self.drawing.get(address) is not unit or self.fleet.members.get(address) is not member:
+                        unit = None  # left meanwhile (its heartbeat): the unit is queued again, maybe taken
+                        return
+                    del self.drawing[address]
+                    self.pushed_bytes += pushed
+                    if isinstance(error, str) and not self.stopping:
+                        self._lose(address, error, unit)
+                    elif error is None:
+                        self.held[address] = unit.version
+                        unit.ticket.answers[unit.index] = answer
+                    elif isinstance(error, BaseException):
+                        unit.ticket.error = unit.ticket.error or error
+                        self._fail_all(error)
+                    self._drop_copies()
+                    self.condition.notify_all()
+                if error is not None:
+                    unit = None
                     return
-                unit = self.queue.pop(0)
-                self.drawing[address] = unit
-                member = self.fleet.members[address]
-                weights = None if self.held[address] == unit.version else self.copies[unit.version]
-            answer, error, pushed = None, None, 0
-            try:
-                if weights is not None:
-                    member.load_weights(weights)
-                    pushed = member.pushed_bytes
-                ticket = unit.ticket
-                answer = member.generate([ticket.prompt_ids[row] for row in unit.rows], ticket.group_size,
-                                         [ticket.seeds[row] for row in unit.rows])
-            except RolloutEngineError as failure:
-                error = str(failure)
-            except Exception as failure:  # noqa: BLE001 - any other fault of a draw is that server's failure too
-                error = f"{type(failure).__name__}: {failure}"
-            with self.condition:
-                if self.drawing.get(address) is not unit:  # left meanwhile (its heartbeat): the unit is queued again
-                    return
-                del self.drawing[address]
-                self.pushed_bytes += pushed
-                if error is None:
-                    self.held[address] = unit.version
-                    unit.ticket.answers[unit.index] = answer
-                else:
-                    self._lose(address, error, unit)
-                self._drop_copies()
-                self.condition.notify_all()
-            if error is not None:
-                return
+        finally:
+            if unit is not None:
+                with self.condition:
+                    if self.drawing.get(address) is unit:
+                        del self.drawing[address]
+                        self._lose(address, "its thread in this process stopped", unit)
+                    self.condition.notify_all()
+
+    def _take(self, address: str, member) -> _Unit | None:
+        """The oldest unit for this server's client, once there is one; None once it left or the run closed."""
+        with self.condition:
+            while not self.stopping and self.fleet.members.get(address) is member and not self.queue:
+                self.condition.wait()
+            if self.stopping or self.fleet.members.get(address) is not member:
+                return None
+            unit = self.queue.pop(0)
+            self.drawing[address] = unit
+            unit.weights = None if self.held.get(address) == unit.version else self.copies[unit.version]
+            return unit
+
+    @staticmethod
+    def _draw(member, unit: _Unit) -> tuple:
+        """(answer, None, bytes pushed), or the server's failure as a line, or a fault that is not the server's (a
+        push that cannot be made: out of memory, a bug) as the exception, for every batch to raise."""
+        pushed = 0
+        try:
+            if unit.weights is not None:
+                member.load_weights(unit.weights)
+                pushed = member.pushed_bytes
+        except RolloutEngineError as failure:
+            return None, str(failure), pushed
+        except Exception as failure:  # noqa: BLE001 - raised where the trainer waits, as a whole-batch push's
+            return None, failure, pushed
+        ticket = unit.ticket
+        try:
+            answer = member.generate([ticket.prompt_ids[row] for row in unit.rows], ticket.group_size,
+                                     [ticket.seeds[row] for row in unit.rows])
+        except RolloutEngineError as failure:
+            return None, str(failure), pushed
+        except Exception as failure:  # noqa: BLE001 - any other fault of a draw is that server's failure too
+            return None, f"{type(failure).__name__}: {failure}", pushed
+        return answer, None, pushed
 
     # --- under the lock -----------------------------------------------------------------------------------------
 
@@ -208,9 +241,15 @@ class Stream:
         self.held.pop(address, None)
         bisect.insort(self.queue, unit, key=lambda queued: queued.order)
         if not self.fleet.members:
-            error = self.fleet._none_left()
-            for queued in self.queue + list(self.drawing.values()):
-                queued.ticket.error = queued.ticket.error or error
+            self._fail_all(self.fleet._none_left(), stop=False)
+
+    def _fail_all(self, error: BaseException, stop: bool = True) -> None:
+        """Every batch queued or drawing ends with ``error``; ``stop``: the stream takes no more."""
+        for queued in self.queue + list(self.drawing.values()):
+            queued.ticket.error = queued.ticket.error or error
+        if stop:
+            self.stopping, self.failure = True, self.failure or error
+        self.condition.notify_all()
 
     def _watch_heartbeats(self) -> None:
         for address, unit in list(self.drawing.items()):

@@ -250,17 +250,23 @@ class SharedWriter:
             raise ValueError(f"{offer['path']} here is not the server's buffer (another host's file of that name)")
         self.nonce, self.path = nonce, offer["path"]
         self.views, self.names, self.checksums = _views(self.buffer, offer["slots"]), [], []
+        self.lock, self.closed = threading.Lock(), False
+        """A push on one thread and ``close`` on another (a fleet's server left by its heartbeat, the run closed):
+        a view written after its map closed would crash the process."""
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        slot = self.views.get(name)
-        if slot is None:
-            raise RolloutEngineError(f"the server's model has no weight {name!r}")
-        if slot.shape != tensor.shape or slot.dtype != tensor.dtype:
-            raise RolloutEngineError(f"tensor {name!r} is {list(tensor.shape)} {tensor.dtype}, the server's slot "
-                                     f"{list(slot.shape)} {slot.dtype}")
-        slot.copy_(tensor.detach())
-        self.names.append(name)
-        self.checksums.append(checksum(slot))  # read back from the file: what the server must find there
+        with self.lock:
+            if self.closed:
+                raise RolloutEngineError("the push was abandoned: the server left the pool or the run closed")
+            slot = self.views.get(name)
+            if slot is None:
+                raise RolloutEngineError(f"the server's model has no weight {name!r}")
+            if slot.shape != tensor.shape or slot.dtype != tensor.dtype:
+                raise RolloutEngineError(f"tensor {name!r} is {list(tensor.shape)} {tensor.dtype}, the server's "
+                                         f"slot {list(slot.shape)} {slot.dtype}")
+            slot.copy_(tensor.detach())
+            self.names.append(name)
+            self.checksums.append(checksum(slot))  # read back from the file: what the server must find there
 
     def commit(self) -> bytes:
         """The request that hands the written tensors over; a new push starts."""
@@ -269,6 +275,8 @@ class SharedWriter:
         return body
 
     def close(self) -> None:
-        self.views, self.names, self.checksums = {}, [], []
-        with suppress(BufferError):
-            self.buffer.close()
+        with self.lock:
+            self.closed = True
+            self.views, self.names, self.checksums = {}, [], []
+            with suppress(BufferError):
+                self.buffer.close()
