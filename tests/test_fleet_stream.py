@@ -193,3 +193,32 @@ def test_a_push_that_fails_in_this_process_is_raised_as_it_is_and_no_server_leav
     assert fleet.lines == [] and set(fleet.members) == {"a:1", "b:2"}
     with pytest.raises(TypeError, match="a bug in this process"):
         stream.sample(["2+2="], 1, [2], 1)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_published_copy_pushes_the_policy_s_weights_and_shares_no_memory_with_it(lora):
+    from peft import LoraConfig, get_peft_model
+
+    from auto_research.engine.rollout.fleet_stream import _copy_in_host_memory
+    from auto_research.engine.rollout.remote import adapter_factors, pushed_weights
+    from auto_research.engine.tiny import build_model
+
+    policy = build_model(build_tokenizer(), seed=0)
+    if lora:
+        policy = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():  # a trained adapter (B starts at zero)
+            for name, parameter in policy.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_()
+    copied = _copy_in_host_memory(policy)
+    ours, theirs = dict(pushed_weights(copied, torch.float32)), dict(pushed_weights(policy, torch.float32))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+    if lora:
+        factors, expected = adapter_factors(copied), adapter_factors(policy)
+        assert factors.keys() == expected.keys() and all(torch.equal(factors[k], expected[k]) for k in factors)
+    mine = {parameter.data_ptr() for parameter in policy.parameters()}
+    assert not any(parameter.data_ptr() in mine or parameter.requires_grad for parameter in copied.parameters())
+    assert len(list(copied.parameters())) == len(list(policy.parameters()))  # tied weights stay tied
+    with torch.no_grad():
+        next(policy.parameters()).add_(1.0)
+    assert not torch.equal(next(policy.parameters()), next(copied.parameters()))

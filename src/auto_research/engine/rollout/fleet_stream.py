@@ -16,7 +16,7 @@ is drawn by the weights of its own version, whichever server draws it: the draws
 (``Fleet.generate``). A unit whose server fails (its request, its push, or its heartbeat) goes back to the front of
 the queue and is drawn again with the same seeds; when every server left has moved on, its version's copy is pushed
 back to one. A copy is dropped once a newer version's batch is queued and no unit of its own is queued or drawn: at
-most K + 2 are held, each the policy's size, where the policy lives.
+most K + 2 are held, each the policy's parameters' size, in host memory.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Stream:
         with self.condition:
             target = self.spare.pop() if self.spare else None
         if target is None:
-            target = copy.deepcopy(policy).requires_grad_(False)
+            target = _copy_in_host_memory(policy)
         else:
             with torch.no_grad():
                 for mine, theirs in zip(target.parameters(), policy.parameters()):
@@ -264,3 +264,12 @@ class Stream:
         needed = {unit.version for unit in self.queue} | {unit.version for unit in self.drawing.values()}
         for version in [version for version in self.copies if version < self.submitted and version not in needed]:
             self.spare.append(self.copies.pop(version))
+
+
+def _copy_in_host_memory(policy: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of ``policy`` whose parameters live in host memory, made without a passing copy on the
+    policy's device (a GPU's memory is the trainer's). Its parameters are what a push reads; every path takes them
+    from the host (the shared buffer, HTTP, a group's broadcast, which moves each to its device)."""
+    memo = {id(parameter): torch.nn.Parameter(parameter.detach().to("cpu", copy=True), requires_grad=False)
+            for parameter in policy.parameters()}
+    return copy.deepcopy(policy, memo).requires_grad_(False)
