@@ -224,12 +224,13 @@ def test_two_vllm_servers_one_of_them_tensor_parallel_draw_what_one_server_draws
                                                                                   server, second_server):
     """The fleet with real engines: a run over the module's server and a second one started with
     --tensor-parallel-size 2 (vLLM's CPU workers, one a core) draws the same samples as the run over the first
-    server alone (each group's draw depends on its seeds only) and ends with its weights."""
+    server alone (each group's draw depends on its seeds only) and ends with its weights. At --max-staleness 1, so
+    the two servers draw across batches (fleet_stream.py: each takes the next version on its own thread)."""
     assert any("tensor parallel 2 over CPUs" in line for line in second_server.lines), second_server.lines[-5:]
     runs = {}
     for name, address in (("one", server), ("two", f"{server},{second_server.address}")):
         run = run_cli(*_args(served_model, sums, tmp_path / name, address, "--steps", "4", "--reward", "match",
-                             "--checkpoint-every", "0"), cwd=tmp_path, env=ENV)
+                             "--checkpoint-every", "0", "--max-staleness", "1"), cwd=tmp_path, env=ENV)
         assert run.returncode == 0, (name, run.stderr[-3000:])
         runs[name] = run
     assert "sampling with 2 vllm rollout servers" in runs["two"].stderr
