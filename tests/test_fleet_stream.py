@@ -222,3 +222,23 @@ def test_a_published_copy_pushes_the_policy_s_weights_and_shares_no_memory_with_
     with torch.no_grad():
         next(policy.parameters()).add_(1.0)
     assert not torch.equal(next(policy.parameters()), next(copied.parameters()))
+
+
+def test_a_trainer_in_flight_refuses_to_sample_beside_its_rollout_side(tmp_path):
+    """Trainer.sample once the rollout side runs in flight would share its prompt generator (and over a fleet draw
+    from servers holding different versions): refused in one line; before the first step it draws."""
+    from auto_research.config.generation import GenerationConfig
+    from auto_research.errors import UserError
+    from auto_research.train.trainer import Trainer
+
+    config = GenerationConfig(dataset="arithmetic-generate", steps=2, prompts_per_step=2, eval_every=0,
+                              evaluation_examples=4, offline=True, progress=False, output_dir=tmp_path,
+                              max_staleness=1, max_new_tokens=4)
+    trainer = Trainer.build(config, log=lambda line: None)
+    try:
+        assert len(trainer.sample(1).completions) == 2 * config.group_size
+        trainer.step(1)
+        with pytest.raises(UserError, match=r"^Trainer.sample draws as a synchronous step does \(--max-staleness 0\)"):
+            trainer.sample(2)
+    finally:
+        trainer.close()

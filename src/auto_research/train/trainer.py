@@ -10,6 +10,7 @@ from __future__ import annotations
 from auto_research.config.generation import GenerationConfig
 from auto_research.engine.distributed import World
 from auto_research.engine.rollout import Rollout
+from auto_research.errors import UserError
 from auto_research.train.components import Components, build_components
 from auto_research.train.evaluation import held_out
 from auto_research.train.in_flight import rollout_source
@@ -54,6 +55,10 @@ class Trainer:
         """The rollout a step would train on: its prompts drawn from the loop's generator, then sampled (with
         --max-staleness 0; in flight, the rollout side's thread owns the generator)."""
         c = self.components
+        if c.rollouts is not None and c.config.max_staleness:
+            raise UserError("Trainer.sample draws as a synchronous step does (--max-staleness 0): with rollouts in "
+                            "flight the rollout side's thread owns the prompt generator and the sampler (over several "
+                            "servers, each holds its own version); call it before the first step")
         source = rollout_source(c, c.sampler, c.policy, c.sampling)
         return sample_batch(source, draw_batch(source, self.state.rng, step))
 
