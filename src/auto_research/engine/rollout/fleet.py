@@ -175,8 +175,7 @@ class Fleet:
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int]
                  ) -> tuple[list[list[int]], list[list[float]]]:
         """``group_size`` completions of each prompt, the prompts' groups in units spread over the pool."""
-        size = self.unit_size(len(prompt_ids))
-        units = [list(range(start, min(start + size, len(prompt_ids)))) for start in range(0, len(prompt_ids), size)]
+        units = self.units(len(prompt_ids))
         completions, logprobs, _ = self._draw(units, [None] * len(units), lambda member, rows: member.generate(
             [prompt_ids[row] for row in rows], group_size, [seeds[row] for row in rows]), group_size)
         return completions, logprobs
@@ -198,9 +197,11 @@ class Fleet:
         self._remember(histories, completions, drawn_by)
         return completions, logprobs
 
-    def unit_size(self, prompts: int) -> int:
-        """Prompts a unit holds: the builtin engine's chunk, else a share of the batch (two units per server)."""
-        return self.chunk_prompts or max(1, math.ceil(prompts / (2 * len(self.addresses))))
+    def units(self, prompts: int) -> list[list[int]]:
+        """A batch's prompts (their positions) in units: the builtin engine's chunks, else shares of the batch (two
+        units per server)."""
+        size = self.chunk_prompts or max(1, math.ceil(prompts / (2 * len(self.addresses))))
+        return [list(range(start, min(start + size, prompts))) for start in range(0, prompts, size)]
 
     def _home(self, history: list[int]) -> str | None:
         """The server that drew the turn this history extends, when it is still in the pool."""

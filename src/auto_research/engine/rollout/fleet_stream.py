@@ -125,8 +125,7 @@ class Stream:
     def sample(self, prompts: list[str], group_size: int, seeds: list[int], version: int) -> Ticket:
         """The batch's units queued for servers holding ``version`` (published before); its ticket."""
         prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        size = self.fleet.unit_size(len(prompt_ids))
-        units = [list(range(start, min(start + size, len(prompt_ids)))) for start in range(0, len(prompt_ids), size)]
+        units = self.fleet.units(len(prompt_ids))
         with self.condition:
             if self.failure is not None:
                 raise self.failure
