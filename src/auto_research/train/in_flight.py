@@ -84,13 +84,7 @@ class InFlight(Handover):
         try:
             if self.cpus:
                 os.sched_setaffinity(0, self.cpus)  # this thread only
-            for step in range(self.first_step, self.last_step + 1):
-                version = drawing_version(step, self.max_staleness)
-                waiting = time.perf_counter()
-                going, snapshot = self._await_version(version)
-                if not going:
-                    return
-                idle = time.perf_counter() - waiting
+            for step, version, snapshot, idle in self._scheduled():
                 loading = time.perf_counter()
                 if self.loaded != version and snapshot is not None:
                     self.model.load_state_dict(snapshot)
@@ -101,6 +95,17 @@ class InFlight(Handover):
                 self._hand_over(step, drawn)
         except BaseException as error:  # handed to the trainer, raised where it waits
             self._fail(error)
+
+    def _scheduled(self):
+        """Each step left to draw, once the weights its batch needs are published: (step, version, their snapshot,
+        the seconds waited for them); it ends when the run closes."""
+        for step in range(self.first_step, self.last_step + 1):
+            version = drawing_version(step, self.max_staleness)
+            waiting = time.perf_counter()
+            going, snapshot = self._await_version(version)
+            if not going:
+                return
+            yield step, version, snapshot, time.perf_counter() - waiting
 
 
 class StreamedInFlight(InFlight):
@@ -138,13 +143,7 @@ class StreamedInFlight(InFlight):
         try:
             if self.cpus:
                 os.sched_setaffinity(0, self.cpus)
-            for step in range(self.first_step, self.last_step + 1):
-                version = drawing_version(step, self.max_staleness)
-                waiting = time.perf_counter()
-                going, _ = self._await_version(version)
-                if not going:
-                    return
-                idle = time.perf_counter() - waiting
+            for step, version, _, idle in self._scheduled():
                 batch = draw_batch(self.source, self.rng, step)
                 ticket = self.stream.sample(batch.prompts, self.source.group_size, batch.seeds, version)
                 self.queued.put((step, version, batch, self.rng.bit_generator.state, ticket, idle,
