@@ -38,7 +38,7 @@ class Scripted:
         self.entered.set()
         gate = self.gates.pop(0) if self.gates else None
         if gate is not None:
-            assert gate.wait(30)
+            assert gate.wait(60)
         if self.fail:
             raise RolloutEngineError(f"{self.address} failed")
         self.events.append((self.address, "draw", self.version, tuple(seeds)))
@@ -140,7 +140,7 @@ def test_a_version_published_before_its_batch_is_queued_is_kept_for_it(fleet):
     assert set(stream.copies) == {2} and len(stream.spare) == 2
 
 
-def _until(condition, seconds=10.0):
+def _until(condition, seconds=60.0):
     import time
 
     deadline = time.monotonic() + seconds
@@ -174,7 +174,8 @@ def test_a_server_that_rejoins_mid_batch_draws_the_unit_it_lost_by_that_unit_s_v
     assert _versions(stream.sample(["3+3="], 1, [9], 1).rollout()) == [1]
     late.set()  # the old client answers now, too late
     held.set()
-    waiter.join(10)
+    waiter.join(60)
+    assert not waiter.is_alive()
     assert _versions(waited["rollout"]) == [0, 0]
     assert [event[1:] for event in own] == [
         ("push", 1), ("push", 0), ("draw", 0, a.seeds[0]), ("push", 1), ("draw", 1, (9,))]
