@@ -182,6 +182,9 @@ def one_run(options, level: str, model: str | None, output: Path, server=None) -
         hook = long_tail_hook(fraction, factor, options.max_new_tokens / factor, c.tokenizer.eos_token_id,
                               options.decode_latency / 1000)
         (c.rollouts.model if K else c.policy).register_forward_hook(hook, with_kwargs=True)
+    if options.train_latency:  # an accelerator's update: the trainer's step takes this much longer, on its cores
+        trainer.components.optimizer.register_step_post_hook(
+            lambda optimizer, args, kwargs: time.sleep(options.train_latency / 1000))
     rows, started = [], None
     threads = [threading.get_native_id(), trainer.components.rollouts.thread.native_id if K else None]
 
@@ -235,6 +238,9 @@ def main() -> None:
     parser.add_argument("--long-tail", default=None, help="F:X, a long-tailed completion length (see above)")
     parser.add_argument("--decode-latency", type=float, default=0.0, help="with --long-tail: milliseconds each decode "
                         "step of the sampling model sleeps, whatever its rows (a GPU's decode, simulated)")
+    parser.add_argument("--train-latency", type=float, default=0.0, help="milliseconds each optimizer step also "
+                        "sleeps: a trainer as slow as an accelerator's update of a large model, so that the sides "
+                        "can be balanced (the trainer's idle time then says what the schedule leaves idle)")
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=6)
@@ -285,7 +291,8 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores ({platform.processor() or 'cpu'}); trainer on cores "
           f"{sorted(options.trainer_cores)}, rollout side ({side}) on {sorted(options.sampler_cores)}; model "
           f"{options.model or 'embedded (warm-started)'}; {options.prompts_per_step} prompts × {options.group_size}, "
-          f"≤ {options.max_new_tokens} tokens; {options.rounds} rounds × {options.steps - options.warmup} timed steps")
+          f"≤ {options.max_new_tokens} tokens; {options.rounds} rounds × {options.steps - options.warmup} timed steps"
+          + (f"; each optimizer step sleeps {options.train_latency:g} ms" if options.train_latency else ""))
     print(f"K={levels[0]} phases: t_sample {base['t_sample']:.3f} s, t_train {base['t_train']:.3f} s; overlap bound "
           f"{bound:.2f}×, goal 0.9 × bound = {0.9 * bound:.2f}×" + (f"; long tail {options.long_tail}"
                                                                     if options.long_tail else ""))
