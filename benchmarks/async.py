@@ -10,6 +10,8 @@ trainer and the rollout side on disjoint cores.
                                                         # in-flight updates (K+) against whole draws, long tail
     python benchmarks/async.py --model tiny --staleness 1,3+ --long-tail 0.1:8 --max-new-tokens 48 --rollout-side server
                                                         # the same in a rollout server (its model hooked there)
+    python benchmarks/async.py --model tiny --staleness 1,4+ --long-tail 0.1:8 --max-new-tokens 48 --decode-latency 10 \
+        --rollout-side server --train-latency 375     # a trainer as slow as the rollout side (each update sleeps)
 
 
 A level written K+ runs with --in-flight-updates (K+r: and --recompute-kv-on-update) (weights taken between two decode steps, partial rollouts;
