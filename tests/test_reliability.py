@@ -651,3 +651,27 @@ def test_checkpoints_that_are_a_file_are_one_line_on_resume(tiny_model_dir, sums
     assert _run(tiny_model_dir, sums_jsonl, tmp_path, "--resume") == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"auto-research: error: --resume: {run_dir / 'checkpoints'} is a file, not a folder of checkpoints"]
+
+
+def test_a_server_gone_while_a_checkpoint_reads_the_rollout_side_names_the_last_good_one(tiny_model_dir, sums_jsonl,
+                                                                                        tmp_path, monkeypatch, capsys):
+    """A checkpoint reads the rollout side's batches (and a rollout server's state) before it writes anything: an
+    engine gone then is the same one line as a server gone mid-step, naming the checkpoint to resume from."""
+    from auto_research.errors import RolloutEngineError
+    from auto_research.train.in_flight import InFlight
+
+    real, calls = InFlight.checkpoint, []
+
+    def gone_at_the_second(self, step):
+        calls.append(step)
+        if len(calls) == 2:
+            raise RolloutEngineError("rollout server 127.0.0.1:9 is gone")
+        return real(self, step)
+
+    monkeypatch.setattr(InFlight, "checkpoint", gone_at_the_second)
+    assert _run(tiny_model_dir, sums_jsonl, tmp_path, "--max-staleness", "1") == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    run_dir = tmp_path / "rloo-sums-seed42"
+    assert lines[-1] == (f"auto-research: error: rollout server 127.0.0.1:9 is gone; the last good checkpoint is "
+                         f"{run_dir / 'checkpoints' / 'step-000001'} (continue with the same command and --resume)")
+    assert calls == [1, 2] and _checkpoints(run_dir) == ["step-000001"]

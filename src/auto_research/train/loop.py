@@ -188,6 +188,8 @@ class RunLoop:
         try:
             for step in range(state.step + 1, config.steps + 1):
                 self._train_step(step, bar)
+        except RolloutEngineError as error:  # in a step, or reading the servers' state for a checkpoint
+            raise self._engine_gone(error) from None
         except OSError as error:
             raise self._write_failed(error, self.last_saved) from None
         finally:
@@ -221,8 +223,8 @@ class RunLoop:
                 "continue with the same command and --resume", 128 + self.stop_signal)
 
     def _step(self, step: int) -> dict:
-        """``rl_step``'s row; a failed step answered in one line that says what was kept: a bad reward saves the
-        last good step, a rollout server gone names the checkpoint to resume from."""
+        """``rl_step``'s row; a bad reward answered in one line that says what was kept: the last good step saved
+        (a rollout server gone is answered by the loop, ``_engine_gone``)."""
         c, state, config = self.c, self.state, self.c.config
         # In flight, the generator runs ahead in the rollout side's thread: a failed step saves nothing
         # (the batches after the last good step were drawn by weights no longer held).
@@ -234,13 +236,16 @@ class RunLoop:
                      if state.step > 0 and rng_before is not None else
                      "kept the last checkpoint" if state.step > 0 else "nothing was written")
             raise _user_error(f"{error}; {where}", error) from None
-        except RolloutEngineError as error:  # a server gone mid-step: the weights may be a step ahead
-            again = "restart the server, then continue" if self.c.engine.started_by_the_user else \
-                "continue"  # the run's own engine (its process too) starts anew with it
-            kept = (f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{self.last_saved:06d}'}"
-                    f" ({again} with the same command and --resume)"
-                    if self.last_saved else "no checkpoint had been saved yet")
-            raise _user_error(f"{error}; {kept}", error) from None
+
+    def _engine_gone(self, error: RolloutEngineError) -> UserError:
+        """A server gone mid-step (the weights may be a step ahead), or while a checkpoint read the rollout side's
+        state (nothing of that checkpoint written yet): one line naming the checkpoint to resume from."""
+        again = "restart the server, then continue" if self.c.engine.started_by_the_user else \
+            "continue"  # the run's own engine (its process too) starts anew with it
+        kept = (f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{self.last_saved:06d}'}"
+                f" ({again} with the same command and --resume)"
+                if self.last_saved else "no checkpoint had been saved yet")
+        return _user_error(f"{error}; {kept}", error)
 
     def _finish(self, handlers: dict, bar: Progress) -> None:
         """However the loop ended: the signal handlers it replaced back, the environments' stop cleared, the
