@@ -90,7 +90,7 @@ class RemoteRounds:
     weights this run pushed (``sampler``: the run's ``ServerSampler``)."""
 
     def __init__(self, sampler, source: RolloutSource, settings, recompute_kv: bool):
-        self.sampler, self.recompute_kv = sampler, recompute_kv
+        self.sampler = sampler
         self.fixed = {"group_size": source.group_size, "recompute_kv": recompute_kv,
                       "settings": {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
                                    "top_p": settings.top_p, "top_k": settings.top_k}}
