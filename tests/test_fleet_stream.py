@@ -243,3 +243,79 @@ def test_a_trainer_in_flight_refuses_to_sample_beside_its_rollout_side(tmp_path)
             trainer.sample(2)
     finally:
         trainer.close()
+
+
+def _hold(fleet, seed: int, released: threading.Event) -> None:
+    """Every server's draw of ``seed`` waits for ``released``."""
+    for member in fleet.members.values():
+        def generate(prompt_ids, group_size, seeds, original=member.generate):
+            if list(seeds) == [seed]:
+                assert released.wait(60)
+            return original(prompt_ids, group_size, seeds)
+
+        member.generate = generate
+
+
+def test_a_batch_s_first_prompts_are_there_while_its_last_unit_is_still_drawn(fleet):
+    held = threading.Event()
+    _hold(fleet, 9, held)  # the last prompt's unit (one prompt a unit) waits
+    ticket = fleet.stream(0, _policy(0)).sample(["1+1=", "2+2=", "3+3="], 2, [7, 8, 9], 0)
+    head = ticket.rollout(0, 2)  # the first two prompts' rows, their units answered, the batch not whole
+    assert not held.is_set() and [tokens[1] for tokens in head.token_lists()] == [107, 107, 108, 108]
+    held.set()
+    whole, tail = ticket.rollout(), ticket.rollout(1, 3)
+    assert [tokens[1] for tokens in whole.token_lists()] == [107, 107, 108, 108, 109, 109]
+    assert tail.token_lists() == whole.token_lists()[2:]
+
+
+def test_the_reference_is_computed_in_parts_as_rows_come_equal_to_those_rows_cut_from_the_batch(fleet):
+    """StreamedInFlight._reference_parts: each part once its units answered (the first before the last unit is
+    drawn), trimmed to its rows; its numbers are those of the same rows cut from the whole batch, and within
+    1e-6 of one forward over the batch."""
+    import types
+
+    from auto_research.engine.logprobs import token_logprobs
+    from auto_research.engine.tiny import build_model
+    from auto_research.train.experience import widen
+    from auto_research.train.in_flight import StreamedInFlight
+
+    model = build_model(build_tokenizer(), seed=0).eval()
+    calls, held = [], threading.Event()
+
+    def reference(rollout):
+        calls.append((rollout.sequences.shape[0], held.is_set()))
+        with torch.no_grad():
+            return token_logprobs(model, rollout.sequences, rollout.prompt_mask, rollout.completion_mask)
+
+    _hold(fleet, 13, held)  # the last prompt's unit (one prompt a unit) waits until the first parts are computed
+    ticket = fleet.stream(0, _policy(0)).sample(["1+1=", "22+2=", "3+33=", "4+4="], 2, [10, 11, 12, 13], 0)
+    side = types.SimpleNamespace(reference_rows=3, source=types.SimpleNamespace(reference=reference))
+    parts = []
+    worker = threading.Thread(target=lambda: parts.extend(StreamedInFlight._reference_parts(side, ticket)))
+    worker.start()
+    _until(lambda: len(calls) == 2)  # rows 0-2 and 3-5: prompts 0-2, drawn
+    held.set()
+    worker.join(60)
+    assert not worker.is_alive()
+    assert calls == [(3, False), (3, False), (2, True)]
+    whole = ticket.rollout()
+    width = whole.completion_mask.shape[1]
+    for part, (start, stop) in zip(parts, [(0, 3), (3, 6), (6, 8)]):
+        assert torch.equal(part, reference(whole.rows(start, stop, trim=True)))
+    together = torch.cat([widen(part, width) for part in parts])
+    assert torch.allclose(together, reference(whole), atol=1e-6)
+
+
+def test_a_streamed_batch_s_reference_parts_follow_the_trainer_s_micro_batches_else_a_quarter_of_the_batch():
+    import types
+
+    from auto_research.train.in_flight import reference_rows
+
+    def config(size=None, tokens=None, offload=False):
+        return types.SimpleNamespace(micro_batch_size=size, max_tokens_per_micro_batch=tokens,
+                                     offload_reference=offload)
+
+    assert reference_rows(config(), 128) == 32 and reference_rows(config(), 10) == 3
+    assert reference_rows(config(size=8), 128) == 8
+    assert reference_rows(config(size=8, tokens=512), 128) is None  # parts cut by tokens need every row's length
+    assert reference_rows(config(offload=True), 128) is None  # its weights would come back for each part

@@ -26,11 +26,13 @@ import queue
 import threading
 import time
 
+import torch
+
 from auto_research.engine.logprobs import token_logprobs
 from auto_research.engine.rollout.builtin import BuiltinSampler, sample
 from auto_research.errors import UserError
 from auto_research.train.components import Components, chunk_prompts, sampling_settings
-from auto_research.train.experience import no_grad_forward
+from auto_research.train.experience import no_grad_forward, widen
 from auto_research.train.rollouts import (Drawn, Handover, RolloutSource, Synchronous, draw_batch, drawing_version,
                                           finish, produce)
 from auto_research.train.state import LoopState
@@ -116,8 +118,11 @@ class StreamedInFlight(InFlight):
     once drawn, in order. The same batches as ``InFlight``'s (each unit drawn by its version's weights)."""
 
     def __init__(self, source: RolloutSource, rng, max_staleness: int, last_step: int, version: int, policy,
-                 saved: list[Drawn] = (), cpus: set[int] | None = None, fleet=None):
+                 saved: list[Drawn] = (), cpus: set[int] | None = None, fleet=None, reference_rows: int | None = None):
         self.stream, self.queued = fleet.stream(version, policy), queue.Queue()
+        self.reference_rows = reference_rows if source.reference is not None else None
+        """Rows a part of a batch whose reference log-probs are computed as soon as they are drawn (None: the
+        whole batch once drawn)."""
         self.scorer = threading.Thread(target=self._score_each, name="auto-research-scoring", daemon=True)
         super().__init__(source, None, rng, max_staleness, last_step, version, policy, saved, cpus, fleet)
 
@@ -159,14 +164,45 @@ class StreamedInFlight(InFlight):
                 os.sched_setaffinity(0, self.cpus)  # this thread only
             while (item := self.queued.get()) is not None:
                 step, version, batch, numpy_after, ticket, idle, queued = item
+                parts = self._reference_parts(ticket) if self.reference_rows else None
                 rollout = ticket.rollout()
+                width = rollout.completion_mask.shape[1]
                 drawn = finish(self.source, step, version, batch, rollout, numpy_after,
-                               {"sample": time.perf_counter() - queued, "idle": idle})
+                               {"sample": time.perf_counter() - queued, "idle": idle},
+                               None if parts is None else torch.cat([widen(part, width) for part in parts]))
                 with self.condition:
                     self.drawn_through = step
                 self._hand_over(step, drawn)
         except BaseException as error:
             self._fail(error)
+
+    def _reference_parts(self, ticket) -> list[torch.Tensor]:
+        """The reference's log-probs of the batch, ``reference_rows`` rows at a time, each part as soon as the units
+        holding its rows have answered, while the later ones are drawn. Each part is trimmed to its own rows, so
+        its numbers are those of the same rows cut from the whole batch."""
+        K, size = ticket.group_size, self.reference_rows
+        rows, parts = len(ticket.prompt_ids) * K, []
+        for start in range(0, rows, size):
+            stop = min(start + size, rows)
+            first, last = start // K, -(-stop // K)
+            drawn = ticket.rollout(first, last)
+            parts.append(self.source.reference(drawn.rows(start - first * K, stop - first * K, trim=True)))
+        return parts
+
+
+REFERENCE_PARTS = 4
+"""A streamed batch's reference log-probs come in this many parts, as their rows are drawn, unless
+--micro-batch-size sets the parts (the trainer's own micro-batches)."""
+
+
+def reference_rows(config, rows: int) -> int | None:
+    """Rows a part of a streamed batch's reference log-probs: the trainer's micro-batch when it is a number of
+    rows, else a REFERENCE_PARTS-th of the batch. None (the whole batch, once drawn) when micro-batches are cut by
+    tokens, which depends on every row's length, and with --offload-reference, whose weights come back for each
+    pass."""
+    if config.max_tokens_per_micro_batch is not None or config.offload_reference:
+        return None
+    return config.micro_batch_size or -(-rows // REFERENCE_PARTS)
 
 
 def streams(c: Components, source: RolloutSource) -> bool:
@@ -231,7 +267,8 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
         source = rollout_source(c, c.sampler, None, c.autocast, reference)
         if streams(c, source):
             c.rollouts = StreamedInFlight(source, state.rng, config.max_staleness, config.steps, state.step,
-                                          c.policy, list(saved), cpus, c.sampler)
+                                          c.policy, list(saved), cpus, c.sampler,
+                                          reference_rows(config, config.prompts_per_step * config.group_size))
             return c.rollouts
         c.rollouts = InFlight(source, None, state.rng, config.max_staleness, config.steps, state.step, c.policy,
                               list(saved), cpus, c.sampler)

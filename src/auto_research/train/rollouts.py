@@ -111,8 +111,9 @@ def produce(source: RolloutSource, rng: np.random.Generator, step: int, version:
 
 
 def finish(source: RolloutSource, step: int, version: int, batch: Batch, rollout: Rollout, numpy_after: dict,
-           seconds: dict) -> Drawn:
-    """A sampled batch scored (refilled with dynamic sampling), its reference log-probs; ``score`` time added."""
+           seconds: dict, reference: torch.Tensor | None = None) -> Drawn:
+    """A sampled batch scored (refilled with dynamic sampling), its reference log-probs (``reference``: computed
+    already, as its rows came); ``score`` time added."""
     rollout = replace(rollout, policy_versions=torch.full((rollout.sequences.shape[0],), version, dtype=torch.long))
     sampled = time.perf_counter()
     greedy = source.greedy(batch.prompts) if source.greedy is not None else None
@@ -130,7 +131,10 @@ def finish(source: RolloutSource, step: int, version: int, batch: Batch, rollout
             failure = str(error)
         rollout = replace(rollout, policy_versions=torch.full((rollout.sequences.shape[0],), version,
                                                               dtype=torch.long))
-    reference = source.reference(rollout) if source.reference is not None and failure is None else None
+    if source.reference is None or failure is not None:
+        reference = None
+    elif reference is None:
+        reference = source.reference(rollout)
     seconds = {**seconds, "score": time.perf_counter() - sampled}
     return Drawn(step, batch, rollout, rewards, greedy_rewards, failure, numpy_after, seconds, reference, counts)
 

@@ -64,12 +64,15 @@ class Ticket:
     answers: dict = field(default_factory=dict)
     error: BaseException | None = None
 
-    def rollout(self):
-        """Wait for every unit (watching the servers' heartbeats), then the Rollout of the batch, rows in order."""
-        completions, logprobs = self.stream._wait(self)
-        fleet = self.stream.fleet
-        return build_rollout(self.stream.tokenizer, fleet.eos, fleet.pad, self.prompt_ids, completions, logprobs,
-                             self.group_size)
+    def rollout(self, first: int = 0, last: int | None = None):
+        """Wait for every unit up to the one holding prompt ``last`` − 1 (every unit: None; watching the servers'
+        heartbeats), then the Rollout of prompts ``first`` … ``last`` − 1, rows in order."""
+        last = len(self.prompt_ids) if last is None else last
+        units = sum(1 for unit in self.units if unit[0] < last)
+        completions, logprobs = self.stream._wait(self, units)
+        K, fleet = self.group_size, self.stream.fleet
+        return build_rollout(self.stream.tokenizer, fleet.eos, fleet.pad, self.prompt_ids[first:last],
+                             completions[first * K: last * K], logprobs[first * K: last * K], K)
 
 
 class Stream:
@@ -138,9 +141,10 @@ class Stream:
             self.condition.notify_all()
         return ticket
 
-    def _wait(self, ticket: Ticket) -> tuple[list, list]:
+    def _wait(self, ticket: Ticket, units: int) -> tuple[list, list]:
+        """The completions and log-probs of the ticket's first ``units`` units, once all have answered."""
         with self.condition:
-            while len(ticket.answers) < len(ticket.units) and ticket.error is None:
+            while any(index not in ticket.answers for index in range(units)) and ticket.error is None:
                 self.condition.wait(POLL_SECONDS)
                 self._watch_heartbeats()
                 if not self.fleet.members and ticket.error is None:
@@ -148,7 +152,7 @@ class Stream:
             if ticket.error is not None:
                 raise ticket.error
         completions, logprobs = [], []
-        for index in range(len(ticket.units)):
+        for index in range(units):
             completions += ticket.answers[index][0]
             logprobs += ticket.answers[index][1]
         return completions, logprobs
