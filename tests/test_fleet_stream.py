@@ -306,7 +306,7 @@ def test_the_reference_is_computed_in_parts_as_rows_come_equal_to_those_rows_cut
     assert torch.allclose(together, reference(whole), atol=1e-6)
 
 
-def test_a_streamed_batch_s_reference_parts_follow_the_trainer_s_micro_batches_else_a_quarter_of_the_batch():
+def test_a_streamed_batch_s_reference_parts_follow_the_trainer_s_micro_batches_else_a_quarter_of_its_groups():
     import types
 
     from auto_research.train.in_flight import reference_rows
@@ -315,7 +315,8 @@ def test_a_streamed_batch_s_reference_parts_follow_the_trainer_s_micro_batches_e
         return types.SimpleNamespace(micro_batch_size=size, max_tokens_per_micro_batch=tokens,
                                      offload_reference=offload)
 
-    assert reference_rows(config(), 128) == 32 and reference_rows(config(), 10) == 3
-    assert reference_rows(config(size=8), 128) == 8
-    assert reference_rows(config(size=8, tokens=512), 128) is None  # parts cut by tokens need every row's length
-    assert reference_rows(config(offload=True), 128) is None  # its weights would come back for each part
+    assert reference_rows(config(), 32, 4) == 32  # 8 prompts' groups
+    assert reference_rows(config(), 3, 4) == 4 and reference_rows(config(), 2, 8) == 8  # never part of a group
+    assert reference_rows(config(size=8), 32, 4) == 8
+    assert reference_rows(config(size=8, tokens=512), 32, 4) is None  # parts cut by tokens need every row's length
+    assert reference_rows(config(offload=True), 32, 4) is None  # its weights would come back for each part

@@ -191,18 +191,19 @@ class StreamedInFlight(InFlight):
 
 
 REFERENCE_PARTS = 4
-"""A streamed batch's reference log-probs come in this many parts, as their rows are drawn, unless
---micro-batch-size sets the parts (the trainer's own micro-batches)."""
+"""A streamed batch's reference log-probs come in (at most) this many parts of whole groups, as their rows are
+drawn, unless --micro-batch-size sets the parts (the trainer's own micro-batches)."""
 
 
-def reference_rows(config, rows: int) -> int | None:
+def reference_rows(config, prompts: int, group_size: int) -> int | None:
     """Rows a part of a streamed batch's reference log-probs: the trainer's micro-batch when it is a number of
-    rows, else a REFERENCE_PARTS-th of the batch. None (the whole batch, once drawn) when micro-batches are cut by
+    rows, else the whole groups of a REFERENCE_PARTS-th of the batch's prompts (a group in one forward shares its
+    prompt's pass, ``packing.grouped_rows``). None (the whole batch, once drawn) when micro-batches are cut by
     tokens, which depends on every row's length, and with --offload-reference, whose weights come back for each
     pass."""
     if config.max_tokens_per_micro_batch is not None or config.offload_reference:
         return None
-    return config.micro_batch_size or -(-rows // REFERENCE_PARTS)
+    return config.micro_batch_size or -(-prompts // REFERENCE_PARTS) * group_size
 
 
 def streams(c: Components, source: RolloutSource) -> bool:
@@ -268,7 +269,7 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
         if streams(c, source):
             c.rollouts = StreamedInFlight(source, state.rng, config.max_staleness, config.steps, state.step,
                                           c.policy, list(saved), cpus, c.sampler,
-                                          reference_rows(config, config.prompts_per_step * config.group_size))
+                                          reference_rows(config, config.prompts_per_step, config.group_size))
             return c.rollouts
         c.rollouts = InFlight(source, None, state.rng, config.max_staleness, config.steps, state.step, c.policy,
                               list(saved), cpus, c.sampler)
