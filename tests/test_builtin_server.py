@@ -301,6 +301,30 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
     status, again = _call(address, "/partial/round", second, lease)
     assert status == 200 and again["lanes"] == after["lanes"]
     assert _call(address, "/partial/restore", b"not a state", lease)[0] == 400
+    # A state that does not fit (a tampered checkpoint) is refused at its restore, not at the next round.
+    import safetensors.torch
+
+    from auto_research.engine.rollout.partial_serve import read_state
+
+    tensors, plain = read_state(saved)
+
+    def tampered(**changes):
+        changed = {**tensors, **{key: value for key, value in changes.items() if not key.startswith("plain_")}}
+        return safetensors.torch.save(changed, metadata={"plain": json.dumps(
+            {**plain, **{key[len("plain_"):]: value for key, value in changes.items() if key.startswith("plain_")}})})
+
+    narrowed = {"rows/attention": tensors["rows/attention"][:, 1:].contiguous()}
+    short = {"cache/0/keys": tensors["cache/0/keys"][1:].contiguous()}
+    outside = {"plain_pending": [[key, [engine.tokenizer.vocab_size + 5], seed] for key, _, seed in plain["pending"]]}
+    for changes, why in ((narrowed, "cache layer 0 does not hold 8 rows of"),
+                         (short, "cache layer 0 does not hold 8 rows of"),
+                         ({"plain_lanes": plain["lanes"][1:]}, "rows/attention has shape"),
+                         ({"plain_layers": 1}, "the cache has 1 layers, the model 3"),
+                         (outside, "a prompt is not token ids of a vocabulary of")):
+        status, refusal = _call(address, "/partial/restore", tampered(**changes), lease)
+        assert status == 400 and refusal.startswith("the state does not fit this server's model and rounds: " + why), \
+            refusal
+    assert _call(address, "/partial/restore", saved, lease) == (200, {"round": 1})  # the good one still goes in
     assert _call(address, "/partial/round", {**second, "round": 3, "supply": [],
                                              "settings": {**body["settings"], "top_k": 5}}, lease)[0] == 400
     # The lease given back: its rounds go with it.

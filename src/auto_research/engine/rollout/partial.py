@@ -253,9 +253,52 @@ def pool_to_files(pool: Pool, finished: list[Finished]) -> tuple[dict, dict]:
     return tensors, plain
 
 
+ROW_FIELDS = {"attention": 2, "position": None, "logits": 2, "logits_version": 1, "t": 1, "ended": 1, "tokens": 2,
+              "logprobs": 2, "entropies": 2, "versions": 2, "uniforms": 2}
+"""A pool's per-row state (``Pool.rows``) and the dimensions of each (None: any)."""
+
+
+def check_pool_files(pool: Pool, tensors: dict, plain: dict) -> None:
+    """``ValueError`` naming the first thing in a saved pool (``pool_to_files``) that does not fit ``pool``: its
+    rows, their KV cache and the lanes they belong to agree in number, width and layers, so a restored state
+    cannot fail at the next round instead of at its restore."""
+    rows = {key[len("rows/"):]: value for key, value in tensors.items() if key.startswith("rows/")}
+    count, layers = len(plain["lanes"]) * pool.K, plain["layers"]
+    if not count:
+        if rows or layers:
+            raise ValueError("a pool without lanes holds rows or a cache")
+        return
+    if set(rows) != set(ROW_FIELDS):
+        raise ValueError(f"the pool's rows hold {sorted(rows)}, not {sorted(ROW_FIELDS)}")
+    for name, value in ((name, rows[name]) for name in ROW_FIELDS):
+        if value.dim() == 0 or value.shape[0] != count or ROW_FIELDS[name] not in (None, value.dim()):
+            raise ValueError(f"rows/{name} has shape {list(value.shape)} for {count} rows")
+    for name in ("tokens", "logprobs", "entropies", "versions", "uniforms"):
+        if rows[name].shape[1] != pool.max_new:
+            raise ValueError(f"rows/{name} has {rows[name].shape[1]} columns, not the {pool.max_new} new tokens")
+    if rows["t"].min() < 0 or rows["t"].max() > pool.max_new:
+        raise ValueError(f"rows/t counts tokens outside 0..{pool.max_new}")
+    vocabulary = pool.model.get_output_embeddings().weight.shape[0]
+    if rows["logits"].shape[1] != vocabulary or not 0 <= int(rows["tokens"].min()) <= int(rows["tokens"].max()) \
+            < vocabulary:
+        raise ValueError(f"rows/logits or rows/tokens do not fit a vocabulary of {vocabulary}")
+    expected = pool.model.config.num_hidden_layers
+    if layers != expected:
+        raise ValueError(f"the cache has {layers} layers, the model {expected}")
+    width = rows["attention"].shape[1]
+    for index in range(layers):
+        keys, values = tensors.get(f"cache/{index}/keys"), tensors.get(f"cache/{index}/values")
+        if keys is None or values is None or keys.shape != values.shape or keys.dim() != 4 \
+                or keys.shape[0] != count or keys.shape[2] != width:
+            raise ValueError(f"cache layer {index} does not hold {count} rows of {width} positions")
+
+
 def pool_from_files(pool: Pool, tensors: dict, plain: dict) -> list[Finished]:
-    """``pool_to_files``' values back into ``pool`` (made with the run's settings); the groups done, returned."""
+    """``pool_to_files``' values back into ``pool`` (made with the run's settings), once they fit it
+    (``check_pool_files``); the groups done, returned."""
     from transformers.cache_utils import DynamicCache
+
+    check_pool_files(pool, tensors, plain)
 
     pool.lanes = [{**lane, "key": tuple(lane["key"])} for lane in plain["lanes"]]
     pool.admitted, pool.version = plain["admitted"], plain["version"]
@@ -380,7 +423,17 @@ class Rounds:
         return tensors, plain
 
     def restore(self, tensors: dict, plain: dict) -> None:
-        """``to_files``' values back."""
+        """``to_files``' values back; ``ValueError`` naming what does not fit these rounds (the pool's own checks
+        too), before anything is changed."""
+        for index, lane in enumerate(plain["finished"]):
+            shape = tensors[f"finished/{index}/tokens"].shape
+            if len(shape) != 2 or shape[0] != self.pool.K or any(
+                    tensors[f"finished/{index}/{name}"].shape != shape for name in ("logprobs", "versions")):
+                raise ValueError(f"finished group {index} is not {self.pool.K} rows of tokens, log-probs and versions")
+        for item in plain["pending"]:
+            key, ids, seed = item
+            if not (isinstance(seed, int) and isinstance(ids, list) and list(key)[1] == seed):
+                raise ValueError(f"a queued group is not [[prompt index, seed], prompt ids, seed]: {str(item)[:80]}")
         self.finished = self.pool.from_files(tensors, plain)
         self.pending = deque((tuple(key), list(ids), seed) for key, ids, seed in plain["pending"])
         self.requeued = plain["requeued"]

@@ -223,6 +223,7 @@ def partial_restore(handler):
     tensors, plain = read_state(handler.holder_body(STATE_BYTES))
     try:
         config, number = plain["config"], _integer(plain["round"], "round", 1)
+        _check_prompts(plain, serving.served.vocab_size)
         with serving.turns.turn(first=True):
             session = _session(handler, token, config, fresh=True)
             session.rounds.restore(tensors, plain)
@@ -231,6 +232,17 @@ def partial_restore(handler):
         serving.partial = None
         raise Refused(400, f"the state does not fit this server's model and rounds: {str(error)[:200]}") from None
     return 200, {"round": number}
+
+
+def _check_prompts(plain: dict, vocab_size: int) -> None:
+    """Every prompt a restored state holds (queued, decoding or done) is token ids of this vocabulary, as a
+    round's supply must be: ``ValueError`` naming the first that is not."""
+    prompts = ([ids for _, ids, _ in plain["pending"]] + [lane["prompt_ids"] for lane in plain.get("lanes", [])]
+               + [lane["prompt_ids"] for lane in plain["finished"]])
+    for ids in prompts:
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size for token in ids):
+            raise ValueError(f"a prompt is not token ids of a vocabulary of {vocab_size}: {str(ids)[:80]}")
 
 
 def read_state(body: bytes) -> tuple[dict, dict]:
