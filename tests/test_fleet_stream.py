@@ -320,3 +320,18 @@ def test_a_streamed_batch_s_reference_parts_follow_the_trainer_s_micro_batches_e
     assert reference_rows(config(size=8), 32, 4) == 8
     assert reference_rows(config(size=8, tokens=512), 32, 4) is None  # parts cut by tokens need every row's length
     assert reference_rows(config(offload=True), 32, 4) is None  # its weights would come back for each part
+
+
+def test_drawing_across_batches_gives_way_to_whole_batches_when_its_copies_would_not_fit(monkeypatch):
+    """K + 2 host copies of the weights against half the memory available: over it, one line and whole batches."""
+    from auto_research.train import in_flight
+
+    assert in_flight.available_memory() > 0  # this host's, read from /proc/meminfo
+    policy, lines = torch.nn.Linear(256, 256), []  # 65,792 float32 weights: 263,168 bytes a copy
+    monkeypatch.setattr(in_flight, "available_memory", lambda: 2 * 3 * 263_168)
+    assert in_flight.copies_fit(policy, 1, lines.append) and not lines  # 3 copies: exactly half
+    assert not in_flight.copies_fit(policy, 2, lines.append)  # 4 copies
+    assert lines == ["rollout fleet: whole batches, one version on every server: drawing across batches would hold "
+                     "4 copies of the weights in host memory (0.0 GiB), more than half of the 0.0 GiB available"]
+    monkeypatch.setattr(in_flight, "available_memory", lambda: None)  # unknown: drawn across batches
+    assert in_flight.copies_fit(policy, 8, lines.append) and len(lines) == 1

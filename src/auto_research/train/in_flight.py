@@ -213,6 +213,32 @@ def streams(c: Components, source: RolloutSource) -> bool:
             and source.max_refills is None and source.greedy is None)
 
 
+def available_memory() -> int | None:
+    """Bytes of memory this host can give without swapping (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def copies_fit(policy, max_staleness: int, log) -> bool:
+    """Whether the K + 2 copies of the weights that drawing across batches holds in host memory fit in half of
+    what this host has available; else one line, and the run draws whole batches."""
+    copies = max_staleness + 2
+    need = copies * sum(parameter.numel() * parameter.element_size() for parameter in policy.parameters())
+    free = available_memory()
+    if free is None or need <= free / 2:
+        return True
+    log(f"rollout fleet: whole batches, one version on every server: drawing across batches would hold {copies} "
+        f"copies of the weights in host memory ({need / 2**30:.1f} GiB), more than half of the "
+        f"{free / 2**30:.1f} GiB available")
+    return False
+
+
 def rollout_source(c: Components, sampler, model, context, reference=None, tokenizer=None) -> RolloutSource:
     """What the rollout side needs of a run; ``reference``: a frozen reference of its own, whose log-probs it
     then computes (in the micro-batches the trainer would use, so the numbers are the trainer's); ``tokenizer``:
@@ -266,7 +292,7 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
         return c.rollouts
     if c.engine.pushes_weights:  # a rollout server: its own weights, pushed version by version
         source = rollout_source(c, c.sampler, None, c.autocast, reference)
-        if streams(c, source):
+        if streams(c, source) and copies_fit(c.policy, config.max_staleness, c.sampler.log):
             c.rollouts = StreamedInFlight(source, state.rng, config.max_staleness, config.steps, state.step,
                                           c.policy, list(saved), cpus, c.sampler,
                                           reference_rows(config, config.prompts_per_step, config.group_size))
