@@ -20,7 +20,7 @@ from auto_research.config.files import write_resolved_config
 from auto_research.train.evaluation import held_out, win_rate
 from auto_research.train.in_flight import rollout_source, start_rollouts
 from auto_research.train.metrics import MetricsLog
-from auto_research.train.rollouts import from_files, to_files
+from auto_research.train.drawn_files import from_files, to_files
 from auto_research.train.state import LoopState
 from auto_research.train.step import rl_step
 

@@ -38,7 +38,8 @@ import time
 import torch
 
 from auto_research.engine.rollout import Rollout, eos_ids
-from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, Finished, Pool, Rounds, lanes_to_rows
+from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, Pool, Rounds, lanes_to_rows
+from auto_research.engine.rollout.partial_files import Finished
 from auto_research.engine.rollout.partial_serve import KEPT_STATES
 from auto_research.train.experience import Batch
 from auto_research.train.rollouts import Drawn, Handover, RolloutSource, draw_batch, score, signal_counts

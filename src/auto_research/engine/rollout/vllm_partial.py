@@ -25,7 +25,7 @@ import secrets
 
 import torch
 
-from auto_research.engine.rollout.partial import Finished
+from auto_research.engine.rollout.partial_files import Finished
 
 
 class VLLMPool:
