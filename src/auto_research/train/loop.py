@@ -188,8 +188,8 @@ class RunLoop:
         try:
             for step in range(state.step + 1, config.steps + 1):
                 self._train_step(step, bar)
-        except RolloutEngineError as error:  # in a step, or reading the servers' state for a checkpoint
-            raise self._engine_gone(error) from None
+        except (RolloutEngineError, RewardError) as error:  # a server gone, in a step or while a checkpoint read
+            raise self._engine_gone(error) from None  # the rollout side; or that side's reward failed meanwhile
         except OSError as error:
             raise self._write_failed(error, self.last_saved) from None
         finally:
@@ -237,14 +237,16 @@ class RunLoop:
                      "kept the last checkpoint" if state.step > 0 else "nothing was written")
             raise _user_error(f"{error}; {where}", error) from None
 
-    def _engine_gone(self, error: RolloutEngineError) -> UserError:
+    def _engine_gone(self, error: RolloutEngineError | RewardError) -> UserError:
         """A server gone mid-step (the weights may be a step ahead), or while a checkpoint read the rollout side's
-        state (nothing of that checkpoint written yet): one line naming the checkpoint to resume from."""
-        again = "restart the server, then continue" if self.c.engine.started_by_the_user else \
+        state, which also raises a reward's failure on that side (nothing of that checkpoint written yet): one line
+        naming the checkpoint to resume from."""
+        gone = isinstance(error, RolloutEngineError) and self.c.engine.started_by_the_user
+        again = "restart the server, then continue" if gone else \
             "continue"  # the run's own engine (its process too) starts anew with it
         kept = (f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{self.last_saved:06d}'}"
                 f" ({again} with the same command and --resume)"
-                if self.last_saved else "no checkpoint had been saved yet")
+                if self.last_saved is not None else "no checkpoint had been saved yet")
         return _user_error(f"{error}; {kept}", error)
 
     def _finish(self, handlers: dict, bar: Progress) -> None:
