@@ -320,7 +320,10 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
                          (short, "cache layer 0 does not hold 8 rows of"),
                          ({"plain_lanes": plain["lanes"][1:]}, "rows/attention has shape"),
                          ({"plain_layers": 1}, "the cache has 1 layers, the model 3"),
-                         (outside, "a prompt is not token ids of a vocabulary of")):
+                         (outside, "a prompt is not token ids of a vocabulary of"),
+                         ({"plain_pending": [[key[:1], ids, seed] for key, ids, seed in plain["pending"]]},
+                          "a queued group is not [[prompt index, seed], prompt ids, seed]"),
+                         ({"rows/t": tensors["rows/t"].float()}, "rows/t holds torch.float32")):
         status, refusal = _call(address, "/partial/restore", tampered(**changes), lease)
         assert status == 400 and refusal.startswith("the state does not fit this server's model and rounds: " + why), \
             refusal

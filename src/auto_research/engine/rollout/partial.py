@@ -335,7 +335,9 @@ class Rounds:
                 raise ValueError(f"finished group {index} is not {self.pool.K} rows of tokens, log-probs and versions")
         for item in plain["pending"]:
             key, ids, seed = item
-            if not (isinstance(seed, int) and isinstance(ids, list) and list(key)[1] == seed):
+            if not (isinstance(key, list) and len(key) == 2 and isinstance(ids, list) and key[1] == seed
+                    and all(isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+                            for value in key)):
                 raise ValueError(f"a queued group is not [[prompt index, seed], prompt ids, seed]: {str(item)[:80]}")
         self.finished = self.pool.from_files(tensors, plain)
         self.pending = deque((tuple(key), list(ids), seed) for key, ids, seed in plain["pending"])

@@ -45,9 +45,10 @@ def pool_to_files(pool, finished: list[Finished]) -> tuple[dict, dict]:
     return tensors, plain
 
 
-ROW_FIELDS = {"attention": 2, "position": None, "logits": 2, "logits_version": 1, "t": 1, "ended": 1, "tokens": 2,
-              "logprobs": 2, "entropies": 2, "versions": 2, "uniforms": 2}
-"""A pool's per-row state (``Pool.rows``) and the dimensions of each (None: any)."""
+ROW_FIELDS = {"attention": (2, False), "position": (None, False), "logits": (2, True), "logits_version": (1, False),
+              "t": (1, False), "ended": (1, False), "tokens": (2, False), "logprobs": (2, True),
+              "entropies": (2, True), "versions": (2, False), "uniforms": (2, True)}
+"""A pool's per-row state (``Pool.rows``): the dimensions of each (None: any) and whether it holds floats."""
 
 
 def check_pool_files(pool, tensors: dict, plain: dict) -> None:
@@ -62,9 +63,12 @@ def check_pool_files(pool, tensors: dict, plain: dict) -> None:
         return
     if set(rows) != set(ROW_FIELDS):
         raise ValueError(f"the pool's rows hold {sorted(rows)}, not {sorted(ROW_FIELDS)}")
-    for name, value in ((name, rows[name]) for name in ROW_FIELDS):
-        if value.dim() == 0 or value.shape[0] != count or ROW_FIELDS[name] not in (None, value.dim()):
+    for name, (dims, floats) in ROW_FIELDS.items():
+        value = rows[name]
+        if value.dim() == 0 or value.shape[0] != count or dims not in (None, value.dim()):
             raise ValueError(f"rows/{name} has shape {list(value.shape)} for {count} rows")
+        if value.is_floating_point() != floats:
+            raise ValueError(f"rows/{name} holds {value.dtype}")
     for name in ("tokens", "logprobs", "entropies", "versions", "uniforms"):
         if rows[name].shape[1] != pool.max_new:
             raise ValueError(f"rows/{name} has {rows[name].shape[1]} columns, not the {pool.max_new} new tokens")
@@ -81,8 +85,8 @@ def check_pool_files(pool, tensors: dict, plain: dict) -> None:
     for index in range(layers):
         keys, values = tensors.get(f"cache/{index}/keys"), tensors.get(f"cache/{index}/values")
         if keys is None or values is None or keys.shape != values.shape or keys.dim() != 4 \
-                or keys.shape[0] != count or keys.shape[2] != width:
-            raise ValueError(f"cache layer {index} does not hold {count} rows of {width} positions")
+                or keys.shape[0] != count or keys.shape[2] > width:  # (a sliding window's layer holds fewer)
+            raise ValueError(f"cache layer {index} does not hold {count} rows of at most {width} positions")
 
 
 def pool_from_files(pool, tensors: dict, plain: dict) -> list[Finished]:

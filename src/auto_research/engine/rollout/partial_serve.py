@@ -228,8 +228,9 @@ def partial_restore(handler):
             session = _session(handler, token, config, fresh=True)
             session.rounds.restore(tensors, plain)
             session.last_round, session.states = number, {number: (tensors, plain)}
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:
-        serving.partial = None
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError) as error:
+        with serving.turns.turn(first=True):
+            close(serving)  # the session half restored, or the one before it (vLLM's requests aborted)
         raise Refused(400, f"the state does not fit this server's model and rounds: {str(error)[:200]}") from None
     return 200, {"round": number}
 
