@@ -111,8 +111,16 @@ class RemoteRounds:
         return lanes, answer["requeued"], answer["pending"]
 
     def state(self, number: int) -> tuple[dict, dict]:
-        """Rank 0's copy alone (it alone restores it): the other ranks save their own plain values only."""
-        return self.sampler.partial_state(number) if self.sampler.world.main else ({}, {})
+        """Rank 0's copy alone (it alone restores it): the other ranks save their own plain values only. Every rank
+        learns whether rank 0 got it (the others would wait for it in the checkpoint's gather)."""
+        world, state, error = self.sampler.world, ({}, {}), None
+        if world.main:
+            try:
+                state = self.sampler.partial_state(number)
+            except Exception as failed:  # noqa: BLE001 - agreed: every rank stops with its line
+                error = failed
+        world.agree(error, RolloutEngineError)
+        return state
 
     def restore(self, tensors: dict, plain: dict) -> None:
         """Rank 0 puts the state back (every rank saved the same); no rank sends a round before it is in."""
