@@ -1,5 +1,5 @@
 """A checkpoint's batches in flight (``--max-staleness``), to and from its files: each ``Drawn``'s tensors keyed
-``i/name`` and its plain values, and back."""
+``i/name`` and its plain values (safetensors and JSON: nothing unpickled), and back."""
 
 from __future__ import annotations
 

@@ -409,6 +409,3 @@ class Handover:
         with self.condition:
             self.error = error
             self.condition.notify_all()
-
-
-# --- batches in flight, in a checkpoint (safetensors and JSON: nothing unpickled) ------------------------------
