@@ -253,3 +253,26 @@ def test_a_sigkill_then_resume_gives_the_rows_of_the_uninterrupted_run(tiny_mode
     expected = sorted((next((workdir / "whole").iterdir()) / "checkpoints").iterdir())[-1] / "model.safetensors"
     got, want = load_file(str(final)), load_file(str(expected))
     assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_restored_rounds_refuse_a_finished_group_whose_tensors_disagree_before_touching_the_pool():
+    """Rounds.restore checks the groups done and the queue before the pool takes anything (a rollout server answers
+    the ValueError with a 400)."""
+    import types
+
+    from auto_research.engine.rollout.partial import Rounds
+
+    taken = []
+    rounds = Rounds(types.SimpleNamespace(K=2, from_files=lambda tensors, plain: taken.append(plain) or []))
+    good = {"finished/0/tokens": torch.zeros(2, 3, dtype=torch.long), "finished/0/logprobs": torch.zeros(2, 3),
+            "finished/0/versions": torch.zeros(2, 3, dtype=torch.long), "finished/0/entropies": torch.zeros(2, 3)}
+    plain = {"finished": [{"key": [0, 7], "order": 0, "prompt_ids": [5]}], "pending": [[[1, 8], [5, 6], 8]],
+             "requeued": 0}
+    for name, bad in (("entropies", torch.zeros(1, 3)), ("logprobs", torch.zeros(2, 2))):
+        with pytest.raises(ValueError, match=r"^finished group 0 is not 2 rows of tokens, log-probs, versions"):
+            rounds.restore({**good, f"finished/0/{name}": bad}, plain)
+    with pytest.raises(ValueError, match=r"^a queued group is not \[\[prompt index, seed\], prompt ids, seed\]"):
+        rounds.restore(good, {**plain, "pending": [[[1, True], [5], True]]})
+    assert not taken
+    rounds.restore(good, plain)
+    assert len(taken) == 1 and list(rounds.pending) == [((1, 8), [5, 6], 8)]

@@ -330,9 +330,12 @@ class Rounds:
         too), before anything is changed."""
         for index, lane in enumerate(plain["finished"]):
             shape = tensors[f"finished/{index}/tokens"].shape
+            entropies = tensors.get(f"finished/{index}/entropies")  # (none from vLLM)
             if len(shape) != 2 or shape[0] != self.pool.K or any(
-                    tensors[f"finished/{index}/{name}"].shape != shape for name in ("logprobs", "versions")):
-                raise ValueError(f"finished group {index} is not {self.pool.K} rows of tokens, log-probs and versions")
+                    tensors[f"finished/{index}/{name}"].shape != shape for name in ("logprobs", "versions")) or (
+                    entropies is not None and entropies.shape != shape):
+                raise ValueError(f"finished group {index} is not {self.pool.K} rows of tokens, log-probs, versions (and "
+                                 "entropies)")
         for item in plain["pending"]:
             key, ids, seed = item
             if not (isinstance(key, list) and len(key) == 2 and isinstance(ids, list) and key[1] == seed
