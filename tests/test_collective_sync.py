@@ -4,6 +4,8 @@ weights unchanged, a run that trains as over HTTP, and the path's refusals in on
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -67,7 +69,103 @@ def test_a_bad_tensor_over_the_group_is_refused_and_the_server_keeps_its_weights
         trained.model.norm.weight[0] = 1.0
     client.load_weights(trained)  # the group still works
     assert all(torch.equal(engine.parameters[name], tensor) for name, tensor in trained.named_parameters())
+    # the engine now serves the set the last push landed in; a bad push lands in the other and changes nothing
+    served = {name: tensor.clone() for name, tensor in engine.parameters.items()}
+    with torch.no_grad():
+        trained.model.norm.weight[1] = float("inf")
+    with pytest.raises(RolloutEngineError):
+        client.load_weights(trained)
+    assert all(torch.equal(engine.parameters[name], tensor) for name, tensor in served.items())
     client.close()
+
+
+def test_the_builtin_engine_serves_the_received_tensors_from_two_alternating_sets(server, tmp_path):
+    """No copy into the engine: each push lands in the set the engine does not serve from, and the engine then
+    serves from it; the tied lm_head is sent once and stays the embedding's own tensor."""
+    engine, address = server
+    trained = build_model(build_tokenizer(), seed=1)
+    client = _client(trained, address, tmp_path / "run", "collective")  # push 1: set 0
+    assert client.link.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "lm_head.weight" not in client.link.where  # no room for it in the buckets: it is never sent
+    where = []
+    for _ in range(3):  # pushes 2, 3, 4: sets 1, 0, 1
+        with torch.no_grad():
+            for parameter in trained.parameters():
+                parameter.mul_(1.01)
+        client.load_weights(trained)
+        assert all(torch.equal(engine.parameters[name], tensor) for name, tensor in trained.named_parameters())
+        where.append(engine.parameters["model.layers.0.mlp.up_proj.weight"].data_ptr())
+    assert where[0] != where[1] and where[0] == where[2]
+    assert engine.parameters["lm_head.weight"] is engine.parameters["model.embed_tokens.weight"]
+    client.close()
+
+
+def test_a_server_that_takes_no_ties_is_sent_every_weight(server, tmp_path, monkeypatch):
+    """An older server answers its join without "tied": the trainer then sends the tied weight under both names."""
+    from auto_research.engine.rollout import pushes
+
+    monkeypatch.setattr(pushes, "check_ties", lambda tied, spec: {})
+    engine, address = server
+    trained = build_model(build_tokenizer(), seed=1)
+    client = _client(trained, address, tmp_path / "run", "collective")
+    assert client.link.tied == {} and "lm_head.weight" in client.link.where
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.mul_(1.01)
+    client.load_weights(trained)
+    assert all(torch.equal(engine.parameters[name], tensor) for name, tensor in trained.named_parameters())
+    client.close()
+
+
+def test_tied_weights_are_one_parameter_under_two_names_never_a_lora_base():
+    from auto_research.engine.rollout.remote import tied_weights
+
+    tokenizer = build_tokenizer()
+    assert tied_weights(build_model(tokenizer, seed=1)) == {"lm_head.weight": "model.embed_tokens.weight"}
+    untied = build_model(tokenizer, seed=1)
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    assert tied_weights(untied) == {}
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():  # PEFT warns that the adapted lm_head is tied: that is the case tested
+        warnings.simplefilter("ignore")
+        adapted = get_peft_model(build_model(tokenizer, seed=1), LoraConfig(r=2, target_modules=["lm_head"]))
+    assert tied_weights(adapted) == {}  # lm_head's merged weight is not the embedding
+
+
+def test_a_join_refuses_ties_the_served_weights_cannot_have():
+    from auto_research.engine.rollout.guard import Refused
+    from auto_research.engine.rollout.pushes import check_ties
+
+    spec = {"a": ([4, 2], "float32"), "b": ([4, 2], "float32"), "c": ([2, 4], "float32"), "d": ([4, 2], "bfloat16"),
+            "e": ([4, 2], "float32")}
+    assert check_ties({"b": "a", "e": "a"}, spec) == {"b": "a", "e": "a"}
+    for tied, message in [
+            ({"x": "a"}, "\"tied\" names a weight this server does not serve ('x' → 'a')"),
+            ({"b": 3}, "\"tied\" names a weight this server does not serve ('b' → '3')"),
+            ({"c": "a"}, "'c' cannot repeat 'a' (another shape or dtype, a later weight, or itself a repeat)"),
+            ({"d": "a"}, "'d' cannot repeat 'a' (another shape or dtype, a later weight, or itself a repeat)"),
+            ({"a": "b"}, "'a' cannot repeat 'b' (another shape or dtype, a later weight, or itself a repeat)"),
+            ({"b": "a", "e": "b"}, "'e' cannot repeat 'b' (another shape or dtype, a later weight, or itself a "
+                                   "repeat)"),
+            (["b"], "\"tied\" must map names to the earlier names they repeat")]:
+        with pytest.raises(Refused) as caught:
+            check_ties(tied, spec)
+        assert (caught.value.status, caught.value.message) == (400, message)
+
+
+def test_adopting_a_tensor_tied_here_but_not_in_the_engine_copies_it():
+    from types import SimpleNamespace
+
+    from auto_research.engine.rollout.builtin import BuiltinEngine
+
+    own = {"embed": torch.nn.Parameter(torch.zeros(2, 2)), "head": torch.nn.Parameter(torch.zeros(2, 2))}
+    fake = SimpleNamespace(parameters=own, bases={"head": 1})
+    pushed = torch.arange(4.0).view(2, 2)
+    BuiltinEngine.adopt_named(fake, iter([("embed", pushed), ("head", pushed)]))
+    assert own["embed"].data_ptr() == pushed.data_ptr()  # taken as it is
+    assert own["head"].data_ptr() != pushed.data_ptr() and torch.equal(own["head"], pushed)  # its own memory
+    assert fake.bases == {}
 
 
 def test_a_run_over_the_group_trains_as_over_http(server, tmp_path):

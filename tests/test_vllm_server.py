@@ -209,6 +209,20 @@ def test_one_and_two_processes_sample_from_the_server_with_fresh_weights_every_s
         assert _largest_difference(_final(tmp_path / name), expected) <= 1e-5, name
 
 
+def test_weights_over_a_gloo_group_reach_a_vllm_server_its_tied_head_sent_once(served_model, sums, tmp_path,
+                                                                               server):
+    """--rollout-sync collective to vLLM: the tied lm_head is not sent (the server loads the embedding under both
+    names, as vLLM's loader expects), and every step still draws from the weights just pushed (the sampler's
+    log-probs are the trainer's within fp32 noise, as over shared memory)."""
+    run = run_cli(*_args(served_model, sums, tmp_path / "group", server, "--steps", "4", "--reward", "match",
+                         "--checkpoint-every", "0", "--rollout-sync", "collective"), cwd=tmp_path, env=ENV)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "pushed to it through a torch.distributed group (gloo) in" in run.stderr
+    rows = _rows(tmp_path / "group")
+    assert len(rows) == 4 and all(row["weight_sync_seconds"] > 0 for row in rows)
+    assert all(row["rollout_logprob_diff_max"] < 1e-4 for row in rows), [r["rollout_logprob_diff_max"] for r in rows]
+
+
 @pytest.fixture(scope="module")
 def second_server(served_model):
     """A second vLLM server, tensor parallel over two workers (one a core) and taking LoRA adapters up to rank 8."""

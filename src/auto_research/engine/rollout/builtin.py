@@ -329,6 +329,20 @@ class BuiltinEngine:
             self.parameters[name].copy_(tensor)
 
     @torch.no_grad()
+    def adopt_named(self, weights) -> None:
+        """Pushed tensors (checked as ``load_named``'s) served as they are, without a copy: the server received
+        them into memory it does not write while they are served (``pushes.collective_push``). A tensor already
+        taken by another of this model's weights (a tie the trainer has and this model has not) is copied."""
+        self.bases, taken = {}, {}
+        for name, tensor in weights:
+            parameter = self.parameters[name]
+            owner = taken.setdefault(id(tensor), parameter)
+            if owner is not parameter:
+                parameter.copy_(tensor)
+            elif parameter.data.data_ptr() != tensor.data_ptr():
+                parameter.data = tensor
+
+    @torch.no_grad()
     def load_adapter(self, factors: dict) -> None:
         """A LoRA adapter (``{weight: (A, B, scaling)}``, checked by the server) merged as PEFT merges: each
         adapted weight becomes its base + (B @ A) · scaling; the base is the weight as the last full push left it,

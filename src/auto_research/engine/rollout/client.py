@@ -25,7 +25,7 @@ from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
 from auto_research.engine.rollout.guard import MAX_REQUEST_TOKENS, slices
 from auto_research.engine.rollout.server import PART_BYTES, fingerprint
 from auto_research.engine.rollout.transfer import SharedWriter
-from auto_research.engine.rollout.remote import adapter_factors, pushed_weights, sample_by_ids
+from auto_research.engine.rollout.remote import adapter_factors, pushed_weights, sample_by_ids, tied_weights
 from auto_research.errors import RolloutEngineError, UserError
 from auto_research.files import atomic_write_bytes
 from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, is_loopback, request, split_address
@@ -97,6 +97,8 @@ class ServerSampler:
         """Rank 0's map of the server's shared buffer when it sees it (same host), else None; its group with the
         server (``pushes.CollectiveLink``) when the weights go that way, else None; HTTP otherwise."""
         self.device = next(model.parameters()).device
+        self.tied = tied_weights(model)
+        """Weights the policy ties (``remote.tied_weights``): a group with the server sends them once."""
         self.world.agree(self._claim(run_dir, sync, shared, health.get("collective")) if world.main else None)
         self.lease = self.world.gather_objects(self.lease)[0]
         self.weight_sync_seconds, self.pushed_bytes = 0.0, 0
@@ -146,7 +148,8 @@ class ServerSampler:
                                  f"this trainer, its weights on {self.device.type}, {', '.join(ours) or 'none'})"
                                  ) if sync == "collective" else None
             try:
-                self.link = CollectiveLink(self._call, host, port, backend=backend, device=self.device)
+                self.link = CollectiveLink(self._call, host, port, backend=backend, device=self.device,
+                                           tied=self.tied)
                 self.transfer = f"a torch.distributed group ({backend})"
             except (UserError, RuntimeError, OSError) as error:
                 if sync == "collective":

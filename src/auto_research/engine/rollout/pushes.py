@@ -2,10 +2,12 @@
 (this host's shared memory): a LoRA run's adapter alone, and the weights over a torch.distributed group of two.
 
 - ``POST /weights/adapter`` (``adapter_push``): see server.py's docstring and ``guard.check_adapter``.
-- ``POST /weights/collective`` with ``{"store": "HOST:PORT", "group": nonce, "backend": "gloo" | "nccl"}``
-  (``collective_join``): the server joins a group of two (rank 1) of that backend through the trainer's TCPStore at
-  that address, under a prefix that names this link, and answers the names it expects, in order. One link per
-  lease; a new join replaces it. A backend the server cannot take is a 400 (``/health`` lists those it can).
+- ``POST /weights/collective`` with ``{"store": "HOST:PORT", "group": nonce, "backend": "gloo" | "nccl",
+  "tied": {name: earlier name}}`` (``collective_join``): the server joins a group of two (rank 1) of that backend
+  through the trainer's TCPStore at that address, under a prefix that names this link, and answers the names it
+  expects, in order, and the ties it takes (``check_ties``). One link per lease; a new join replaces it. A backend
+  the server cannot take is a 400 (``/health`` lists those it can). A tied name (the trainer's model ties it:
+  ``remote.tied_weights``, SmolLM2's lm_head) is never sent: the server loads its source's tensor under it.
 - ``POST /weights/collective/push`` (``collective_push``): the server receives every weight it expects, in that
   order, by broadcasts from the trainer (rank 0), which sends them while this request waits; then each tensor is
   checked (finite) and the engine reloads them, as a ``/weights`` push → ``{"weights_version", "seconds"}``. A
@@ -16,7 +18,10 @@ The weights travel in buckets (``layout``: consecutive tensors of one dtype, up 
 tensor alone), both sides computing the same buckets from the served spec that the join answers. A broadcast per
 tensor paid gloo's cost per message 273 times a SmolLM2 push; the server received into fresh memory each push. Now
 the trainer copies each bucket into one of two staging buffers and broadcasts it while it fills the other, and the
-server receives into buffers it keeps for the link (allocated at its first push).
+server receives into buffers it keeps for the link (allocated at its first push). The builtin engine serves the
+received tensors themselves (``adopt_named``), with no copy into its own: the link keeps two sets of buffers, and
+each push lands in the set the engine is not serving from, so a refused push leaves the served weights untouched.
+Any other engine (vLLM) copies them in (``load_named``) and one set is used.
 
 The group spans one trainer and one server, never several servers, so a dead server stalls nobody but its own
 push (bounded). The store and the group carry no key of their own: the store's port is random and told only to
@@ -40,6 +45,7 @@ import secrets
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -152,6 +158,39 @@ def adapter_push(handler, limit: int):
     return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
 
 
+@dataclass
+class Link:
+    """The server's side of a group with the lease holder: the device a push is received on, its buckets
+    (``layout``), the weights the trainer sends once for two names (``tied``: {name: the earlier name}), and two
+    sets of receive buffers. An engine that adopts received tensors (``adopt_named``) serves from one set while
+    the next push lands in the other; ``adopted`` is the set it serves from (None: its own memory)."""
+
+    store: object
+    group: object
+    device: torch.device
+    buckets: list
+    tied: dict
+    sets: list = field(default_factory=lambda: [[], []])
+    adopted: int | None = None
+
+
+def check_ties(tied, spec: dict) -> dict:
+    """A join's ``tied`` ({name: the earlier name whose tensor it repeats}) against the served spec: both names
+    served, the same shape and dtype, the source sent (not itself tied) and before the name. Raises Refused."""
+    if not isinstance(tied, dict):
+        raise Refused(400, "\"tied\" must map names to the earlier names they repeat")
+    order = {name: index for index, name in enumerate(spec)}
+    for name, source in tied.items():
+        if not isinstance(source, str) or name not in order or source not in order:
+            raise Refused(400, f"\"tied\" names a weight this server does not serve ({str(name)[:100]!r} → "
+                               f"{str(source)[:100]!r})")
+        if source in tied or order[source] >= order[name] or tuple(spec[source][0]) != tuple(spec[name][0]) \
+                or spec[source][1] != spec[name][1]:
+            raise Refused(400, f"{name[:100]!r} cannot repeat {source[:100]!r} (another shape or dtype, a later "
+                               "weight, or itself a repeat)")
+    return dict(tied)
+
+
 def collective_join(handler):
     import torch.distributed as dist  # noqa: PLC0415
 
@@ -165,6 +204,8 @@ def collective_join(handler):
     except Exception as error:  # noqa: BLE001 - not JSON, a key missing, a bad address (UserError)
         raise Refused(400, f"/weights/collective needs {{\"store\": \"HOST:PORT\", \"group\": name}} ({error})"[:300]) \
             from None
+    spec = handler.serving.served.spec
+    tied = check_ties(request.get("tied", {}), spec)
     device = handler.serving.served.device
     if backend not in backends(device):
         raise Refused(400, f"this server cannot join a {backend[:20]!r} group: its engine on {device} takes "
@@ -176,10 +217,11 @@ def collective_join(handler):
         raise Refused(400, f"cannot join the trainer's group at {host}:{port} ({type(error).__name__}: "
                            f"{str(error).splitlines()[0] if str(error) else ''})"[:300]) from None
     handler.serving.links.clear()  # one link, the lease holder's
-    spec = handler.serving.served.spec
-    handler.serving.links[handler.headers.get("X-Lease")] = (store, group, _device(backend, device), layout(spec),
-                                                             [])
-    return 200, {"names": list(spec), "spec": {name: [list(shape), dtype] for name, (shape, dtype) in spec.items()}}
+    sent = {name: entry for name, entry in spec.items() if name not in tied}
+    handler.serving.links[handler.headers.get("X-Lease")] = Link(store, group, _device(backend, device),
+                                                                 layout(sent), tied)
+    return 200, {"names": list(spec), "spec": {name: [list(shape), dtype] for name, (shape, dtype) in spec.items()},
+                 "tied": tied}
 
 
 def collective_push(handler):
@@ -188,15 +230,16 @@ def collective_push(handler):
     link = serving.links.get(handler.headers.get("X-Lease"))
     if link is None:
         raise Refused(409, "no group with this lease's trainer: POST /weights/collective first")
-    _, group, device, buckets, buffers = link
-    tensors, options, bad = {}, _broadcast_options(), None
+    adopts = hasattr(serving.sampler, "adopt_named")
+    into = 1 - link.adopted if adopts and link.adopted is not None else 0  # never the set being served
+    buffers, tensors, options, bad = link.sets[into], {}, _broadcast_options(), None
     try:
         works = []
-        for index, (dtype, _, numel) in enumerate(buckets):  # every receive queued: gloo takes them in order
-            if index == len(buffers):  # the link's first push: its buffers, kept for the next
-                buffers.append(torch.empty(numel, dtype=getattr(torch, dtype), device=device))
-            works.append(group.broadcast([buffers[index]], options))
-        for work, buffer, (_, entries, numel) in zip(works, buffers, buckets):
+        for index, (dtype, _, numel) in enumerate(link.buckets):  # every receive queued: gloo takes them in order
+            if index == len(buffers):  # the set's first push: its buffers, kept for the next
+                buffers.append(torch.empty(numel, dtype=getattr(torch, dtype), device=link.device))
+            works.append(link.group.broadcast([buffers[index]], options))
+        for work, buffer, (_, entries, numel) in zip(works, buffers, link.buckets):
             work.wait()  # then this bucket is checked while the next ones arrive
             finite = all_finite(buffer[:numel])  # one pass a bucket: a pass a tensor cost 0.2-0.5 s a push here
             for name, offset, size, shape in entries:
@@ -205,11 +248,19 @@ def collective_push(handler):
                     bad = name
     except Exception as error:  # noqa: BLE001 - a timeout or a peer gone: the link is dropped
         serving.links.clear()
-        raise Refused(500, f"the push over the group failed after {len(tensors)} of {len(serving.served.spec)} "
-                           f"tensors ({type(error).__name__}); the engine keeps its weights") from None
+        raise Refused(500, f"the push over the group failed after {len(tensors)} of "
+                           f"{len(serving.served.spec) - len(link.tied)} tensors ({type(error).__name__}); the "
+                           "engine keeps its weights") from None
     if bad is not None:  # every tensor received: the link stays whole for the next push
         raise Refused(400, f"tensor {bad!r} has NaN or infinite values")
-    return handler.load_checked(tensors)
+    for name, source in link.tied.items():
+        tensors[name] = tensors[source]
+    tensors = {name: tensors[name] for name in serving.served.spec}  # the served order, as every push loads
+    if not adopts:
+        return handler.load_checked(tensors)
+    answer = handler.load_checked(tensors, adopt=True)
+    link.adopted = into
+    return answer
 
 
 # --- the trainer's side ------------------------------------------------------------------------------------------
@@ -226,10 +277,11 @@ class CollectiveLink:
     """A group of two (``backend``: gloo or NCCL) with one rollout server: ``call(path, body)`` is the client's
     request under its lease. ``begin`` starts a push's request, ``send`` broadcasts each tensor in the server's
     order (from ``device``: the trainer's GPU under NCCL), ``finish`` waits for its answer (raising the server's
-    refusal)."""
+    refusal). ``tied`` ({name: the earlier name}, ``remote.tied_weights``): weights the model ties, sent once
+    where the server takes that (an older one sends no ``tied`` back, and gets every name)."""
 
     def __init__(self, call, host: str, port: int, names: list[str] | None = None, backend: str = "gloo",
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", tied: dict | None = None):
         import torch.distributed as dist  # noqa: PLC0415
 
         address = local_address(host, port)
@@ -246,7 +298,7 @@ class CollectiveLink:
         thread = threading.Thread(target=join, name="collective-join", daemon=True)
         thread.start()
         answer = call("/weights/collective", json.dumps({"store": f"{address}:{self.store.port}", "group": prefix,
-                                                         "backend": backend}).encode())
+                                                         "backend": backend, "tied": tied or {}}).encode())
         thread.join(JOIN_SECONDS)
         if "group" not in joined:
             raise RolloutEngineError(f"the trainer's side of the group did not form ({joined.get('error')})")
@@ -256,7 +308,10 @@ class CollectiveLink:
         if "spec" not in answer:
             raise RolloutEngineError("the server sends no spec of its weights with its group (an older "
                                      "auto-research): use --rollout-sync http, or update it")
-        self.buckets = layout({name: (tuple(shape), dtype) for name, (shape, dtype) in answer["spec"].items()})
+        self.tied = dict(answer.get("tied") or {})
+        """The names not sent: the server loads their sources' tensors under them."""
+        self.buckets = layout({name: (tuple(shape), dtype) for name, (shape, dtype) in answer["spec"].items()
+                               if name not in self.tied})
         self.where = {entry[0]: (index, entry) for index, (_, entries, _) in enumerate(self.buckets)
                       for entry in entries}
         """Each name's bucket and (name, offset, numel, shape) in it."""
@@ -281,6 +336,9 @@ class CollectiveLink:
         expected = self.names[self.pending["sent"]] if self.pending["sent"] < len(self.names) else None
         if name != expected:
             raise RolloutEngineError(f"the push sends {name!r} where the server expects {expected!r}")
+        if name in self.tied:  # the server takes its source's tensor
+            self.pending["sent"] += 1
+            return
         index, (_, offset, numel, shape) = self.where[name]
         dtype, entries, total = self.buckets[index]
         if tuple(tensor.shape) != shape or str(tensor.dtype).removeprefix("torch.") != dtype:

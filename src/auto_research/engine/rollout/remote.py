@@ -13,11 +13,9 @@ import torch
 from auto_research.engine.rollout import Rollout, completion_mask
 
 
-def pushed_weights(model, dtype: torch.dtype, merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's weights under the checkpoint names vLLM loads, one tensor at a time: LoRA adapters merged
-    into their base weights (W + s·B·A, what the policy computes; ``merged=False``: the base weights alone, for an
-    engine that is then sent the adapter, ``adapter_factors``), FSDP2 shards gathered one parameter at a time
-    (every rank takes part in each gather, in the same order)."""
+def _named_weights(model) -> Iterator[tuple[str, torch.nn.Parameter, object]]:
+    """``(checkpoint name, parameter, the LoRA module adapting it or None)`` for each weight a push sends, in
+    ``pushed_weights``' order: a LoRA layer's base weight under its plain name, the adapters' own tensors left out."""
     lora_modules = {}
     if hasattr(model, "peft_config"):
         base = model.get_base_model()
@@ -29,16 +27,42 @@ def pushed_weights(model, dtype: torch.dtype, merged: bool = True) -> Iterator[t
     for name, parameter in model.named_parameters(remove_duplicate=False):
         if ".lora_" in name:
             continue
+        module = None
+        if ".base_layer." in name:
+            owner, _, leaf = name.rpartition(".base_layer.")
+            module = lora_modules.get(owner) if leaf == "weight" else None
+            name = f"{owner}.{leaf}"
+        yield name, parameter, module
+
+
+def pushed_weights(model, dtype: torch.dtype, merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the checkpoint names vLLM loads, one tensor at a time: LoRA adapters merged
+    into their base weights (W + s·B·A, what the policy computes; ``merged=False``: the base weights alone, for an
+    engine that is then sent the adapter, ``adapter_factors``), FSDP2 shards gathered one parameter at a time
+    (every rank takes part in each gather, in the same order)."""
+    for name, parameter, module in _named_weights(model):
         tensor = parameter.detach()
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
-        if ".base_layer." in name:
-            owner, _, leaf = name.rpartition(".base_layer.")
-            module = lora_modules.get(owner)
-            if module is not None and leaf == "weight" and merged:
-                tensor = tensor + sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
-            name = f"{owner}.{leaf}"
+        if module is not None and merged:
+            tensor = tensor + sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
         yield name, tensor.to(dtype)
+
+
+def tied_weights(model) -> dict[str, str]:
+    """``{name: the earlier name it repeats}`` for the weights a push sends twice because the model ties them
+    (SmolLM2's lm_head is its embedding: 17% of its push): one parameter under both names, neither a LoRA layer's
+    base (whose merged weights differ). A push may send such a weight once (``pushes.CollectiveLink``)."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, parameter, module in _named_weights(model):
+        if module is not None:
+            continue
+        if id(parameter) in first:
+            tied[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return tied
 
 
 def adapter_factors(model) -> dict[str, torch.Tensor] | None:

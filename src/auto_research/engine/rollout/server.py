@@ -156,8 +156,8 @@ class Serving:
     large: threading.BoundedSemaphore | None = None
     """Slots for the bodies over ``LARGE_BODY_BYTES`` of clients without the lease, read and held at once."""
     links: dict = field(default_factory=dict)
-    """The lease holder's group (gloo or NCCL), by lease (``pushes.collective_join``): one at a time, with the
-    device a push is received on, its buckets (``pushes.layout``) and the buffers they are received into."""
+    """The lease holder's group (gloo or NCCL), by lease (``pushes.collective_join``): one ``pushes.Link`` at a
+    time."""
     partial: object = None
     """The lease holder's partial rollouts (``partial_serve.Session``), once it ran a round or restored one."""
 
@@ -402,12 +402,14 @@ class Handler(BaseHTTPRequestHandler):
         with self.serving.intake.lock:  # the views are read while the engine reloads: no other push meanwhile
             return self.load_checked(self.serving.intake.take_shared(token, body))
 
-    def load_checked(self, weights: dict):
+    def load_checked(self, weights: dict, adopt: bool = False):
         """Every checked tensor into the engine, in place (the holder's turn: only it pushes); only then does the
-        version move."""
+        version move. ``adopt``: the engine serves the tensors themselves (``adopt_named``: memory nobody writes
+        while it is served, ``pushes.collective_push``)."""
         started, turns = time.perf_counter(), self.serving.turns
         with turns.turn(first=True):
-            self.serving.sampler.load_named(iter(weights.items()))
+            sampler = self.serving.sampler
+            (sampler.adopt_named if adopt else sampler.load_named)(iter(weights.items()))
             turns.version += 1
             version = turns.version
         return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
