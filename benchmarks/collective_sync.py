@@ -5,9 +5,11 @@ only), a torch.distributed group of two (gloo: the path between hosts) and HTTP 
     python benchmarks/collective_sync.py --model embedded --rounds 3
 
 A builtin rollout server (``rollout-serve --engine builtin``) serves the model. Each round takes each path in turn
-(``--rollout-sync``): a client claims the lease, makes its first push (untimed: the group forms then), and times one
-push after an optimizer step (walking the weights, sending, the server's checks and reload), so the three paths see
-the same machine load. Medians with ranges, and ratios to shared memory.
+(``--rollout-sync``): a client claims the lease and pushes ``--pushes`` times, each after a change to every weight
+(as an optimizer step makes), so the three paths see the same machine load. The first two pushes of a client are not
+timed: the group forms at the first, and the server's two sets of receive buffers (``pushes.Link``) are allocated at
+the first two. The others are what a run pays at every step (walking the weights, sending, the server's checks and
+reload); their median is the round's figure. Medians over rounds with ranges, and ratios to shared memory.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="smollm2-135m-instruct or embedded")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pushes", type=int, default=5, help="pushes a client makes each round, the first two untimed")
     options = parser.parse_args()
+    if options.pushes < 3:
+        parser.error("--pushes must be at least 3 (the first two are not timed)")
 
     import torch
 
@@ -41,13 +46,17 @@ def main() -> None:
             for sync, times in paths.items():
                 with tempfile.TemporaryDirectory() as run:
                     client = ServerSampler(model, tokenizer, SamplingSettings(max_new_tokens=8), address,
-                                           options.model, World(), run, engine="builtin", sync=sync)
-                    with torch.no_grad():
-                        for parameter in model.parameters():
-                            parameter.mul_(1.0001)
-                    started = time.perf_counter()
-                    client.load_weights(model)
-                    times.append(time.perf_counter() - started)
+                                           options.model, World(), run, engine="builtin", sync=sync)  # push 1
+                    timed = []
+                    for push in range(2, options.pushes + 1):
+                        with torch.no_grad():
+                            for parameter in model.parameters():
+                                parameter.mul_(1.0001)
+                        started = time.perf_counter()
+                        client.load_weights(model)
+                        if push > 2:
+                            timed.append(time.perf_counter() - started)
+                    times.append(statistics.median(timed))
                     client.close()
             print(f"round {round_ + 1}: " + ", ".join(f"{sync} {times[-1]:.3f} s" for sync, times in paths.items()),
                   flush=True)
@@ -56,7 +65,7 @@ def main() -> None:
         process.wait()
     base = statistics.median(paths["shared-memory"])
     print(f"\n{options.model}, {sum(t.numel() for t in model.parameters()) / 1e6:.1f} M weights, fp32; "
-          f"{options.rounds} rounds")
+          f"{options.rounds} rounds of {options.pushes - 2} timed pushes a path")
     for sync, times in paths.items():
         median = statistics.median(times)
         paired = statistics.median(mine / theirs for mine, theirs in zip(times, paths["shared-memory"]))
