@@ -273,7 +273,16 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
     assert _call(address, "/partial/round", {**body, "supply": [[[0, 1], [5], 2]]}, lease) == (
         400, "supply item 0 must be [[prompt index, seed], prompt ids, seed]")
     assert _call(address, "/partial/round", {**body, "supply": supply[:11]}, lease) == (
-        400, "the queue would hold 11 groups; a round needs 12 (3 steps' worth) so as never to run dry")
+        400, "the queue would hold 11 groups; a round needs 12 (3 steps' worth, and the pool's extra groups) so as "
+             "never to run dry")
+    assert _call(address, "/partial/round", {**body, "pool_groups": 3}, lease) == (
+        400, "pool_groups must be an integer in 4..16, got 3")
+    assert _call(address, "/partial/round", {**body, "pool_groups": 6}, lease) == (  # 2 more groups at the start
+        400, "the queue would hold 12 groups; a round needs 14 (3 steps' worth, and the pool's extra groups) so as "
+             "never to run dry")
+    assert _call(address, "/partial/round", {**body, "pools": 6}, lease) == (
+        400, "a round has the fields round, version, weights_version, per_step, oldest_allowed, recompute_kv, "
+             "group_size, settings, supply (and pool_groups, optionally)")
     assert _call(address, "/partial/round", {**body, "supply": supply[:11] + supply[:1]}, lease) == (
         400, "supply holds a group twice (its [prompt index, seed])")
     status, first = _call(address, "/partial/round", body, lease)

@@ -160,6 +160,50 @@ def test_partial_rollouts_train_whole_groups_within_the_staleness_bound_and_repe
     assert _rows(workdir / "a") == _rows(workdir / "b")
 
 
+def test_a_wider_pool_decodes_more_groups_at_once_and_hands_over_those_done_first():
+    """pool_groups 3 for a step of 2: three groups decode at once, the round ends when two are done (in the order
+    they finished), and the queue holds a group more before each round."""
+    from auto_research.engine.partial_bounds import pool_groups
+    from auto_research.engine.rollout.partial import Rounds, supply_target
+
+    assert (supply_target(2), supply_target(2, 3), supply_target(4, 6)) == (6, 7, 14)
+    assert (pool_groups(1.0, 4), pool_groups(1.5, 5), pool_groups(1.25, 4), pool_groups(1.1, 10)) == (4, 8, 5, 11)
+    model, tokenizer = _model(0)
+    held = {}
+    for pool_groups in (None, 3):
+        rounds = Rounds(_pool(model, tokenizer, group_size=2, max_new=12))
+        rounds.supply([((index, 50 + index), _ids(tokenizer, prompt), 50 + index)
+                       for index, prompt in enumerate(PROMPTS + PROMPTS[:2])])
+        sizes = []
+        tick = rounds.pool.tick
+        rounds.pool.tick = lambda: sizes.append(len(rounds.pool.lanes)) or tick()
+        taken = rounds.run(0, 2, -1, False, pool_groups)
+        assert len(taken) == 2 and [lane.order for lane in taken] == sorted(lane.order for lane in taken)
+        held[pool_groups] = max(sizes)
+    assert held == {None: 2, 3: 3}
+
+
+def test_a_wider_pool_keeps_the_batch_and_the_bound_and_a_rollout_process_draws_the_same(
+        tiny_model_dir, sums_jsonl, workdir, monkeypatch):
+    """--in-flight-pool 1.5: the batch stays 4 groups of 4, no token is older than K, the rows differ from the
+    pool of 1 (other groups finish first), and a rollout process (the server's pool_groups) gives the same rows."""
+    from auto_research.cli import main
+
+    monkeypatch.chdir(workdir)
+    args = ("--max-staleness", "2", "--in-flight-updates", "--steps", "4")
+    runs = {}
+    for name, extra in (("one", ()), ("wide", ("--in-flight-pool", "1.5")),
+                        ("apart", ("--in-flight-pool", "1.5", "--rollout-mode", "process"))):
+        assert main(_args(tiny_model_dir, sums_jsonl, workdir / name, *args, *extra)) == 0
+        runs[name] = [row for row in _rows(workdir / name) if "staleness_max" in row]
+    assert len(runs["wide"]) == 4
+    assert all(row["completions"] == 16 and row["staleness_max"] <= 2 for row in runs["wide"])
+    assert [row["reward_mean"] for row in runs["wide"]] != [row["reward_mean"] for row in runs["one"]]
+    for row in runs["apart"]:
+        row.pop("weight_sync_bytes")
+    assert runs["apart"] == runs["wide"]
+
+
 def test_at_k_1_no_completion_spans_versions(tiny_model_dir, sums_jsonl, workdir, monkeypatch):
     """K = 1: a group carried over a round would hold a token two versions old, so it is drawn again."""
     from auto_research.cli import main
@@ -184,6 +228,10 @@ def test_in_flight_updates_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp
     assert error("--in-flight-updates") == ("--in-flight-updates needs --max-staleness K >= 1 (weights change while "
                                             "the rollout side draws; K bounds how old a trained token may be)")
     assert error("--recompute-kv-on-update") == "--recompute-kv-on-update is for --in-flight-updates"
+    assert error("--in-flight-pool", "1.5") == "--in-flight-pool is for --in-flight-updates"
+    for bad in ("0.5", "5", "nan"):
+        assert error("--in-flight-updates", "--max-staleness", "1", "--in-flight-pool", bad) == (
+            f"--in-flight-pool must be a number from 1 to 4 (times the step's groups), got {float(bad)}")
     assert error("--in-flight-updates", "--max-staleness", "1", "--sampler", "vllm") == (
         "--in-flight-updates with --sampler vllm needs --rollout-mode server (auto-research rollout-serve --engine "
         "vllm): its colocated engine is not wired to partial rollouts (docs/async.md)")

@@ -11,6 +11,7 @@ from auto_research.algorithms.registry import ROLLOUT_CORRECTIONS
 from auto_research.config.fields import check_choice, check_positive_finite, setting
 from auto_research.config.loss import by_algorithm
 from auto_research.engine.launch import environment_world_size, parse_cores
+from auto_research.engine.partial_bounds import MAX_IN_FLIGHT_POOL
 from auto_research.engine.samplers import ENGINES, ROLLOUT_MODES, VLLM_MEMORY_CPU, VLLM_MEMORY_GPU
 from auto_research.errors import UserError
 
@@ -71,6 +72,11 @@ class RolloutSection:
                                               "rollouts), each token keeps the version that drew it and is corrected "
                                               "against it; a token older than K versions sends its group back to be "
                                               "drawn again (docs/async.md)", "sampling", action="store_true")
+    in_flight_pool: float = setting(1.0, "with --in-flight-updates, decode F times the step's groups at once (1 to 4; "
+                                         "1: the batch's rows): each step takes the groups that finish first, so "
+                                         "the rows a long completion holds are not the batch's, at the cost of a "
+                                         "batch that leans to shorter completions and more groups drawn again for "
+                                         "growing older than K (docs/async.md)", "sampling", type=float)
     recompute_kv_on_update: bool = setting(False, "with --in-flight-updates, recompute the KV cache of the rows in "
                                                   "flight under the new weights at each update (default: keep it, "
                                                   "as the peers do)", "sampling", action="store_true")
@@ -125,6 +131,11 @@ class RolloutSection:
         """--in-flight-updates and --recompute-kv-on-update against K, the engine and the algorithm."""
         if self.recompute_kv_on_update and not self.in_flight_updates:
             raise UserError("--recompute-kv-on-update is for --in-flight-updates")
+        if not (math.isfinite(self.in_flight_pool) and 1 <= self.in_flight_pool <= MAX_IN_FLIGHT_POOL):
+            raise UserError(f"--in-flight-pool must be a number from 1 to {MAX_IN_FLIGHT_POOL} (times the step's groups), got "
+                            f"{self.in_flight_pool}")
+        if self.in_flight_pool != 1 and not self.in_flight_updates:
+            raise UserError("--in-flight-pool is for --in-flight-updates")
         if not self.in_flight_updates:
             return
         if not self.max_staleness:

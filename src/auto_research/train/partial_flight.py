@@ -38,7 +38,8 @@ import time
 import torch
 
 from auto_research.engine.rollout import Rollout, eos_ids
-from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, Pool, Rounds, lanes_to_rows
+from auto_research.engine.partial_bounds import pool_groups
+from auto_research.engine.rollout.partial import Pool, Rounds, lanes_to_rows, supply_target
 from auto_research.engine.rollout.partial_files import Finished
 from auto_research.engine.rollout.partial_serve import KEPT_STATES
 from auto_research.train.experience import Batch
@@ -67,11 +68,12 @@ class LocalRounds:
             self.model.load_state_dict(snapshot)
             self.loaded = version
 
-    def run(self, number: int, version: int, per_step: int, oldest_allowed: int, supply: list) -> tuple:
+    def run(self, number: int, version: int, per_step: int, pool_groups: int, oldest_allowed: int,
+            supply: list) -> tuple:
         """Round ``number``'s lanes, the groups put back so far and the queue's length after it."""
         self.rounds.supply(supply)
         with self.context():
-            lanes = self.rounds.run(version, per_step, oldest_allowed, self.recompute_kv)
+            lanes = self.rounds.run(version, per_step, oldest_allowed, self.recompute_kv, pool_groups)
         self.states[number] = self.rounds.to_files()
         for older in [n for n in list(self.states) if n <= number - KEPT_STATES]:  # a checkpoint reads no older one
             del self.states[older]
@@ -99,10 +101,12 @@ class RemoteRounds:
     def load(self, version: int, snapshot) -> None:
         """Nothing: the trainer pushed ``version`` before the producer was let through (``PartialInFlight._push``)."""
 
-    def run(self, number: int, version: int, per_step: int, oldest_allowed: int, supply: list) -> tuple:
+    def run(self, number: int, version: int, per_step: int, pool_groups: int, oldest_allowed: int,
+            supply: list) -> tuple:
+        wider = {"pool_groups": pool_groups} if pool_groups != per_step else {}  # (an older server takes the rest)
         answer = self.sampler.partial_round({
             **self.fixed, "round": number, "version": version, "per_step": per_step, "oldest_allowed": oldest_allowed,
-            "supply": [[list(key), ids, seed] for key, ids, seed in supply]})
+            **wider, "supply": [[list(key), ids, seed] for key, ids, seed in supply]})
         lanes = [Finished(tuple(lane["key"]), lane["order"], lane["prompt_ids"],
                           torch.tensor(lane["tokens"], dtype=torch.long), torch.tensor(lane["logprobs"]),
                           None if lane["entropies"] is None else torch.tensor(lane["entropies"]),
@@ -143,8 +147,9 @@ class PartialInFlight(Handover):
 
     def __init__(self, source: RolloutSource, model, tokenizer, settings, rng, max_staleness: int, last_step: int,
                  version: int, policy, recompute_kv: bool, saved: list[Drawn] = (), cpus: set[int] | None = None,
-                 state: tuple[dict, dict] | None = None, context=contextlib.nullcontext, remote=None):
-        self.source, self.rng, self.cpus, self.remote = source, rng, cpus, remote
+                 state: tuple[dict, dict] | None = None, context=contextlib.nullcontext, remote=None,
+                 pool: float = 1.0):
+        self.source, self.rng, self.cpus, self.remote, self.pool = source, rng, cpus, remote, pool
         self.whole = dataclasses.replace(source, share=list)
         """The source unshared: a round holds every rank's groups (one continuous batch, in a rollout server under
         torchrun), and each rank takes its slice of the groups it finished."""
@@ -238,18 +243,24 @@ class PartialInFlight(Handover):
         started = time.perf_counter()
         supply = self._supply()
         lanes, self.requeued, self.pending = self.engine.run(
-            step, round_version(step), self.per_step, (step - 1) - self.max_staleness, supply)
+            step, round_version(step), self.per_step, self.pool_groups, (step - 1) - self.max_staleness, supply)
         lanes = self.source.share(lanes)  # this rank's slice of the step's groups, in the order they finished
         sampled = time.perf_counter()
         drawn = self._drawn(step, lanes, idle, sampled - started)
         drawn.seconds["score"] = time.perf_counter() - sampled
         return drawn
 
+    @property
+    def pool_groups(self) -> int:
+        """The groups decoding at once (--in-flight-pool F: F · P, rounded up)."""
+        return pool_groups(self.pool, self.per_step)
+
     def _supply(self) -> list:
         """New groups for the engine's queue (key, prompt ids, seed), drawn a step's worth at a time from the run's
-        generator and seed, until it holds ``SUPPLY_ROUNDS`` steps' worth: a round never runs dry."""
+        generator and seed, until it holds ``SUPPLY_ROUNDS`` steps' worth and the pool's extra groups: a round never
+        runs dry."""
         supply = []
-        while self.per_step is None or self.pending + len(supply) < SUPPLY_ROUNDS * self.per_step:
+        while self.per_step is None or self.pending + len(supply) < supply_target(self.per_step, self.pool_groups):
             self.draws += 1
             batch = draw_batch(self.whole, self.rng, self.draws)  # every rank's prompts: one queue for the run
             self.per_step = self.per_step or len(batch.indices)

@@ -260,6 +260,12 @@ SUPPLY_ROUNDS = 3
 its last tick, at most P after it): a queue of 3·P prompts never runs dry mid-round."""
 
 
+def supply_target(per_step: int, pool_groups: int | None = None) -> int:
+    """The groups the queue holds before a round (``SUPPLY_ROUNDS``): a pool of ``pool_groups`` > P groups may take
+    that many more at the round's start."""
+    return SUPPLY_ROUNDS * per_step + max(0, (pool_groups or per_step) - per_step)
+
+
 class Rounds:
     """Partial rollouts over a pool of lanes, a round at a time (the same in the trainer's process and in a rollout
     server): the queue of groups to draw (``supply`` appends; a stale group goes back to its front), and the groups
@@ -284,10 +290,13 @@ class Rounds:
         return ([key for key, _, _ in self.pending] + [lane["key"] for lane in self.pool.lanes]
                 + [lane.key for lane in self.finished])
 
-    def run(self, version: int, per_step: int, oldest_allowed: int, recompute_kv: bool) -> list[Finished]:
+    def run(self, version: int, per_step: int, oldest_allowed: int, recompute_kv: bool,
+            pool_groups: int | None = None) -> list[Finished]:
         """One step's batch: the weights of ``version`` (in the model now) taken between two decode steps, every
         group (done or not) holding a token older than ``oldest_allowed`` put back at the front of the queue, then
-        decode steps until ``per_step`` groups are done; those, in the order they finished."""
+        decode steps, with up to ``pool_groups`` groups decoding (default and at least ``per_step``: the batch's
+        rows), until ``per_step`` groups are done; those, in the order they finished."""
+        pool_groups = max(per_step, pool_groups or per_step)
         if self.pool.version != version:
             self.pool.swap(version, recompute_kv)
         stale = {id(lane) for lane in self.finished if int(lane.versions[lane.versions >= 0].min()) < oldest_allowed}
@@ -298,21 +307,21 @@ class Rounds:
         self.pool.drop(lambda key: key not in dropped)
         self.requeued += len(again)
         self.pending.extendleft(reversed(again))  # drawn again first, in the order they were first admitted
-        self._fill(per_step)
+        self._fill(pool_groups)
         while len(self.finished) < per_step:
             self.finished += self.pool.tick()
-            self._fill(per_step)
+            self._fill(pool_groups)
         taken, self.finished = self.finished[:per_step], self.finished[per_step:]
         return taken
 
-    def _fill(self, per_step: int) -> None:
-        """Admit groups into the free rows (the batch's rows: P · K)."""
+    def _fill(self, groups: int) -> None:
+        """Admit groups into the free rows (``groups`` · K of them)."""
         K, admitted = self.pool.K, []
-        while self.pool.size + K * (len(admitted) + 1) <= per_step * K:
+        while self.pool.size + K * (len(admitted) + 1) <= groups * K:
             if not self.pending:
                 self.pending.extendleft(reversed(admitted))  # nothing is lost: the caller's error, with the queue
                 raise RuntimeError(f"the queue of prompts ran dry mid-round (it is kept at {SUPPLY_ROUNDS} steps' "
-                                   "worth before each round)")
+                                   "worth, and the pool's extra groups, before each round)")
             admitted.append(self.pending.popleft())
         self.pool.admit_many(admitted)
 

@@ -4,8 +4,9 @@ lives in the server, and the lease holder drives it a round at a time. Weights a
 flight between two of their decode steps, their KV cache kept or recomputed.
 
 - ``POST /partial/round`` with the lease and ``{"round", "version", "weights_version", "per_step",
-  "oldest_allowed", "recompute_kv", "group_size", "settings", "supply"}``: ``supply`` is ``[[[index, seed],
-  prompt ids, seed], ...]``, appended to the queue of groups to draw (the trainer keeps it at three steps'
+  "oldest_allowed", "recompute_kv", "group_size", "settings", "supply"}`` and optionally ``"pool_groups"`` (the
+  groups decoding at once: ``per_step`` to ``MAX_IN_FLIGHT_POOL`` · ``per_step``, default ``per_step``): ``supply`` is
+  ``[[[index, seed], prompt ids, seed], ...]``, appended to the queue of groups to draw (the trainer keeps it at three steps'
   worth); ``version`` names, in the trainer's numbering, the weights the server holds (``weights_version``, its
   own push count, must match them). The server puts back the groups holding a token older than
   ``oldest_allowed``, decodes until ``per_step`` groups are done → ``{"lanes": [{"key", "order", "prompt_ids",
@@ -33,7 +34,8 @@ from dataclasses import dataclass, field
 import safetensors.torch
 
 from auto_research.engine.rollout.guard import MAX_PROMPTS, Refused, check_generate
-from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, builtin_rounds
+from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, builtin_rounds, supply_target
+from auto_research.engine.partial_bounds import MAX_IN_FLIGHT_POOL
 
 KEPT_STATES = 3
 """Rounds whose state the server keeps: a checkpoint after step s reads round s + 1's, and round s + 2 may have run."""
@@ -41,6 +43,7 @@ STATE_BYTES = 2**31
 """The bound on a restored state's body (the pool's KV cache and its rows)."""
 ROUND_FIELDS = ("round", "version", "weights_version", "per_step", "oldest_allowed", "recompute_kv", "group_size",
                 "settings", "supply")
+
 
 
 @dataclass
@@ -131,7 +134,7 @@ def partial_round(handler):
         session = _session(handler, token, config, fresh=number == 1)
         _check_queue(session, number, per_step, supply)
         session.rounds.supply(supply)
-        lanes = session.rounds.run(version, per_step, oldest, config["recompute_kv"])
+        lanes = session.rounds.run(version, per_step, oldest, config["recompute_kv"], config["pool_groups"])
         session.last_round = number
         tensors, plain = session.rounds.to_files()
         session.states[number] = (tensors, {**plain, "config": config, "round": number})
@@ -152,15 +155,17 @@ def partial_round(handler):
 def _read_round(serving, body) -> tuple:
     """A round's number, version, per_step, oldest version allowed, supply ((key, ids, seed) each) and the settings
     its lease's rounds keep; ``Refused`` naming the first field that is wrong."""
-    if not isinstance(body, dict) or sorted(body) != sorted(ROUND_FIELDS):
-        raise Refused(400, f"a round has the fields {', '.join(ROUND_FIELDS)}")
+    if not isinstance(body, dict) or sorted(set(body) - {"pool_groups"}) != sorted(ROUND_FIELDS):
+        raise Refused(400, f"a round has the fields {', '.join(ROUND_FIELDS)} (and pool_groups, optionally)")
     number = _integer(body["round"], "round", 1)
     version = _integer(body["version"], "version", 0)
     per_step = _integer(body["per_step"], "per_step", 1, MAX_PROMPTS)
+    pool_groups = _integer(body.get("pool_groups", per_step), "pool_groups", per_step, MAX_IN_FLIGHT_POOL * per_step)
     oldest = _integer(body["oldest_allowed"], "oldest_allowed", -(2**62))
-    supply = body["supply"]
-    if not isinstance(supply, list) or len(supply) > 4 * per_step:
-        raise Refused(400, f"supply must be a list of at most {4 * per_step} groups (four steps' worth)")
+    supply, most = body["supply"], 4 * per_step + pool_groups - per_step
+    if not isinstance(supply, list) or len(supply) > most:
+        raise Refused(400, f"supply must be a list of at most {most} groups (four steps' worth, and the pool's extra "
+                           "groups)")
     for index, item in enumerate(supply):
         if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], list) or len(item[0]) != 2
                 or item[0][1] != item[2]):
@@ -173,15 +178,15 @@ def _read_round(serving, body) -> tuple:
          "seeds": [item[2] for item in supply] or [0], "settings": body["settings"]},
         serving.served.vocab_size, serving.sampler.max_model_len, serving.limits.max_group_size)
     longest = max(map(len, prompts))
-    if per_step * group_size * (longest + settings.max_new_tokens) > serving.limits.max_request_tokens:
-        raise Refused(413, f"a round of {per_step} groups of {group_size} with prompts of {longest} tokens and "
+    if pool_groups * group_size * (longest + settings.max_new_tokens) > serving.limits.max_request_tokens:
+        raise Refused(413, f"a round of {pool_groups} groups of {group_size} with prompts of {longest} tokens and "
                            f"{settings.max_new_tokens} new tokens is over the server's --max-request-tokens "
                            f"{serving.limits.max_request_tokens}")
     keys = [tuple(item[0]) for item in supply]
     if len(set(keys)) < len(keys):
         raise Refused(400, "supply holds a group twice (its [prompt index, seed])")
     config = {"group_size": group_size, "settings": body["settings"], "recompute_kv": body["recompute_kv"],
-              "per_step": per_step}
+              "per_step": per_step, "pool_groups": pool_groups}
     return number, version, per_step, oldest, [(key, item[1], item[2]) for key, item in zip(keys, supply)], config
 
 
@@ -192,9 +197,11 @@ def _check_queue(session: Session, number: int, per_step: int, supply: list) -> 
     held = set(session.rounds.keys()) & {key for key, _, _ in supply}
     if held:
         raise Refused(400, f"supply holds group {list(sorted(held)[0])}, which these rounds hold already")
-    if len(session.rounds.pending) + len(supply) < SUPPLY_ROUNDS * per_step:
+    needed = supply_target(per_step, session.config["pool_groups"])
+    if len(session.rounds.pending) + len(supply) < needed:
         raise Refused(400, f"the queue would hold {len(session.rounds.pending) + len(supply)} groups; a round needs "
-                           f"{SUPPLY_ROUNDS * per_step} ({SUPPLY_ROUNDS} steps' worth) so as never to run dry")
+                           f"{needed} ({SUPPLY_ROUNDS} steps' worth, and the pool's extra groups) so as never to run "
+                           "dry")
 
 
 def partial_state(handler):
@@ -223,6 +230,7 @@ def partial_restore(handler):
     tensors, plain = read_state(handler.holder_body(STATE_BYTES))
     try:
         config, number = plain["config"], _integer(plain["round"], "round", 1)
+        config = {**config, "pool_groups": config.get("pool_groups", config["per_step"])}  # saved before it was one
         _check_prompts(plain, serving.served.vocab_size)
         with serving.turns.turn(first=True):
             session = _session(handler, token, config, fresh=True)
