@@ -14,7 +14,7 @@ trainer and the rollout side on disjoint cores.
         --rollout-side server --train-latency 375     # a trainer as slow as the rollout side (each update sleeps)
 
 
-A level written K+ runs with --in-flight-updates (K+r: and --recompute-kv-on-update) (weights taken between two decode steps, partial rollouts;
+A level written K+ runs with --in-flight-updates (K+r: and --recompute-kv-on-update; K+x1.5: and --in-flight-pool 1.5) (weights taken between two decode steps, partial rollouts;
 docs/async.md). --long-tail F:X gives completions a long-tailed length, whatever the weights: a forward hook on the
 model (trainer, rollout side and reference alike, so every log-prob agrees) makes a completion end with probability
 1/M a token (M = --max-new-tokens / X, the typical length), and enter a "long" mode with probability F/M a token, in
@@ -53,6 +53,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from levels import parse as parse_level  # noqa: E402 - benchmarks/ is on the path when a script of it runs
 
 
 def cores(text: str) -> set[int]:
@@ -164,10 +166,12 @@ def one_run(options, level: str, model: str | None, output: Path, server=None) -
     from auto_research.train.in_flight import start_rollouts
     from auto_research.train.trainer import Trainer
 
-    K, in_flight, recompute = int(level.split("+")[0]), "+" in level, level.endswith("+r")
+    parsed = parse_level(level)
+    K, in_flight, recompute = parsed.K, parsed.in_flight, parsed.recompute
     os.sched_setaffinity(0, options.trainer_cores)  # the main thread: the trainer
     config = GenerationConfig(dataset="arithmetic-generate", model=model, steps=options.steps + K + 1, max_staleness=K,
                               in_flight_updates=in_flight, recompute_kv_on_update=recompute,
+                              in_flight_pool=parsed.pool,
                               **({"max_rollout_mismatch": 1e9} if options.long_tail else {}),
                               seed=options.seed, threads=1, device="cpu", output_dir=output, progress=False,
                               prompts_per_step=options.prompts_per_step, group_size=options.group_size,

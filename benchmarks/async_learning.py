@@ -23,15 +23,17 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from levels import parse as parse_level
+
 
 def run(output: Path, seed: int, level: str, task: list[str], correction: str | None) -> dict:
     """One run (its folder kept: a finished run is read, not run again); ``level`` K, or K+ for
-    --in-flight-updates."""
+    --in-flight-updates (``levels.py``: K+x1.5 with --in-flight-pool 1.5)."""
     found = sorted(output.glob("*/metrics.json"))
     if not found:
-        command = [sys.executable, "-m", "auto_research", "post-train", *task, "--seed", str(seed), "--max-staleness",
-                   level.rstrip("+"), "--threads", "1", "--no-progress", "--output-dir", str(output), "--overwrite",
-                   *(["--in-flight-updates"] if level.endswith("+") else [])]
+        command = [sys.executable, "-m", "auto_research", "post-train", *task, "--seed", str(seed),
+                   *parse_level(level).flags(), "--threads", "1", "--no-progress", "--output-dir", str(output),
+                   "--overwrite"]
         if correction:
             command += ["--rollout-correction", correction]
         output.mkdir(parents=True, exist_ok=True)
