@@ -280,9 +280,11 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
     assert _call(address, "/partial/round", {**body, "pool_groups": 6}, lease) == (  # 2 more groups at the start
         400, "the queue would hold 12 groups; a round needs 14 (3 steps' worth, and the pool's extra groups) so as "
              "never to run dry")
+    assert _call(address, "/partial/round", {**body, "settle": 1}, lease) == (
+        400, "recompute_kv and settle must be true or false")
     assert _call(address, "/partial/round", {**body, "pools": 6}, lease) == (
         400, "a round has the fields round, version, weights_version, per_step, oldest_allowed, recompute_kv, "
-             "group_size, settings, supply (and pool_groups, optionally)")
+             "group_size, settings, supply (and pool_groups, settle, optionally)")
     assert _call(address, "/partial/round", {**body, "supply": supply[:11] + supply[:1]}, lease) == (
         400, "supply holds a group twice (its [prompt index, seed])")
     status, first = _call(address, "/partial/round", body, lease)

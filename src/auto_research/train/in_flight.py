@@ -288,7 +288,8 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
                                      copy.deepcopy(c.tokenizer),
                                      sampling_settings(config), state.rng, config.max_staleness, config.steps,
                                      state.step, c.policy, config.recompute_kv_on_update, list(saved), cpus, side,
-                                     remote=c.sampler, pool=config.in_flight_pool)
+                                     remote=c.sampler, pool=config.in_flight_pool,
+                                     checkpoint_every=config.checkpoint_every)
         return c.rollouts
     if c.engine.pushes_weights:  # a rollout server: its own weights, pushed version by version
         source = rollout_source(c, c.sampler, None, c.autocast, reference)
@@ -312,7 +313,8 @@ def start_rollouts(c: Components, state: LoopState, saved: list[Drawn] = (), cpu
                                      tokenizer,
                                      sampling_settings(config), state.rng, config.max_staleness, config.steps,
                                      state.step, c.policy, config.recompute_kv_on_update, list(saved), cpus, side,
-                                     c.autocast, pool=config.in_flight_pool)
+                                     c.autocast, pool=config.in_flight_pool,
+                                     checkpoint_every=config.checkpoint_every)
         return c.rollouts
     sampler = BuiltinSampler(model, tokenizer, sampling_settings(config), chunk_prompts(config), c.autocast)
     c.rollouts = InFlight(rollout_source(c, sampler, model, c.autocast, reference, tokenizer), model, state.rng,

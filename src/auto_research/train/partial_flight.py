@@ -24,7 +24,8 @@ Each token carries the version that drew it and μ's log-prob under that version
 A checkpoint after step s saves the batch of step s + 1 and the rollout side as round s + 1 left it: the groups
 decoding with their KV caches (the old weights' own), those done but not handed over, the queue and the prompt
 generator. A resumed run decodes on from there: SIGKILL and --resume end with the uninterrupted run's rows. On vLLM
-the groups decoding cannot be saved: they are drawn again from their first token (``vllm_partial.py``).
+the groups decoding cannot be saved: they are drawn again from their first token, and the uninterrupted run draws
+them again too at each round a checkpoint reads (``settle``, ``vllm_partial.py``), so its rows are the same.
 """
 
 from __future__ import annotations
@@ -69,11 +70,11 @@ class LocalRounds:
             self.loaded = version
 
     def run(self, number: int, version: int, per_step: int, pool_groups: int, oldest_allowed: int,
-            supply: list) -> tuple:
+            supply: list, settle: bool) -> tuple:
         """Round ``number``'s lanes, the groups put back so far and the queue's length after it."""
         self.rounds.supply(supply)
         with self.context():
-            lanes = self.rounds.run(version, per_step, oldest_allowed, self.recompute_kv, pool_groups)
+            lanes = self.rounds.run(version, per_step, oldest_allowed, self.recompute_kv, pool_groups, settle)
         self.states[number] = self.rounds.to_files()
         for older in [n for n in list(self.states) if n <= number - KEPT_STATES]:  # a checkpoint reads no older one
             del self.states[older]
@@ -102,11 +103,12 @@ class RemoteRounds:
         """Nothing: the trainer pushed ``version`` before the producer was let through (``PartialInFlight._push``)."""
 
     def run(self, number: int, version: int, per_step: int, pool_groups: int, oldest_allowed: int,
-            supply: list) -> tuple:
-        wider = {"pool_groups": pool_groups} if pool_groups != per_step else {}  # (an older server takes the rest)
+            supply: list, settle: bool) -> tuple:
+        optional = {**({"pool_groups": pool_groups} if pool_groups != per_step else {}),  # (an older server takes
+                    **({"settle": True} if settle else {})}  # the rounds without them)
         answer = self.sampler.partial_round({
             **self.fixed, "round": number, "version": version, "per_step": per_step, "oldest_allowed": oldest_allowed,
-            **wider, "supply": [[list(key), ids, seed] for key, ids, seed in supply]})
+            **optional, "supply": [[list(key), ids, seed] for key, ids, seed in supply]})
         lanes = [Finished(tuple(lane["key"]), lane["order"], lane["prompt_ids"],
                           torch.tensor(lane["tokens"], dtype=torch.long), torch.tensor(lane["logprobs"]),
                           None if lane["entropies"] is None else torch.tensor(lane["entropies"]),
@@ -148,8 +150,9 @@ class PartialInFlight(Handover):
     def __init__(self, source: RolloutSource, model, tokenizer, settings, rng, max_staleness: int, last_step: int,
                  version: int, policy, recompute_kv: bool, saved: list[Drawn] = (), cpus: set[int] | None = None,
                  state: tuple[dict, dict] | None = None, context=contextlib.nullcontext, remote=None,
-                 pool: float = 1.0):
+                 pool: float = 1.0, checkpoint_every: int = 0):
         self.source, self.rng, self.cpus, self.remote, self.pool = source, rng, cpus, remote, pool
+        self.checkpoint_every = checkpoint_every
         self.whole = dataclasses.replace(source, share=list)
         """The source unshared: a round holds every rank's groups (one continuous batch, in a rollout server under
         torchrun), and each rank takes its slice of the groups it finished."""
@@ -243,12 +246,19 @@ class PartialInFlight(Handover):
         started = time.perf_counter()
         supply = self._supply()
         lanes, self.requeued, self.pending = self.engine.run(
-            step, round_version(step), self.per_step, self.pool_groups, (step - 1) - self.max_staleness, supply)
+            step, round_version(step), self.per_step, self.pool_groups, (step - 1) - self.max_staleness, supply,
+            self._read_by_a_checkpoint(step))
         lanes = self.source.share(lanes)  # this rank's slice of the step's groups, in the order they finished
         sampled = time.perf_counter()
         drawn = self._drawn(step, lanes, idle, sampled - started)
         drawn.seconds["score"] = time.perf_counter() - sampled
         return drawn
+
+    def _read_by_a_checkpoint(self, step: int) -> bool:
+        """Whether a checkpoint reads round ``step``'s state: the one after step s reads round min(s + 1, the last)
+        (``state``), and one is made every --checkpoint-every steps and at the last."""
+        every, before = self.checkpoint_every, step - self.depth
+        return step == self.last_step or bool(every and before >= 1 and before % every == 0)
 
     @property
     def pool_groups(self) -> int:

@@ -291,11 +291,14 @@ class Rounds:
                 + [lane.key for lane in self.finished])
 
     def run(self, version: int, per_step: int, oldest_allowed: int, recompute_kv: bool,
-            pool_groups: int | None = None) -> list[Finished]:
+            pool_groups: int | None = None, settle: bool = False) -> list[Finished]:
         """One step's batch: the weights of ``version`` (in the model now) taken between two decode steps, every
         group (done or not) holding a token older than ``oldest_allowed`` put back at the front of the queue, then
         decode steps, with up to ``pool_groups`` groups decoding (default and at least ``per_step``: the batch's
-        rows), until ``per_step`` groups are done; those, in the order they finished."""
+        rows), until ``per_step`` groups are done; those, in the order they finished. ``settle``: a checkpoint will
+        read this round's state, and a pool that cannot save its groups decoding (vLLM's: ``saves_lanes`` false)
+        gives them up now, back to the front of the queue, as a restore would: so a resumed run goes on as this
+        one does."""
         pool_groups = max(per_step, pool_groups or per_step)
         if self.pool.version != version:
             self.pool.swap(version, recompute_kv)
@@ -312,6 +315,8 @@ class Rounds:
             self.finished += self.pool.tick()
             self._fill(pool_groups)
         taken, self.finished = self.finished[:per_step], self.finished[per_step:]
+        if settle and not getattr(self.pool, "saves_lanes", True):
+            self.pending.extendleft(reversed(self.pool.settle()))
         return taken
 
     def _fill(self, groups: int) -> None:

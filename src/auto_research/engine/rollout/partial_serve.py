@@ -5,7 +5,8 @@ flight between two of their decode steps, their KV cache kept or recomputed.
 
 - ``POST /partial/round`` with the lease and ``{"round", "version", "weights_version", "per_step",
   "oldest_allowed", "recompute_kv", "group_size", "settings", "supply"}`` and optionally ``"pool_groups"`` (the
-  groups decoding at once: ``per_step`` to ``MAX_IN_FLIGHT_POOL`` · ``per_step``, default ``per_step``): ``supply`` is
+  groups decoding at once: ``per_step`` to ``MAX_IN_FLIGHT_POOL`` · ``per_step``, default ``per_step``) and
+  ``"settle"`` (a checkpoint will read this round: ``partial.Rounds.run``): ``supply`` is
   ``[[[index, seed], prompt ids, seed], ...]``, appended to the queue of groups to draw (the trainer keeps it at three steps'
   worth); ``version`` names, in the trainer's numbering, the weights the server holds (``weights_version``, its
   own push count, must match them). The server puts back the groups holding a token older than
@@ -43,6 +44,7 @@ STATE_BYTES = 2**31
 """The bound on a restored state's body (the pool's KV cache and its rows)."""
 ROUND_FIELDS = ("round", "version", "weights_version", "per_step", "oldest_allowed", "recompute_kv", "group_size",
                 "settings", "supply")
+OPTIONAL_FIELDS = ("pool_groups", "settle")
 
 
 
@@ -134,7 +136,8 @@ def partial_round(handler):
         session = _session(handler, token, config, fresh=number == 1)
         _check_queue(session, number, per_step, supply)
         session.rounds.supply(supply)
-        lanes = session.rounds.run(version, per_step, oldest, config["recompute_kv"], config["pool_groups"])
+        lanes = session.rounds.run(version, per_step, oldest, config["recompute_kv"], config["pool_groups"],
+                                   body.get("settle", False))
         session.last_round = number
         tensors, plain = session.rounds.to_files()
         session.states[number] = (tensors, {**plain, "config": config, "round": number})
@@ -155,8 +158,9 @@ def partial_round(handler):
 def _read_round(serving, body) -> tuple:
     """A round's number, version, per_step, oldest version allowed, supply ((key, ids, seed) each) and the settings
     its lease's rounds keep; ``Refused`` naming the first field that is wrong."""
-    if not isinstance(body, dict) or sorted(set(body) - {"pool_groups"}) != sorted(ROUND_FIELDS):
-        raise Refused(400, f"a round has the fields {', '.join(ROUND_FIELDS)} (and pool_groups, optionally)")
+    if not isinstance(body, dict) or sorted(set(body) - set(OPTIONAL_FIELDS)) != sorted(ROUND_FIELDS):
+        raise Refused(400, f"a round has the fields {', '.join(ROUND_FIELDS)} (and {', '.join(OPTIONAL_FIELDS)}, "
+                           "optionally)")
     number = _integer(body["round"], "round", 1)
     version = _integer(body["version"], "version", 0)
     per_step = _integer(body["per_step"], "per_step", 1, MAX_PROMPTS)
@@ -171,8 +175,8 @@ def _read_round(serving, body) -> tuple:
                 or item[0][1] != item[2]):
             raise Refused(400, f"supply item {index} must be [[prompt index, seed], prompt ids, seed]")
         _integer(item[0][0], "a prompt index", 0)
-    if not isinstance(body["recompute_kv"], bool):
-        raise Refused(400, "recompute_kv must be true or false")
+    if not isinstance(body["recompute_kv"], bool) or not isinstance(body.get("settle", False), bool):
+        raise Refused(400, "recompute_kv and settle must be true or false")
     prompts, group_size, _, settings = check_generate(
         {"prompt_ids": [item[1] for item in supply] or [[0]], "group_size": body["group_size"],
          "seeds": [item[2] for item in supply] or [0], "settings": body["settings"]},

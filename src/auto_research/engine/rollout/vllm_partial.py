@@ -14,8 +14,10 @@ takes new weights (``reset_prefix_cache(reset_running_requests=True)``): vLLM th
 them.
 
 A checkpoint cannot hold vLLM's KV cache or its samplers' state: ``to_files`` saves the groups done, and hands the
-groups still decoding back to the front of the queue, to be drawn again from their first token after ``--resume``
-(the resumed run is valid, but not the uninterrupted run's rows, as the builtin engine's is).
+groups still decoding back to the front of the queue, to be drawn again from their first token after ``--resume``.
+So that the resumed run's rows are the uninterrupted run's, the uninterrupted run does the same at each round a
+checkpoint reads (``saves_lanes`` false: ``partial.Rounds.run``'s ``settle``): its groups in flight are aborted and
+put back at the front of the queue, and the prefix cache is emptied, as a restore (``from_files``) leaves them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from auto_research.engine.rollout.partial_files import Finished
 
 class VLLMPool:
     """The pool ``partial.Rounds`` drives (see its docstring) over a ``VLLMSampler``'s engine."""
+
+    saves_lanes = False
+    """A checkpoint cannot hold the groups decoding (see the module)."""
 
     def __init__(self, sampler, group_size: int, settings):
         self.sampler, self.K, self.settings = sampler, group_size, settings
@@ -108,6 +113,14 @@ class VLLMPool:
     def close(self) -> None:
         self._abort(list(self.lanes))
 
+    def settle(self) -> list:
+        """Every group decoding given up, as a restore leaves the pool (see the module): their requests aborted and
+        the prefix cache emptied; their (key, prompt ids, seed), in admission order."""
+        groups = [(lane["key"], list(lane["prompt_ids"]), lane["key"][1]) for lane in self.lanes]
+        self.close()
+        self.engine.reset_prefix_cache()
+        return groups
+
     def _abort(self, lanes: list[dict]) -> None:
         gone = {id(lane) for lane in lanes}
         ids = [rid for rid, (lane, _) in self.requests.items() if id(lane) in gone]
@@ -144,7 +157,7 @@ class VLLMPool:
         return tensors, plain
 
     def from_files(self, tensors: dict, plain: dict) -> list[Finished]:
-        self.close()
+        self.settle()
         self.version, self.order = plain["version"], plain["order"]
         return [Finished(tuple(lane["key"]), lane["order"], lane["prompt_ids"], tensors[f"finished/{index}/tokens"],
                          tensors[f"finished/{index}/logprobs"], None, tensors[f"finished/{index}/versions"])
