@@ -40,6 +40,8 @@ def test_each_path_gives_the_server_the_same_tensors_and_draws(server, tmp_path,
     trained = build_model(build_tokenizer(), seed=1)
     client = _client(trained, address, tmp_path / "run", sync)
     assert client.transfer == path
+    if client.shared is not None:  # the tied lm_head is not written: the server loads the embedding's slot
+        assert client.shared.tied == {"lm_head.weight": "model.embed_tokens.weight"}
     for step in (1, 2):
         with torch.no_grad():
             for parameter in trained.parameters():
@@ -135,7 +137,7 @@ def test_tied_weights_are_one_parameter_under_two_names_never_a_lora_base():
 
 def test_a_join_refuses_ties_the_served_weights_cannot_have():
     from auto_research.engine.rollout.guard import Refused
-    from auto_research.engine.rollout.pushes import check_ties
+    from auto_research.engine.rollout.guard import check_ties
 
     spec = {"a": ([4, 2], "float32"), "b": ([4, 2], "float32"), "c": ([2, 4], "float32"), "d": ([4, 2], "bfloat16"),
             "e": ([4, 2], "float32")}

@@ -40,7 +40,8 @@ def health(address: str) -> dict:
 
 def test_a_slot_written_after_the_trainers_copy_is_refused_and_the_engine_keeps_its_weights(tmp_path, no_key,
                                                                                            monkeypatch):
-    """Another process of the same user zeroes the output layer's slot between the trainer's copy and its push
+    """Another process of the same user zeroes the embedding's slot (the output layer's too: they are tied, and the
+    server loads that one slot under both names) between the trainer's copy and its push
     (finite values: the NaN check alone let this through): the push is refused in one line naming the tensor and
     the file, the engine keeps the weights it had, the version does not move, and the next push goes in."""
     from auto_research.engine.distributed import World
@@ -62,7 +63,7 @@ def test_a_slot_written_after_the_trainers_copy_is_refused_and_the_engine_keeps_
         with torch.no_grad():  # an optimizer step
             for parameter in trained.parameters():
                 parameter.add_(0.01)
-        name = "lm_head.weight"
+        name = "model.embed_tokens.weight"
         _, offset, shape, _ = next(slot for slot in server.intake.shared.slots if slot[0] == name)
         commit = SharedWriter.commit
 
@@ -110,6 +111,43 @@ def test_a_shared_push_must_carry_one_checksum_per_tensor(tmp_path):
             with pytest.raises(Refused) as caught:
                 buffer.take(body)
             assert (caught.value.status, caught.value.message) == (400, message)
+    finally:
+        buffer.close()
+
+
+def test_a_tied_weight_is_written_once_and_loaded_from_its_sources_slot(tmp_path):
+    from auto_research.engine.rollout.guard import Refused, weight_spec
+    from auto_research.engine.rollout.remote import pushed_weights, tied_weights
+    from auto_research.engine.rollout.transfer import SharedBuffer, SharedWriter
+
+    model = build_model(build_tokenizer(), seed=0)
+    buffer = SharedBuffer(weight_spec(pushed_weights(model, torch.float32)), "lease", tmp_path)
+    try:
+        writer = SharedWriter(buffer.offer(), tied_weights(model))
+        for name, tensor in pushed_weights(model, torch.float32):
+            writer.write(name, tensor)
+        body = json.loads(writer.commit())
+        assert body["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+        assert "lm_head.weight" not in body["names"] and len(body["names"]) == len(buffer.spec) - 1
+        views = buffer.take(body)
+        assert list(views) == list(buffer.spec)
+        assert views["lm_head.weight"] is views["model.embed_tokens.weight"]
+        assert torch.equal(views["lm_head.weight"], model.lm_head.weight)
+        for changed, message in (
+                ({"names": [*body["names"], "lm_head.weight"], "checksums": [*body["checksums"], "0"]},
+                 "tensor 'lm_head.weight' was sent twice in one push"),
+                ({"tied": {"lm_head.weight": "model.norm.weight"}},
+                 "'lm_head.weight' cannot repeat 'model.norm.weight' (another shape or dtype, a later weight, or "
+                 "itself a repeat)")):
+            with pytest.raises(Refused) as caught:
+                buffer.take({**body, **changed})
+            assert (caught.value.status, caught.value.message) == (400, message)
+        older = SharedWriter({**buffer.offer(), "ties": False}, tied_weights(model))  # a server without ties
+        for name, tensor in pushed_weights(model, torch.float32):
+            older.write(name, tensor)
+        assert "tied" not in json.loads(older.commit())
+        older.close()
+        writer.close()
     finally:
         buffer.close()
 

@@ -324,9 +324,12 @@ class BuiltinEngine:
     def load_named(self, weights) -> None:
         """Pushed tensors (checked against this model's names, shapes and dtypes by the server) copied in place.
         A full push sets new base weights: adapters pushed later merge onto these."""
-        self.bases = {}
+        self.bases, loaded = {}, {}
         for name, tensor in weights:
-            self.parameters[name].copy_(tensor)
+            parameter = self.parameters[name]
+            if loaded.get(id(tensor)) is not parameter:  # a tied weight, sent once, is in already
+                parameter.copy_(tensor)
+                loaded[id(tensor)] = parameter
 
     @torch.no_grad()
     def adopt_named(self, weights) -> None:

@@ -135,7 +135,7 @@ class ServerSampler:
 
         if sync in ("auto", "shared-memory") and offered:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not this host's file
-                self.shared = SharedWriter(offered)
+                self.shared = SharedWriter(offered, self.tied)
                 self.transfer = "shared memory"
                 return None
         host, port = split_address(self.address)

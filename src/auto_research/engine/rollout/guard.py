@@ -334,6 +334,23 @@ def all_finite(tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
+def check_ties(tied, spec: dict) -> dict:
+    """A push's ``tied`` ({name: the earlier name it repeats}, ``remote.tied_weights``: sent once) against the spec:
+    both served, one shape and dtype, the source sent and earlier. Raises Refused (group joins, shared pushes)."""
+    if not isinstance(tied, dict):
+        raise Refused(400, "\"tied\" must map names to the earlier names they repeat")
+    order = {name: index for index, name in enumerate(spec)}
+    for name, source in tied.items():
+        if not isinstance(source, str) or name not in order or source not in order:
+            raise Refused(400, f"\"tied\" names a weight this server does not serve ({str(name)[:100]!r} → "
+                               f"{str(source)[:100]!r})")
+        if source in tied or order[source] >= order[name] or tuple(spec[source][0]) != tuple(spec[name][0]) \
+                or spec[source][1] != spec[name][1]:
+            raise Refused(400, f"{name[:100]!r} cannot repeat {source[:100]!r} (another shape or dtype, a later "
+                               "weight, or itself a repeat)")
+    return dict(tied)
+
+
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes an element of each dtype a pushed weight may have."""
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from auto_research.engine.rollout.guard import Refused, all_finite, check_adapter
+from auto_research.engine.rollout.guard import Refused, all_finite, check_adapter, check_ties
 from auto_research.errors import RolloutEngineError, one_line
 
 BUCKET_BYTES = 64 * 2**20
@@ -174,23 +174,6 @@ class Link:
     tied: dict
     sets: list = field(default_factory=lambda: [[], []])
     adopted: int | None = None
-
-
-def check_ties(tied, spec: dict) -> dict:
-    """A join's ``tied`` ({name: the earlier name whose tensor it repeats}) against the served spec: both names
-    served, the same shape and dtype, the source sent (not itself tied) and before the name. Raises Refused."""
-    if not isinstance(tied, dict):
-        raise Refused(400, "\"tied\" must map names to the earlier names they repeat")
-    order = {name: index for index, name in enumerate(spec)}
-    for name, source in tied.items():
-        if not isinstance(source, str) or name not in order or source not in order:
-            raise Refused(400, f"\"tied\" names a weight this server does not serve ({str(name)[:100]!r} → "
-                               f"{str(source)[:100]!r})")
-        if source in tied or order[source] >= order[name] or tuple(spec[source][0]) != tuple(spec[name][0]) \
-                or spec[source][1] != spec[name][1]:
-            raise Refused(400, f"{name[:100]!r} cannot repeat {source[:100]!r} (another shape or dtype, a later "
-                               "weight, or itself a repeat)")
-    return dict(tied)
 
 
 def collective_join(handler):

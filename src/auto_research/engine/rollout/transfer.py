@@ -19,6 +19,10 @@ stops the run before it trains on what such weights draw. The file goes when the
 (released, lapsed, taken by another run) or the server stops; one left by a server that was SIGKILLed is
 removed by the next server started on the host.
 
+A weight the trainer's model ties (SmolLM2's lm_head is its embedding: 17% of its bytes) is written once: the
+request names it under ``"tied"`` ({name: the earlier name}, ``guard.check_ties``), and the server loads the
+source's slot under both names (a server of this version says ``"ties": true`` in its offer).
+
 The holder writes the buffer only between its pushes (it waits for each answer): the file is the holder's
 own, as its HTTP parts are, and the checks run on what it wrote when it asked for them.
 """
@@ -39,7 +43,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from auto_research.engine.rollout.guard import ITEMSIZE, Refused, WeightPush, all_finite
+from auto_research.engine.rollout.guard import ITEMSIZE, Refused, WeightPush, all_finite, check_ties
 from auto_research.errors import RolloutEngineError, is_decimal
 
 SHARED_FOLDER = Path("/dev/shm")
@@ -124,7 +128,7 @@ class SharedBuffer:
 
     def offer(self) -> dict:
         return {"path": str(self.path), "nonce_sha256": hashlib.sha256(self.nonce.encode()).hexdigest(),
-                "slots": self.slots}
+                "slots": self.slots, "ties": True}
 
     def take(self, body) -> dict:
         """The written tensors (views of the file) once every check passes, or ``Refused``."""
@@ -138,15 +142,18 @@ class SharedBuffer:
         for name in names:
             if name not in self.spec:
                 raise Refused(400, f"unknown tensor {str(name)!r}: the served model has no weight of that name"[:300])
-        if len(set(names)) < len(names):
-            twice = next(name for name in names if names.count(name) > 1)
+        tied = check_ties(body.get("tied", {}), self.spec)  # not written: their sources' slots are loaded under them
+        if len(set(names)) < len(names) or set(names) & set(tied):
+            twice = next(name for name in names if names.count(name) > 1 or name in tied)
             raise Refused(400, f"tensor {twice!r} was sent twice in one push")
-        WeightPush(self.spec, self.token, tensors=dict.fromkeys(names)).complete()  # Refused naming those missing
+        WeightPush(self.spec, self.token, tensors=dict.fromkeys([*names, *tied])).complete()  # Refused: those missing
         self._verify(names, body.get("checksums"))
-        for name, view in self.views.items():
-            if not all_finite(view):
+        for name in names:
+            if not all_finite(self.views[name]):
                 raise Refused(400, f"tensor {name!r} has NaN or infinite values")
-        return self.views
+        if not tied:
+            return self.views
+        return {name: self.views[tied.get(name, name)] for name in self.spec}
 
     def _verify(self, names: list, checksums) -> None:
         """Every slot holds what the trainer wrote there (its checksum), or ``Refused(400)`` naming the first that
@@ -235,8 +242,9 @@ class Intake:
 class SharedWriter:
     """The trainer's side: the server's file mapped, each tensor copied into its slot."""
 
-    def __init__(self, offer: dict):
-        """Raises OSError or ValueError where the file is not the server's (the caller then uses HTTP)."""
+    def __init__(self, offer: dict, tied: dict | None = None):
+        """Raises OSError or ValueError where the file is not the server's (the caller then uses HTTP). ``tied``
+        ({name: the earlier name}, ``remote.tied_weights``): weights not written, where the server takes that."""
         descriptor = os.open(offer["path"], os.O_RDWR)
         try:
             size = os.fstat(descriptor).st_size
@@ -250,6 +258,7 @@ class SharedWriter:
             raise ValueError(f"{offer['path']} here is not the server's buffer (another host's file of that name)")
         self.nonce, self.path = nonce, offer["path"]
         self.views, self.names, self.checksums = _views(self.buffer, offer["slots"]), [], []
+        self.tied = dict(tied or {}) if offer.get("ties") else {}
         self.lock, self.closed = threading.Lock(), False
         """A push on one thread and ``close`` on another (a fleet's server left by its heartbeat, the run closed):
         a view written after its map closed would crash the process."""
@@ -261,6 +270,8 @@ class SharedWriter:
             slot = self.views.get(name)
             if slot is None:
                 raise RolloutEngineError(f"the server's model has no weight {name!r}")
+            if name in self.tied:  # the server loads its source's slot under it
+                return
             if slot.shape != tensor.shape or slot.dtype != tensor.dtype:
                 raise RolloutEngineError(f"tensor {name!r} is {list(tensor.shape)} {tensor.dtype}, the server's "
                                          f"slot {list(slot.shape)} {slot.dtype}")
@@ -270,7 +281,8 @@ class SharedWriter:
 
     def commit(self) -> bytes:
         """The request that hands the written tensors over; a new push starts."""
-        body = json.dumps({"nonce": self.nonce, "names": self.names, "checksums": self.checksums}).encode()
+        body = json.dumps({"nonce": self.nonce, "names": self.names, "checksums": self.checksums,
+                           **({"tied": self.tied} if self.tied else {})}).encode()
         self.names, self.checksums = [], []
         return body
 
