@@ -20,8 +20,9 @@ model (trainer, rollout side and reference alike, so every log-prob agrees) make
 1/M a token (M = --max-new-tokens / X, the typical length), and enter a "long" mode with probability F/M a token, in
 which it draws only from 32 byte tokens no prompt holds and ends with probability 1/(X·M): about a fraction F of
 completions run X times the typical length. The hook is on the sampling model only (the trainer's log-probs come
-from the output layer's weight, past any hook), so --max-rollout-mismatch is lifted: the figures are throughput, not
-learning.
+from the output layer's weight, past any hook), so --max-rollout-mismatch is lifted and the correction is off
+(--rollout-correction none: on SmolLM2 every sequence's weight fell below 1e-6 and the step stopped): the figures are
+throughput, not learning.
 
 The trainer (this process's main thread) is pinned to --trainer-cores and the rollout side's thread to
 --sampler-cores (``os.sched_setaffinity`` per thread, Linux); at K = 0 there is no rollout thread, so
@@ -172,7 +173,8 @@ def one_run(options, level: str, model: str | None, output: Path, server=None) -
     config = GenerationConfig(dataset="arithmetic-generate", model=model, steps=options.steps + K + 1, max_staleness=K,
                               in_flight_updates=in_flight, recompute_kv_on_update=recompute,
                               in_flight_pool=parsed.pool,
-                              **({"max_rollout_mismatch": 1e9} if options.long_tail else {}),
+                              **({"max_rollout_mismatch": 1e9, "rollout_correction": "none"} if options.long_tail
+                                 else {}),
                               seed=options.seed, threads=1, device="cpu", output_dir=output, progress=False,
                               prompts_per_step=options.prompts_per_step, group_size=options.group_size,
                               max_new_tokens=options.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
