@@ -334,7 +334,12 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
                          (outside, "a prompt is not token ids of a vocabulary of"),
                          ({"plain_pending": [[key[:1], ids, seed] for key, ids, seed in plain["pending"]]},
                           "a queued group is not [[prompt index, seed], prompt ids, seed]"),
-                         ({"rows/t": tensors["rows/t"].float()}, "rows/t holds torch.float32")):
+                         ({"rows/t": tensors["rows/t"].float()}, "rows/t holds torch.float32"),
+                         ({"cache/1/keys": tensors["cache/1/keys"][:, :1].contiguous(),
+                           "cache/1/values": tensors["cache/1/values"][:, :1].contiguous()},
+                          "cache layer 1 is not 3 heads of 32 values in one float dtype"),
+                         ({"cache/0/values": tensors["cache/0/values"].double()},
+                          "cache layer 0 is not 3 heads of 32 values in one float dtype")):
         status, refusal = _call(address, "/partial/restore", tampered(**changes), lease)
         assert status == 400 and refusal.startswith("the state does not fit this server's model and rounds: " + why), \
             refusal
