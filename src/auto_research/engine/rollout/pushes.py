@@ -5,7 +5,7 @@
 - ``POST /weights/collective`` with ``{"store": "HOST:PORT", "group": nonce, "backend": "gloo" | "nccl",
   "tied": {name: earlier name}}`` (``collective_join``): the server joins a group of two (rank 1) of that backend
   through the trainer's TCPStore at that address, under a prefix that names this link, and answers the names it
-  expects, in order, and the ties it takes (``check_ties``). One link per lease; a new join replaces it. A backend
+  expects, in order, and the ties it takes (``guard.check_ties``). One link per lease; a new join replaces it. A backend
   the server cannot take is a 400 (``/health`` lists those it can). A tied name (the trainer's model ties it:
   ``remote.tied_weights``, SmolLM2's lm_head) is never sent: the server loads its source's tensor under it.
 - ``POST /weights/collective/push`` (``collective_push``): the server receives every weight it expects, in that
@@ -18,7 +18,7 @@ The weights travel in buckets (``layout``: consecutive tensors of one dtype, up 
 tensor alone), both sides computing the same buckets from the served spec that the join answers. A broadcast per
 tensor paid gloo's cost per message 273 times a SmolLM2 push; the server received into fresh memory each push. Now
 the trainer copies each bucket into one of two staging buffers and broadcasts it while it fills the other, and the
-server receives into buffers it keeps for the link (allocated at its first push). The builtin engine serves the
+server receives into buffers it keeps for the link (each set allocated at its first push). The builtin engine serves the
 received tensors themselves (``adopt_named``), with no copy into its own: the link keeps two sets of buffers, and
 each push lands in the set the engine is not serving from, so a refused push leaves the served weights untouched.
 Any other engine (vLLM) copies them in (``load_named``) and one set is used. The trainer copies into its staging
