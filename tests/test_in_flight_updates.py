@@ -170,16 +170,16 @@ def test_a_wider_pool_decodes_more_groups_at_once_and_hands_over_those_done_firs
     assert (pool_groups(1.0, 4), pool_groups(1.5, 5), pool_groups(1.25, 4), pool_groups(1.1, 10)) == (4, 8, 5, 11)
     model, tokenizer = _model(0)
     held = {}
-    for pool_groups in (None, 3):
+    for groups in (None, 3):
         rounds = Rounds(_pool(model, tokenizer, group_size=2, max_new=12))
         rounds.supply([((index, 50 + index), _ids(tokenizer, prompt), 50 + index)
                        for index, prompt in enumerate(PROMPTS + PROMPTS[:2])])
         sizes = []
         tick = rounds.pool.tick
         rounds.pool.tick = lambda: sizes.append(len(rounds.pool.lanes)) or tick()
-        taken = rounds.run(0, 2, -1, False, pool_groups)
+        taken = rounds.run(0, 2, -1, False, groups)
         assert len(taken) == 2 and [lane.order for lane in taken] == sorted(lane.order for lane in taken)
-        held[pool_groups] = max(sizes)
+        held[groups] = max(sizes)
     assert held == {None: 2, 3: 3}
 
 
