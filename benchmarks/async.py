@@ -14,15 +14,15 @@ trainer and the rollout side on disjoint cores.
         --rollout-side server --train-latency 375     # a trainer as slow as the rollout side (each update sleeps)
 
 
-A level written K+ runs with --in-flight-updates (K+r: and --recompute-kv-on-update; K+x1.5: and --in-flight-pool 1.5) (weights taken between two decode steps, partial rollouts;
-docs/async.md). --long-tail F:X gives completions a long-tailed length, whatever the weights: a forward hook on the
-model (trainer, rollout side and reference alike, so every log-prob agrees) makes a completion end with probability
-1/M a token (M = --max-new-tokens / X, the typical length), and enter a "long" mode with probability F/M a token, in
-which it draws only from 32 byte tokens no prompt holds and ends with probability 1/(X·M): about a fraction F of
-completions run X times the typical length. The hook is on the sampling model only (the trainer's log-probs come
-from the output layer's weight, past any hook), so --max-rollout-mismatch is lifted and the correction is off
-(--rollout-correction none: on SmolLM2 every sequence's weight fell below 1e-6 and the step stopped): the figures are
-throughput, not learning.
+A level written K+ runs with --in-flight-updates (K+r: and --recompute-kv-on-update; K+x1.5: and --in-flight-pool 1.5;
+benchmarks/levels.py) (weights taken between two decode steps, partial rollouts; docs/async.md). --long-tail F:X gives
+completions a long-tailed length, whatever the weights: a forward hook on the model (trainer, rollout side and reference
+alike, so every log-prob agrees) makes a completion end with probability 1/M a token (M = --max-new-tokens / X, the
+typical length), and enter a "long" mode with probability F/M a token, in which it draws only from 32 byte tokens no
+prompt holds and ends with probability 1/(X·M): about a fraction F of completions run X times the typical length. The
+hook is on the sampling model only (the trainer's log-probs come from the output layer's weight, past any hook), so
+--max-rollout-mismatch is lifted and the correction is off (--rollout-correction none: on SmolLM2 every sequence's
+weight fell below 1e-6 and the step stopped): the figures are throughput, not learning.
 
 The trainer (this process's main thread) is pinned to --trainer-cores and the rollout side's thread to
 --sampler-cores (``os.sched_setaffinity`` per thread, Linux); at K = 0 there is no rollout thread, so

@@ -132,8 +132,8 @@ class RolloutSection:
         if self.recompute_kv_on_update and not self.in_flight_updates:
             raise UserError("--recompute-kv-on-update is for --in-flight-updates")
         if not (math.isfinite(self.in_flight_pool) and 1 <= self.in_flight_pool <= MAX_IN_FLIGHT_POOL):
-            raise UserError(f"--in-flight-pool must be a number from 1 to {MAX_IN_FLIGHT_POOL} (times the step's groups), got "
-                            f"{self.in_flight_pool}")
+            raise UserError(f"--in-flight-pool must be a number from 1 to {MAX_IN_FLIGHT_POOL} (times the step's "
+                            f"groups), got {self.in_flight_pool}")
         if self.in_flight_pool != 1 and not self.in_flight_updates:
             raise UserError("--in-flight-pool is for --in-flight-updates")
         if not self.in_flight_updates:

@@ -3,18 +3,17 @@ the continuous batch (the builtin engine's ``partial.Rounds`` over a ``Pool``, o
 lives in the server, and the lease holder drives it a round at a time. Weights are pushed between rounds as ever, so a new version reaches the rows in
 flight between two of their decode steps, their KV cache kept or recomputed.
 
-- ``POST /partial/round`` with the lease and ``{"round", "version", "weights_version", "per_step",
-  "oldest_allowed", "recompute_kv", "group_size", "settings", "supply"}`` and optionally ``"pool_groups"`` (the
-  groups decoding at once: ``per_step`` to ``MAX_IN_FLIGHT_POOL`` · ``per_step``, default ``per_step``) and
-  ``"settle"`` (a checkpoint will read this round: ``partial.Rounds.run``): ``supply`` is
-  ``[[[index, seed], prompt ids, seed], ...]``, appended to the queue of groups to draw (the trainer keeps it at three steps'
-  worth); ``version`` names, in the trainer's numbering, the weights the server holds (``weights_version``, its
-  own push count, must match them). The server puts back the groups holding a token older than
-  ``oldest_allowed``, decodes until ``per_step`` groups are done → ``{"lanes": [{"key", "order", "prompt_ids",
-  "tokens", "logprobs", "entropies", "versions"}], "requeued", "pending", "weights_version", "instance"}``. Rounds
-  come in order (``round`` is the last one's + 1, else 409). Under torchrun every rank sends each round (the same
-  request: the whole step's groups): the first runs it, the others get its answer, and each rank trains its own
-  slice of the groups. A round sent again with another request is a 409.
+- ``POST /partial/round`` with the lease and ``{"round", "version", "weights_version", "per_step", "oldest_allowed",
+  "recompute_kv", "group_size", "settings", "supply"}`` and optionally ``"pool_groups"`` (the groups decoding at once:
+  ``per_step`` to ``MAX_IN_FLIGHT_POOL`` · ``per_step``, default ``per_step``) and ``"settle"`` (a checkpoint will
+  read this round: ``partial.Rounds.run``): ``supply`` is ``[[[index, seed], prompt ids, seed], ...]``, appended to
+  the queue of groups to draw (the trainer keeps it at three steps' worth); ``version`` names, in the trainer's
+  numbering, the weights the server holds (``weights_version``, its own push count, must match them). The server puts
+  back the groups holding a token older than ``oldest_allowed``, decodes until ``per_step`` groups are done →
+  ``{"lanes": [{"key", "order", "prompt_ids", "tokens", "logprobs", "entropies", "versions"}], "requeued", "pending",
+  "weights_version", "instance"}``. Rounds come in order (``round`` is the last one's + 1, else 409). Under torchrun
+  every rank sends each round (the same request: the whole step's groups): the first runs it, the others get its
+  answer, and each rank trains its own slice of the groups. A round sent again with another request is a 409.
 - ``POST /partial/state`` with the lease and ``{"round"}`` → the state as that round left it (kept for the last
   ``KEPT_STATES`` rounds): a safetensors body, its plain values as JSON in the metadata's ``"plain"``. A
   checkpoint saves it; ``POST /partial/restore`` with the lease and that body puts it back for ``--resume``.
@@ -45,8 +44,6 @@ STATE_BYTES = 2**31
 ROUND_FIELDS = ("round", "version", "weights_version", "per_step", "oldest_allowed", "recompute_kv", "group_size",
                 "settings", "supply")
 OPTIONAL_FIELDS = ("pool_groups", "settle")
-
-
 
 @dataclass
 class Session:

@@ -5,8 +5,8 @@
 - ``POST /weights/collective`` with ``{"store": "HOST:PORT", "group": nonce, "backend": "gloo" | "nccl",
   "tied": {name: earlier name}}`` (``collective_join``): the server joins a group of two (rank 1) of that backend
   through the trainer's TCPStore at that address, under a prefix that names this link, and answers the names it
-  expects, in order, and the ties it takes (``guard.check_ties``). One link per lease; a new join replaces it. A backend
-  the server cannot take is a 400 (``/health`` lists those it can). A tied name (the trainer's model ties it:
+  expects, in order, and the ties it takes (``guard.check_ties``). One link per lease; a new join replaces it. A
+  backend the server cannot take is a 400 (``/health`` lists those it can). A tied name (the trainer's model ties it:
   ``remote.tied_weights``, SmolLM2's lm_head) is never sent: the server loads its source's tensor under it.
 - ``POST /weights/collective/push`` (``collective_push``): the server receives every weight it expects, in that
   order, by broadcasts from the trainer (rank 0), which sends them while this request waits; then each tensor is
@@ -15,14 +15,14 @@
   leaves the request to fail after ``PUSH_SECONDS`` (500), and the link is dropped.
 
 The weights travel in buckets (``layout``: consecutive tensors of one dtype, up to ``BUCKET_BYTES`` each; a larger
-tensor alone), both sides computing the same buckets from the served spec that the join answers. A broadcast per
-tensor paid gloo's cost per message 273 times a SmolLM2 push; the server received into fresh memory each push. Now
-the trainer copies each bucket into one of two staging buffers and broadcasts it while it fills the other, and the
-server receives into buffers it keeps for the link (each set allocated at its first push). The builtin engine serves the
-received tensors themselves (``adopt_named``), with no copy into its own: the link keeps two sets of buffers, and
-each push lands in the set the engine is not serving from, so a refused push leaves the served weights untouched.
-Any other engine (vLLM) copies them in (``load_named``) and one set is used. The trainer copies into its staging
-buffers on one thread: two starved gloo's sending thread on 2 cores (``_one_thread``).
+tensor alone), both sides computing the same buckets from the served spec that the join answers. A broadcast per tensor
+paid gloo's cost per message 273 times a SmolLM2 push; the server received into fresh memory each push. Now the trainer
+copies each bucket into one of two staging buffers and broadcasts it while it fills the other, and the server receives
+into buffers it keeps for the link (each set allocated at its first push). The builtin engine serves the received
+tensors themselves (``adopt_named``), with no copy into its own: the link keeps two sets of buffers, and each push lands
+in the set the engine is not serving from, so a refused push leaves the served weights untouched. Any other engine
+(vLLM) copies them in (``load_named``) and one set is used. The trainer copies into its staging buffers on one thread:
+two starved gloo's sending thread on 2 cores (``_one_thread``).
 
 The group spans one trainer and one server, never several servers, so a dead server stalls nobody but its own
 push (bounded). The store and the group carry no key of their own: the store's port is random and told only to
