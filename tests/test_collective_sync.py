@@ -157,14 +157,13 @@ def test_a_join_refuses_ties_the_served_weights_cannot_have():
 
 
 def test_adopting_a_tensor_tied_here_but_not_in_the_engine_copies_it():
-    from types import SimpleNamespace
-
     from auto_research.engine.rollout.builtin import BuiltinEngine
 
     own = {"embed": torch.nn.Parameter(torch.zeros(2, 2)), "head": torch.nn.Parameter(torch.zeros(2, 2))}
-    fake = SimpleNamespace(parameters=own, bases={"head": 1})
+    fake = BuiltinEngine.__new__(BuiltinEngine)  # an engine of these two weights alone, one adapter base kept
+    fake.parameters, fake.bases = own, {"head": 1}
     pushed = torch.arange(4.0).view(2, 2)
-    BuiltinEngine.adopt_named(fake, iter([("embed", pushed), ("head", pushed)]))
+    fake.adopt_named(iter([("embed", pushed), ("head", pushed)]))
     assert own["embed"].data_ptr() == pushed.data_ptr()  # taken as it is
     assert own["head"].data_ptr() != pushed.data_ptr() and torch.equal(own["head"], pushed)  # its own memory
     assert fake.bases == {}

@@ -324,26 +324,32 @@ class BuiltinEngine:
     def load_named(self, weights) -> None:
         """Pushed tensors (checked against this model's names, shapes and dtypes by the server) copied in place.
         A full push sets new base weights: adapters pushed later merge onto these."""
-        self.bases, loaded = {}, {}
-        for name, tensor in weights:
-            parameter = self.parameters[name]
-            if loaded.get(id(tensor)) is not parameter:  # a tied weight, sent once, is in already
-                parameter.copy_(tensor)
-                loaded[id(tensor)] = parameter
+        for parameter, tensor, _ in self._targets(weights):
+            parameter.copy_(tensor)
 
     @torch.no_grad()
     def adopt_named(self, weights) -> None:
         """Pushed tensors (checked as ``load_named``'s) served as they are, without a copy: the server received
         them into memory it does not write while they are served (``pushes.collective_push``). A tensor already
         taken by another of this model's weights (a tie the trainer has and this model has not) is copied."""
-        self.bases, taken = {}, {}
+        for parameter, tensor, taken in self._targets(weights):
+            if taken:
+                parameter.copy_(tensor)
+            else:
+                parameter.data = tensor
+
+    def _targets(self, weights):
+        """A full push's (parameter, tensor, taken by another parameter already) pairs, new base weights set (no
+        adapter merged yet): a tensor sent once for two names this model ties goes to their one parameter once."""
+        self.bases, owners = {}, {}
         for name, tensor in weights:
             parameter = self.parameters[name]
-            owner = taken.setdefault(id(tensor), parameter)
-            if owner is not parameter:
-                parameter.copy_(tensor)
-            elif parameter.data.data_ptr() != tensor.data_ptr():
-                parameter.data = tensor
+            owner = owners.get(id(tensor))
+            if owner is parameter:  # a tied weight, sent once, is in already
+                continue
+            if owner is None:
+                owners[id(tensor)] = parameter
+            yield parameter, tensor, owner is not None
 
     @torch.no_grad()
     def load_adapter(self, factors: dict) -> None:

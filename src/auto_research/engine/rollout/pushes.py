@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from auto_research.engine.rollout.guard import Refused, all_finite, check_adapter, check_ties
+from auto_research.engine.rollout.transfer import with_ties
 from auto_research.errors import RolloutEngineError, one_line
 
 BUCKET_BYTES = 64 * 2**20
@@ -238,9 +239,7 @@ def collective_push(handler):
                            "engine keeps its weights") from None
     if bad is not None:  # every tensor received: the link stays whole for the next push
         raise Refused(400, f"tensor {bad!r} has NaN or infinite values")
-    for name, source in link.tied.items():
-        tensors[name] = tensors[source]
-    tensors = {name: tensors[name] for name in serving.served.spec}  # the served order, as every push loads
+    tensors = with_ties(tensors, link.tied, serving.served.spec)  # the served order, as every push loads
     if not adopts:
         return handler.load_checked(tensors)
     answer = handler.load_checked(tensors, adopt=True)

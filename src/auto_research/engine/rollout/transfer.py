@@ -102,6 +102,12 @@ def sweep(folder: Path = SHARED_FOLDER) -> list[Path]:
     return removed
 
 
+def with_ties(tensors: dict, tied: dict, spec: dict) -> dict:
+    """Every served weight in the spec's order, a tied one (``guard.check_ties``) as its source's very tensor: what
+    a push that sent it once loads (here, and over a group: ``pushes.collective_push``)."""
+    return {name: tensors[tied.get(name, name)] for name in spec}
+
+
 class SharedBuffer:
     """The server's side: one file for one lease."""
 
@@ -151,9 +157,7 @@ class SharedBuffer:
         for name in names:
             if not all_finite(self.views[name]):
                 raise Refused(400, f"tensor {name!r} has NaN or infinite values")
-        if not tied:
-            return self.views
-        return {name: self.views[tied.get(name, name)] for name in self.spec}
+        return with_ties(self.views, tied, self.spec) if tied else self.views
 
     def _verify(self, names: list, checksums) -> None:
         """Every slot holds what the trainer wrote there (its checksum), or ``Refused(400)`` naming the first that
