@@ -98,7 +98,8 @@ class ServerSampler:
         server (``pushes.CollectiveLink``) when the weights go that way, else None; HTTP otherwise."""
         self.device = next(model.parameters()).device
         self.tied = tied_weights(model)
-        """Weights the policy ties (``remote.tied_weights``): a group with the server sends them once."""
+        """Weights the policy ties (``remote.tied_weights``): a group with the server, or its shared buffer, takes
+        them once."""
         self.world.agree(self._claim(run_dir, sync, shared, health.get("collective")) if world.main else None)
         self.lease = self.world.gather_objects(self.lease)[0]
         self.weight_sync_seconds, self.pushed_bytes = 0.0, 0
