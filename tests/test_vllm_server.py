@@ -497,18 +497,28 @@ def test_in_flight_updates_on_a_vllm_server_span_versions_within_the_bound_and_r
     model, server = short_server
     common = ("--steps", "6", "--checkpoint-every", "2", "--reward", "match", "--max-staleness", "2",
               "--in-flight-updates", "--group-size", "2", "--max-new-tokens", "16")
-    # While the run's groups decode in vLLM's engine, another client's draw is refused (vLLM's generate would run
+    # While the run's groups decode in vLLM's engine, other clients' draws are refused (vLLM's generate would run
     # them to their end); once the run has given its lease back, its rounds are gone and draws are served again.
+    # Three clients, back to back: a draw let in while no group decoded, which then waited for its turn while a
+    # round began, once stepped the round's requests away (a 500, then the trainer's retry refused).
     first = subprocess.Popen([sys.executable, "-m", "auto_research", *_args(model, sums, tmp_path / "a", server.address,
                                                                               *common)],
                              cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     answers = []
-    while first.poll() is None:
-        answers.append(_call(server.address, "/generate", {
-            "prompt_ids": [[5, 6, 7]], "group_size": 2, "seeds": [11],
-            "settings": {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0}}))
-        time.sleep(0.1)
+
+    def draw_while_it_runs():
+        while first.poll() is None:
+            answers.append(_call(server.address, "/generate", {
+                "prompt_ids": [[5, 6, 7]], "group_size": 2, "seeds": [11],
+                "settings": {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0}}))
+
+    clients = [threading.Thread(target=draw_while_it_runs) for _ in range(3)]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join()
     assert first.wait() == 0, first.stderr.read()[-3000:]
+    assert {status for status, _ in answers} <= {200, 409}
     assert (409, json.dumps({"error": "this vLLM server is decoding a run's partial rollouts (--in-flight-updates), "
                                       "which vLLM's generate would run to their end; use another server"}).encode()
             ) in answers

@@ -321,17 +321,12 @@ class Handler(BaseHTTPRequestHandler):
         new = settings.max_new_tokens
         tokens = check_size(prompts, group_size, new, limits.max_request_tokens)
         first = serving.leases.holds(self.headers.get("X-Lease"))
-        if serving.partial is not None:
-            from auto_research.engine.rollout.partial_serve import blocks_generate  # noqa: PLC0415
-
-            if blocks_generate(serving):
-                raise Refused(409, "this vLLM server is decoding a run's partial rollouts (--in-flight-updates), "
-                                   "which vLLM's generate would run to their end; use another server")
         parts = [(0, len(prompts))] if first else slices(prompts, group_size, new, limits.slice_tokens)
         completions, logprobs, version = [], [], None
         with serving.turns.admitted(tokens, first):
             for start, end in parts:
                 with serving.turns.turn(first):
+                    _check_no_partial_rollouts(serving)  # in the turn: a round may have begun while this waited
                     if version not in (None, serving.turns.version):  # stop drawing: the answer is void
                         raise Refused(409, "the lease holder pushed new weights while this request was drawn (in "
                                            "slices, between its requests): its samples would come from two versions; "
@@ -413,6 +408,16 @@ class Handler(BaseHTTPRequestHandler):
             turns.version += 1
             version = turns.version
         return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
+
+
+def _check_no_partial_rollouts(serving) -> None:
+    """``Refused(409)`` while a run's partial rollouts decode on a vLLM engine (``partial_serve.blocks_generate``)."""
+    if serving.partial is not None:
+        from auto_research.engine.rollout.partial_serve import blocks_generate  # noqa: PLC0415
+
+        if blocks_generate(serving):
+            raise Refused(409, "this vLLM server is decoding a run's partial rollouts (--in-flight-updates), "
+                               "which vLLM's generate would run to their end; use another server")
 
 
 def make_server(sampler, served: Served, host: str, port: int, limits: Limits = Limits(), log=None,
