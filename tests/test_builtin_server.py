@@ -353,6 +353,42 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
         404, "no state of round 2 is kept for this lease (kept: none)")
 
 
+def test_a_round_the_engine_failed_is_a_500_then_a_409_naming_it_and_a_fresh_first_round_starts_again(
+        builtin_server, monkeypatch):
+    """The engine failing mid-round leaves the rounds half done: that round sent again (the trainer's client retries
+    a 500) or any later one is refused with the failure named, never run on what the failed one left (which read as
+    "supply holds group ..., which these rounds hold already")."""
+    from auto_research.engine.rollout.partial import Rounds
+
+    _, address = builtin_server
+    tokenizer = build_tokenizer()
+    lease = _call(address, "/lease", {"holder": {"host": "h", "pid": 1, "run": "/r"}, "secret": "6" * 64})[1]["lease"]
+    supply = [[[index, 100 + index], tokenizer(prompt, add_special_tokens=False)["input_ids"], 100 + index]
+              for index, prompt in enumerate(PROMPTS * 3)]
+    body = {"round": 1, "version": 0, "weights_version": 0, "per_step": 4, "oldest_allowed": -1,
+            "recompute_kv": False, "group_size": 2, "supply": supply,
+            "settings": {"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "top_k": 0}}
+    first = _call(address, "/partial/round", body, lease)
+    assert first[0] == 200
+    fresh = [[[index + 100, seed], ids, seed] for (index, seed), ids, seed in supply[:8]]
+    second = {**body, "round": 2, "supply": fresh}
+    run = Rounds.run
+
+    def failing(self, *args):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(Rounds, "run", failing)
+    assert _call(address, "/partial/round", second, lease) == (500, "the engine failed: RuntimeError: the device "
+                                                                     "fell over")
+    monkeypatch.setattr(Rounds, "run", run)
+    gone = ("round 2 failed in this server's engine (RuntimeError: the device fell over): this lease's partial "
+            "rollouts are gone; --resume the run from its last checkpoint")
+    assert _call(address, "/partial/round", second, lease) == (409, gone)
+    assert _call(address, "/partial/round", {**second, "round": 3}, lease) == (409, gone)
+    assert _call(address, "/partial/state", {"round": 1}, lease)[0] == 200  # what a checkpoint read before is kept
+    assert _call(address, "/partial/round", body, lease) == first  # a run started again: the same first round
+
+
 def test_in_flight_updates_against_a_server_that_cannot_decode_partial_rollouts_is_one_line(builtin_server, tmp_path,
                                                                                           capsys):
     """A vLLM server, or a builtin one older than partial_serve.py, says ``"partial": false`` (or nothing)."""

@@ -21,7 +21,9 @@ flight between two of their decode steps, their KV cache kept or recomputed.
 The state belongs to the lease that made it, and goes when the lease is released or lapses (vLLM's requests
 aborted): another lease (a new run, or the same run resumed with its secret) starts from an empty one, at any
 round, or from what it restores. While a vLLM engine holds a session's requests, other clients' ``/generate`` is a
-409 (vLLM's ``generate`` would step them to their end).
+409 (vLLM's ``generate`` would step them to their end), checked in the engine's turn. A round the engine fails
+is a 500, and the session's rounds are given up: that round sent again, or a later one, is a 409 naming the failure
+(a run resumes from its checkpoint; a round 1 starts afresh).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import safetensors.torch
 from auto_research.engine.rollout.guard import MAX_PROMPTS, Refused, check_generate
 from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, builtin_rounds, supply_target
 from auto_research.engine.partial_bounds import MAX_IN_FLIGHT_POOL
+from auto_research.errors import one_line
 
 KEPT_STATES = 3
 """Rounds whose state the server keeps: a checkpoint after step s reads round s + 1's, and round s + 2 may have run."""
@@ -58,6 +61,9 @@ class Session:
     answers: dict = field(default_factory=dict)
     """Each kept round's request (a hash) and answer: under torchrun every rank sends the round, the first runs
     it, the others get its answer."""
+    failed: str | None = None
+    """Why a round failed in the engine, which then gave up the rounds: a retry of that round, or any later one,
+    is a 409 naming it (rather than a round that would find half of what the failed one did)."""
 
 
 def _integer(value, name: str, low: int, high: int = 2**62) -> int:
@@ -106,6 +112,9 @@ def _session(handler, token: str, config: dict, fresh: bool) -> Session:
             engine, group_size, settings)
         close(serving)
         session = serving.partial = Session(token, config, rounds)
+    elif session.failed is not None:
+        raise Refused(409, f"round {session.last_round + 1} failed in this server's engine ({session.failed}): this "
+                           "lease's partial rollouts are gone; --resume the run from its last checkpoint")
     elif session.config != config:
         raise Refused(400, f"this lease's rounds run with {json.dumps(session.config)}, not {json.dumps(config)}")
     return session
@@ -132,9 +141,14 @@ def partial_round(handler):
                                f"version {serving.turns.version}")
         session = _session(handler, token, config, fresh=number == 1)
         _check_queue(session, number, per_step, supply)
-        session.rounds.supply(supply)
-        lanes = session.rounds.run(version, per_step, oldest, config["recompute_kv"], config["pool_groups"],
-                                   body.get("settle", False))
+        try:
+            session.rounds.supply(supply)
+            lanes = session.rounds.run(version, per_step, oldest, config["recompute_kv"], config["pool_groups"],
+                                       body.get("settle", False))
+        except Exception as error:  # the engine's own failure (a 500): what the rounds hold is no longer known
+            session.failed = one_line(error)[:300]
+            session.rounds.close()
+            raise
         session.last_round = number
         tensors, plain = session.rounds.to_files()
         session.states[number] = (tensors, {**plain, "config": config, "round": number})
