@@ -311,6 +311,7 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
     assert _call(address, "/partial/restore", saved, lease) == (200, {"round": 1})
     status, again = _call(address, "/partial/round", second, lease)
     assert status == 200 and again["lanes"] == after["lanes"]
+    assert _call(address, "/partial/state", {"round": 1}, lease) == (200, saved)  # the round ran on a copy of it
     assert _call(address, "/partial/restore", b"not a state", lease)[0] == 400
     # A state that does not fit (a tampered checkpoint) is refused at its restore, not at the next round.
     import safetensors.torch
@@ -324,12 +325,16 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
         return safetensors.torch.save(changed, metadata={"plain": json.dumps(
             {**plain, **{key[len("plain_"):]: value for key, value in changes.items() if key.startswith("plain_")}})})
 
-    narrowed = {"rows/attention": tensors["rows/attention"][:, 1:].contiguous()}
+    decoding = len(tensors["batch/row"])  # the rows not yet ended
+    narrowed = {"batch/attention": tensors["batch/attention"][:, 1:].contiguous()}
     short = {"cache/0/keys": tensors["cache/0/keys"][1:].contiguous()}
     outside = {"plain_pending": [[key, [engine.tokenizer.vocab_size + 5], seed] for key, _, seed in plain["pending"]]}
-    for changes, why in ((narrowed, "cache layer 0 does not hold 8 rows of"),
-                         (short, "cache layer 0 does not hold 8 rows of"),
-                         ({"plain_lanes": plain["lanes"][1:]}, "rows/attention has shape"),
+    for changes, why in ((narrowed, f"cache layer 0 does not hold {decoding} rows of"),
+                         (short, f"cache layer 0 does not hold {decoding} rows of"),
+                         ({"plain_lanes": plain["lanes"][1:]}, "rows/t has shape"),
+                         ({"batch/row": tensors["batch/row"][1:].contiguous()}, "batch/attention has shape"),
+                         ({"batch/row": tensors["batch/row"].flip(0).contiguous() * 0},
+                          "batch/row does not name each row still decoding once"),
                          ({"plain_layers": 1}, "the cache has 1 layers, the model 3"),
                          (outside, "a prompt is not token ids of a vocabulary of"),
                          ({"plain_pending": [[key[:1], ids, seed] for key, ids, seed in plain["pending"]]},

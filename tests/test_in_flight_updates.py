@@ -48,13 +48,19 @@ def test_the_continuous_batch_draws_what_the_builtin_sampler_draws():
     ``sample`` draws for its prompt and seed alone."""
     model, tokenizer = _model(0)
     seeds = [prompt_seed(42, 3, i) for i in range(len(PROMPTS))]
-    pool, done, admitted = _pool(model, tokenizer), [], 2
+    pool, done, admitted, fewer = _pool(model, tokenizer), [], 2, 0
     pool.admit_many([(i, _ids(tokenizer, PROMPTS[i]), seeds[i]) for i in range(2)])  # one prefill, left-padded
     while len(done) < len(PROMPTS):
         while pool.size < 8 and admitted < len(PROMPTS):  # room for two groups: later ones wait for a free lane
             pool.admit(admitted, _ids(tokenizer, PROMPTS[admitted]), seeds[admitted])
             admitted += 1
         done += pool.tick()
+        # Only the rows not yet ended decode (the batch and its KV cache): a lane's ended rows are not fed padding.
+        going = (~pool.rows["ended"]).nonzero().squeeze(1).tolist() if pool.lanes else []
+        assert sorted(pool.batch.get("row", torch.zeros(0)).tolist()) == going
+        assert pool.cache is None or pool.cache.layers[0].keys.shape[0] == len(going)
+        fewer += len(going) < pool.size
+    assert fewer > 0  # some lane waited for its longest row with the others out of the batch
     assert sorted(lane.key for lane in done) == list(range(len(PROMPTS)))
     for lane in done:
         alone = sample(model, tokenizer, [PROMPTS[lane.key]], 4, 12, temperature=1.3, seeds=[seeds[lane.key]],
@@ -63,6 +69,50 @@ def test_the_continuous_batch_draws_what_the_builtin_sampler_draws():
         assert torch.equal(alone.completion_ids * mask, lane.tokens[:, :width] * mask)
         assert torch.allclose(alone.sampler_logprobs, lane.logprobs[:, :width] * mask, atol=1e-6)
         assert bool((lane.versions[:, :width][mask.bool()] == 0).all())
+
+
+def test_a_pool_saved_with_its_ended_rows_still_in_the_batch_restores_and_decodes_on_the_same():
+    """A state saved before rows left the batch as they ended (every row in the batch and its KV cache, the
+    ``rows/`` tensors holding the batch's fields) restores: its ended rows leave the batch, and the lanes go on
+    to the tokens the pool that saved it draws."""
+    model, tokenizer = _model(0)
+    for draw in range(20):  # the first seeds with a row ended before any lane is
+        seeds = [prompt_seed(7, draw, i) for i in range(2)]
+        pool = _pool(model, tokenizer)
+        pool.admit_many([((i, seeds[i]), _ids(tokenizer, PROMPTS[i]), seeds[i]) for i in range(2)])
+        while len(pool.batch["row"]) == pool.size and not pool.tick():
+            pass
+        if len(pool.lanes) == 2:
+            break
+    assert 0 < len(pool.batch["row"]) < pool.size == 8
+    tensors, plain = pool.to_files([])
+    rows, decoding = pool.size, tensors["batch/row"]
+    older = {key: value for key, value in tensors.items() if not key.startswith("batch/")}
+    for name in ("attention", "position", "logits", "logits_version"):
+        value = tensors[f"batch/{name}"]
+        every = value.new_zeros((rows, *value.shape[1:]))
+        every[decoding] = value
+        older[f"rows/{name}"] = every
+    for index in range(plain["layers"]):
+        for part in ("keys", "values"):
+            value = tensors[f"cache/{index}/{part}"]
+            every = value.new_zeros((rows, *value.shape[1:]))  # an ended row's cache: gone at the restore
+            every[decoding] = value
+            older[f"cache/{index}/{part}"] = every
+    ends = {}
+    for name, state in (("saving", None), ("new", tensors), ("older", older)):
+        again = pool if state is None else _pool(model, tokenizer)
+        if state is not None:
+            assert again.from_files(state, plain) == []
+            assert torch.equal(again.batch["row"], decoding)
+        done = []
+        while len(done) < 2:
+            done += again.tick()
+        ends[name] = sorted(done, key=lambda lane: lane.key)
+    for name in ("new", "older"):
+        for ours, theirs in zip(ends[name], ends["saving"]):
+            assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.versions, theirs.versions)
+            assert torch.allclose(ours.logprobs, theirs.logprobs, atol=1e-6)
 
 
 @pytest.mark.parametrize("recompute", [False, True])

@@ -1,10 +1,11 @@
 """The builtin engine's continuous batch, for in-flight weight updates and partial rollouts (--in-flight-updates;
 ``train/partial_flight.py`` drives it, docs/async.md).
 
-A *lane* is one prompt's group: K rows prefilled once, decoded side by side. Every lane in the pool decodes in
-one forward a tick (one token a row), whatever its length: the KV cache of every row sits in one batch, left-padded
-to the longest. A lane leaves the pool when its K rows have ended (the rows of a lane that ended early are fed
-padding, as ``builtin.sample`` does without compaction), and new lanes are admitted into the rows it freed. New
+A *lane* is one prompt's group: K rows prefilled once, decoded side by side. Every row still decoding is in one
+forward a tick (one token a row), whatever its lane: their KV cache sits in one batch, left-padded to the longest.
+A row that ends leaves the batch and its KV cache (as ``builtin.sample`` compacts), so a lane waiting for its
+longest row decodes that row alone; the lane leaves the pool when its K rows have ended, and new lanes are admitted
+into the rows it freed. New
 weights are taken between two ticks (``swap``): the rows in flight keep their KV cache (the peers' default), or
 have it recomputed under the new weights with ``recompute_kv``.
 
@@ -40,17 +41,21 @@ class Pool:
         self.argument = cache_argument(model)
         self.lanes: list[dict] = []
         """In row order: each lane's key, order and prompt ids (its K rows are consecutive)."""
-        self.cache = None
         self.rows: dict[str, torch.Tensor] = {}
-        """Per-row state, (B, …): attention, position, logits (pending), logits_version, t (tokens drawn),
-        ended, tokens, logprobs, entropies, versions, uniforms."""
+        """What each lane's rows drew, (R = lanes · K, …): t (tokens drawn), ended, tokens, logprobs, entropies,
+        versions, uniforms."""
+        self.batch: dict[str, torch.Tensor] = {}
+        """The rows still decoding, in the forward's order (B ≤ R, …): row (their index in ``rows``), attention,
+        position, logits (pending), logits_version. A row that ends leaves it, and the KV cache (``cache``), which
+        holds these rows alone: a lane waiting for its longest row decodes that row only."""
+        self.cache = None
         self.admitted = 0
         self.version = version
         """The version of the weights the model holds (``swap`` names the next)."""
 
     @property
     def size(self) -> int:
-        """Rows in flight."""
+        """The rows of the lanes in flight (those ended included: a lane's K rows are freed together)."""
         return len(self.lanes) * self.K
 
     # --- admitting and dropping lanes -------------------------------------------------------------------------
@@ -69,54 +74,65 @@ class Pool:
         logits, cache, position = _prefill(self.model, ids, attention, self.K)
         if not droppable(cache):
             raise ValueError("--in-flight-updates needs a model whose KV cache is a plain dynamic cache per layer")
-        rows_count, width = len(groups) * self.K, self.max_new
-        rows = {"attention": attention.repeat_interleave(self.K, dim=0), "position": position, "logits": logits,
-                "logits_version": torch.full((rows_count,), self.version, dtype=torch.long, device=self.device),
-                "t": torch.zeros(rows_count, dtype=torch.long, device=self.device),
-                "ended": torch.zeros(rows_count, dtype=torch.bool, device=self.device),
-                "tokens": torch.full((rows_count, width), self.pad, dtype=torch.long, device=self.device),
-                "logprobs": torch.zeros(rows_count, width, device=self.device),
-                "entropies": torch.zeros(rows_count, width, device=self.device),
-                "versions": torch.full((rows_count, width), -1, dtype=torch.long, device=self.device),
-                "uniforms": _uniforms([seed for _, _, seed in groups], len(groups), rows_count, self.K, width,
-                                      self.device)}
-        self._append(cache, rows)
+        count, width, device = len(groups) * self.K, self.max_new, self.device
+        rows = {"t": torch.zeros(count, dtype=torch.long, device=device),
+                "ended": torch.zeros(count, dtype=torch.bool, device=device),
+                "tokens": torch.full((count, width), self.pad, dtype=torch.long, device=device),
+                "logprobs": torch.zeros(count, width, device=device),
+                "entropies": torch.zeros(count, width, device=device),
+                "versions": torch.full((count, width), -1, dtype=torch.long, device=device),
+                "uniforms": _uniforms([seed for _, _, seed in groups], len(groups), count, self.K, width, device)}
+        batch = {"row": torch.arange(self.size, self.size + count, device=device),
+                 "attention": attention.repeat_interleave(self.K, dim=0), "position": position, "logits": logits,
+                 "logits_version": torch.full((count,), self.version, dtype=torch.long, device=device)}
+        self._append(cache, rows, batch)
         for key, prompt, _ in groups:
             self.lanes.append({"key": key, "order": self.admitted, "prompt_ids": list(prompt)})
             self.admitted += 1
 
-    def _append(self, cache, rows: dict) -> None:
-        if self.cache is None:
-            self.cache, self.rows = cache, rows
+    def _append(self, cache, rows: dict, batch: dict) -> None:
+        if self.cache is None:  # (no row decoding: no lane either)
+            self.cache, self.rows, self.batch = cache, rows, batch
             return
-        width = max(self.rows["attention"].shape[1], rows["attention"].shape[1])
+        width = max(self.batch["attention"].shape[1], batch["attention"].shape[1])
         for layer, new in zip(self.cache.layers, cache.layers):
             layer.keys = torch.cat([_left_pad(layer.keys, width), _left_pad(new.keys, width)])
             layer.values = torch.cat([_left_pad(layer.values, width), _left_pad(new.values, width)])
-        self.rows["attention"] = torch.cat([_left_pad(self.rows["attention"], width),
-                                            _left_pad(rows["attention"], width)])
-        for name, value in rows.items():
+        self.batch["attention"] = torch.cat([_left_pad(self.batch["attention"], width),
+                                             _left_pad(batch["attention"], width)])
+        for name, value in batch.items():
             if name != "attention":
-                self.rows[name] = torch.cat([self.rows[name], value])
+                self.batch[name] = torch.cat([self.batch[name], value])
+        self.rows = {name: torch.cat([self.rows[name], rows[name]]) for name in self.rows}
 
-    def _keep(self, lanes: list[int]) -> torch.Tensor:
-        """Only these lanes (their positions in ``self.lanes``) stay; columns that are padding in every row left
-        go. The rows kept (indices before)."""
+    def _keep(self, lanes: list[int]) -> None:
+        """Only these lanes (their positions in ``self.lanes``) stay, with their rows."""
+        if not lanes:
+            self.lanes, self.cache, self.rows, self.batch = [], None, {}, {}
+            return
         rows = torch.tensor([lane * self.K + r for lane in lanes for r in range(self.K)], dtype=torch.long,
                             device=self.device)
+        renumbered = torch.full((self.size,), -1, dtype=torch.long, device=self.device)
+        renumbered[rows] = torch.arange(len(rows), device=self.device)
         self.lanes = [self.lanes[lane] for lane in lanes]
-        if not lanes:
-            self.cache, self.rows = None, {}
-            return rows
-        self.cache.batch_select_indices(rows)
         self.rows = {name: value[rows] for name, value in self.rows.items()}
-        used = self.rows["attention"].any(0).nonzero()
+        self.batch["row"] = renumbered[self.batch["row"]]
+        self._decoding(self.batch["row"] >= 0)
+
+    def _decoding(self, keep: torch.Tensor) -> None:
+        """Only the batch's rows where ``keep`` holds go on decoding (their KV cache kept, the others' dropped);
+        columns that are padding in every row left go."""
+        if bool(keep.all()):
+            return
+        positions = keep.nonzero().squeeze(1)
+        self.cache.batch_select_indices(positions)
+        self.batch = {name: value[positions] for name, value in self.batch.items()}
+        used = self.batch["attention"].any(0).nonzero()
         first = int(used[0]) if used.numel() else 0
         if first:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-            self.rows["attention"] = self.rows["attention"][:, first:]
-        return rows
+            self.batch["attention"] = self.batch["attention"][:, first:]
 
     def drop(self, keep) -> list:
         """Take out every lane whose key ``keep`` refuses, unfinished; their keys, in row order."""
@@ -127,53 +143,54 @@ class Pool:
         return dropped
 
     def oldest_versions(self) -> list[tuple[object, int]]:
-        """Each lane's key and the oldest version among its drawn tokens (its logits' version if none yet)."""
+        """Each lane's key and the oldest version among its drawn tokens and its rows' pending logits."""
         if not self.lanes:
             return []
-        versions = self.rows["versions"].masked_fill(self.rows["versions"] < 0, 1 << 62).amin(1)
-        oldest = torch.minimum(versions, self.rows["logits_version"]).view(len(self.lanes), self.K).amin(1)
+        never = 1 << 62
+        oldest = self.rows["versions"].masked_fill(self.rows["versions"] < 0, never).amin(1)
+        pending = torch.full_like(oldest, never)
+        pending[self.batch["row"]] = self.batch["logits_version"]
+        oldest = torch.minimum(oldest, pending).view(len(self.lanes), self.K).amin(1)
         return [(lane["key"], int(value)) for lane, value in zip(self.lanes, oldest.tolist())]
 
     # --- decoding --------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def tick(self) -> list[Finished]:
-        """One token for every row still going (drawn from its pending logits, recorded with their version), the
-        lanes that ended leave, then one forward over the rest. The lanes that ended, in admission order."""
+        """One token for every row decoding (drawn from its pending logits, recorded with their version); the rows
+        that ended leave the batch and the lanes whose K rows have ended leave the pool; then one forward over the
+        rows left. The lanes that ended, in admission order."""
         if not self.lanes:
             return []
-        rows = self.rows
-        going = ~rows["ended"]
-        t = rows["t"].clamp(max=self.max_new - 1)
-        uniforms = rows["uniforms"].gather(1, t.unsqueeze(1)).squeeze(1)
-        token, logprob, entropy = next_token(rows["logits"], uniforms, self.temperature, self.top_k, self.top_p)
-        token = torch.where(going, token, torch.full_like(token, self.pad))
-        index = going.nonzero().squeeze(1)
-        column = rows["t"][index]
-        rows["tokens"][index, column] = token[index]
-        rows["logprobs"][index, column] = logprob[index]
-        rows["entropies"][index, column] = entropy[index]
-        rows["versions"][index, column] = rows["logits_version"][index]
-        rows["t"] = rows["t"] + going.long()
-        rows["ended"] = rows["ended"] | (going & (torch.isin(token, self.eos) | (rows["t"] >= self.max_new)))
+        rows, batch = self.rows, self.batch
+        index = batch["row"]
+        t = rows["t"][index]
+        uniforms = rows["uniforms"][index, t]
+        token, logprob, entropy = next_token(batch["logits"], uniforms, self.temperature, self.top_k, self.top_p)
+        rows["tokens"][index, t], rows["logprobs"][index, t] = token, logprob
+        rows["entropies"][index, t], rows["versions"][index, t] = entropy, batch["logits_version"]
+        rows["t"][index] = t + 1
+        ended = torch.isin(token, self.eos) | (t + 1 >= self.max_new)
+        rows["ended"][index] = ended
+        self._decoding(~ended)
+        token = token[~ended]
         done = rows["ended"].view(len(self.lanes), self.K).all(1).tolist()
-        finished = [self._finished(i) for i, ended in enumerate(done) if ended]
+        finished = [self._finished(i) for i, over in enumerate(done) if over]
         if finished:
-            kept = self._keep([i for i, ended in enumerate(done) if not ended])
+            self._keep([i for i, over in enumerate(done) if not over])
             if not self.lanes:
                 return finished
-            token = token[kept]
         self._forward(token)
         return finished
 
     def _forward(self, token: torch.Tensor) -> None:
-        rows = self.rows
-        attention = torch.cat([rows["attention"], rows["attention"].new_ones(len(token), 1)], dim=1)
-        output = self.model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=rows["position"],
+        batch = self.batch
+        attention = torch.cat([batch["attention"], batch["attention"].new_ones(len(token), 1)], dim=1)
+        output = self.model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=batch["position"],
                             use_cache=True, **{self.argument: self.cache})
-        self.cache, rows["logits"] = cache_of(output), output.logits[:, -1].float()
-        rows["logits_version"] = torch.full_like(rows["logits_version"], self.version)
-        rows["attention"], rows["position"] = attention, rows["position"] + 1
+        self.cache, batch["logits"] = cache_of(output), output.logits[:, -1].float()
+        batch["logits_version"] = torch.full_like(batch["logits_version"], self.version)
+        batch["attention"], batch["position"] = attention, batch["position"] + 1
 
     def _finished(self, lane: int) -> Finished:
         part = slice(lane * self.K, (lane + 1) * self.K)
@@ -201,11 +218,8 @@ class Pool:
         self.version = version
         if not self.lanes or not recompute_kv:
             return
-        histories = []
-        for index, lane in enumerate(self.lanes):
-            for r in range(self.K):
-                row = index * self.K + r
-                histories.append(lane["prompt_ids"] + self.rows["tokens"][row, : int(self.rows["t"][row])].tolist())
+        histories = [self.lanes[row // self.K]["prompt_ids"] + self.rows["tokens"][row, : int(self.rows["t"][row])]
+                     .tolist() for row in self.batch["row"].tolist()]
         width = max(map(len, histories))
         ids = torch.full((len(histories), width), self.pad, dtype=torch.long, device=self.device)
         attention = torch.zeros_like(ids)
@@ -214,8 +228,8 @@ class Pool:
             attention[row, width - len(history):] = 1
         logits, cache, position = _prefill(self.model, ids, attention, 1)
         self.cache = cache
-        self.rows.update(attention=attention, position=position, logits=logits,
-                         logits_version=torch.full_like(self.rows["logits_version"], version))
+        self.batch.update(attention=attention, position=position, logits=logits,
+                          logits_version=torch.full_like(self.batch["logits_version"], version))
 
 
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ def pool_to_files(pool, finished: list[Finished]) -> tuple[dict, dict]:
     """The pool and the groups done but not yet handed over, as tensors (copies) and plain values: what a
     checkpoint saves so that a resumed run decodes on from the very same KV cache."""
     tensors = {f"rows/{name}": value.detach().clone() for name, value in pool.rows.items()}
+    tensors.update({f"batch/{name}": value.detach().clone() for name, value in pool.batch.items()})
     for index, layer in enumerate(pool.cache.layers if pool.cache is not None else ()):
         tensors[f"cache/{index}/keys"], tensors[f"cache/{index}/values"] = layer.keys.clone(), layer.values.clone()
     for index, lane in enumerate(finished):
@@ -47,49 +48,73 @@ def pool_to_files(pool, finished: list[Finished]) -> tuple[dict, dict]:
     return tensors, plain
 
 
-ROW_FIELDS = {"attention": (2, False), "position": (None, False), "logits": (2, True), "logits_version": (1, False),
-              "t": (1, False), "ended": (1, False), "tokens": (2, False), "logprobs": (2, True),
+ROW_FIELDS = {"t": (1, False), "ended": (1, False), "tokens": (2, False), "logprobs": (2, True),
               "entropies": (2, True), "versions": (2, False), "uniforms": (2, True)}
-"""A pool's per-row state (``Pool.rows``): the dimensions of each (None: any) and whether it holds floats."""
+"""What a pool's rows drew (``Pool.rows``): the dimensions of each (None: any) and whether it holds floats."""
+BATCH_FIELDS = {"row": (1, False), "attention": (2, False), "position": (None, False), "logits": (2, True),
+                "logits_version": (1, False)}
+"""The rows decoding (``Pool.batch``), likewise."""
+
+
+def _with_batch(tensors: dict, count: int) -> dict:
+    """A state saved before rows left the batch as they ended (every row in it, with ``rows/attention`` and the
+    rest): its batch is every row; ``pool_from_files`` then takes the ended ones out."""
+    if "rows/attention" not in tensors or any(key.startswith("batch/") for key in tensors):
+        return tensors
+    moved = {f"batch/{name}": tensors[f"rows/{name}"] for name in BATCH_FIELDS if name != "row"}
+    return {**{key: value for key, value in tensors.items() if key not in {f"rows/{name}" for name in BATCH_FIELDS}},
+            **moved, "batch/row": torch.arange(count)}
+
+
+def _check_fields(tensors: dict, prefix: str, fields: dict, count: int) -> None:
+    found = {key[len(prefix):] for key in tensors if key.startswith(prefix)}
+    if found != set(fields):
+        raise ValueError(f"the pool's {prefix[:-1]} holds {sorted(found)}, not {sorted(fields)}")
+    for name, (dims, floats) in fields.items():
+        value = tensors[prefix + name]
+        if value.dim() == 0 or value.shape[0] != count or dims not in (None, value.dim()):
+            raise ValueError(f"{prefix}{name} has shape {list(value.shape)} for {count} rows")
+        if value.is_floating_point() != floats:
+            raise ValueError(f"{prefix}{name} holds {value.dtype}")
 
 
 def check_pool_files(pool, tensors: dict, plain: dict) -> None:
     """``ValueError`` naming the first thing in a saved pool (``pool_to_files``) that does not fit ``pool``: its
-    rows, their KV cache and the lanes they belong to agree in number, width and layers, so a restored state
-    cannot fail at the next round instead of at its restore."""
-    rows = {key[len("rows/"):]: value for key, value in tensors.items() if key.startswith("rows/")}
+    rows, the batch of those decoding, their KV cache and the lanes they belong to agree in number, width and
+    layers, so a restored state cannot fail at the next round instead of at its restore."""
     count, layers = len(plain["lanes"]) * pool.K, plain["layers"]
     if not count:
-        if rows or layers:
+        if any(key.startswith(("rows/", "batch/")) for key in tensors) or layers:
             raise ValueError("a pool without lanes holds rows or a cache")
         return
-    if set(rows) != set(ROW_FIELDS):
-        raise ValueError(f"the pool's rows hold {sorted(rows)}, not {sorted(ROW_FIELDS)}")
-    for name, (dims, floats) in ROW_FIELDS.items():
-        value = rows[name]
-        if value.dim() == 0 or value.shape[0] != count or dims not in (None, value.dim()):
-            raise ValueError(f"rows/{name} has shape {list(value.shape)} for {count} rows")
-        if value.is_floating_point() != floats:
-            raise ValueError(f"rows/{name} holds {value.dtype}")
+    _check_fields(tensors, "rows/", ROW_FIELDS, count)
+    rows = {name: tensors["rows/" + name] for name in ROW_FIELDS}
     for name in ("tokens", "logprobs", "entropies", "versions", "uniforms"):
         if rows[name].shape[1] != pool.max_new:
             raise ValueError(f"rows/{name} has {rows[name].shape[1]} columns, not the {pool.max_new} new tokens")
     if rows["t"].min() < 0 or rows["t"].max() > pool.max_new:
         raise ValueError(f"rows/t counts tokens outside 0..{pool.max_new}")
+    decoding = tensors.get("batch/row")
+    if decoding is None or decoding.dim() != 1 or decoding.is_floating_point():
+        raise ValueError("the pool's batch/row is not a list of rows")
+    _check_fields(tensors, "batch/", BATCH_FIELDS, len(decoding))
+    if len(set(decoding.tolist())) < len(decoding) or not set(decoding.tolist()) <= set(range(count)) \
+            or set((~rows["ended"]).nonzero().squeeze(1).tolist()) - set(decoding.tolist()):
+        raise ValueError("batch/row does not name each row still decoding once")
     vocabulary = pool.model.get_output_embeddings().weight.shape[0]
-    if rows["logits"].shape[1] != vocabulary or not 0 <= int(rows["tokens"].min()) <= int(rows["tokens"].max()) \
-            < vocabulary:
-        raise ValueError(f"rows/logits or rows/tokens do not fit a vocabulary of {vocabulary}")
+    if tensors["batch/logits"].shape[1] != vocabulary or not 0 <= int(rows["tokens"].min()) \
+            <= int(rows["tokens"].max()) < vocabulary:
+        raise ValueError(f"batch/logits or rows/tokens do not fit a vocabulary of {vocabulary}")
     expected = pool.model.config.num_hidden_layers
     if layers != expected:
         raise ValueError(f"the cache has {layers} layers, the model {expected}")
-    width, config = rows["attention"].shape[1], pool.model.config
+    width, config, batch = tensors["batch/attention"].shape[1], pool.model.config, len(decoding)
     heads, size = getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim(config)
     for index in range(layers):
         keys, values = tensors.get(f"cache/{index}/keys"), tensors.get(f"cache/{index}/values")
         if keys is None or values is None or keys.shape != values.shape or keys.dim() != 4 \
-                or keys.shape[0] != count or keys.shape[2] > width:  # (a sliding window's layer holds fewer)
-            raise ValueError(f"cache layer {index} does not hold {count} rows of at most {width} positions")
+                or keys.shape[0] != batch or keys.shape[2] > width:  # (a sliding window's layer holds fewer)
+            raise ValueError(f"cache layer {index} does not hold {batch} rows of at most {width} positions")
         if (keys.shape[1], keys.shape[3]) != (heads, size) or not keys.is_floating_point() \
                 or keys.dtype != values.dtype:  # (the model's attention would fail on it at the next round)
             raise ValueError(f"cache layer {index} is not {heads} heads of {size} values in one float dtype")
@@ -100,17 +125,23 @@ def pool_from_files(pool, tensors: dict, plain: dict) -> list[Finished]:
     (``check_pool_files``); the groups done, returned."""
     from transformers.cache_utils import DynamicCache
 
+    tensors = _with_batch(tensors, len(plain["lanes"]) * pool.K)
     check_pool_files(pool, tensors, plain)
 
     pool.lanes = [{**lane, "key": tuple(lane["key"])} for lane in plain["lanes"]]
     pool.admitted, pool.version = plain["admitted"], plain["version"]
-    pool.rows = {key[len("rows/"):]: value.to(pool.device) for key, value in tensors.items() if key.startswith("rows/")}
+    # Copies: the pool writes into its rows as it decodes, and the caller may keep the state (a server does).
+    pool.rows = {key[len("rows/"):]: value.to(pool.device, copy=True) for key, value in tensors.items()
+                 if key.startswith("rows/")}
+    pool.batch = {key[len("batch/"):]: value.to(pool.device, copy=True) for key, value in tensors.items()
+                  if key.startswith("batch/")}
     pool.cache = None
     if plain["layers"]:
         pool.cache = DynamicCache()
         for index in range(plain["layers"]):
-            pool.cache.update(tensors[f"cache/{index}/keys"].to(pool.device),
-                              tensors[f"cache/{index}/values"].to(pool.device), index)
+            pool.cache.update(tensors[f"cache/{index}/keys"].to(pool.device, copy=True),
+                              tensors[f"cache/{index}/values"].to(pool.device, copy=True), index)
+        pool._decoding(~pool.rows["ended"][pool.batch["row"]])  # (an older state's ended rows)
     return [Finished(tuple(lane["key"]), lane["order"], lane["prompt_ids"],
                      *(tensors[f"finished/{index}/{name}"].to(pool.device)
                        for name in ("tokens", "logprobs", "entropies", "versions")))
