@@ -335,6 +335,13 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
                          ({"batch/row": tensors["batch/row"][1:].contiguous()}, "batch/attention has shape"),
                          ({"batch/row": tensors["batch/row"].flip(0).contiguous() * 0},
                           "batch/row does not name each row still decoding once"),
+                         ({"batch/row": tensors["batch/row"].bool()}, "batch/row holds torch.bool"),
+                         ({"rows/ended": tensors["rows/ended"].long()}, "rows/ended holds torch.int64"),
+                         ({"rows/t": torch.full_like(tensors["rows/t"], 6)},  # a row not ended, its budget spent
+                          "rows/t counts tokens outside 0..6 (and below it for a row not ended)"),
+                         ({"cache/0/keys": tensors["cache/0/keys"][:, :, 1:].contiguous(),
+                           "cache/0/values": tensors["cache/0/values"][:, :, 1:].contiguous()},
+                          f"cache layer 0 does not hold {decoding} rows of"),
                          ({"plain_layers": 1}, "the cache has 1 layers, the model 3"),
                          (outside, "a prompt is not token ids of a vocabulary of"),
                          ({"plain_pending": [[key[:1], ids, seed] for key, ids, seed in plain["pending"]]},
@@ -358,11 +365,11 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
         404, "no state of round 2 is kept for this lease (kept: none)")
 
 
-def test_a_round_the_engine_failed_is_a_500_then_a_409_naming_it_and_a_fresh_first_round_starts_again(
+def test_a_round_the_engine_failed_is_a_500_then_a_409_naming_it_and_a_new_lease_starts_afresh(
         builtin_server, monkeypatch):
     """The engine failing mid-round leaves the rounds half done: that round sent again (the trainer's client retries
     a 500) or any later one is refused with the failure named, never run on what the failed one left (which read as
-    "supply holds group ..., which these rounds hold already")."""
+    "supply holds group ..., which these rounds hold already"). A new lease starts a new session."""
     from auto_research.engine.rollout.partial import Rounds
 
     _, address = builtin_server
@@ -391,7 +398,16 @@ def test_a_round_the_engine_failed_is_a_500_then_a_409_naming_it_and_a_fresh_fir
     assert _call(address, "/partial/round", second, lease) == (409, gone)
     assert _call(address, "/partial/round", {**second, "round": 3}, lease) == (409, gone)
     assert _call(address, "/partial/state", {"round": 1}, lease)[0] == 200  # what a checkpoint read before is kept
-    assert _call(address, "/partial/round", body, lease) == first  # a run started again: the same first round
+    # The lease given back and taken again (a run started afresh): a new session, whose first round is the same.
+    assert _call(address, "/lease/release", {}, lease) == (200, {})
+    lease = _call(address, "/lease", {"holder": {"host": "h", "pid": 2, "run": "/r"}, "secret": "6" * 64}
+                  )[1]["lease"]
+    assert _call(address, "/partial/round", body, lease) == first
+    # The state's copy failing (the device's memory, say) after the round took its groups out: the same.
+    monkeypatch.setattr(Rounds, "to_files", failing)
+    assert _call(address, "/partial/round", second, lease)[0] == 500
+    monkeypatch.undo()
+    assert _call(address, "/partial/round", second, lease) == (409, gone)
 
 
 def test_in_flight_updates_against_a_server_that_cannot_decode_partial_rollouts_is_one_line(builtin_server, tmp_path,

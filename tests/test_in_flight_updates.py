@@ -69,6 +69,25 @@ def test_the_continuous_batch_draws_what_the_builtin_sampler_draws():
         assert torch.equal(alone.completion_ids * mask, lane.tokens[:, :width] * mask)
         assert torch.allclose(alone.sampler_logprobs, lane.logprobs[:, :width] * mask, atol=1e-6)
         assert bool((lane.versions[:, :width][mask.bool()] == 0).all())
+    pool.admit(0, _ids(tokenizer, PROMPTS[0]), seeds[0])
+    pool.close()  # given up: its rows and KV cache go
+    assert (pool.lanes, pool.rows, pool.batch, pool.cache, pool.tick()) == ([], {}, {}, None, [])
+
+
+def test_a_model_with_a_sliding_window_is_refused_by_the_continuous_batch():
+    """Its cache's layers hold fewer positions than the batch's mask: refused in one line (the CLI's exit 2)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    _, tokenizer = _model(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, use_sliding_window=True, sliding_window=60,
+                         max_window_layers=0, layer_types=["sliding_attention"] * 2)
+    pool = _pool(Qwen2ForCausalLM(config).eval(), tokenizer)
+    from auto_research.errors import UserError
+
+    with pytest.raises(UserError, match=r"^--in-flight-updates needs a model whose KV cache is a plain dynamic cache "
+                                         r"per layer \(no sliding window"):
+        pool.admit(0, _ids(tokenizer, PROMPTS[0]), 1)
 
 
 def test_a_pool_saved_with_its_ended_rows_still_in_the_batch_restores_and_decodes_on_the_same():

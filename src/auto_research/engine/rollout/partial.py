@@ -21,10 +21,13 @@ from collections import deque
 
 import torch
 
+from transformers.cache_utils import DynamicLayer
+
 from auto_research.engine.rollout import completion_mask, eos_ids
 from auto_research.engine.rollout.builtin import (_prefill, _uniforms, cache_argument, cache_of, droppable,
                                                   encode_prompts, next_token)
 from auto_research.engine.rollout.partial_files import Finished, pool_from_files, pool_to_files
+from auto_research.errors import UserError
 
 
 class Pool:
@@ -72,8 +75,9 @@ class Pool:
             return
         ids, attention = encode_prompts(self.tokenizer, [list(prompt) for _, prompt, _ in groups], self.device)
         logits, cache, position = _prefill(self.model, ids, attention, self.K)
-        if not droppable(cache):
-            raise ValueError("--in-flight-updates needs a model whose KV cache is a plain dynamic cache per layer")
+        if not droppable(cache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
+            raise UserError("--in-flight-updates needs a model whose KV cache is a plain dynamic cache per layer "
+                             "(no sliding window: the continuous batch pads and trims every layer's positions alike)")
         count, width, device = len(groups) * self.K, self.max_new, self.device
         rows = {"t": torch.zeros(count, dtype=torch.long, device=device),
                 "ended": torch.zeros(count, dtype=torch.bool, device=device),
@@ -207,13 +211,14 @@ class Pool:
         return pool_from_files(self, tensors, plain)
 
     def close(self) -> None:
-        pass
+        """Every lane given up, with its rows and KV cache (the rounds are done with)."""
+        self._keep([])
 
     @torch.no_grad()
     def swap(self, version: int, recompute_kv: bool) -> None:
         """New weights are in the model (the caller loaded them). The rows going on keep their KV cache, or with
-        ``recompute_kv`` it is recomputed: each row's prompt and drawn tokens prefilled again under the new weights,
-        whose logits then draw its next token. Kept, the logits pending at the swap (the old weights') draw the
+        ``recompute_kv`` it is recomputed: each decoding row's prompt and drawn tokens prefilled again under the new
+        weights, whose logits then draw its next token. Kept, the logits pending at the swap (the old weights') draw the
         next token, and every later forward is the new weights'."""
         self.version = version
         if not self.lanes or not recompute_kv:

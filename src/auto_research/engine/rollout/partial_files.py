@@ -48,12 +48,12 @@ def pool_to_files(pool, finished: list[Finished]) -> tuple[dict, dict]:
     return tensors, plain
 
 
-ROW_FIELDS = {"t": (1, False), "ended": (1, False), "tokens": (2, False), "logprobs": (2, True),
-              "entropies": (2, True), "versions": (2, False), "uniforms": (2, True)}
-"""What a pool's rows drew (``Pool.rows``): the dimensions of each (None: any) and whether it holds floats."""
-BATCH_FIELDS = {"row": (1, False), "attention": (2, False), "position": (None, False), "logits": (2, True),
-                "logits_version": (1, False)}
-"""The rows decoding (``Pool.batch``), likewise."""
+ROW_FIELDS = {"t": (1, torch.long), "ended": (1, torch.bool), "tokens": (2, torch.long), "logprobs": (2, "float"),
+              "entropies": (2, "float"), "versions": (2, torch.long), "uniforms": (2, "float")}
+"""What a pool's rows drew (``Pool.rows``): the dimensions of each (None: any) and its dtype (or any float)."""
+BATCH_FIELDS = {"row": (1, torch.long), "attention": (2, "integer"), "position": (None, torch.long),
+                "logits": (2, "float"), "logits_version": (1, torch.long)}
+"""The rows decoding (``Pool.batch``), likewise (an attention mask of any integer dtype)."""
 
 
 def _with_batch(tensors: dict, count: int) -> dict:
@@ -61,6 +61,9 @@ def _with_batch(tensors: dict, count: int) -> dict:
     rest): its batch is every row; ``pool_from_files`` then takes the ended ones out."""
     if "rows/attention" not in tensors or any(key.startswith("batch/") for key in tensors):
         return tensors
+    missing = [name for name in BATCH_FIELDS if name != "row" and f"rows/{name}" not in tensors]
+    if missing:
+        raise ValueError(f"the pool's rows hold no {', '.join(missing)}")
     moved = {f"batch/{name}": tensors[f"rows/{name}"] for name in BATCH_FIELDS if name != "row"}
     return {**{key: value for key, value in tensors.items() if key not in {f"rows/{name}" for name in BATCH_FIELDS}},
             **moved, "batch/row": torch.arange(count)}
@@ -70,11 +73,12 @@ def _check_fields(tensors: dict, prefix: str, fields: dict, count: int) -> None:
     found = {key[len(prefix):] for key in tensors if key.startswith(prefix)}
     if found != set(fields):
         raise ValueError(f"the pool's {prefix[:-1]} holds {sorted(found)}, not {sorted(fields)}")
-    for name, (dims, floats) in fields.items():
+    for name, (dims, dtype) in fields.items():
         value = tensors[prefix + name]
         if value.dim() == 0 or value.shape[0] != count or dims not in (None, value.dim()):
             raise ValueError(f"{prefix}{name} has shape {list(value.shape)} for {count} rows")
-        if value.is_floating_point() != floats:
+        if not (value.is_floating_point() if dtype == "float" else value.dtype == dtype if dtype != "integer"
+                else not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool):
             raise ValueError(f"{prefix}{name} holds {value.dtype}")
 
 
@@ -92,8 +96,8 @@ def check_pool_files(pool, tensors: dict, plain: dict) -> None:
     for name in ("tokens", "logprobs", "entropies", "versions", "uniforms"):
         if rows[name].shape[1] != pool.max_new:
             raise ValueError(f"rows/{name} has {rows[name].shape[1]} columns, not the {pool.max_new} new tokens")
-    if rows["t"].min() < 0 or rows["t"].max() > pool.max_new:
-        raise ValueError(f"rows/t counts tokens outside 0..{pool.max_new}")
+    if rows["t"].min() < 0 or rows["t"].max() > pool.max_new or bool((rows["t"][~rows["ended"]] >= pool.max_new).any()):
+        raise ValueError(f"rows/t counts tokens outside 0..{pool.max_new} (and below it for a row not ended)")
     decoding = tensors.get("batch/row")
     if decoding is None or decoding.dim() != 1 or decoding.is_floating_point():
         raise ValueError("the pool's batch/row is not a list of rows")
@@ -113,8 +117,8 @@ def check_pool_files(pool, tensors: dict, plain: dict) -> None:
     for index in range(layers):
         keys, values = tensors.get(f"cache/{index}/keys"), tensors.get(f"cache/{index}/values")
         if keys is None or values is None or keys.shape != values.shape or keys.dim() != 4 \
-                or keys.shape[0] != batch or keys.shape[2] > width:  # (a sliding window's layer holds fewer)
-            raise ValueError(f"cache layer {index} does not hold {batch} rows of at most {width} positions")
+                or keys.shape[0] != batch or keys.shape[2] != width:
+            raise ValueError(f"cache layer {index} does not hold {batch} rows of {width} positions")
         if (keys.shape[1], keys.shape[3]) != (heads, size) or not keys.is_floating_point() \
                 or keys.dtype != values.dtype:  # (the model's attention would fail on it at the next round)
             raise ValueError(f"cache layer {index} is not {heads} heads of {size} values in one float dtype")

@@ -141,16 +141,16 @@ def partial_round(handler):
                                f"version {serving.turns.version}")
         session = _session(handler, token, config, fresh=number == 1)
         _check_queue(session, number, per_step, supply)
-        try:
+        try:  # (the state's copy too: the round's groups are out of the rounds by then)
             session.rounds.supply(supply)
             lanes = session.rounds.run(version, per_step, oldest, config["recompute_kv"], config["pool_groups"],
                                        body.get("settle", False))
+            tensors, plain = session.rounds.to_files()
         except Exception as error:  # the engine's own failure (a 500): what the rounds hold is no longer known
             session.failed = one_line(error)[:300]
             session.rounds.close()
             raise
         session.last_round = number
-        tensors, plain = session.rounds.to_files()
         session.states[number] = (tensors, {**plain, "config": config, "round": number})
         payload = {"lanes": [{"key": list(lane.key), "order": lane.order, "prompt_ids": lane.prompt_ids,
                               "tokens": lane.tokens.tolist(), "logprobs": lane.logprobs.tolist(),
@@ -226,11 +226,12 @@ def partial_state(handler):
     serving.leases.check(token)
     body = handler._json(2**16)
     number = _integer(body.get("round") if isinstance(body, dict) else None, "round", 1)
-    session = serving.partial
-    if session is None or session.lease != token or number not in session.states:
-        kept = sorted(session.states) if session is not None and session.lease == token else []
-        raise Refused(404, f"no state of round {number} is kept for this lease (kept: {kept or 'none'})")
-    tensors, plain = session.states[number]
+    with serving.turns.turn(first=True):  # (a round running drops the oldest state it kept)
+        session = serving.partial
+        if session is None or session.lease != token or number not in session.states:
+            kept = sorted(session.states) if session is not None and session.lease == token else []
+            raise Refused(404, f"no state of round {number} is kept for this lease (kept: {kept or 'none'})")
+        tensors, plain = session.states[number]
     body = safetensors.torch.save(tensors, metadata={"plain": json.dumps(plain)})
     if len(body) > STATE_BYTES:  # refused now, at the checkpoint, rather than at --resume
         raise Refused(413, f"the state of round {number} is {len(body)} bytes, over the {STATE_BYTES} a restore "
