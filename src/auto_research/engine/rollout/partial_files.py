@@ -61,12 +61,12 @@ def _with_batch(tensors: dict, count: int) -> dict:
     rest): its batch is every row; ``pool_from_files`` then takes the ended ones out."""
     if "rows/attention" not in tensors or any(key.startswith("batch/") for key in tensors):
         return tensors
+    tensors = dict(tensors)  # (the caller's own is left as it was)
     missing = [name for name in BATCH_FIELDS if name != "row" and f"rows/{name}" not in tensors]
     if missing:
         raise ValueError(f"the pool's rows hold no {', '.join(missing)}")
-    moved = {f"batch/{name}": tensors[f"rows/{name}"] for name in BATCH_FIELDS if name != "row"}
-    return {**{key: value for key, value in tensors.items() if key not in {f"rows/{name}" for name in BATCH_FIELDS}},
-            **moved, "batch/row": torch.arange(count)}
+    moved = {f"batch/{name}": tensors.pop(f"rows/{name}") for name in BATCH_FIELDS if name != "row"}
+    return {**tensors, **moved, "batch/row": torch.arange(count)}
 
 
 def _check_fields(tensors: dict, prefix: str, fields: dict, count: int) -> None:
@@ -77,9 +77,17 @@ def _check_fields(tensors: dict, prefix: str, fields: dict, count: int) -> None:
         value = tensors[prefix + name]
         if value.dim() == 0 or value.shape[0] != count or dims not in (None, value.dim()):
             raise ValueError(f"{prefix}{name} has shape {list(value.shape)} for {count} rows")
-        if not (value.is_floating_point() if dtype == "float" else value.dtype == dtype if dtype != "integer"
-                else not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool):
+        if not _has_dtype(value, dtype):
             raise ValueError(f"{prefix}{name} holds {value.dtype}")
+
+
+def _has_dtype(value: torch.Tensor, dtype) -> bool:
+    """``dtype``: a torch dtype, "float" (any floating one) or "integer" (any integer one, not bool)."""
+    if dtype == "float":
+        return value.is_floating_point()
+    if dtype == "integer":
+        return not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    return value.dtype == dtype
 
 
 def check_pool_files(pool, tensors: dict, plain: dict) -> None:
