@@ -70,9 +70,8 @@ class GenerationConfig:
 
     def __init__(self, **settings):
         flat = {RENAMED.get(name, name): value for name, value in settings.items() if name not in SECTIONS}
-        unknown = [name for name in flat if name not in OWNER]
-        if unknown:
-            raise TypeError(f"GenerationConfig() got an unexpected keyword argument {unknown[0]!r}")
+        if any(name not in OWNER for name in flat):
+            flat = _with_trl_names(flat, {name: value for name, value in settings.items() if name in SECTIONS})
         for section, cls in SECTIONS.items():
             own = {name: value for name, value in flat.items() if OWNER[name] == section}
             base = settings.get(section) or cls()
@@ -138,13 +137,8 @@ class GenerationConfig:
         """A config from TRL's names (an ``RLOOConfig``'s or ``GRPOConfig``'s fields as a dict, ``config.to_dict()``
         included) or ours, over ``base``: the same table as the flags and config files (``config/trl.py``,
         docs/trl.md); a TRL field we have no equivalent for is refused in one line."""
-        from auto_research.config import trl
-        from auto_research.config.files import takes
-
-        ours = {item.name: item for item in cls.flat_fields()}
         base = base or cls()
-        return replace(base, **trl.keywords(settings, lambda name, value: takes(ours[name], value) if name in ours
-                                            else None, base))
+        return replace(base, **_keywords(settings, base))
 
     def filled(self) -> "GenerationConfig":
         """A copy with the dataset's presets in place of unset (None) settings, and the algorithm record's defaults
@@ -174,6 +168,27 @@ class GenerationConfig:
     def to_json(self) -> dict:
         """The flat settings (name → value, paths as text): what a checkpoint records and a resume compares."""
         return json_ready({item.name: getattr(self, item.name) for item in self.flat_fields()})
+
+
+def _keywords(settings: dict, base: GenerationConfig) -> dict:
+    """Python keywords, ours or TRL's, as our settings: ``config/trl.py``'s one table (``trl.keywords``), as
+    ``post_train(**settings)`` and ``from_trl`` read them; ``base`` gives the defaults TRL's batch is counted in."""
+    from auto_research.config import trl
+    from auto_research.config.files import takes
+
+    ours = {item.name: item for item in GenerationConfig.flat_fields()}
+    return trl.keywords(settings, lambda name, value: takes(ours[name], value) if name in ours else None, base)
+
+
+def _with_trl_names(flat: dict, sections: dict) -> dict:
+    """``GenerationConfig(num_generations=4)``: a keyword that is TRL's name for one of ours is translated (as
+    ``post_train`` translates it); a name that is neither ours nor TRL's is a TypeError, as for any class."""
+    from auto_research.config.trl import is_trl_name
+
+    unknown = [name for name in flat if name not in OWNER and not is_trl_name(name)]
+    if unknown:
+        raise TypeError(f"GenerationConfig() got an unexpected keyword argument {unknown[0]!r}")
+    return _keywords(flat, GenerationConfig(**sections))
 
 
 def _schedule_defaults(given: GenerationConfig, filled: GenerationConfig) -> dict:

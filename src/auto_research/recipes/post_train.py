@@ -64,3 +64,18 @@ def post_train_generation(config: GenerationConfig, log=print, rows: list[dict] 
             lock.release()
         if world is not None:
             world.stop()
+
+
+def evaluate_generation(config: GenerationConfig, log=print, rows: list[dict] | None = None, reward_functions=(),
+                        environment=None, tools=(), rollout_function=None) -> dict:
+    """The held-out evaluation of the model a run would start from, built as ``post_train_generation`` builds it
+    (``Trainer.build``: the same checks, ``prepare`` and ``open_run``), nothing trained and nothing written but the
+    model cache: ``auto_research.Trainer.evaluate`` before ``train``."""
+    from auto_research.train.trainer import Trainer
+
+    trainer = Trainer.build(config, log, rows, reward_functions, environment=environment, tools=tools,
+                            rollout_function=rollout_function)
+    try:
+        return trainer.evaluate()
+    finally:
+        trainer.close()
