@@ -203,3 +203,36 @@ def test_a_lora_run_in_a_rollout_process_pushes_its_adapter_and_trains_as_the_co
     factors = sum(tensor.numel() * 4 for tensor in adapters["process"].values())
     lora_layers = sum(1 for name in adapters["process"] if ".lora_A." in name)
     assert pushed == [factors + 8 * lora_layers] * 3, pushed  # A and B (float32) and a float64 scaling per layer
+
+
+def test_an_adapter_whose_product_overflows_is_refused_and_the_weights_stay(two_servers, tmp_path):
+    """Finite factors whose product B·A·scaling is not (A = B = 1e20; a scaling of 1e300), or is far beyond any
+    weight's range, are refused with a 400 before the engine merges them: the served weights stay finite and as
+    they were, and the server still draws."""
+    from safetensors.torch import save
+
+    from auto_research.engine.rollout.remote import adapter_factors
+
+    (engine, address), _ = two_servers
+    policy = lora_policy()
+    client = _client(policy, address, tmp_path)
+    before = {name: tensor.clone() for name, tensor in engine.parameters.items()}
+    good = adapter_factors(policy)
+    weight = "model.layers.0.self_attn.q_proj.weight"
+    A, B = good[f"{weight}::A"], good[f"{weight}::B"]
+    huge = {f"{weight}::A": torch.full_like(A, 1e20), f"{weight}::B": torch.full_like(B, 1e20)}
+    tiny_scaled = {**huge, f"{weight}::scaling": torch.tensor(1e-36, dtype=torch.float64)}  # B·A alone overflows
+    big = {f"{weight}::A": torch.full_like(A, 100.0), f"{weight}::B": torch.full_like(B, 100.0)}  # finite: 4e4
+    message = (f"adapter of '{weight}': (B @ A) · scaling is not finite, or beyond ±10000 (a LoRA change "
+               "to a weight is far smaller)")
+    for name, changes in {"A = B = 1e20": huge, "scaling 1e300": {f"{weight}::scaling": torch.tensor(
+            1e300, dtype=torch.float64)}, "B·A overflows before a tiny scaling": tiny_scaled,
+            "finite but far too large": big}.items():
+        assert _post(address, client.lease, save({**good, **changes})) == (400, message), name
+    assert all(torch.equal(engine.parameters[name], tensor) for name, tensor in before.items())
+    assert all(torch.isfinite(tensor).all() for tensor in engine.parameters.values())
+    nudge(policy, 0.01)
+    client.load_weights(policy)  # a sane adapter still goes in
+    for name, tensor in _merged(policy).items():
+        assert torch.allclose(engine.parameters[name], tensor, atol=1e-6, rtol=0), name
+    client.close()

@@ -366,6 +366,9 @@ def weight_spec(named) -> dict:
 
 MAX_ADAPTER_RANK = 1024
 """The largest LoRA rank an adapter push may carry."""
+ADAPTER_DELTA_BOUND = 1e4
+"""The most an adapter may change one entry of a served weight, |(B @ A) · scaling|: a LoRA change is far smaller.
+Finite factors can make a product that is not (A = B = 1e20, or a scaling of 1e300): merged, it served inf."""
 
 
 def check_adapter(factors: dict, spec: dict) -> dict:
@@ -402,7 +405,27 @@ def check_adapter(factors: dict, spec: dict) -> dict:
                                f"{scaling.numel()} values do not fit its shape {[out, inner]} (A (r, {inner}), "
                                f"B ({out}, r), 0 < r ≤ {MAX_ADAPTER_RANK}, one scaling)")
         checked[weight] = (A, B, float(scaling.reshape(())))
+        if not _change_is_bounded(*checked[weight]):
+            raise Refused(400, f"adapter of {weight!r}: (B @ A) · scaling is not finite, or beyond "
+                               f"±{ADAPTER_DELTA_BOUND:g} (a LoRA change to a weight is far smaller)"[:300])
     return checked
+
+
+def _change_is_bounded(A, B, scaling: float, rows: int = 1024) -> bool:
+    """Whether (B @ A) · scaling, computed in float32 as the builtin engine merges it (B @ A first), is finite and
+    within ``ADAPTER_DELTA_BOUND`` everywhere. A bound from the factors' largest values settles nearly every
+    adapter without the product; the rest are computed ``rows`` rows of B at a time."""
+    import torch  # noqa: PLC0415
+
+    rank = A.shape[0]
+    largest = rank * float(A.abs().max()) * float(B.abs().max())  # ≥ every |(B @ A)_ij|
+    if largest <= 1e30 and abs(scaling) * largest <= ADAPTER_DELTA_BOUND:
+        return True
+    for start in range(0, B.shape[0], rows):
+        change = (B[start: start + rows] @ A) * scaling
+        if not bool(torch.isfinite(change).all()) or float(change.abs().max()) > ADAPTER_DELTA_BOUND:
+            return False
+    return True
 
 
 class Turns:
