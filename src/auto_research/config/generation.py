@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from auto_research.algorithms.registry import check_group_size, get_algorithm
+from auto_research.algorithms.registry import RATIO_FREE_LOSSES, check_group_size, get_algorithm
 from auto_research.config.environment import TurnsSection
 from auto_research.config.fields import EMBEDDED_MODEL_DATASETS, PREFERENCE_DATASETS, json_ready
 from auto_research.config.loss import CriticSection, LossSection
@@ -158,12 +158,15 @@ class GenerationConfig:
         return self
 
     def reported_settings(self, critic: bool) -> dict:
-        """What metrics.json reports of the settings beside a run's figures: its length, and the sections that shape
-        its updates (sampling, loss, optimisation, and the critic's when it has one), flat, as the flags name them."""
+        """What metrics.json (and report.md) reports of the settings beside a run's figures: its length, and the
+        sections that shape its updates (sampling, loss, optimisation, and the critic's when it has one), flat, as
+        the flags name them, less the loss settings the algorithm's record leaves unused (``_unused_settings``)."""
         sections = ("sampling", "loss", "optimisation", *(("critic",) if critic else ()))
+        unused = _unused_settings(get_algorithm(self.run.algorithm), self.policy_loss_in_use)
         return json_ready({"steps": self.run.steps, **{item.name: getattr(getattr(self, section), item.name)
                                                          for section in sections
-                                                         for item in fields(SECTIONS[section])}})
+                                                         for item in fields(SECTIONS[section])
+                                                         if item.name not in unused}})
 
     def to_json(self) -> dict:
         """The flat settings (name → value, paths as text): what a checkpoint records and a resume compares."""
@@ -189,6 +192,18 @@ def _with_trl_names(flat: dict, sections: dict) -> dict:
     if unknown:
         raise TypeError(f"GenerationConfig() got an unexpected keyword argument {unknown[0]!r}")
     return _keywords(flat, GenerationConfig(**sections))
+
+
+def _unused_settings(algorithm, policy_loss: str) -> set[str]:
+    """The loss settings a run of ``algorithm`` (its record) with ``policy_loss`` does not read: the whitening, but
+    for the algorithms that whiten (for which the z-score is refused instead); the group std, but for the GRPO
+    family's; the clip range of a loss without a ratio (RLOO's vanilla)."""
+    unused = {"normalize_advantages"} if algorithm.whiten else {"whiten_advantages"}
+    if algorithm.std is None:
+        unused.add("std")
+    if policy_loss in RATIO_FREE_LOSSES:
+        unused |= {"clip_range", "clip_low", "clip_high"}
+    return unused
 
 
 def _schedule_defaults(given: GenerationConfig, filled: GenerationConfig) -> dict:

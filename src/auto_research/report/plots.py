@@ -48,28 +48,82 @@ def comparison_plot(path: Path, histories: dict[str, list[list[dict]]], title: s
     return atomic_write_bytes(path, _png(figure, 120))
 
 
-def training_curves_plot(path: Path, rows: list[dict], metrics: dict) -> Path:
-    """PNG: per-step reward and KL, held-out accuracy at each evaluation, and the staleness of each step's batch
-    (versions between the weights that drew it and the policy it updated; --max-staleness)."""
-    staleness = any("staleness_max" in row for row in rows)
-    figure, axes = plt.subplots(1, 4 if staleness else 3, figsize=(18 if staleness else 14, 4))
+def _values(rows: list[dict], key: str) -> list[float]:
+    return [math.nan if row.get(key) is None else row[key] for row in rows]
+
+
+def _same(first: list[float], second: list[float]) -> bool:
+    """Two curves equal to rounding (NaN where both have none): one reward function's and the mean reward."""
+    return all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) or (math.isnan(a) and math.isnan(b))
+               for a, b in zip(first, second))
+
+
+def _held_out(metrics: dict) -> tuple[str, list[float], list[float]]:
+    """The held-out evaluations: before training (step 0), each one during it, and the run's last (metrics.json's
+    ``final``, drawn at the last step when no evaluation fell there: --eval-every 0, TRL's eval_strategy no). Their
+    accuracy, or their mean reward where rows have no answers (accuracy None)."""
+    steps = metrics.get("training", {}).get("steps")
+    points = [{"step": 0.0, **metrics["baseline"]}, *metrics["history"]]
+    if steps is not None and points[-1]["step"] < steps:
+        points.append({"step": float(steps), **metrics["final"]})
+    key = "accuracy" if any(point.get("accuracy") is not None for point in points) else "mean_reward"
+    label = "held-out greedy accuracy" if key == "accuracy" else "held-out mean reward (rows without answers)"
+    return label, [point["step"] for point in points], _values(points, key)
+
+
+def curve_panels(rows: list[dict], metrics: dict) -> list[dict]:
+    """The panels of curves.png, from what the step rows (metrics.jsonl) hold: each ``{"ylabel", "lines": [(label,
+    steps, values)], "evaluations"}``. The mean reward with each reward function's own where it differs (TRL's
+    rewards/<name>), KL, the held-out evaluations, entropy, completion length, the loss (and the critic's), and the
+    clip ratio and staleness only where some step's is not 0 (a loss without a ratio clips nothing; a synchronous
+    run's batches are never stale)."""
     steps = [row["step"] for row in rows]
-    axes[0].plot(steps, [math.nan if row["reward_mean"] is None else row["reward_mean"] for row in rows], linewidth=0.8)
-    axes[0].set_ylabel("mean reward of samples")
-    axes[1].plot(steps, [row["kl"] for row in rows], linewidth=0.8, color="tab:red")
-    axes[1].set_ylabel("sampled KL(π ‖ π_ref) per completion")
-    evaluations = [{"step": 0.0, **metrics["baseline"]}, *metrics["history"]]
-    axes[2].plot([row["step"] for row in evaluations], [row["accuracy"] for row in evaluations], marker="o", color="tab:green")
-    axes[2].set_ylabel("held-out greedy accuracy")
-    if staleness:
-        for key, style in (("staleness_max", "-"), ("staleness_mean", "--")):
-            axes[3].plot(steps, [row.get(key, math.nan) for row in rows], style, linewidth=0.8, color="tab:purple",
-                         label=key.replace("_", " "))
-        axes[3].set_ylabel("staleness of the batch (weights versions)")
-        axes[3].legend(fontsize=8)
-    for axis in axes:
+
+    def panel(ylabel: str, *keys: tuple[str, str]) -> list[dict]:
+        """One panel of the step rows' ``keys`` (label, key), or none when no row has the first."""
+        if not any(keys[0][1] in row for row in rows):
+            return []
+        return [{"ylabel": ylabel, "lines": [(label, steps, _values(rows, key)) for label, key in keys],
+                 "evaluations": False}]
+
+    def shown(*keys: str) -> bool:
+        return any(row.get(key) not in (None, 0) for row in rows for key in keys)
+
+    mean = _values(rows, "reward_mean")
+    functions = sorted({key for row in rows for key in row if key.startswith("reward/") and not key.endswith(".std")})
+    own = [(key, key) for key in functions if len(functions) > 1 or not _same(_values(rows, key), mean)]
+    label, evaluated, values = _held_out(metrics)
+    panels = [*panel("reward of the samples", ("mean reward", "reward_mean"), *own),
+              *panel("sampled KL(π ‖ π_ref) per completion", ("kl", "kl")),
+              {"ylabel": label, "lines": [(label, evaluated, values)], "evaluations": True},
+              *panel("entropy of the samples, per token", ("entropy", "entropy")),
+              *panel("completion length (tokens)", ("completion_length", "completion_length")),
+              *panel("loss", ("loss", "loss")),
+              *panel("critic's value loss", ("value_loss", "value_loss"))]
+    if shown("clip_fraction"):
+        panels += panel("clip ratio (share of tokens clipped)", ("clip_fraction", "clip_fraction"))
+    if shown("staleness_max"):
+        panels += panel("staleness of the batch (weights versions)", ("staleness max", "staleness_max"),
+                        ("staleness mean", "staleness_mean"))
+    return panels
+
+
+def training_curves_plot(path: Path, rows: list[dict], metrics: dict) -> Path:
+    """PNG: the panels of ``curve_panels``, four to a row."""
+    panels = curve_panels(rows, metrics)
+    columns = min(4, len(panels))
+    lines = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(lines, columns, figsize=(4.6 * columns, 3.6 * lines), squeeze=False)
+    for axis, item in zip(axes.flat, panels):
+        for label, steps, values in item["lines"]:
+            axis.plot(steps, values, marker="o" if item["evaluations"] else None, linewidth=0.8, label=label)
+        axis.set_ylabel(item["ylabel"])
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
+        if len(item["lines"]) > 1:
+            axis.legend(fontsize=7)
+    for axis in list(axes.flat)[len(panels):]:
+        axis.set_visible(False)
     figure.suptitle(f"{metrics['algorithm']} on {metrics['dataset']} (seed {metrics['seed']})")
     figure.tight_layout()
     return atomic_write_bytes(path, _png(figure, 110))
