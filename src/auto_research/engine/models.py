@@ -84,6 +84,12 @@ def load_policy(name: str, device: str, dtype, offline: bool, log=None, keep_ada
         (log or _log.info)(f"tokenizer of {name} has no pad token; padding with its EOS token {tokenizer.eos_token!r}")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and (backend.padding or backend.truncation):
+        # A fast tokenizer's padding and truncation are state on the object, set by a call that asks for them:
+        # none of ours does (encode_prompts pads itself), so threads sharing it never change it under each other.
+        backend.no_padding()
+        backend.no_truncation()
     model.to(device)
     onednn.use_onednn(model)  # float32 products on the CPU through oneDNN (onednn.py); elsewhere torch's
     return model, tokenizer

@@ -23,8 +23,14 @@ from auto_research.engine.rollout import Rollout, SamplingSettings, completion_m
 
 def encode_prompts(tokenizer, prompts: list[str] | list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts as texts (tokenized here, no special tokens added) or as token ids (taken as they are, never
-    re-tokenized), left-padded into (ids, attention mask)."""
-    if prompts and not isinstance(prompts[0], str):
+    re-tokenized), left-padded into (ids, attention mask).
+
+    Texts are tokenized without padding and padded here: a fast tokenizer keeps the padding it was last asked for
+    on the object, so asking it to pad raced another thread's unpadded call on the same tokenizer (a run's
+    sampler thread against the held-out evaluation: rows of unequal length, or pads inside the sampler's prompts)."""
+    if prompts and isinstance(prompts[0], str):
+        prompts = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    if prompts:
         width = max(len(ids) for ids in prompts)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -34,8 +40,7 @@ def encode_prompts(tokenizer, prompts: list[str] | list[list[int]], device) -> t
                 input_ids[row, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
                 attention[row, width - len(ids):] = 1
         return input_ids.to(device), attention.to(device)
-    batch = tokenizer(prompts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
-    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    return torch.zeros(0, 0, dtype=torch.long, device=device), torch.zeros(0, 0, dtype=torch.long, device=device)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
