@@ -97,7 +97,7 @@ def task_record(name: str, level: str | None = None) -> TaskRecord | None:
     return record if record is not None and level in (None, record.level) else None
 
 
-# A data file holds out its last min(128, rows // 5) rows unless --evaluation-examples is given.
+# A data file holds out its last min(128, rows // 5) rows (at least 1) unless --evaluation-examples is given.
 DATA_FILE_PRESETS = dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0, max_new_tokens=128,
                          warmup_steps=0)
 

@@ -124,7 +124,7 @@ def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int | None, evaluat
 
 
 DEFAULT_HELD_OUT = 128
-"""A JSONL dataset holds out its last min(128, rows // 5) rows unless --evaluation-examples says how many."""
+"""A JSONL dataset holds out its last min(128, rows // 5) rows (at least 1) unless --evaluation-examples says how many."""
 
 PROMPT_FIELDS = ("prompt", "messages")
 """Where a row's prompt is found when --prompt-field names none, the first that the first row has: TRL's prompt
