@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 from dataclasses import MISSING
 from pathlib import Path
 
@@ -18,10 +19,28 @@ from auto_research.errors import UserError
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one line on stderr and exit status 2."""
+    """argparse, but a usage mistake is one line on stderr and exit status 2; a mistyped flag gets the nearest one
+    (as a config file's mistyped key does)."""
 
     def error(self, message: str):  # type: ignore[override]
-        raise UserError(message)
+        raise UserError(message + self._nearest(message))
+
+    def _nearest(self, message: str) -> str:
+        """``; did you mean --num-generations?`` for argparse's "unrecognized arguments: --num-generaions 4"."""
+        prefix = "unrecognized arguments: "
+        typed = next((word.split("=", 1)[0] for word in message[len(prefix):].split() if word.startswith("--")),
+                     None) if message.startswith(prefix) else None
+        if typed is None:
+            return ""
+        options = {option for parser in [self, *_subparsers(self)] for option in parser._option_string_actions
+                   if option.startswith("--") and ("_" in typed or "_" not in option)}
+        nearest = difflib.get_close_matches(typed, sorted(options), n=1)
+        return f"; did you mean {nearest[0]}?" if nearest else ""
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    return [subparser for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+            for subparser in action.choices.values()]
 
 
 def _default_of(item):

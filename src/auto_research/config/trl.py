@@ -3,8 +3,9 @@
 Every field of TRL 1.16's ``RLOOConfig`` and ``GRPOConfig`` (and of the transformers ``TrainingArguments`` they
 extend) whose meaning one of ours has is accepted under TRL's name: as a flag (``--num-generations`` or
 ``--num_generations``), a config-file key (``num_generations``) and a Python keyword (``GenerationConfig.from_trl``,
-``post_train(**settings)``). ``translate`` turns TRL's settings into ours, exactly; a TRL field we have no
-equivalent for is refused in one line that says so, never dropped. A field whose value asks for nothing we would
+``post_train(**settings)``); so are the script arguments a ``trl … --config`` file carries beside them
+(``model_name_or_path``, ``dataset_name``). ``translate`` turns TRL's settings into ours, exactly; a TRL field we
+have no equivalent for is refused in one line that says so, never dropped. A field whose value asks for nothing we would
 do differently (``sync_ref_model: false``, ``optim: adamw_torch``) is accepted at that value only, so that a TRL
 config file moves here unchanged. Our defaults stay ours: where TRL's differ (β for GRPO, the batch, the completion
 length, gradient checkpointing), a setting TRL's config leaves out takes our default, and docs/trl.md says so.
@@ -210,6 +211,9 @@ MAPPED: dict[str, TrlField] = {
     "log_completions": TrlField("bool", "false: --log-completions 0", _log_completions),
     "num_completions_to_print": TrlField("int", "--log-completions", _same("log_completions")),
     "disable_tqdm": TrlField("bool", "--no-progress", lambda value: {"progress": not value}),
+    # TRL's script arguments (``trl grpo --config recipe.yaml`` files carry them beside the trainer's)
+    "model_name_or_path": TrlField("text", "--model", _same("model")),
+    "dataset_name": TrlField("text", "--dataset", _same("dataset")),
     "use_bias_correction_kl": TrlField("bool", "false, or true with beta 0 (the KL term is not multiplied by the "
                                                "importance ratio here)", _same(_BIAS_CORRECTED_KL)),
 }
