@@ -200,7 +200,7 @@ def test_sync_refusals_are_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
 
     def error(*extra) -> str:
-        assert main(["post-train", "--dataset", "arithmetic-generate", "--steps", "2", "--offline",
+        assert main(["post-train", "--dataset", "arithmetic-generate", "--steps", "2", "--offline", "--no-progress",
                      "--output-dir", str(tmp_path), *extra]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1, lines

@@ -15,15 +15,16 @@ from typing import Callable
 class Progress:
     def __init__(self, total: int, description: str, initial: int = 0, enabled: bool = True,
                  write: Callable[[str], None] | None = None, lines: int = 20, leave: bool = True,
-                 every: int | None = None):
-        """``every``: without a terminal, a line every N steps (default: ``total // lines``; lines=0: none)."""
+                 every: int | None = None, bar: bool = True):
+        """``every``: without a terminal, a line every N steps (default: ``total // lines``; lines=0: none);
+        ``bar``: False draws no bar on a terminal either, only the lines (``--no-progress --log-every N``)."""
         self.total, self.description, self.count = total, description, initial
         self.enabled = enabled
         self.write = write or (lambda text: print(text, file=sys.stderr, flush=True))
         self.every = every or (max(1, total // lines) if lines else None)
         self.started = time.perf_counter()
         self.bar = None
-        if enabled and sys.stderr.isatty():
+        if enabled and bar and sys.stderr.isatty():
             from tqdm import tqdm  # on a terminal only: --help and logged runs never pay for its import
 
             self.bar = tqdm(total=total, initial=initial, desc=description, leave=leave)

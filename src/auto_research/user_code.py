@@ -19,11 +19,18 @@ import hashlib
 import importlib
 import os
 import sys
+import sysconfig
+import traceback
 from pathlib import Path
 
 from auto_research.errors import UserError, one_line
 
 FORMS = "module:name (found from the working folder) or path/file.py:name"
+_OURS_AND_LIBRARIES = tuple(os.path.join(os.path.realpath(path), "") for path in {
+    str(Path(__file__).resolve().parent), *(sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib",
+                                                                                         "purelib", "platlib"))}
+    if path)
+"""Folders of code that is not the user's: this package's, the standard library's, installed packages'."""
 
 
 def split_spec(spec, flag: str, forms: str = FORMS) -> tuple[str, str]:
@@ -80,6 +87,25 @@ def resolved_settings(settings: dict) -> dict:
         else:
             resolved[key] = resolved_spec(value)
     return resolved
+
+
+def spec_of(function) -> str | None:
+    """The spec that finds ``function`` again from any working folder, when it is importable by name: a module-level
+    function (or a class's) of a module other than ``__main__``, as its file's absolute path (the user's code) or
+    ``module:name`` (an installed package's); None for a lambda, a nested function, a function of a script or a
+    notebook, a callable object."""
+    module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
+    if not module or not qualname or module in ("__main__", "__mp_main__", "builtins") or "<" in qualname:
+        return None
+    found = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if found is not function:
+        return None
+    file = getattr(sys.modules[module], "__file__", None)
+    if file and file.endswith(".py") and not os.path.realpath(file).startswith(_OURS_AND_LIBRARIES):
+        return f"{os.path.abspath(file)}:{qualname}"  # the user's own file, from whichever folder it was imported
+    return f"{module}:{qualname}"  # an installed package's
 
 
 def _module_file(folder: Path, module: str) -> Path | None:
@@ -189,3 +215,25 @@ def load_user_object(spec, flag: str, expected: str = "a function", forms: str =
     if not callable(found):
         raise UserError(f"{flag} {spec!r}: {name} is {type(found).__name__}, not callable ({expected})")
     return found
+
+
+last_traceback: str | None = None
+"""The whole traceback of the last exception ``where_raised`` described (``--verbose`` prints it before the one line
+that ends the run; recipes/post_train.py)."""
+
+
+def where_raised(error: BaseException) -> str:
+    """`` (at file.py:12, in name)``: the innermost frame of ``error``'s traceback in the user's own code (neither
+    this package's, the standard library's nor an installed package's), for the one line that reports it; empty when
+    none is (a call that failed before the user's code ran). Keeps the whole traceback for ``--verbose``."""
+    global last_traceback
+    frames = traceback.extract_tb(error.__traceback__)
+    last_traceback = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
+    own = [frame for frame in frames if not frame.filename.startswith("<")
+           and not os.path.realpath(frame.filename).startswith(_OURS_AND_LIBRARIES)]
+    if not own:
+        return ""
+    path = os.path.abspath(own[-1].filename)
+    shown = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+    return f" (at {shown}:{own[-1].lineno}, in {own[-1].name})"
+

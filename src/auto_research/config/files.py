@@ -290,11 +290,22 @@ def resolved_settings(config) -> dict:
     return {key: value for key, value in config_payload(config).items() if key not in RUN_CONTROL}
 
 
-def write_resolved_config(path: str | Path, config) -> Path:
+def write_resolved_config(path: str | Path, config, python_rewards=()) -> Path:
     """The run's settings after the dataset's presets filled the unset ones, as YAML: ``--config <run>/config.yaml``
-    runs the same again (flags given beside it win)."""
+    runs the same again (flags given beside it win). ``python_rewards``: the rewards given from Python, (name, the
+    spec that imports it or None), after the command's: each named by its spec, or, where it has none (a lambda, a
+    script's function), as ``from-python:NAME`` under a comment, which a rerun refuses until it is passed again."""
     import yaml  # noqa: PLC0415
+
+    from auto_research.rewards.loading import FROM_PYTHON  # noqa: PLC0415
 
     payload = resolved_settings(config)
     header = "# The resolved settings of this run; rerun with: auto-research post-train --config <this file>\n"
+    unnamed = [name for name, spec in python_rewards if spec is None]
+    if python_rewards:
+        payload["reward"] = [*payload["reward"], *(spec or f"{FROM_PYTHON}{name}" for name, spec in python_rewards)]
+    if unnamed:
+        header += (f"# reward {', '.join(f'{FROM_PYTHON}{name}' for name in unnamed)}: given from Python "
+                   "(post_train(reward=...)) and not importable by name, so not rerun from here: pass it again, or "
+                   "put it in a module and give --reward module:function\n")
     return atomic_write_text(path, header + yaml.safe_dump(payload, sort_keys=False, allow_unicode=True))

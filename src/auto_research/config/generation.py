@@ -33,6 +33,8 @@ from auto_research.errors import UserError
 GENERATION_PRESETS = generation_presets()
 WARMUP_SHARE = 10
 """A preset's warmup is at most steps // WARMUP_SHARE updates (a short run is not spent warming up)."""
+FROM_STEPS = frozenset({"warmup_steps"})
+"""The settings ``filled`` derives from --steps that a resumed run compares (--eval-every may change anyway)."""
 
 SECTIONS = {"run": RunSection, "data": DataSection, "policy": PolicySection, "rewards": RewardSection,
             "sampling": SamplingSection, "loss": LossSection, "critic": CriticSection, "rollout": RolloutSection,
@@ -143,11 +145,16 @@ class GenerationConfig:
     def filled(self) -> "GenerationConfig":
         """A copy with the dataset's presets in place of unset (None) settings, and the algorithm record's defaults
         (KL placement and estimator, aggregation, clip range, std, correction, overlong buffer); user code named
-        as it is found from any folder (``user_code.resolved_spec``)."""
+        as it is found from any folder (``user_code.resolved_spec``). The settings it computed from --steps rather
+        than took from the user (a preset's or --warmup-ratio's warmup) are named in the copy's ``from_steps``, so
+        that ``--resume --steps`` keeps the run's own (train/prepare.py); a copy made by ``replace`` names none."""
         preset = GENERATION_PRESETS[self.dataset if self.dataset in GENERATION_PRESETS else "jsonl"]
         filled = replace(self, **{key: value for key, value in preset.items() if getattr(self, key) is None})
         filled = replace(filled, **filled.resolved_user_code())
-        return replace(filled, **_schedule_defaults(self, filled), **_record_defaults(filled))
+        schedule = _schedule_defaults(self, filled)
+        filled = replace(filled, **schedule, **_record_defaults(filled))
+        object.__setattr__(filled, "from_steps", frozenset(schedule) & FROM_STEPS)
+        return filled
 
     def validate(self) -> "GenerationConfig":
         """Every check that needs neither torch nor the data: runs before anything heavy is imported. Each section

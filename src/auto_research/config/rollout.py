@@ -81,7 +81,8 @@ class RolloutSection:
                                                   "flight under the new weights at each update (default: keep it, "
                                                   "as the peers do)", "sampling", action="store_true")
     verbose: bool = setting(False, "show everything the engines print: vLLM's INFO lines and the known-harmless "
-                                   "warnings hidden otherwise (docs/vllm.md)", "run", action="store_true")
+                                   "warnings hidden otherwise (docs/vllm.md); and the whole traceback of an error "
+                                   "raised in your code (a reward, a judge)", "run", action="store_true")
 
     def check(self) -> None:
         check_choice("--sampler", self.sampler, SAMPLERS)

@@ -185,11 +185,17 @@ class LoggingSection:
     log_completions: int = setting(8, "at every evaluation, the first N held-out prompts with their greedy "
                                       "completions, rewards and verdicts go to completions.jsonl (and report.md "
                                       "shows the last); 0 = none", "run", type=int)
-    progress: bool = setting(True, "no progress bar or progress lines", "run", flag="--no-progress",
-                             action="store_false")
-    log_every: int | None = setting(None, "without a terminal, a progress line every N steps (metrics.jsonl and the "
-                                          "trackers get every step)", "run", default_text="a twentieth of --steps",
-                                    type=int)
+    progress: bool = setting(True, "no progress bar or progress lines (with --log-every, its lines only)", "run",
+                             flag="--no-progress", action="store_false")
+    log_every: int | None = setting(None, "without a terminal (or with --no-progress), a progress line every N steps "
+                                          "(metrics.jsonl and the trackers get every step)", "run",
+                                    default_text="a twentieth of --steps", type=int)
+
+    @property
+    def shows_progress(self) -> bool:
+        """Progress lines are shown (what the run is doing, a line every --log-every steps): unless --no-progress,
+        and with it when --log-every is given (TRL's disable_tqdm with logging_steps)."""
+        return self.progress or self.log_every is not None
 
     def check(self) -> None:
         check_non_negative_integers(("--log-completions", self.log_completions))

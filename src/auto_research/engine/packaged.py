@@ -58,6 +58,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("AUTO_RESEARCH_CACHE") or Path.home() / ".cache" / "auto-research")
 
 
+def with_tools(name: str) -> str | None:
+    """The packaged model whose chat template takes tools, with the weights of ``name`` (a packaged model, or its
+    folder in the cache) when its own template takes none: smollm2-135m-instruct → smollm2-135m-instruct-tools."""
+    for packaged, record in PACKAGED.items():
+        variant = f"{packaged}-tools"
+        if record.chat_template is None and variant in PACKAGED and (
+                name == packaged or Path(name).expanduser().absolute() == cache_dir().absolute() / "models" / packaged):
+            return variant
+    return None
+
+
 def is_gguf(name: str) -> bool:
     return str(name).endswith(".gguf")
 

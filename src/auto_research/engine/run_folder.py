@@ -214,29 +214,57 @@ def verified_checkpoint(run_dir: Path, log) -> Path:
     raise UserError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'} verifies: {problems[0]}")
 
 
-def differing_settings(saved: dict, current: dict) -> list[str]:
-    """'key (was a, now b)' for each setting (``to_json`` keys) in which a run's saved settings and this command's
-    differ, beyond those a resumed run may change."""
-    return [f"{key} (was {saved.get(key)!r}, now {current[key]!r})" for key in sorted(current)
+def differing_keys(saved: dict, current: dict) -> list[str]:
+    """The settings (``to_json`` keys) in which a run's saved settings and this command's differ, beyond those a
+    resumed run may change."""
+    return [key for key in sorted(current)
             if key not in RESUMABLE_DIFFERENCES and key in saved and saved[key] != current[key]]
 
 
-def resumable_checkpoint(run_dir: Path, settings: dict, log, world_size: int = 1) -> Path:
+def differing_settings(saved: dict, current: dict) -> list[str]:
+    """'key (was a, now b)' for each of ``differing_keys``."""
+    return [f"{key} (was {saved.get(key)!r}, now {current[key]!r})" for key in differing_keys(saved, current)]
+
+
+def _as_given(key: str, value) -> str:
+    """A saved setting as the flag that gives it (``--warmup-steps 2``), for the line that says how to resume."""
+    from auto_research.config.fields import flag_of  # noqa: PLC0415 - the refusal's wording only
+    from auto_research.config.generation import GenerationConfig  # noqa: PLC0415
+
+    flag = next((flag_of(item) for item in GenerationConfig.flat_fields() if item.name == key), None)
+    if flag is None:
+        return f"{key} {value!r}"
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        return f"{flag} {value}"
+    return f"{flag} as it was, {value!r}"
+
+
+def saved_settings(folder: Path) -> dict:
+    """A checkpoint's settings, flat (``GenerationConfig.to_json``), its user code as recorded since (user_code.py)."""
+    config = json.loads((Path(folder) / "trainer_state.json").read_text())["config"]
+    return {**config, **resolved_settings(config)}
+
+
+def resumable_checkpoint(run_dir: Path, settings: dict, log, world_size: int = 1, keep=()) -> Path:
     """The checkpoint ``--resume`` continues from in ``run_dir``, after checking that the run's settings (``settings``:
     this command's, flat, as ``GenerationConfig.to_json`` gives them) are the saved ones but for
-    ``RESUMABLE_DIFFERENCES`` (--steps no lower than the checkpoint's step) and that it runs on as many processes
-    as before (the only way the resumed run stays exact)."""
+    ``RESUMABLE_DIFFERENCES`` (--steps no lower than the checkpoint's step) and those in ``keep`` (derived, not
+    given: the run keeps its saved values), and that it runs on as many processes as before (the only way the
+    resumed run stays exact)."""
     folder = verified_checkpoint(run_dir, log)
     state = json.loads((folder / "trainer_state.json").read_text())
-    saved = {**state["config"], **resolved_settings(state["config"])}  # user code as recorded since (user_code.py)
+    saved = saved_settings(folder)
+    settings = {**settings, **{key: saved[key] for key in keep if key in saved}}
     if state.get("world_size", 1) != world_size:
         raise UserError(f"--resume: the run in {run_dir} ran on {state.get('world_size', 1)} process(es), this "
                         f"command on {world_size}: gradients summed in another order would not continue it exactly; "
                         f"resume with the same number, or start a new run from the weights with --model {folder}")
-    differing = differing_settings(saved, settings)
+    differing = differing_keys(saved, settings)
     if differing:
         raise UserError(f"--resume: the run in {run_dir} was started with different settings: "
-                        + ", ".join(differing))
+                        f"{', '.join(differing_settings(saved, settings))}; resume with its own "
+                        f"({', '.join(_as_given(key, saved[key]) for key in differing)}), or start a new run "
+                        "(--overwrite, or another --run-name)")
     if settings["steps"] < state["step"]:
         raise UserError(f"--resume --steps {settings['steps']}: the run in {run_dir} has a checkpoint at step "
                         f"{state['step']} already (a run is not shortened below its last checkpoint): give --steps "

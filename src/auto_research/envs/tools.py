@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from auto_research.engine.packaged import with_tools
 from auto_research.envs.deadline import CallTimeout, ToolTimeout, bounded
 from auto_research.errors import RewardError, UserError
 from auto_research.user_code import load_user_object
@@ -52,8 +53,10 @@ def check_template_takes_tools(tokenizer, schemas: list[dict], model_name: str) 
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe] + schemas,
                                              add_generation_prompt=True, tokenize=False)
     if SENTINEL_TOOL not in rendered:
+        variant = with_tools(model_name)
         raise UserError(f"--tools: {model_name}'s chat template has no tool support (it does not show the tools "
-                        "passed to it); use a model whose template takes tools=")
+                        "passed to it); " + (f"--model {variant} is the same weights with a template that does"
+                                             if variant else "use a model whose template takes tools="))
 
 
 @dataclass(frozen=True)

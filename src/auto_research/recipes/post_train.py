@@ -8,6 +8,7 @@ mistyped flag costs a fraction of a second, not torch's start-up.
 
 from __future__ import annotations
 
+from auto_research import user_code
 from auto_research.config.generation import GenerationConfig
 from auto_research.engine.launch import environment_rank, environment_world_size
 from auto_research.engine.run_folder import run_outputs
@@ -25,6 +26,7 @@ def post_train_generation(config: GenerationConfig, log=print, rows: list[dict] 
     """One generation-level run: checks, train, metrics, report and plot. Returns ``{"runs": [metrics],
     "paths": [...], "summary": None}``."""
     config = config.filled()
+    user_code.last_traceback = None  # an earlier run's in this process (--verbose prints this run's)
     size, main = environment_world_size(), environment_rank() == 0
     if not main:  # under torchrun every rank runs this; rank 0 alone speaks and writes
         log = _silent
@@ -53,11 +55,13 @@ def post_train_generation(config: GenerationConfig, log=print, rows: list[dict] 
         from auto_research.recipes.generation_run import train_and_report
 
         return train_and_report(prepared, world, lock, log)
-    except BaseException:
+    except BaseException as error:
         # A run that fails before it wrote anything leaves no folder it created behind; one that wrote figures or
         # checkpoints keeps them, whatever the failure.
         if lock is not None and not run_outputs(config.run_dir):
             lock.remove_created()
+        if isinstance(error, UserError) and config.verbose and user_code.last_traceback:
+            log(f"--verbose: the traceback of the error in your code\n{user_code.last_traceback}")
         raise
     finally:
         if lock is not None:

@@ -22,6 +22,7 @@ from auto_research.errors import RewardError, one_line
 from auto_research.rewards.loading import POSITIONAL, calling_convention
 from auto_research.rewards.reward_model import RewardModel
 from auto_research.rewards.verifiers import BUILT_IN
+from auto_research.user_code import where_raised
 
 
 MAX_REWARD = 1e6
@@ -196,8 +197,9 @@ class CombinedReward:
     def _values(name: str, values, prompts, completions) -> list:
         """A component's return as a list of one number or None per completion, or a RewardError naming it."""
         if isinstance(values, Exception):
-            raise RewardError(f"reward {name!r} raised {one_line(values)} on a batch of {len(completions)} "
-                              f"completions (first prompt {prompts[0]!r})") from None
+            raise RewardError(f"reward {name!r} raised {one_line(values)}{where_raised(values)} on a batch of "
+                              f"{len(completions)} completions (first prompt {prompts[0]!r}; --verbose shows the "
+                              "traceback)") from None
         if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
             values = values.tolist()  # NumPy arrays and tensors
         if not isinstance(values, (list, tuple)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from auto_research.errors import RewardError, UserError, one_line
 from auto_research.rewards.verifiers import arithmetic_reward
-from auto_research.user_code import FORMS, load_user_object
+from auto_research.user_code import FORMS, load_user_object, where_raised
 
 GOLD_LENGTH = 4
 
@@ -58,7 +58,7 @@ def judge_probability(judge, spec: str, prompt: str, a: str, b: str, example) ->
     try:
         value = judge(prompt, a, b, example)
     except Exception as error:  # noqa: BLE001 - the user's code
-        raise RewardError(f"--judge {spec}: raised {one_line(error)}") from None
+        raise RewardError(f"--judge {spec}: raised {one_line(error)}{where_raised(error)}") from None
     try:
         value = float(value)
     except (TypeError, ValueError):

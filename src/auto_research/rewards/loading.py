@@ -12,6 +12,11 @@ from auto_research.rewards.verifiers import BUILT_IN
 from auto_research.user_code import FORMS, load_user_object
 
 
+FROM_PYTHON = "from-python:"
+"""A run's config.yaml names a reward given from Python that cannot be imported by name as ``from-python:NAME``
+(``config.files.write_resolved_config``): a rerun from that file is refused until the function is passed again."""
+
+
 def load_reward(spec: str) -> Callable:
     """A ``--reward`` that is not a built-in: the user's function, or one line."""
     return load_user_object(spec, "--reward", "a reward: fn(prompts, completions, rows) or TRL's keywords",
@@ -25,8 +30,14 @@ def resolve_rewards(specs: list[str], weights: list[float] | None, reward_model:
     is_user_function)``, user callables imported here once and kept. The reward model comes after them
     and is only named here; with no reward at all, the task's verifier serves (``combine.build_reward``).
     The weights must count the components exactly."""
+    passed = {name for name, _ in functions}
+    for spec in specs:
+        if spec.startswith(FROM_PYTHON) and spec[len(FROM_PYTHON):] not in passed:
+            raise UserError(f"--reward {spec}: this reward was a function given from Python (post_train(reward=...)) "
+                            "that cannot be imported by name: pass it again (post_train(reward=...)), or put it in a "
+                            "module and give --reward module:function")
     resolved = [(name, BUILT_IN[name], False) if name in BUILT_IN else (name, load_reward(name), True)
-                for name in specs]
+                for name in specs if not name.startswith(FROM_PYTHON)]  # a Python reward passed again serves
     for name, function in functions:
         if not callable(function):
             raise UserError(f"reward {name!r} is {type(function).__name__}, not a function")
@@ -78,3 +89,28 @@ def calling_convention(name: str, function: Callable) -> str:
         return TRL
     raise UserError(f"reward {name!r} takes ({', '.join(names)}): neither our form (prompts, completions, rows) nor "
                     "TRL's (completions by keyword, e.g. def reward(completions, **kwargs))")
+
+
+PASSED = ("prompts", "completions", "completion_ids")
+"""What a reward called TRL's way always receives, beside the data's columns (``combine.with_row_fields``)."""
+
+
+def check_columns(rewards: list[tuple[str, Callable, bool]], columns: set[str], dataset: str) -> None:
+    """A reward called TRL's way whose parameter without a default names no column of the data would fail at its
+    first call, after the model loaded and the evaluation before training ran: one line now instead. ``columns``:
+    those of the data's rows (any row's), as the reward receives them (``answer`` included, ``prompt`` not)."""
+    for name, function, user in rewards:
+        if not user or calling_convention(name, function) != TRL:
+            continue
+        try:
+            parameters = list(inspect.signature(function).parameters.values())
+        except (TypeError, ValueError):
+            continue
+        missing = [parameter.name for parameter in parameters if parameter.default is parameter.empty
+                   and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+                   and parameter.name not in PASSED and parameter.name not in columns]
+        if missing:
+            raise UserError(f"reward {name!r} takes {missing[0]!r}, a column {dataset} lacks (its columns: "
+                            f"{', '.join(sorted(columns)) or 'none'}): give rows with that column, or the parameter a "
+                            f"default ({missing[0]}=None)")
+

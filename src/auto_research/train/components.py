@@ -69,6 +69,8 @@ class Components:
     """The reference's weights out of the process between its passes (--offload-reference), else None."""
     engine: SamplerRecord | None = None
     """The rollout engine's record (``engine/samplers.py``), resolved once from the settings when not given."""
+    python_rewards: tuple = ()
+    """The rewards given from Python, as config.yaml names them (``Prepared.python_rewards``)."""
 
     def __post_init__(self):
         if self.engine is None:
@@ -205,6 +207,9 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     config, task, resume_from = prepared.config, prepared.task, prepared.resume_from
     algorithm = get_algorithm(config.algorithm)
     device, compute_dtype = _start(config, world)
+    if config.logging.shows_progress:
+        log(f"loading the model {config.model or model_name} on {device}"
+            + (f", with the weights of {resume_from}" if resume_from is not None else ""))
     policy, tokenizer, record = _load_policy(config, model_name, device, log)
     policy, reference = _reference(config, task, policy, model_name, device, compute_dtype)
     critic = _load_critic(config, model_name, device, len(tokenizer)) if algorithm.needs_critic else None
@@ -226,7 +231,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     return Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
                       train_policy, optimizer, reference, critic, train_critic, critic_optimizer, sampler, reward,
                       prepared.judge, train_prompts, eval_prompts, episodes=episodes, offloaded_reference=offloaded,
-                      engine=record)
+                      engine=record, python_rewards=prepared.python_rewards)
 
 
 def _start(config: GenerationConfig, world: World) -> tuple[str, torch.dtype]:

@@ -89,7 +89,7 @@ class RunLoop:
             clear_run_folder(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Resumed too: --steps and the other settings a resumption may change are the run's now.
-        write_resolved_config(self.run_dir / "config.yaml", self.c.config)
+        write_resolved_config(self.run_dir / "config.yaml", self.c.config, self.c.python_rewards)
         self.run_dir_ready = True
         self.metrics_log.open(self.resumed, self.log)
 
@@ -155,6 +155,9 @@ class RunLoop:
 
     def _evaluate_baseline(self) -> None:
         c, state = self.c, self.state
+        if c.config.logging.shows_progress:
+            self.log(f"evaluating the starting policy on {len(c.eval_prompts)} held-out prompts (greedy), before "
+                     "training")
         try:
             table: list = []
             if c.judge is not None:
@@ -183,7 +186,8 @@ class RunLoop:
             self._evaluate_baseline()
         handlers = {signum: signal.signal(signum, self._request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
         bar = Progress(config.steps, f"{config.algorithm} on {c.task.name}", initial=state.step,
-                       enabled=config.progress and c.world.main, write=self.log, every=config.log_every)
+                       enabled=config.logging.shows_progress and c.world.main, write=self.log, every=config.log_every,
+                       bar=config.progress)
         self.last_saved = state.step if self.resumed else None
         try:
             for step in range(state.step + 1, config.steps + 1):

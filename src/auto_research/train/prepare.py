@@ -7,7 +7,7 @@ Light: nothing here imports torch or transformers, so a mistake costs a fraction
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -17,12 +17,14 @@ from auto_research.data.tasks import check_answers, load_task
 from auto_research.data.types import Task
 from auto_research.engine import run_folder
 from auto_research.engine.launch import check_world
+from auto_research.engine.packaged import is_packaged, with_tools
 from auto_research.engine.samplers import sampler_record
 from auto_research.engine.sources import check_model_source
 from auto_research.errors import UserError
 from auto_research.files import check_writable_directory
 from auto_research.rewards.gold import load_judge
-from auto_research.rewards.loading import resolve_rewards
+from auto_research.rewards.loading import check_columns, resolve_rewards
+from auto_research.user_code import spec_of
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class Prepared:
     """--tools' functions by name, each with a schema."""
     rollout_function: tuple[str, Callable] | None = None
     """--rollout-function's (name, function), found and callable (envs.custom), or None."""
+    python_rewards: tuple = ()
+    """The rewards given from Python as (name, the spec that imports it or None): what config.yaml names them by."""
 
     @property
     def multi_turn(self) -> bool:
@@ -63,6 +67,30 @@ def recorded_settings(config: GenerationConfig) -> dict:
     return {**settings, **{old: settings[new] for old, new in RENAMED.items()}}
 
 
+def columns_of(task: Task) -> set[str]:
+    """The columns a reward called TRL's way receives from the data (``rewards.combine.with_row_fields``): any row's
+    fields and ``answer``, not ``prompt`` (passed as ``prompts``)."""
+    columns = {"answer"}
+    for example in (*task.train, *task.evaluation):
+        columns.update(example.fields)
+    return columns - {"prompt"}
+
+
+def _resumed(config: GenerationConfig, log, world_size: int) -> tuple[GenerationConfig, Path]:
+    """The checkpoint ``--resume`` continues from, and the config with the run's own values of what ``filled``
+    derived from --steps (``from_steps``: a preset's warmup, a tenth of the steps at most), which a longer --steps
+    would otherwise change: extending a run changes its length only."""
+    derived = getattr(config, "from_steps", frozenset())
+    folder = run_folder.resumable_checkpoint(config.run_dir, recorded_settings(config), log, world_size, derived)
+    saved = run_folder.saved_settings(folder)
+    kept = {key: saved[key] for key in sorted(derived) if key in saved and saved[key] != getattr(config, key)}
+    if kept:
+        log("--resume: keeps the run's " + ", ".join(f"{key} {value} (derived from its --steps, not given)"
+                                                        for key, value in kept.items()))
+        config = replace(config, **kept)
+    return config, folder
+
+
 def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None, reward_functions=(),
             world_size: int = 1, environment=None, tools=(), rollout_function=None) -> Prepared:
     """Every check of a run that needs no torch; reads the run folder (lock it first), writes nothing."""
@@ -71,8 +99,9 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
         log(f"warning: --max-staleness {config.max_staleness} with --rollout-correction none: batches drawn by older "
             "weights are trained on as if the current policy had drawn them (uncorrected; docs/async.md)")
     run_folder.check_run_folder(config.run_dir, config.resume, config.overwrite)
-    resume_from = (run_folder.resumable_checkpoint(config.run_dir, recorded_settings(config), log, world_size)
-                   if config.resume else None)
+    resume_from = None
+    if config.resume:
+        config, resume_from = _resumed(config, log, world_size)
     for source, flag in ((config.model, "--model"), (config.reward_model, "--reward-model"),
                          (config.critic_model, "--critic-model")):
         if source is not None:
@@ -80,6 +109,7 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
     rewards = resolve_rewards(config.reward, config.reward_weights, config.reward_model, list(reward_functions),
                               config.reward_url)
     task = load_task(config, rows)
+    check_columns(rewards, columns_of(task), task.name)
     if config.prompts_per_step > len(task.train):
         raise UserError(f"--prompts-per-step {config.prompts_per_step}: a step draws distinct prompts, and "
                         f"{task.name} has {len(task.train)} training prompts")
@@ -91,10 +121,14 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
         config.turns.check_loops(get_algorithm(config.algorithm), environment is not None or bool(tools),
                                  rollout_function is not None)
         own = load_rollout_function(rollout_function or config.rollout_function)
+    if (config.tools or tools) and config.model is not None and is_packaged(config.model) and with_tools(config.model):
+        raise UserError(f"--tools: {config.model}'s chat template does not show tools to the model; "
+                        f"--model {with_tools(config.model)} is the same weights with a template that does")
     if config.environment or config.tools or environment is not None or tools:
         from auto_research.envs.rollout import load_environment, row_of  # noqa: PLC0415 - user code, on demand
 
         factory, functions = load_environment(environment or config.environment, list(tools) + [config.tools or ""],
                                               row_of(task.train[0]), config.env_timeout)
     check_answers(task, rewards, config.reward_model, factory is not None or own is not None)
-    return Prepared(config, task, resume_from, rewards, judge, factory, functions, own)
+    return Prepared(config, task, resume_from, rewards, judge, factory, functions, own,
+                    tuple((name, spec_of(function)) for name, function in reward_functions))
