@@ -1,8 +1,12 @@
-"""The embedded tiny model's warm start: supervised fine-tuning on a task's demonstrations, done once.
+"""The embedded tiny model's warm start: supervised fine-tuning on a task's demonstrations.
 
-The warm-started model is saved as an ordinary Hugging Face checkpoint in the cache
-(``$AUTO_RESEARCH_CACHE``, else ``~/.cache/auto-research``) and reused by later runs; the folder name
-carries the recipe version so that a changed recipe never reuses a stale model.
+arithmetic-generate's warm-started model ships in the package (``train/shipped/``, 1.5 MB), so the main job starts
+from the same weights on every machine. The recipe's outcome depends on the CPU's rounding: 900 steps on 300
+demonstrations end near 0.7 held-out accuracy or, on another CPU's kernels, memorise and end near 0.25
+(docs/benchmarks.md, "The same starting point everywhere"). ``benchmarks/warm_start.py`` rebuilds it by the recipe
+below (``--ship`` replaces the packaged copy). A task without a shipped model is warm-started once and saved as an
+ordinary Hugging Face checkpoint in the cache (``$AUTO_RESEARCH_CACHE``, else ``~/.cache/auto-research``); the folder
+name carries the recipe version so that a changed recipe never reuses a stale model.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from auto_research.engine.machine import machine_record
 from auto_research.engine.models import quiet_transformers
 from auto_research.engine.packaged import cache_dir, materialise
 from auto_research.engine.tiny import TINY_ARCHITECTURE, build_model, build_tokenizer
@@ -38,15 +43,37 @@ def demonstrations(task) -> list:
     return task.demonstrations[: WARM_START["demonstrations"]]
 
 
+SHIPPED = Path(__file__).resolve().parent / "shipped"
+"""The warm-started models the package ships, one folder each, named as the cache's are."""
+
+
+def folder_name(task_name: str) -> str:
+    return f"{task_name}-qwen2-tiny-v{RECIPE_VERSION}"
+
+
+def shipped_path(task_name: str) -> Path | None:
+    """The packaged warm-started model of ``task_name`` for this recipe version, or None."""
+    folder = SHIPPED / folder_name(task_name)
+    return folder if (folder / "warm-start.json").is_file() else None
+
+
 def warm_started_path(task_name: str) -> Path:
-    return cache_dir() / f"{task_name}-qwen2-tiny-v{RECIPE_VERSION}"
+    return shipped_path(task_name) or cache_dir() / folder_name(task_name)
 
 
 def ensure_warm_started(task, progress: bool = True, log=print) -> Path:
-    """Path of the warm-started tiny model for ``task``, training it first if the cache lacks it."""
+    """Path of the warm-started tiny model for ``task``: the packaged one, else the cache's, training it first if
+    the cache lacks it."""
     target = warm_started_path(task.base or task.name)
     if (target / "warm-start.json").is_file():
         return target
+    build_warm_start(task, target, progress, log)
+    return target
+
+
+def build_warm_start(task, target: Path, progress: bool = True, log=print) -> dict:
+    """Warm-start the tiny model on ``task``'s demonstrations by the recipe and save it to ``target`` (atomically:
+    a folder another process finished first is kept). Returns its record (``warm-start.json``)."""
     quiet_transformers()
 
     pairs = [(example.prompt, example.solution) for example in demonstrations(task)]
@@ -69,11 +96,12 @@ def ensure_warm_started(task, progress: bool = True, log=print) -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        atomic_write_json(staging / "warm-start.json", {
+        record = {
             "task": task.name, "recipe_version": RECIPE_VERSION, "architecture": TINY_ARCHITECTURE,
             "warm_start": WARM_START, "demonstrations": len(pairs), "history": history,
-            "seconds": time.perf_counter() - started,
-        })
+            "seconds": time.perf_counter() - started, "made_on": machine_record("float32"),
+        }
+        atomic_write_json(staging / "warm-start.json", record)
         if target.exists():  # another process finished first: keep theirs
             shutil.rmtree(staging)
         else:
@@ -84,7 +112,7 @@ def ensure_warm_started(task, progress: bool = True, log=print) -> Path:
         raise
     log(f"warm start done in {time.perf_counter() - started:.0f} s: held-out greedy accuracy "
         f"{history[-1]['held_out_accuracy']:.3f}")
-    return target
+    return record
 
 
 def warm_start_record(path: Path) -> dict | None:
