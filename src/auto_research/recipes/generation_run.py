@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from auto_research.engine.distributed import World
 from auto_research.engine.lora import save_merged
+from auto_research.engine.machine import machine_record
 from auto_research.engine.models import resolve_device
 from auto_research.errors import UserError
 from auto_research.report import plots, tables
@@ -40,6 +41,7 @@ def train_and_report(prepared: Prepared, world: World | None, lock, log) -> dict
     world.barrier()
     metrics["training"].update(memory.read())
     metrics["training"]["processes"] = world.size
+    metrics["machine"] = machine_record(str(components.compute_dtype).removeprefix("torch."), components.device)
     if not world.main:
         return {"runs": [metrics], "paths": [], "summary": None}
     lock.check()

@@ -95,6 +95,13 @@ def run_report(metrics: dict) -> str:
         if isinstance(value, list):
             value = ", ".join(f"{item:.4g}" for item in value)
         lines.append(f"- {key.replace('_', ' ')}: {value}")
+    machine = metrics.get("machine")
+    if machine:  # where the figures were computed: CPU, kernels, versions (engine/machine.py)
+        lines += ["", "## Machine", ""]
+        for key, value in machine.items():
+            if isinstance(value, dict):
+                value = ", ".join(f"{name} {found}" for name, found in value.items() if found)
+            lines.append(f"- {key.replace('_', ' ')}: {value}")
     history = metrics.get("history") or []
     if history:
         lines += ["", "## Validation during training", ""]
