@@ -342,7 +342,7 @@ def test_partial_rounds_belong_to_the_lease_holder_come_in_order_and_their_state
                          ({"cache/0/keys": tensors["cache/0/keys"][:, :, 1:].contiguous(),
                            "cache/0/values": tensors["cache/0/values"][:, :, 1:].contiguous()},
                           f"cache layer 0 does not hold {decoding} rows of"),
-                         ({"plain_layers": 1}, "the cache has 1 layers, the model 3"),
+                         ({"plain_layers": 4}, "the cache has 4 layers, the model 3"),
                          (outside, "a prompt is not token ids of a vocabulary of"),
                          ({"plain_pending": [[key[:1], ids, seed] for key, ids, seed in plain["pending"]]},
                           "a queued group is not [[prompt index, seed], prompt ids, seed]"),
@@ -425,3 +425,67 @@ def test_in_flight_updates_against_a_server_that_cannot_decode_partial_rollouts_
                          "partial rollouts (it needs one rollout server, auto-research rollout-serve --engine builtin "
                          "or vllm, of this version or later, without --enable-lora)")
     assert not lease_held(address)  # the run gave the lease back
+
+
+def test_a_restore_is_checked_by_the_rules_of_the_rounds_it_replaces(builtin_server):
+    """/partial/restore refuses what a round would: log-probs that are NaN or above 0, versions beyond the run's,
+    settings over a round's bounds, more groups than rounds can hold, tensors no round saves, and a body larger than
+    such a state can be (refused before it is read). Each is a 4xx line, and the lease's rounds stay as they were."""
+    import safetensors.torch
+
+    from auto_research.engine.rollout.partial_serve import read_state
+
+    _, address = builtin_server
+    tokenizer = build_tokenizer()
+    lease = _call(address, "/lease", {"holder": {"host": "h", "pid": 1, "run": "/r"}, "secret": "7" * 64})[1]["lease"]
+    supply = [[[index, 100 + index], tokenizer(prompt, add_special_tokens=False)["input_ids"], 100 + index]
+              for index, prompt in enumerate(PROMPTS * 3)]
+    body = {"round": 1, "version": 0, "weights_version": 0, "per_step": 4, "oldest_allowed": -1,
+            "recompute_kv": False, "group_size": 2, "supply": supply,
+            "settings": {"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "top_k": 0}}
+    assert _call(address, "/partial/round", body, lease)[0] == 200
+    saved = _call(address, "/partial/state", {"round": 1}, lease)[1]
+    fresh = [[[index + 100, seed], ids, seed] for (index, seed), ids, seed in supply[:8]]
+    assert _call(address, "/partial/round", {**body, "round": 2, "supply": fresh}, lease)[0] == 200
+    kept = _call(address, "/partial/state", {"round": 2}, lease)
+    assert kept[0] == 200
+    tensors, plain = read_state(saved)
+
+    def tampered(extra=None, **changes):
+        changed = {**tensors, **(extra or {})}
+        return safetensors.torch.save(changed, metadata={"plain": json.dumps({**plain, **changes})})
+
+    logprobs = tensors["rows/logprobs"]
+    nan, positive = logprobs.clone(), logprobs.clone()
+    nan[0, 0], positive[0, 0] = float("nan"), 0.5
+    versions = tensors["rows/versions"].clone()
+    versions[0, 0] = 10**15
+    done = len(plain["finished"])
+    held = len(plain["lanes"]) + done
+    many = [[[index, index], [5], index] for index in range(1000, 21000)]  # 20,000 groups queued
+    rules = "the state breaks a round's rules: "
+    for (status, message), body_of in (
+            ((400, rules + "rows/logprobs holds log-probs that are NaN, infinite or above 0"),
+             tampered({"rows/logprobs": nan})),
+            ((400, rules + "rows/logprobs holds log-probs that are NaN, infinite or above 0"),
+             tampered({"rows/logprobs": positive})),
+            ((400, rules + "version must be an integer in 0..1, got 1000000000000000"), tampered(version=10**15)),
+            ((400, rules + "rows/versions holds versions outside -1..0 (the state's version)"),
+             tampered({"rows/versions": versions})),
+            ((400, rules + "per_step must be an integer in 1..4096, got 1000000"),
+             tampered(config={**plain["config"], "per_step": 10**6})),
+            ((400, rules + f"the state holds {20000 + held} groups (queued, decoding and done); rounds of 4 groups a "
+                           "step, 4 decoding at once, hold at most 24"), tampered(pending=many)),
+            ((400, rules + "the state holds a tensor 'extra/blob', which no round saves"),
+             tampered({"extra/blob": torch.zeros(4)})),
+            ((400, rules + f"the state holds a tensor 'finished/{done}/tokens', which no round saves"),
+             tampered({f"finished/{done}/tokens": torch.zeros(2, 6, dtype=torch.long)}))):  # one group too many
+        assert _call(address, "/partial/restore", body_of, lease) == (status, message)
+        assert _call(address, "/partial/state", {"round": 2}, lease) == kept  # the rounds as they were
+    # A 64 MiB tensor: the body is over what a state of these settings can be, refused from its header alone.
+    status, refusal = _call(address, "/partial/restore", tampered({"extra/blob": torch.zeros(2**24)}), lease)
+    assert status == 413 and refusal.startswith("a state of ") and "bytes is over the " in refusal, refusal
+    assert refusal.endswith("bytes that rounds of 4 groups a step (4 decoding at once) of 2 completions of up to "
+                            "6 new tokens can hold"), refusal
+    assert _call(address, "/partial/state", {"round": 2}, lease) == kept
+    assert _call(address, "/partial/restore", saved, lease) == (200, {"round": 1})  # the good one still goes in

@@ -16,7 +16,10 @@ flight between two of their decode steps, their KV cache kept or recomputed.
   answer, and each rank trains its own slice of the groups. A round sent again with another request is a 409.
 - ``POST /partial/state`` with the lease and ``{"round"}`` → the state as that round left it (kept for the last
   ``KEPT_STATES`` rounds): a safetensors body, its plain values as JSON in the metadata's ``"plain"``. A
-  checkpoint saves it; ``POST /partial/restore`` with the lease and that body puts it back for ``--resume``.
+  checkpoint saves it; ``POST /partial/restore`` with the lease and that body puts it back for ``--resume``,
+  checked first by the rules of the rounds it replaces (``partial_restore``): a state file is what a user restores
+  from, and a round's refusals (NaN log-probs, a version beyond the round's, more groups than rounds hold, tensors
+  no round saves, a body larger than its settings allow) hold for it too, the lease's rounds left as they were.
 
 The state belongs to the lease that made it, and goes when the lease is released or lapses (vLLM's requests
 aborted): another lease (a new run, or the same run resumed with its secret) starts from an empty one, at any
@@ -35,15 +38,21 @@ from dataclasses import dataclass, field
 
 import safetensors.torch
 
-from auto_research.engine.rollout.guard import MAX_PROMPTS, Refused, check_generate
+from auto_research.engine.rollout.guard import MAX_PROMPTS, Refused, all_finite, check_generate
 from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, builtin_rounds, supply_target
+from auto_research.engine.rollout.partial_files import BATCH_FIELDS, ROW_FIELDS
 from auto_research.engine.partial_bounds import MAX_IN_FLIGHT_POOL
 from auto_research.errors import one_line
 
 KEPT_STATES = 3
 """Rounds whose state the server keeps: a checkpoint after step s reads round s + 1's, and round s + 2 may have run."""
 STATE_BYTES = 2**31
-"""The bound on a restored state's body (the pool's KV cache and its rows)."""
+"""The bound on a restored state's body (the pool's KV cache and its rows) whatever its settings; the state's own
+settings bound it far below (``_state_bytes``)."""
+HEADER_BYTES = 2**26
+"""The most bytes a restored state's header may have (its tensors' names and shapes, and its plain values)."""
+RULES = "the state breaks a round's rules: "
+"""The start of a restore's refusal by the rules of the rounds it replaces (``_state_head``, ``_check_tensors``)."""
 ROUND_FIELDS = ("round", "version", "weights_version", "per_step", "oldest_allowed", "recompute_kv", "group_size",
                 "settings", "supply")
 OPTIONAL_FIELDS = ("pool_groups", "settle")
@@ -173,11 +182,11 @@ def _read_round(serving, body) -> tuple:
         raise Refused(400, f"a round has the fields {', '.join(ROUND_FIELDS)} (and {', '.join(OPTIONAL_FIELDS)}, "
                            "optionally)")
     number = _integer(body["round"], "round", 1)
-    version = _integer(body["version"], "version", 0)
+    version = _integer(body["version"], "version", 0, number)  # a round r decodes with version max(0, r − 2)
     per_step = _integer(body["per_step"], "per_step", 1, MAX_PROMPTS)
     pool_groups = _integer(body.get("pool_groups", per_step), "pool_groups", per_step, MAX_IN_FLIGHT_POOL * per_step)
     oldest = _integer(body["oldest_allowed"], "oldest_allowed", -(2**62))
-    supply, most = body["supply"], 4 * per_step + pool_groups - per_step
+    supply, most = body["supply"], _most_supply(per_step, pool_groups)
     if not isinstance(supply, list) or len(supply) > most:
         raise Refused(400, f"supply must be a list of at most {most} groups (four steps' worth, and the pool's extra "
                            "groups)")
@@ -205,13 +214,34 @@ def _read_round(serving, body) -> tuple:
     return number, version, per_step, oldest, [(key, item[1], item[2]) for key, item in zip(keys, supply)], config
 
 
+def _most_supply(per_step: int, pool_groups: int) -> int:
+    """The most groups one round may supply: four steps' worth, and the pool's extra groups."""
+    return 4 * per_step + pool_groups - per_step
+
+
+def _most_held(per_step: int, pool_groups: int) -> int:
+    """The most groups rounds may hold at once, queued, decoding and done: a round's supply, beside a pool's worth
+    decoding and a pool's worth done but not yet handed over (a trainer keeps the queue at ``supply_target``)."""
+    return _most_supply(per_step, pool_groups) + 2 * pool_groups
+
+
+def _rounds_of(per_step: int, pool_groups: int) -> str:
+    return f"rounds of {per_step} groups a step, {pool_groups} decoding at once,"
+
+
 def _check_queue(session: Session, number: int, per_step: int, supply: list) -> None:
-    """The round comes next, its groups are new to the session, and the queue will hold enough never to run dry."""
+    """The round comes next, its groups are new to the session, and the queue will hold enough never to run dry
+    (and no more than rounds may hold)."""
     if session.last_round and number != session.last_round + 1:  # a new session starts at any round
         raise Refused(409, f"round {number} after round {session.last_round}: rounds come one at a time, in order")
     held = set(session.rounds.keys()) & {key for key, _, _ in supply}
     if held:
         raise Refused(400, f"supply holds group {list(sorted(held)[0])}, which these rounds hold already")
+    pool_groups = session.config["pool_groups"]
+    count, most = len(session.rounds.keys()) + len(supply), _most_held(per_step, pool_groups)
+    if count > most:
+        raise Refused(400, f"the rounds would hold {count} groups (queued, decoding and done); "
+                           f"{_rounds_of(per_step, pool_groups)} hold at most {most}")
     needed = supply_target(per_step, session.config["pool_groups"])
     if len(session.rounds.pending) + len(supply) < needed:
         raise Refused(400, f"the queue would hold {len(session.rounds.pending) + len(supply)} groups; a round needs "
@@ -240,13 +270,17 @@ def partial_state(handler):
 
 
 def partial_restore(handler):
-    """A state saved by ``/partial/state`` back into this lease's session, which then goes on from its round."""
+    """A state saved by ``/partial/state`` back into this lease's session, which then goes on from its round. It is
+    checked by the rules of the rounds it replaces (``_state_head``: its settings, version and groups, and its
+    body's size from its header before the rest is read; ``_check_tensors``: its tensors) before anything changes."""
     serving = handler.serving
     token = handler.headers.get("X-Lease")
-    tensors, plain = read_state(handler.holder_body(STATE_BYTES))
+    head: dict = {}
+    body = handler.holder_body(STATE_BYTES, lambda read, length: head.update(_state_head(serving, read, length)))
+    tensors, plain = read_state(body)
+    number, config = head["round"], head["config"]
+    _check_tensors(tensors, plain, head["version"], serving.served.vocab_size)
     try:
-        config, number = plain["config"], _integer(plain["round"], "round", 1)
-        config = {**config, "pool_groups": config.get("pool_groups", config["per_step"])}  # saved before it was one
         _check_prompts(plain, serving.served.vocab_size)
         with serving.turns.turn(first=True):
             session = _session(handler, token, config, fresh=True)
@@ -257,6 +291,120 @@ def partial_restore(handler):
             close(serving)  # the session half restored, or the one before it (vLLM's requests aborted)
         raise Refused(400, f"the state does not fit this server's model and rounds: {str(error)[:200]}") from None
     return 200, {"round": number}
+
+
+def _state_head(serving, read, length: int) -> dict:
+    """A restore's body refused from its header (its first bytes, ``read``), before the rest is read: its settings
+    by a round's rules (``_read_round``), its version within its round's, its groups within what rounds hold, and
+    the body's ``length`` within what a state of its settings can be (``_state_bytes``). → {"round", "version",
+    "config"}."""
+    first = read(8)
+    size = struct.unpack("<Q", first)[0] if len(first) == 8 else -1
+    if not 0 < size <= min(HEADER_BYTES, length - 8):
+        raise Refused(400, f"the body is not a saved partial-rollout state: its header of {size} bytes is not within "
+                           f"the body, or over {HEADER_BYTES}")
+    try:
+        plain = json.loads(json.loads(read(size))["__metadata__"]["plain"])
+        saved = plain["config"]
+        round_body = {"round": plain["round"], "version": plain["version"], "weights_version": 0,
+                      "per_step": saved["per_step"], "oldest_allowed": 0, "recompute_kv": saved["recompute_kv"],
+                      "group_size": saved["group_size"], "settings": saved["settings"], "supply": [],
+                      "pool_groups": saved.get("pool_groups", saved["per_step"])}  # (saved before it was one)
+        pending, lanes, finished = list(plain["pending"]), list(plain.get("lanes", [])), list(plain["finished"])
+        longest = max([len(item[1]) for item in pending] + [len(lane["prompt_ids"]) for lane in lanes + finished]
+                      + [1])
+    except RecursionError:
+        raise Refused(400, "the body's header nests too deep") from None
+    except (ValueError, KeyError, TypeError, IndexError) as error:
+        raise Refused(400, f"the body is not a saved partial-rollout state: {type(error).__name__}: "
+                           f"{str(error)[:150]}") from None
+    try:
+        number, version, per_step, _, _, config = _read_round(serving, round_body)
+    except Refused as refused:
+        raise Refused(refused.status, RULES + refused.message) from None
+    pool_groups, group_size = config["pool_groups"], config["group_size"]
+    max_new = int(config["settings"]["max_new_tokens"])
+    if len(lanes) > pool_groups or len(finished) > pool_groups:
+        raise Refused(400, RULES + f"the state holds {len(lanes)} groups decoding and {len(finished)} done; "
+                                   f"{_rounds_of(per_step, pool_groups)} hold at most {pool_groups} of each")
+    count, most = len(pending) + len(lanes) + len(finished), _most_held(per_step, pool_groups)
+    if count > most:
+        raise Refused(400, RULES + f"the state holds {count} groups (queued, decoding and done); "
+                                   f"{_rounds_of(per_step, pool_groups)} hold at most {most}")
+    if pool_groups * group_size * (longest + max_new) > serving.limits.max_request_tokens:
+        raise Refused(413, RULES + f"{pool_groups} groups of {group_size} with prompts of {longest} tokens and "
+                                   f"{max_new} new tokens is over the server's --max-request-tokens "
+                                   f"{serving.limits.max_request_tokens}")
+    bound = 8 + size + _state_bytes(serving.served, pool_groups * group_size, longest, max_new)
+    if length > bound:
+        raise Refused(413, f"a state of {length} bytes is over the {bound} bytes that rounds of {per_step} groups a "
+                           f"step ({pool_groups} decoding at once) of {group_size} completions of up to {max_new} new "
+                           "tokens can hold")
+    return {"round": number, "version": version, "config": config}
+
+
+def _state_bytes(served, rows: int, longest: int, max_new: int) -> int:
+    """The most bytes a state's tensors take for ``rows`` rows (a pool's worth decoding, and a pool's worth done)
+    of prompts up to ``longest`` tokens and ``max_new`` new ones, every value counted at 8 bytes: the KV cache
+    (``_kv_width`` values a position), the pending logits, the rows' fields and the batch's; and a MiB."""
+    width = longest + max_new
+    return 2**20 + 8 * rows * (width * _kv_width(served.spec) + served.vocab_size + 2 * width + 8 + 9 * max_new)
+
+
+def _kv_width(spec: dict) -> int:
+    """The KV cache's values a position, over every layer: the output rows of the model's key and value
+    projections, or (a model that names them otherwise) of all its matrices, a bound far above."""
+    projections = sum(shape[0] for name, (shape, _) in spec.items()
+                      if name.endswith(("k_proj.weight", "v_proj.weight")) and len(shape) == 2)
+    return projections or sum(shape[0] for shape, _ in spec.values() if len(shape) == 2)
+
+
+FINISHED_FIELDS = ("tokens", "logprobs", "entropies", "versions")
+
+
+def _is_index(text: str, count: int) -> bool:
+    return text.isascii() and text.isdigit() and text == str(int(text)) and int(text) < count
+
+
+def _known_tensor(name: str, layers: int, finished: int) -> bool:
+    """Whether a round's state saves a tensor of this name (``partial_files.pool_to_files``; a state saved before
+    its rows left the batch kept the batch's fields under ``rows/``)."""
+    parts = name.split("/")
+    if len(parts) == 2:
+        return (parts[0] == "rows" and (parts[1] in ROW_FIELDS or parts[1] in set(BATCH_FIELDS) - {"row"})) or (
+            parts[0] == "batch" and parts[1] in BATCH_FIELDS)
+    return len(parts) == 3 and (
+        (parts[0] == "cache" and _is_index(parts[1], layers) and parts[2] in ("keys", "values"))
+        or (parts[0] == "finished" and _is_index(parts[1], finished) and parts[2] in FINISHED_FIELDS))
+
+
+def _check_tensors(tensors: dict, plain: dict, version: int, vocab_size: int) -> None:
+    """A restored state's tensors by the rules of the rounds that saved them: only names a round saves; log-probs
+    finite and ≤ 0; versions of tokens and logits in −1 (none) .. the state's ``version``; token ids of this
+    vocabulary; every other float finite, the uniforms in [0, 1]. ``Refused(400)`` naming the first that fails."""
+    import torch  # noqa: PLC0415
+
+    layers = plain.get("layers", 0)
+    layers = layers if isinstance(layers, int) and not isinstance(layers, bool) else 0
+    for name in sorted(tensors):
+        if not _known_tensor(name, layers, len(plain["finished"])):
+            raise Refused(400, RULES + f"the state holds a tensor {name[:80]!r}, which no round saves")
+    for name in sorted(tensors):
+        value, kind, empty = tensors[name], name.rsplit("/", 1)[1], tensors[name].numel() == 0
+        integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        if kind == "logprobs" and not (value.is_floating_point() and all_finite(value)
+                                       and (empty or float(value.max()) <= 0)):
+            raise Refused(400, RULES + f"{name} holds log-probs that are NaN, infinite or above 0")
+        if kind in ("versions", "logits_version") and not (
+                integer and (empty or (int(value.min()) >= -1 and int(value.max()) <= version))):
+            raise Refused(400, RULES + f"{name} holds versions outside -1..{version} (the state's version)")
+        if kind == "tokens" and not (integer and (empty or 0 <= int(value.min()) <= int(value.max()) < vocab_size)):
+            raise Refused(400, RULES + f"{name} holds token ids outside this vocabulary of {vocab_size}")
+        if kind in ("entropies", "logits", "uniforms", "keys", "values") and not (
+                value.is_floating_point() and all_finite(value)):
+            raise Refused(400, RULES + f"{name} holds values that are not finite floats")
+        if kind == "uniforms" and not (empty or 0 <= float(value.min()) <= float(value.max()) <= 1):
+            raise Refused(400, RULES + f"{name} holds uniforms outside [0, 1]")
 
 
 def _check_prompts(plain: dict, vocab_size: int) -> None:

@@ -62,6 +62,7 @@ else HTTP (NCCL between trainer and server is not built: see docs/vllm.md).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -235,7 +236,10 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         raise Refused(status, message)
 
-    def _body(self, limit: int) -> bytes:
+    def _body(self, limit: int, head=None) -> bytes:
+        """The body, ``limit`` bytes at most. ``head(read, length)``, when given, reads the body's first bytes
+        (``read(count)``) and may refuse the body from them: the rest is then read and dropped, never held, so that
+        a client still sending gets the refusal, and the connection closes."""
         length = self.headers.get("Content-Length")
         if length is None:
             self._refuse(411, "a request body needs a Content-Length")
@@ -245,13 +249,31 @@ class Handler(BaseHTTPRequestHandler):
             self._refuse(413, f"a body of {length[:40]} bytes is over this path's limit of {limit} bytes")
         if int(length) > LARGE_BODY_BYTES and not self.serving.leases.holds(self.headers.get("X-Lease")):
             self._large_slot()
-        try:
-            body = self.rfile.read(int(length))
-        except (TimeoutError, OSError):
-            self._refuse(408, f"the body did not arrive within {self.serving.limits.read_timeout:g} s")
-        if len(body) < int(length):
-            self._refuse(400, f"the body ended after {len(body)} of {int(length)} bytes")
-        return body
+        total, parts = int(length), []
+
+        def read(count: int) -> bytes:
+            count = min(count, total - sum(map(len, parts)))
+            try:
+                part = self.rfile.read(count)
+            except (TimeoutError, OSError):
+                self._refuse(408, f"the body did not arrive within {self.serving.limits.read_timeout:g} s")
+            parts.append(part)
+            if len(part) < count:
+                self._refuse(400, f"the body ended after {sum(map(len, parts))} of {total} bytes")
+            return part
+
+        if head is not None:
+            try:
+                head(read, total)
+            except Refused:
+                self.close_connection = True
+                left = total - sum(map(len, parts))
+                with contextlib.suppress(TimeoutError, OSError):
+                    while left > 0 and (chunk := self.rfile.read(min(left, 2**20))):
+                        left -= len(chunk)
+                raise
+        read(total)
+        return b"".join(parts)
 
     def _large_slot(self) -> None:
         """One of the slots for large bodies (``LARGE_BODIES``), waited for up to the read timeout."""
@@ -381,14 +403,15 @@ class Handler(BaseHTTPRequestHandler):
 
 
 
-    def holder_body(self, limit: int) -> bytes:
-        """The lease holder's body (``limit`` bytes at most); another client's is read, dropped and refused."""
+    def holder_body(self, limit: int, head=None) -> bytes:
+        """The lease holder's body (``limit`` bytes at most; ``head`` as ``_body``'s); another client's is read,
+        dropped and refused."""
         try:  # the lease first: a push of any other client is never held in memory
             self.serving.leases.check(self.headers.get("X-Lease"))
         except Refused:
             self._drain(limit)  # read and dropped, so that a client still sending gets the refusal
             raise
-        return self._body(limit)
+        return self._body(limit, head)
 
     def _shared(self):
         body = self._json(2**22)
