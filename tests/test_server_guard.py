@@ -239,7 +239,7 @@ def fake(tmp_path):
     engine = FakeEngine()
     engine.clock = Clock()  # the leases' clock, moved by hand: no test waits for a lease to lapse
     server, address = start(engine, Served("fake", "f" * 16, SPEC, 50, "float32"),
-                            Limits("sesame", 60.0, 5.0, 8, tmp_path, max_request_tokens=1000), engine.clock)
+                            Limits("open-sesame-key-16", 60.0, 5.0, 8, tmp_path, max_request_tokens=1000), engine.clock)
     yield engine, f"http://{address}"
     stop(server)
 
@@ -267,7 +267,7 @@ def read_all(connection) -> str:
     return b"".join(chunks).decode()
 
 
-def call(url, path, body=None, headers=None, key="sesame") -> tuple[int, dict]:
+def call(url, path, body=None, headers=None, key="open-sesame-key-16") -> tuple[int, dict]:
     auth = {"Authorization": f"Bearer {key}"} if key else {}
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     sent = urllib.request.Request(url + path, data=data, headers={**auth, **(headers or {})})
@@ -317,7 +317,8 @@ def test_a_slow_client_blocks_nobody_and_gets_408(fake):
     _, url = fake
     port = int(url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as slow:
-        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sesame\r\nContent-Length: 100\r\n\r\n")
+        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer open-sesame-key-16\r\n"
+                     b"Content-Length: 100\r\n\r\n")
         assert call(url, "/generate", GOOD)[0] == 200
         slow.setblocking(False)
         with pytest.raises(BlockingIOError):  # answered while the slow client still owes its body and waits
@@ -336,7 +337,7 @@ def raw(url: str, head: bytes) -> str:
 
 def test_missing_or_oversized_bodies_and_an_engine_failure_are_one_line_answers(fake):
     engine, url = fake
-    auth = b"Authorization: Bearer sesame\r\n"
+    auth = b"Authorization: Bearer open-sesame-key-16\r\n"
     assert raw(url, b"POST /generate HTTP/1.1\r\n" + auth + b"\r\n").startswith("HTTP/1.0 411")
     answer = raw(url, b"POST /generate HTTP/1.1\r\n" + auth + b"Content-Length: 999999999999\r\n\r\n")
     assert answer.startswith("HTTP/1.0 413") and "over this path's limit of 67108864 bytes" in answer
@@ -351,7 +352,7 @@ def test_missing_or_oversized_bodies_and_an_engine_failure_are_one_line_answers(
 
 def test_malformed_lengths_deep_nesting_and_mistyped_claims_are_400_lines_and_change_nothing(fake):
     engine, url = fake
-    auth = b"POST /lease HTTP/1.1\r\nAuthorization: Bearer sesame\r\n"
+    auth = b"POST /lease HTTP/1.1\r\nAuthorization: Bearer open-sesame-key-16\r\n"
     for length, shown in ((b"\xc2\xb2", "Â²"), (b"\xb2", "²"), (b"+5", "+5"), (b"0x10", "0x10"), (b"1_0", "1_0")):
         answer = raw(url, auth + b"Content-Length: " + length + b"\r\n\r\n{}")
         assert answer.startswith("HTTP/1.0 400") and json.loads(answer.split("\r\n\r\n", 1)[1]) == {
@@ -463,7 +464,7 @@ def policy(tmp_path, monkeypatch):
     from auto_research.engine.rollout.remote import pushed_weights
     from auto_research.engine.tiny import build_model, build_tokenizer
 
-    monkeypatch.setenv("AUTO_RESEARCH_API_KEY", "sesame")
+    monkeypatch.setenv("AUTO_RESEARCH_API_KEY", "open-sesame-key-16")
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=0)
     spec = weight_spec(pushed_weights(model, torch.float32))
@@ -471,7 +472,7 @@ def policy(tmp_path, monkeypatch):
     folder.mkdir()
     server, address = start(engine, Served("embedded", fingerprint(model.config, tokenizer), spec,
                                            model.config.vocab_size, "float32"),
-                            Limits("sesame", 60.0, 5.0, 8, folder, slice_tokens=10),
+                            Limits("open-sesame-key-16", 60.0, 5.0, 8, folder, slice_tokens=10),
                             clock)
 
     def trainer(shared: bool = True, run: str = "run") -> ServerSampler:
@@ -632,10 +633,10 @@ def test_a_push_without_the_lease_is_refused_without_its_body_being_kept(fake, m
 
     engine, url = fake
     kept = []
-    monkeypatch.setattr(module.Handler, "_body", lambda self, limit: kept.append(limit) or b"")
+    monkeypatch.setattr(module.Handler, "_body", lambda self, limit, head=None: kept.append(limit) or b"")
     body = b"x" * (8 * 2**20)
-    answer = raw(url, b"POST /weights?part=0&last=1 HTTP/1.1\r\nAuthorization: Bearer sesame\r\nContent-Length: "
-                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    answer = raw(url, b"POST /weights?part=0&last=1 HTTP/1.1\r\nAuthorization: Bearer open-sesame-key-16\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     assert answer.startswith("HTTP/1.0 409") and kept == [] and engine.loaded == []
 
 

@@ -1,8 +1,8 @@
 """The rollout server's control surface against real processes on 127.0.0.1 (``rollout-serve --engine builtin``):
 a live trainer's lease cannot be taken, nor its weights replaced, by another process that names the trainer's
 host, PID and run folder; a run SIGKILLed and resumed takes its own lease back with its run's secret and ends as
-the undisturbed run did; an API key in any script works on both sides, and one HTTP cannot carry is refused at
-the start in one line."""
+the undisturbed run did; an API key from a file or the environment works on both sides, and one that is not 16 to
+256 printable ASCII characters, or a file others may read, is refused at the start in one line."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from conftest import kill_after_checkpoint
 
 TIMES = ("step_seconds", "tokens_per_second", "weight_sync_seconds")
-KEY = "ключ-🔑-clé"  # beyond Latin-1: HTTP headers carry its UTF-8 bytes
+KEY = "k3y-for-these-tests~7f2c9a"  # printable ASCII, 16 to 256 characters: what every HTTP client sends as it is
 REWARDS = """
 import os, pathlib, time
 
@@ -221,8 +221,12 @@ def _health(address: str, headers: dict | None = None) -> str:
         return answer.read().decode()
 
 
-def test_a_key_beyond_latin1_works_on_both_sides_and_the_flag_warns_that_the_process_list_shows_it(tmp_path,
-                                                                                                      monkeypatch):
+def test_a_key_from_a_file_works_on_both_sides_and_the_flag_that_showed_it_is_refused(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """``rollout-serve --api-key-file`` (mode 0600) and the trainer's AUTO_RESEARCH_API_KEY: the key as curl sends
+    it works, a wrong one is named as wrong; ``--api-key`` (which the process list showed) and a file other users
+    may read are refused at the start in one line, exit status 2."""
+    from auto_research.cli import main
     from auto_research.engine.distributed import World
     from auto_research.engine.rollout import SamplingSettings
     from auto_research.engine.rollout.client import ServerSampler
@@ -230,12 +234,33 @@ def test_a_key_beyond_latin1_works_on_both_sides_and_the_flag_warns_that_the_pro
     from auto_research.errors import UserError
     from auto_research.http import authorization
 
-    server = Server("--api-key", KEY, env=_environment(tmp_path))
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
+
+    def refused(*args) -> str:
+        assert main(["rollout-serve", "--engine", "builtin", "--port", "0", *args]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0].removeprefix("auto-research: error: ")
+
+    gone = ("--api-key is refused: the process list shows a flag's value to every user of this machine; put the key "
+            "in a file only you can read (chmod 600) and give --api-key-file FILE, or set AUTO_RESEARCH_API_KEY")
+    assert refused("--api-key", KEY) == gone
+    assert refused(f"--api-key={KEY}") == gone
+    assert refused("--api-key-file", str(key_file), "--api-key", KEY) == gone
+    shared = tmp_path / "shared-key"
+    shared.write_text(KEY)
+    shared.chmod(0o644)
+    assert refused("--api-key-file", str(shared)) == (f"--api-key-file {shared} may be read by other users (mode "
+                                                      f"0644): make it its owner's alone (chmod 600 {shared})")
+    assert refused("--api-key-file", str(tmp_path / "none")).startswith(f"cannot read --api-key-file {tmp_path}/none")
+    server = Server("--api-key-file", str(key_file), env=_environment(tmp_path))
     try:
-        assert server.lines.count("auto-research: warning: --api-key shows the key in the process list, to every "
-                                  "user of this machine; set AUTO_RESEARCH_API_KEY instead\n") == 1
+        assert not any("warning" in line for line in server.lines)
         host, port = server.address.rsplit(":", 1)
-        with socket.create_connection((host, int(port))) as raw:  # as curl sends it: the key's bytes
+        with socket.create_connection((host, int(port))) as raw:  # as curl sends it
             raw.sendall(b"GET /health HTTP/1.0\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n")
             assert raw.makefile("rb").readline().startswith(b"HTTP/1.0 200")
         health = json.loads(_health(server.address, {"Authorization": authorization(KEY)}))
@@ -254,19 +279,33 @@ def test_a_key_beyond_latin1_works_on_both_sides_and_the_flag_warns_that_the_pro
         with pytest.raises(UserError) as caught:
             ServerSampler(model, tokenizer, SamplingSettings(4), server.address, "embedded", World(), tmp_path / "run",
                           engine="builtin")
+        assert str(caught.value) == (f"--rollout-server {server.address} refused this API key: set "
+                                     "AUTO_RESEARCH_API_KEY to the key the server was started with")
+        monkeypatch.delenv("AUTO_RESEARCH_API_KEY")
+        with pytest.raises(UserError) as caught:
+            ServerSampler(model, tokenizer, SamplingSettings(4), server.address, "embedded", World(), tmp_path / "run",
+                          engine="builtin")
         assert str(caught.value) == (f"--rollout-server {server.address} wants an API key: set AUTO_RESEARCH_API_KEY "
                                      "to the key the server was started with")
     finally:
         server.stop()
 
 
+RULE = "an API key is 16 to 256 printable ASCII characters (letters, digits, punctuation, inner spaces)"
+
+
 @pytest.mark.parametrize("key, message", [
-    ("a\nb", "holds a control character (a line break, a tab?): an HTTP header cannot carry it"),
-    ("key\t", "holds a control character (a line break, a tab?): an HTTP header cannot carry it"),
-    (" key", "begins or ends with white space, which HTTP drops from a header: remove it"),
-    ("key\udcff", "is not UTF-8 text: an API key must be"),  # what os.environ makes of bytes that are not UTF-8
+    ("my-secret-key-€-2024", f"holds a character beyond ASCII (U+20AC) at character 15: {RULE}"),
+    ("ключ-🔑-clé-and-more", f"holds a character beyond ASCII (U+043A) at character 1: {RULE}"),
+    ("a-long-enough-key\nb", f"holds a control character (a line break, a tab?) at character 18: {RULE}"),
+    ("a-long-enough-key\t", f"holds a control character (a line break, a tab?) at character 18: {RULE}"),
+    (" a-long-enough-key", "begins or ends with a space, which HTTP drops from a header: remove it"),
+    ("sesame", f"is 6 characters long: {RULE}"),
+    ("k" * 257, f"is 257 characters long: {RULE}"),
+    ("a-long-enough-key\udcff", f"holds a byte that is not UTF-8 text at character 18: {RULE}"),  # os.environ's
 ])
-def test_a_key_http_cannot_carry_is_refused_at_the_start_on_both_sides(key, message, monkeypatch, capsys, tmp_path):
+def test_a_key_that_is_not_printable_ascii_of_16_to_256_is_refused_at_the_start_on_both_sides(
+        key, message, monkeypatch, capsys, tmp_path):
     from auto_research.cli import main
     from auto_research.engine.distributed import World
     from auto_research.engine.rollout import SamplingSettings
@@ -281,8 +320,10 @@ def test_a_key_http_cannot_carry_is_refused_at_the_start_on_both_sides(key, mess
         return lines[0]
 
     monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
-    if "\udcff" not in key:  # a command line's argument of bytes that are not UTF-8 is the variable's case
-        assert refused("--api-key", key) == f"auto-research: error: --api-key {message}"
+    key_file = tmp_path / "key"
+    key_file.write_bytes(key.encode("utf-8", "surrogateescape"))
+    key_file.chmod(0o600)
+    assert refused("--api-key-file", str(key_file)) == f"auto-research: error: --api-key-file {key_file} {message}"
     monkeypatch.setenv("AUTO_RESEARCH_API_KEY", key)
     assert refused() == f"auto-research: error: AUTO_RESEARCH_API_KEY {message}"
     tokenizer = build_tokenizer()
@@ -290,6 +331,12 @@ def test_a_key_http_cannot_carry_is_refused_at_the_start_on_both_sides(key, mess
         ServerSampler(build_model(tokenizer, seed=0), tokenizer, SamplingSettings(4), "127.0.0.1:9", "embedded",
                       World(), tmp_path / "run", engine="builtin")
     assert str(caught.value) == f"AUTO_RESEARCH_API_KEY {message}"
+    if "€" in key:  # the trainer's command: one line, exit status 2 (it said "wants an API key" of a key it had)
+        assert main(["post-train", "--dataset", "arithmetic-generate", "--steps", "1", "--offline", "--sampler",
+                     "builtin", "--rollout-mode", "server", "--rollout-server", "127.0.0.1:9", "--no-progress",
+                     "--output-dir", str(tmp_path / "out")]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line == f"auto-research: error: AUTO_RESEARCH_API_KEY {message}"
 
 
 def test_the_servers_bounds_are_checked_at_its_start(capsys):

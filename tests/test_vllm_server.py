@@ -615,7 +615,7 @@ def test_vllm_serve_refusals_are_one_line(tiny_model_dir, served_model, capsys, 
     assert error("--lease-seconds", "0") == "--lease-seconds must be a finite number > 0, got 0.0"
     assert error("--read-timeout", "nan") == "--read-timeout must be a finite number > 0, got nan"
     assert error("--max-group-size", "0") == "--max-group-size must be a positive integer, got 0"
-    assert error("--api-key", " ") == "--api-key is empty"
+    assert error("--api-key", KEY).startswith("--api-key is refused: the process list shows a flag's value")
     assert error("--engine", "sglang") == "--engine must be vllm or builtin, got 'sglang'"
     assert error("--engine", "builtin", "--dtype", "bfloat16") == (
         "--dtype is vLLM's (--engine vllm); the builtin engine samples in float32 with the model's own cache, as the "
@@ -652,7 +652,7 @@ def test_vllm_serve_refusals_are_one_line(tiny_model_dir, served_model, capsys, 
     assert warning.startswith("warning: serving on 0.0.0.0, beyond this machine, without an API key: anyone who "
                               "reaches the port can sample from the model")
     assert "has 16 (32 over 2 heads)" in refusal
-    monkeypatch.setenv("AUTO_RESEARCH_API_KEY", "k")
+    monkeypatch.setenv("AUTO_RESEARCH_API_KEY", KEY)
     assert main(["vllm-serve", "--host", "0.0.0.0", "--model", str(tiny_model_dir), "--offline", "--device",
                  "cpu"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1  # with a key: no warning

@@ -2,8 +2,9 @@
 a vLLM server): a request that times out, is refused, is dropped or gets a 5xx answer is retried with
 exponential backoff; a 4xx is not (the server refused the request itself: retrying sends the same).
 
-And the API key of our own servers (``Authorization: Bearer KEY``), the same on both sides: any UTF-8 text,
-sent as its bytes (``authorization``), or refused in one line where HTTP cannot carry it (``check_api_key``)."""
+And the API key of our own servers (``Authorization: Bearer KEY``), the same on both sides: 16 to 256 printable
+ASCII characters, which every HTTP client sends as they are; anything else is refused at the start, on either side,
+in one line (``check_api_key``)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ import http.client
 import json
 import os
 import time
-import unicodedata
 import urllib.error
 import urllib.request
 
 from auto_research.errors import UserError, is_decimal
 
 API_KEY_VARIABLE = "AUTO_RESEARCH_API_KEY"
-"""The shared secret, on the server and the trainer alike (a flag would land in config.yaml and shell history,
-and ``--api-key`` on ``rollout-serve`` shows in the process list)."""
+"""The shared secret, on the server and the trainer alike (a flag would land in config.yaml and shell history, and
+in the process list: ``rollout-serve`` takes ``--api-key-file`` or this variable)."""
+API_KEY_RULE = "an API key is 16 to 256 printable ASCII characters (letters, digits, punctuation, inner spaces)"
+"""What ``check_api_key`` takes: a header any HTTP client sends as it is (curl, urllib and browsers differ on
+anything beyond ASCII, and http.client refuses what is beyond Latin-1), and too long to guess."""
 
 
 class RequestFailed(Exception):
@@ -72,27 +75,26 @@ def api_key(given: str | None, flag: str) -> str | None:
 
 
 def check_api_key(key: str | None, source: str) -> str | None:
-    """``key`` (None or empty: no key), or one line naming ``source`` when HTTP cannot carry it. Any UTF-8 text
-    goes; a header cannot hold a control character, and drops the white space at its ends."""
+    """``key`` (None or empty: no key), or one line naming ``source`` and why when it is not ``API_KEY_RULE``'s
+    (the line never shows the key)."""
     if not key:
         return None
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError:  # an environment variable's bytes that are not UTF-8 arrive as surrogates
-        raise UserError(f"{source} is not UTF-8 text: an API key must be") from None
-    if any(unicodedata.category(character) == "Cc" for character in key):
-        raise UserError(f"{source} holds a control character (a line break, a tab?): an HTTP header cannot carry it")
+    for position, character in enumerate(key, 1):
+        if not " " <= character <= "~":
+            what = ("a byte that is not UTF-8 text" if "\udc80" <= character <= "\udcff"  # (os.environ's escape)
+                    else "a control character (a line break, a tab?)" if character < " " or character == "\x7f"
+                    else f"a character beyond ASCII (U+{ord(character):04X})")
+            raise UserError(f"{source} holds {what} at character {position}: {API_KEY_RULE}")
     if key != key.strip():
-        raise UserError(f"{source} begins or ends with white space, which HTTP drops from a header: remove it")
+        raise UserError(f"{source} begins or ends with a space, which HTTP drops from a header: remove it")
+    if not 16 <= len(key) <= 256:
+        raise UserError(f"{source} is {len(key)} characters long: {API_KEY_RULE}")
     return key
 
 
 def authorization(key: str) -> str:
-    """The ``Authorization`` header's value for ``key``: its UTF-8 bytes, as the Latin-1 text that HTTP headers are
-    in Python (http.client sends each character as one byte, http.server reads each byte as one character), so a
-    key in any script arrives as the bytes it is, as curl sends it. A key beyond Latin-1 as plain text made
-    http.client fail before sending anything."""
-    return f"Bearer {key}".encode("utf-8").decode("latin-1")
+    """The ``Authorization`` header's value for ``key`` (printable ASCII: ``check_api_key``)."""
+    return f"Bearer {key}"
 
 
 def split_address(address: str, flag: str = "--rollout-server") -> tuple[str, int]:

@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 from auto_research import __version__
 from auto_research.algorithms.registry import REGISTRY
 from auto_research.cli import commands
-from auto_research.cli.flags import Parser, add_config_flag, add_flags, add_trl_flags
+from auto_research.cli.flags import Parser, add_config_flag, add_flags, add_trl_flags, refuse_flag
 from auto_research.config.candidate import CandidateConfig
 from auto_research.config.fields import DATASETS
 from auto_research.config.generation import GenerationConfig
@@ -48,6 +48,13 @@ def _recipe(name: str):
     return add
 
 
+def _serve(parser) -> None:
+    _recipe("ServeConfig")(parser)
+    refuse_flag(parser, "--api-key", "--api-key is refused: the process list shows a flag's value to every user of "
+                                     "this machine; put the key in a file only you can read (chmod 600) and give "
+                                     "--api-key-file FILE, or set AUTO_RESEARCH_API_KEY")
+
+
 class Subcommand(NamedTuple):
     help: str
     flags: Callable
@@ -69,8 +76,8 @@ SUBCOMMANDS = {
                        "model, RL against it, judge by win rate", _recipe("RLHFConfig"), commands.rlhf),
     "data": Subcommand("download a dataset into --dataset-dir", _recipe("DataConfig"), commands.data),
     "rollout-serve": Subcommand("serve one rollout engine (vLLM, or --engine builtin) over HTTP for post-train "
-                                "--rollout-mode server", _recipe("ServeConfig"), commands.rollout_serve),
-    "vllm-serve": Subcommand("the same as rollout-serve (its first name)", _recipe("ServeConfig"),
+                                "--rollout-mode server", _serve, commands.rollout_serve),
+    "vllm-serve": Subcommand("the same as rollout-serve (its first name)", _serve,
                              commands.rollout_serve),
 }
 """The one table of subcommands: each one's help, flags and function."""

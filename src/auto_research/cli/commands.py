@@ -182,9 +182,6 @@ def rollout_serve(args: argparse.Namespace) -> int:
 
     load_config_file(args, [ServeConfig])
     config = ServeConfig(**given(args, ServeConfig)).validate()
-    if getattr(args, "api_key", None) is not None:  # on the command line, not from --config's file
-        _stderr("auto-research: warning: --api-key shows the key in the process list, to every user of this "
-                "machine; set AUTO_RESEARCH_API_KEY instead")
     import torch
 
     if config.threads:

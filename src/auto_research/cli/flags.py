@@ -165,6 +165,17 @@ def _as_ours(item, words: list[str]):
         return None
 
 
+def refuse_flag(parser: argparse.ArgumentParser, flag: str, message: str) -> None:
+    """``flag`` (a flag that is gone) out of --help, and refused in one line, ``message``, wherever it is given
+    (argparse would otherwise read it as an abbreviation of a longer flag, ``--api-key`` of ``--api-key-file``)."""
+
+    class Refuse(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            raise UserError(message)
+
+    parser.add_argument(flag, nargs="?", action=Refuse, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
 def add_config_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None, metavar="FILE",
                         help="settings in a YAML (or JSON) file, keys named as the flags; flags given here win")

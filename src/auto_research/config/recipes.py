@@ -184,9 +184,10 @@ class ServeConfig:
     seed: int = setting(0, "the engine's seed (each request carries its own seeds)", type=int)
     threads: int | None = setting(None, "CPU threads torch may use", default_text="one per core", type=int)
     offline: bool = setting(False, "never download; a hub id is an error", action="store_true")
-    api_key: str | None = setting(None, "a shared secret every request must carry (Authorization: Bearer KEY); "
-                                        "prefer AUTO_RESEARCH_API_KEY, which the trainer reads too: the flag "
-                                        "shows in the process list", default_text="$AUTO_RESEARCH_API_KEY, else none")
+    api_key_file: str | None = setting(None, "a file (mode 0600) holding the shared secret every request must carry "
+                                             "(Authorization: Bearer KEY; 16 to 256 printable ASCII characters); the "
+                                             "trainer reads it from AUTO_RESEARCH_API_KEY",
+                                       default_text="$AUTO_RESEARCH_API_KEY, else none")
     lease_seconds: float = setting(60.0, "a trainer's lease lapses this long after its last renewal (its pushes "
                                          "and a heartbeat every quarter of it renew it), freeing the server of a "
                                          "trainer that died", type=float)
@@ -250,11 +251,6 @@ class ServeConfig:
                             f"{self.max_request_tokens}: a request allowed alone could never go in")
         check_positive_finite("--lease-seconds", self.lease_seconds)
         check_positive_finite("--read-timeout", self.read_timeout)
-        if self.api_key is not None and not self.api_key.strip():
-            raise UserError("--api-key is empty")
-        from auto_research.http import check_api_key
-
-        check_api_key(self.api_key, "--api-key")
         check_device(self.device)
         if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
             raise UserError(f"--dtype must be auto, bfloat16 or float32, got {self.dtype!r}")

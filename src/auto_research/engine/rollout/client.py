@@ -77,8 +77,8 @@ class ServerSampler:
                                         self.headers))
         except RequestFailed as error:
             if error.status == 401:
-                raise UserError(f"--rollout-server {address} wants an API key: set {API_KEY_VARIABLE} to the key the "
-                                "server was started with") from None
+                raise UserError(f"--rollout-server {address} " + ("refused this API key" if key else "wants an API key")
+                                + f": set {API_KEY_VARIABLE} to the key the server was started with") from None
             raise UserError(f"--rollout-server {address}: no rollout server answers there ({error}); start one with "
                             f"auto-research rollout-serve --engine {engine} --model {model_name} --port {port}") from None
         except ValueError:

@@ -19,7 +19,7 @@ from auto_research.engine.samplers import vllm_memory
 def serve(config, log=print) -> None:
     """``auto-research rollout-serve``: load the model, start the engine (vLLM or the builtin sampler), answer
     until interrupted."""
-    api_key = server_key(config.api_key)
+    api_key = server_key(config.api_key_file)
     if api_key is None and not is_loopback(config.host):
         log(f"warning: serving on {config.host}, beyond this machine, without an API key: anyone who reaches the "
             f"port can sample from the model and, while no trainer holds the lease, replace its weights; set "

@@ -4,8 +4,9 @@
     auto-research post-train --model M --sampler vllm --rollout-mode server --rollout-server 127.0.0.1:8000
 
 The protocol, all on one HTTP port (our own: vLLM's OpenAI server has no in-place weight push that works on
-the CPU). With a key (``AUTO_RESEARCH_API_KEY`` on both sides; ``--api-key`` works but shows in the process list)
-every request carries ``Authorization: Bearer KEY``, the key's UTF-8 bytes (``authorization``).
+the CPU). With a key (``AUTO_RESEARCH_API_KEY`` on both sides, or ``rollout-serve --api-key-file``: a flag's value
+would show in the process list) every request carries ``Authorization: Bearer KEY`` (``authorization``; a key is
+16 to 256 printable ASCII characters, ``http.check_api_key``).
 
 - ``GET /health`` → ``{"model", "fingerprint", "weights_version", "instance", "max_model_len", "dtype",
   "vocab_size", "max_group_size", "max_request_tokens", "lease_seconds", "adapters", "collective", "partial",
@@ -80,8 +81,8 @@ from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, 
 from auto_research.engine.rollout.pushes import (adapter_push, backends, collective_join, collective_push,
                                                 takes_adapters)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
-from auto_research.errors import is_decimal, one_line
-from auto_research.http import api_key, authorization
+from auto_research.errors import UserError, is_decimal, one_line
+from auto_research.http import api_key, authorization, check_api_key
 
 PART_BYTES = 256 * 2**20
 SLICE_TOKENS = 2**14
@@ -104,9 +105,31 @@ def fingerprint(config, tokenizer) -> str:
     return hashlib.sha256(json.dumps([shape, vocabulary], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def server_key(flag: str | None) -> str | None:
-    """``rollout-serve``'s key: ``--api-key`` when given, else ``AUTO_RESEARCH_API_KEY``; checked."""
-    return api_key(flag, "--api-key")
+def server_key(key_file: str | None) -> str | None:
+    """``rollout-serve``'s key: the text of ``--api-key-file`` when given (a file its owner alone may read, mode
+    0600; one line end dropped), else ``AUTO_RESEARCH_API_KEY``; checked (``http.check_api_key``), one line else."""
+    import os  # noqa: PLC0415
+    import stat  # noqa: PLC0415
+
+    if key_file is None:
+        return api_key(None, "")
+    where = f"--api-key-file {key_file}"
+    path = os.path.expanduser(key_file)
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # (a FIFO would hold the start until something wrote to it)
+            raise UserError(f"{where} is not a file")
+        if mode & 0o077:
+            raise UserError(f"{where} may be read by other users (mode {stat.S_IMODE(mode):04o}): make it its "
+                            f"owner's alone (chmod 600 {key_file})")
+        with open(path, "rb") as file:
+            raw = file.read(4096)
+    except OSError as error:
+        raise UserError(f"cannot read {where}: {error.strerror or error}") from None
+    text = raw.decode("utf-8", "surrogateescape").removesuffix("\n").removesuffix("\r")
+    if not text:
+        raise UserError(f"{where} is empty: write the key in it")
+    return check_api_key(text, where)
 
 
 # --- the server ---------------------------------------------------------------------------------------
