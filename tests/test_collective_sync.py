@@ -287,3 +287,101 @@ def test_a_tensor_of_another_shape_than_the_servers_is_refused_before_it_is_sent
     assert str(caught.value).startswith("the push sends 'model.embed_tokens.weight' as [3, 3] torch.float32 where "
                                         "the server expects [")
     client.close()  # its lease back; the server's half-received push ends at its own timeout
+
+
+STRANGER = """
+import datetime, json, socket, sys, time
+
+import torch.distributed as dist
+
+port, found = int(sys.argv[1]), {}
+try:  # torch's own store client, as a TCPStore served it to anyone
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=2))
+    store.set("mine", b"1")
+    found["read back"] = store.get("mine").decode()
+    found["keys"] = store.num_keys()
+except Exception as error:
+    found["store client"] = type(error).__name__
+for name, answer in (("wrong answer", b"\\0" * 64), ("no answer", b"")):
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+        started, received = time.monotonic(), b""
+        raw.sendall(answer)
+        try:
+            while chunk := raw.recv(4096):
+                received += chunk
+            found[name] = {"closed after": time.monotonic() - started, "received": len(received)}
+        except OSError as error:
+            found[name] = {"still open": type(error).__name__}
+print(json.dumps(found))
+"""
+
+
+def _listening() -> set:
+    """This process's listening TCP sockets, as (address, port)."""
+    import ipaddress
+    import os
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))  # each 32-bit word little-endian
+                found.add((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return found
+
+
+def test_the_rendezvous_listens_on_the_loopback_and_serves_no_process_but_the_lease_holders_server(
+        server, tmp_path, monkeypatch):
+    """With a server on 127.0.0.1, the store and gloo's listeners (the trainer's and the server's) listen there
+    alone (a TCPStore listened on every interface). A process that is not the trainer cannot read or write the
+    store's keys, nor join (torch's own store client fails), and its connections are closed, whether it answers
+    the challenge wrongly or not at all; an answer under another lease's key is refused too. The group then pushes
+    as before."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    engine, address = server
+    before = _listening()
+    trained = build_model(build_tokenizer(), seed=1)
+    client = _client(trained, address, tmp_path / "run", "collective")
+    opened = _listening() - before
+    assert len(opened) >= 3, opened  # the store, and a gloo listener on each side
+    assert {host for host, _ in opened} == {"127.0.0.1"}, opened
+    port = client.link.store.port
+    assert ("127.0.0.1", port) in opened
+    from auto_research.engine.rollout import rendezvous
+
+    monkeypatch.setattr(rendezvous, "AUTH_SECONDS", 1.0)  # (the default 5 s: the test need not wait as long)
+    done = subprocess.run([sys.executable, "-c", STRANGER, str(port)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout)
+    assert "read back" not in found and "keys" not in found and "store client" in found, found
+    for name in ("wrong answer", "no answer"):
+        assert "closed after" in found[name] and found[name]["closed after"] < 10, found
+        assert found[name]["received"] == len(rendezvous.MAGIC) + 32, found  # the challenge, nothing else
+    with pytest.raises(ConnectionError):
+        rendezvous.RemoteStore("127.0.0.1", port, rendezvous.link_key("another lease", "a group"), 5.0)
+    assert client.link.store.refused >= 4
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.mul_(1.01)
+    client.load_weights(trained)  # the group still works
+    assert all(torch.equal(engine.parameters[name], tensor) for name, tensor in trained.named_parameters())
+    client.close()
+    with pytest.raises(ConnectionRefusedError):  # the store goes with the run
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()

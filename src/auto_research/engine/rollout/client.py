@@ -150,7 +150,7 @@ class ServerSampler:
                                  ) if sync == "collective" else None
             try:
                 self.link = CollectiveLink(self._call, host, port, backend=backend, device=self.device,
-                                           tied=self.tied)
+                                           tied=self.tied, lease=self.lease)
                 self.transfer = f"a torch.distributed group ({backend})"
             except (UserError, RuntimeError, OSError) as error:
                 if sync == "collective":
@@ -186,6 +186,8 @@ class ServerSampler:
         if self.shared is not None:
             self.shared.close()
             self.shared = None
+        if self.link is not None:
+            self.link.close()
         self.lease, self.link = None, None
 
     def close(self) -> None:
@@ -197,6 +199,8 @@ class ServerSampler:
         if self.lease is not None and self.world.main:
             with contextlib.suppress(UserError):
                 self._call("/lease/release", b"{}", retries=0)
+        if self.link is not None:
+            self.link.close()
         self.lease, self.link = None, None
 
     def _lease_headers(self) -> dict:

@@ -4,7 +4,8 @@
 - ``POST /weights/adapter`` (``adapter_push``): see server.py's docstring and ``guard.check_adapter``.
 - ``POST /weights/collective`` with ``{"store": "HOST:PORT", "group": nonce, "backend": "gloo" | "nccl",
   "tied": {name: earlier name}}`` (``collective_join``): the server joins a group of two (rank 1) of that backend
-  through the trainer's TCPStore at that address, under a prefix that names this link, and answers the names it
+  through the trainer's store at that address (``rendezvous.StoreHost``), under a prefix that names this link,
+  once the two sides answered each other's challenge under a key from the lease; and answers the names it
   expects, in order, and the ties it takes (``guard.check_ties``). One link per lease; a new join replaces it. A
   backend the server cannot take is a 400 (``/health`` lists those it can). A tied name (the trainer's model ties it:
   ``remote.tied_weights``, SmolLM2's lm_head) is never sent: the server loads its source's tensor under it.
@@ -25,8 +26,10 @@ in the set the engine is not serving from, so a refused push leaves the served w
 two starved gloo's sending thread on 2 cores (``_one_thread``).
 
 The group spans one trainer and one server, never several servers, so a dead server stalls nobody but its own
-push (bounded). The store and the group carry no key of their own: the store's port is random and told only to
-the lease holder's server, over the API key's connection.
+push (bounded). The store listens on the trainer's address on the way to the server (the loopback for a server on
+this host), and gloo's listeners on each side's (``rendezvous.gloo_device``); the store serves only a connection
+that answers its challenge under a key both sides derive from the lease (``rendezvous``: a TCPStore listened on
+every interface and served anyone). NCCL's own bootstrap sockets follow NCCL_SOCKET_IFNAME.
 
 One code path for both backends, chosen by device (``choose_backend``): NCCL where the trainer's weights and the
 server's engine are both on CUDA GPUs and both torches have NCCL (the tensors then go GPU to GPU, received on the
@@ -52,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from auto_research.engine.rollout.guard import Refused, all_finite, check_adapter, check_ties
+from auto_research.engine.rollout.rendezvous import RemoteStore, StoreHost, gloo_device, link_key
 from auto_research.engine.rollout.transfer import with_ties
 from auto_research.errors import RolloutEngineError, one_line
 
@@ -94,7 +98,9 @@ def choose_backend(ours: list[str], theirs) -> str | None:
     return next((backend for backend in ours if backend in offered), None)
 
 
-def _group(store, prefix: str, rank: int, seconds: float, backend: str = "gloo"):
+def _group(store, prefix: str, rank: int, seconds: float, backend: str = "gloo", address: str | None = None):
+    """This side's rank of the group of two through ``store``; gloo's listener on ``address`` (this side's on the
+    way to the other) alone."""
     import torch.distributed as dist  # noqa: PLC0415
 
     timeout, store = datetime.timedelta(seconds=seconds), dist.PrefixStore(prefix, store)
@@ -102,7 +108,11 @@ def _group(store, prefix: str, rank: int, seconds: float, backend: str = "gloo")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, 2, options)
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    if address is None:
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout, options._devices, options._threads = timeout, [gloo_device(address)], 2
+    return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
 def layout(spec: dict) -> list[tuple[str, list[tuple[str, int, int, tuple]], int]]:
@@ -196,12 +206,17 @@ def collective_join(handler):
     if backend not in backends(device):
         raise Refused(400, f"this server cannot join a {backend[:20]!r} group: its engine on {device} takes "
                            f"{', '.join(backends(device)) or 'none'}")
-    try:
-        store = dist.TCPStore(host, port, 2, False, timeout=datetime.timedelta(seconds=JOIN_SECONDS))
-        group = _group(store, prefix, 1, PUSH_SECONDS, backend)
+    store = None
+    try:  # the store proves it is the lease holder's (and this server its own) before any key is read
+        store = RemoteStore(host, port, link_key(handler.headers.get("X-Lease"), prefix), JOIN_SECONDS)
+        group = _group(store, prefix, 1, PUSH_SECONDS, backend, local_address(host, port))
     except Exception as error:  # noqa: BLE001 - torch raises RuntimeError and its own types
+        if store is not None:
+            store.close()
         raise Refused(400, f"cannot join the trainer's group at {host}:{port} ({type(error).__name__}: "
                            f"{str(error).splitlines()[0] if str(error) else ''})"[:300]) from None
+    for old in handler.serving.links.values():
+        old.store.close()
     handler.serving.links.clear()  # one link, the lease holder's
     sent = {name: entry for name, entry in spec.items() if name not in tied}
     handler.serving.links[handler.headers.get("X-Lease")] = Link(store, group, _device(backend, device),
@@ -233,6 +248,7 @@ def collective_push(handler):
                 if bad is None and not finite and not all_finite(tensors[name]):
                     bad = name
     except Exception as error:  # noqa: BLE001 - a timeout or a peer gone: the link is dropped
+        link.store.close()
         serving.links.clear()
         raise Refused(500, f"the push over the group failed after {len(tensors)} of "
                            f"{len(serving.served.spec) - len(link.tied)} tensors ({type(error).__name__}); the "
@@ -281,26 +297,29 @@ class CollectiveLink:
     where the server takes that (an older one sends no ``tied`` back, and gets every name)."""
 
     def __init__(self, call, host: str, port: int, names: list[str] | None = None, backend: str = "gloo",
-                 device: torch.device | str = "cpu", tied: dict | None = None):
-        import torch.distributed as dist  # noqa: PLC0415
-
+                 device: torch.device | str = "cpu", tied: dict | None = None, lease: str = ""):
         address = local_address(host, port)
-        self.call, self.store = call, dist.TCPStore(address, 0, 2, True, timeout=datetime.timedelta(
-            seconds=JOIN_SECONDS), wait_for_workers=False)
         prefix, joined = f"auto-research-{secrets.token_hex(8)}", {}
+        self.call, self.store = call, StoreHost(address, link_key(lease, prefix), JOIN_SECONDS)
+        """The rendezvous (``rendezvous.StoreHost``) on ``address``, which the server answers under ``lease``."""
 
         def join() -> None:
             try:
-                joined["group"] = _group(self.store, prefix, 0, PUSH_SECONDS, backend)
+                joined["group"] = _group(self.store.store, prefix, 0, PUSH_SECONDS, backend, address)
             except Exception as error:  # noqa: BLE001 - reported below
                 joined["error"] = error
 
         thread = threading.Thread(target=join, name="collective-join", daemon=True)
         thread.start()
-        answer = call("/weights/collective", json.dumps({"store": f"{address}:{self.store.port}", "group": prefix,
-                                                         "backend": backend, "tied": tied or {}}).encode())
+        try:
+            answer = call("/weights/collective", json.dumps({"store": f"{address}:{self.store.port}", "group": prefix,
+                                                             "backend": backend, "tied": tied or {}}).encode())
+        except BaseException:
+            self.store.close()
+            raise
         thread.join(JOIN_SECONDS)
         if "group" not in joined:
+            self.store.close()
             raise RolloutEngineError(f"the trainer's side of the group did not form ({joined.get('error')})")
         self.group, self.names, self.options = joined["group"], list(answer["names"]), _broadcast_options()
         if names is not None and names != self.names:
@@ -318,6 +337,10 @@ class CollectiveLink:
         self.device, self.pending = _device(backend, device), {}
         self.staging: list = [None, None]
         """Two buffers a bucket is copied into, one filling while the other is sent: [tensor, its last send]."""
+
+    def close(self) -> None:
+        """The store closed: no more connections to it (the group itself needs it no more)."""
+        self.store.close()
 
     def begin(self) -> None:
         self.pending = {"sent": 0, "sends": []}
