@@ -9,7 +9,12 @@ import math
 from dataclasses import dataclass
 
 from auto_research.config.fields import setting
+from auto_research.envs.deadline import CONCURRENCY
 from auto_research.errors import UserError
+
+OBSERVATION_TOKENS = 256
+"""--max-observation-tokens's default, with --max-trajectory-tokens unset: room of the environment's own per turn,
+so that an observation never eats the model's (--max-new-tokens a turn)."""
 
 
 @dataclass(frozen=True)
@@ -37,9 +42,21 @@ class TurnsSection:
     tool_timeout: float = setting(30.0, "seconds a tool call may take; one that runs past it fails its sample "
                                         "(counted in tool_timeouts) and the run goes on; 0: no limit",
                                   "environment", type=float)
+    env_concurrency: int = setting(CONCURRENCY, "calls into different trajectories' environments and tools made "
+                                                "at once (under --env-timeout or --tool-timeout): a hung environment "
+                                                "costs a step one limit, not one per row; 1: one call at a time, in "
+                                                "order", "environment", type=int)
     max_trajectory_tokens: int | None = setting(None, "the most tokens after the prompt in a multi-turn trajectory, "
-                                                      "the model's and the environment's (default: --max-new-tokens "
-                                                      "× --max-turns)", "environment", type=int)
+                                                      "the model's and the environment's (default: the model's "
+                                                      "--max-new-tokens × --max-turns plus the environment's "
+                                                      "--max-observation-tokens × (--max-turns − 1))",
+                                                "environment", type=int)
+    max_observation_tokens: int | None = setting(None, "the most tokens of what answers one model turn (the "
+                                                       "environment's observation or the tools' results, with the "
+                                                       "chat template's tokens around them), cut to fit",
+                                                 "environment", type=int,
+                                                 default_text=f"{OBSERVATION_TOKENS}; with --max-trajectory-tokens "
+                                                              "given, the trajectory's room alone")
 
     @property
     def multi_turn(self) -> bool:
@@ -51,7 +68,16 @@ class TurnsSection:
         environment (``multi_turn``: an environment or tools given from Python, as the flags)."""
         if not (self.multi_turn if multi_turn is None else multi_turn):
             return max_new_tokens
-        return self.max_trajectory_tokens or max_new_tokens * self.max_turns
+        if self.max_trajectory_tokens:
+            return self.max_trajectory_tokens
+        return max_new_tokens * self.max_turns + self.observation_tokens() * (self.max_turns - 1)
+
+    def observation_tokens(self) -> int | None:
+        """The most tokens of what answers one reply: --max-observation-tokens; by default room of its own beside
+        the model's, or with --max-trajectory-tokens given none but the trajectory's room (None)."""
+        if self.max_observation_tokens is not None:
+            return self.max_observation_tokens
+        return OBSERVATION_TOKENS if self.max_trajectory_tokens is None else None
 
     def engine_tokens(self, max_new_tokens: int, multi_turn: bool | None = None) -> int:
         """The most tokens a sampling engine adds to a prompt: a trajectory's, and the last turn's draw (cut to
@@ -67,6 +93,10 @@ class TurnsSection:
             raise UserError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.max_trajectory_tokens is not None and self.max_trajectory_tokens < 1:
             raise UserError(f"--max-trajectory-tokens must be >= 1, got {self.max_trajectory_tokens}")
+        if self.max_observation_tokens is not None and self.max_observation_tokens < 1:
+            raise UserError(f"--max-observation-tokens must be >= 1, got {self.max_observation_tokens}")
+        if self.env_concurrency < 1:
+            raise UserError(f"--env-concurrency must be >= 1 (1: one call at a time), got {self.env_concurrency}")
 
     def check_loops(self, algorithm, environment: bool = False, rollout_function: bool = False) -> None:
         """A rollout function is its own loop, without --environment or --tools; none of them runs with an

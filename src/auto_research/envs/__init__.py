@@ -129,6 +129,12 @@ class Episode:
         if self.worker is not None:  # the thread ends with the trajectory
             weakref.finalize(self, self.worker.close)
 
+    @property
+    def threaded(self) -> bool:
+        """Whether its calls run on threads other than the caller's (under a limit): then several episodes' calls
+        may run at once (``deadline.each``)."""
+        return self.worker is not None or bool(self.tool_timeout)
+
     def _call(self, call: Callable, what: str):
         return bounded(call, self.timeout, EnvironmentTimeout, what, self.worker)
 

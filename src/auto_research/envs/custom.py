@@ -45,7 +45,8 @@ class RolloutContext:
     settings: SamplingSettings
     """The run's sampling settings (--max-new-tokens bounds each draw, --temperature, --top-p, --top-k)."""
     max_tokens: int
-    """The most tokens after the prompt (--max-trajectory-tokens; default --max-new-tokens × --max-turns)."""
+    """The most tokens after the prompt (--max-trajectory-tokens; default --max-new-tokens × --max-turns plus
+    --max-observation-tokens × (--max-turns − 1))."""
     generate: Callable[[list[list[int]], list[int]], tuple[list[list[int]], list[list[float]]]]
     """``generate(prompt_ids, seeds)``: one completion per prompt of token ids, from its seed (its ids up to and
     including EOS) and the sampler's log-prob of each token; from the run's sampler (builtin, vLLM, a rollout

@@ -11,6 +11,11 @@ Once the run is asked to stop (Ctrl-C, SIGTERM: ``request_stop``), a call that r
 (``Stopped``, the run keeping its last good checkpoint) instead of failing its sample and going on to the next
 sample's call: a hung environment delays the stop by one limit, not by one limit per sample.
 
+The calls of different trajectories run at once, at most ``--env-concurrency`` of them (``each``): a step's (or the
+held-out evaluation's) rows wait one limit for a hung environment, not one limit per row. When every call of the
+first ``--env-concurrency`` to end ran past its limit and none answered, the environment hangs: the run stops in
+one line (``Hung``) at that limit rather than wait a limit for each of the rest.
+
 A thread rather than a process: an environment object lives in the trainer's process (it is made from a row and
 talked to turn by turn), and TRL-shaped environments hand their bound methods over as tools; neither could be
 moved to another process without pickling the user's objects. One thread per trajectory (``Worker``), not one per
@@ -24,10 +29,15 @@ import queue
 import threading
 from typing import Callable
 
-from auto_research.errors import RewardError
+from auto_research.errors import RewardError, UserError
 
 MAX_ABANDONED = 32
 """Abandoned calls (threads still running past their limit) at most, before the run stops."""
+
+CONCURRENCY = 32
+"""--env-concurrency's default: calls of different trajectories made at once. As many as MAX_ABANDONED: once a
+wave of hung calls is abandoned, the next wave's first timeout passes the cap, so an environment that hangs stops
+the run within two limits whatever the number of rows."""
 
 _abandoned: list[threading.Thread] = []
 _lock = threading.Lock()
@@ -41,6 +51,7 @@ class CallTimeout(Exception):
 
     def __init__(self, what: str, seconds: float):
         super().__init__(f"{what} ran past {self.flag} {seconds:g} s (its thread is left running)")
+        self.what, self.seconds = what, seconds
 
 
 class EnvironmentTimeout(CallTimeout):
@@ -57,6 +68,10 @@ class StuckCalls(RewardError):
 
 class Stopped(RewardError):
     """A call ran past its limit after the run was asked to stop: the step is given up, not finished."""
+
+
+class Hung(RewardError):
+    """Every call of a wave ran past its limit and none answered: the environment (or a tool) hangs."""
 
 
 def request_stop() -> None:
@@ -134,3 +149,52 @@ def abandoned() -> int:
     """How many abandoned calls are still running."""
     with _lock:
         return sum(thread.is_alive() for thread in _abandoned)
+
+
+def each(calls: list[Callable], bound: int) -> list[tuple[bool, object]]:
+    """Every call's outcome, (True, its value) or (False, its exception), in the calls' order; at most ``bound``
+    calls running at once, each in a daemon thread of its own that waits on the call (a call bounded in time runs
+    on its trajectory's ``Worker``), started in order. A ``UserError`` or ``RewardError`` of any call (``Stopped``,
+    ``StuckCalls``) is raised at once, the calls not yet started never made; so is ``Hung`` when the first
+    min(``bound``, len(calls)) calls to end, two or more, all ran past their limits (``CallTimeout``) and none
+    answered. ``bound`` 1, or a single call: made in this thread, one after another."""
+    if bound <= 1 or len(calls) <= 1:
+        return [_outcome(call) for call in calls]
+    outcomes: list = [None] * len(calls)
+    ended: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(index: int) -> None:
+        try:
+            outcomes[index] = _outcome(calls[index])
+        except BaseException as error:  # noqa: BLE001 - ours (Stopped, StuckCalls), a SystemExit: the caller's
+            outcomes[index] = (False, error)
+        ended.put(index)
+
+    started = running = answered = timed_out = 0
+    wave = min(bound, len(calls))
+    while started < len(calls) or running:
+        while started < len(calls) and running < bound:
+            threading.Thread(target=run, args=(started,), name="auto-research calls", daemon=True).start()
+            started, running = started + 1, running + 1
+        ok, value = outcomes[ended.get()]
+        running -= 1
+        if not ok and not isinstance(value, Exception) or not ok and isinstance(value, (UserError, RewardError)):
+            raise value
+        if not ok and isinstance(value, CallTimeout):
+            timed_out += 1
+        else:
+            answered += 1
+        if timed_out >= wave and not answered:
+            raise Hung(f"{value.what} hangs: the {timed_out} calls made at once (of {len(calls)}) all ran past "
+                       f"{value.flag} {value.seconds:g} s and none answered, so the run stops rather than wait a "
+                       f"limit for each of the rest; {abandoned()} threads are left running")
+    return outcomes
+
+
+def _outcome(call: Callable) -> tuple[bool, object]:
+    try:
+        return True, call()
+    except (UserError, RewardError):
+        raise
+    except Exception as error:  # noqa: BLE001 - the caller decides what a call's exception means
+        return False, error

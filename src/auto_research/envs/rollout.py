@@ -11,7 +11,9 @@ table text of a row is the whole conversation; the reward functions score the fi
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable
 
 import torch
@@ -19,9 +21,10 @@ import torch
 from auto_research.example import Example
 from auto_research.engine.rollout import Rollout, SamplingSettings
 from auto_research.envs import EnvironmentFactory, Episode
+from auto_research.envs.deadline import CONCURRENCY, each
 from auto_research.envs.tools import load_tools, tool_schema
 from auto_research.envs.trajectory import Conversation, Generate, Trajectory, run_episodes, turn_seed
-from auto_research.errors import RewardError, UserError
+from auto_research.errors import UserError
 
 
 def load_environment(environment, tools, sample_row: dict, timeout: float = 0.0
@@ -60,7 +63,7 @@ def runner_for(turns, sampling, algorithm, factory: EnvironmentFactory | None, t
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     return EpisodeRunner(sampler.generate_ids, tokenizer, factory, tools, settings, turns.max_turns,
                          turns.trajectory_tokens(sampling.max_new_tokens, True), tuple(eos), pad, scores_replies,
-                         turns.tool_timeout)
+                         turns.tool_timeout, turns.env_concurrency, turns.observation_tokens())
 
 
 def row_of(example: Example) -> dict:
@@ -97,26 +100,31 @@ class EpisodeRunner:
     tool_timeout: float = 0.0
     """--tool-timeout: the most seconds a tool call may take (0: no limit); --env-timeout is the factory's."""
 
-    def episode(self, row: dict) -> Episode:
+    concurrency: int = CONCURRENCY
+    """--env-concurrency: calls of different trajectories made at once (under a limit; ``deadline.each``)."""
+    observation_tokens: int | None = None
+    """The most tokens of what answers one reply (None: the trajectory's room alone bounds it)."""
+
+    def episodes(self, rows: list[dict]) -> list[Episode]:
+        """One episode per row, their environments made ``concurrency`` at a time; a factory that raised (or
+        hung) on a row leaves that sample unscored."""
         if self.factory is None:
-            return Episode(None, row, dict(self.tools), tool_timeout=self.tool_timeout)
-        try:
-            return self.factory.episode(row, self.tools, self.tool_timeout)
-        except (UserError, RewardError):
-            raise
-        except Exception as error:  # noqa: BLE001 - make_env(row) raised (or hung): this sample is unscored
-            return _Unmade(error)
+            return [Episode(None, row, dict(self.tools), tool_timeout=self.tool_timeout) for row in rows]
+        factory = self.factory
+        bound = self.concurrency if factory.timeout or self.tool_timeout else 1
+        made = each([partial(factory.episode, row, self.tools, self.tool_timeout) for row in rows], bound)
+        return [episode if ok else _Unmade(episode) for ok, episode in made]
 
     def trajectories(self, examples: list[Example], group_size: int, seeds: list[int]) -> list[Trajectory]:
         """K trajectories per example; trajectory k of prompt i draws from ``turn_seed(seeds[i], k, 0)`` alone."""
-        episodes = [self.episode(row_of(example)) for example in examples for _ in range(group_size)]
+        episodes = self.episodes([row_of(example) for example in examples for _ in range(group_size)])
         tools = {name: f for e in episodes for name, f in e.tools.items()}
         schemas = [tool_schema(function) for function in tools.values()] or None
         conversation = Conversation(self.tokenizer, schemas, self.eos)
         prompts = [example.prompt for example in examples for _ in range(group_size)]
         own = [turn_seed(seed, k, 0) for seed in seeds for k in range(group_size)]
         return run_episodes(self.generate, conversation, episodes, prompts, own, self.settings, self.max_turns,
-                            self.max_tokens)
+                            self.max_tokens, self.concurrency, self.observation_tokens)
 
     def greedy(self, model, examples: list[Example]) -> Rollout:
         """One greedy trajectory per example from ``model`` (held-out evaluation), whatever the run's sampler."""
@@ -163,7 +171,7 @@ def trajectory_rollout(tokenizer, trajectories: list[Trajectory], group_size: in
     texts = [tokenizer.decode(t.ids, skip_special_tokens=False) if t.text is None else t.text for t in trajectories]
     episodes = [{"turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
                  "truncated": t.truncated, "environment_reward": t.reward, "failed": t.failed,
-                 "timed_out": t.timed_out, "reply": _final_reply(t)} for t in trajectories]
+                 "timed_out": t.timed_out, "limit": t.limit, "reply": _final_reply(t)} for t in trajectories]
     return Rollout(torch.cat([prompt, completion], dim=1), prompt_mask, span, texts, group_size, logprobs * owned,
                    None, False, None, owned, episodes)
 
@@ -211,9 +219,19 @@ def episode_figures(world, rollout: Rollout) -> dict:
 
 def environment_failures(rollout: Rollout) -> str | None:
     """Why a step's samples are unscored when the environment failed on them: how many, and the first one's
-    error in the environment's own words (its exception's type and text); None when it failed on none."""
-    failures = [row["failed"] for row in rollout.episodes or () if row.get("failed") is not None]
-    if not failures:
+    error in the environment's own words (its exception's type and text); or, when it failed on none and every
+    trajectory was cut off before its environment ended it, the flags that cut them, to raise. None otherwise."""
+    rows = rollout.episodes or ()
+    failures = [row["failed"] for row in rows if row.get("failed") is not None]
+    if failures:
+        return (f"the environment failed on {len(failures)} of {len(rows)} samples (the first: "
+                f"{failures[0]})")
+    limits = Counter(row.get("limit") for row in rows if row.get("truncated"))
+    if not rows or sum(limits.values()) < len(rows) or None in limits:
         return None
-    return (f"the environment failed on {len(failures)} of {len(rollout.episodes)} samples (the first: "
-            f"{failures[0]})")
+    ordered = sorted(limits.items(), key=lambda item: -item[1])
+    where = (f" at {ordered[0][0]}" if len(ordered) == 1 else
+             ": " + ", ".join(f"{count} at {limit}" for limit, count in ordered))
+    flags = " or ".join(dict.fromkeys(limit.split()[0] for limit, _ in ordered))
+    return (f"every trajectory was cut off before its environment ended it ({len(rows)} of {len(rows)} truncated"
+            f"{where}), so none has a reward: raise {flags}")

@@ -18,12 +18,13 @@ process runs a trajectory changes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from auto_research.envs import Episode
-from auto_research.envs.deadline import CallTimeout, ToolTimeout
+from auto_research.envs.deadline import CONCURRENCY, CallTimeout, ToolTimeout, each
 from auto_research.envs.tools import answer, call_format, parse_calls
-from auto_research.errors import RewardError, UserError, one_line
+from auto_research.errors import UserError, one_line
 
 Generate = Callable[[list[list[int]], list[int], object], tuple[list[list[int]], list[list[float]]]]
 """``generate(prompt_ids, seeds, settings)``: one completion (ids) and its log-probs per prompt, from its seed."""
@@ -99,6 +100,8 @@ class Trajectory:
     timed_out: str | None = None
     """"environment" or "tool" when the failure is a call that ran past --env-timeout or --tool-timeout."""
     live: bool = True
+    limit: str | None = None
+    """The flag (and its value) that cut a truncated trajectory: --max-trajectory-tokens, --max-turns."""
     text: str | None = None
     """What the completion tables show for the whole trajectory (a rollout function's); None: its ids decoded."""
 
@@ -109,28 +112,39 @@ class Trajectory:
 
 
 def run_episodes(generate: Generate, conversation: Conversation, episodes: list[Episode], prompts: list[str],
-                 seeds: list[int], settings, max_turns: int, max_tokens: int) -> list[Trajectory]:
+                 seeds: list[int], settings, max_turns: int, max_tokens: int, concurrency: int = CONCURRENCY,
+                 observation_tokens: int | None = None) -> list[Trajectory]:
     """Each episode's trajectory, all advanced together one turn at a time. ``seeds[i]`` is episode i's own seed
-    (``turn_seed`` of its prompt's); ``max_tokens`` bounds what follows the prompt."""
+    (``turn_seed`` of its prompt's); ``max_tokens`` bounds what follows the prompt, ``observation_tokens`` (None:
+    no bound of its own) what answers one reply. The episodes' calls of each phase (their resets, their answers to
+    a turn's replies, their final rewards) run ``concurrency`` at a time (``deadline.each``) when they run on
+    threads of their own (under a limit), else in this thread, one after another; tokenizing stays here."""
     form = call_format(conversation.tokenizer)
-    trajectories = [_started(conversation, episode, prompt) for episode, prompt in zip(episodes, prompts)]
+    bound = concurrency if any(episode.threaded for episode in episodes) else 1
+    firsts = each([partial(episode.first_message, prompt) for episode, prompt in zip(episodes, prompts)], bound)
+    trajectories = [_started(conversation, prompt, outcome) for prompt, outcome in zip(prompts, firsts)]
     for turn in range(max_turns):
         live = [index for index, trajectory in enumerate(trajectories) if trajectory.live]
         if not live:
             break
         completions, logprobs = generate([trajectories[i].prompt_ids + trajectories[i].ids for i in live],
                                          [turn_seed(seeds[i], 0, turn) for i in live], settings)
-        for i, tokens, values in zip(live, completions, logprobs):
-            _take_turn(trajectories[i], episodes[i], conversation, form, list(tokens), list(values),
-                       last_turn=turn == max_turns - 1, max_tokens=max_tokens)
-    for trajectory, episode in zip(trajectories, episodes):
-        if trajectory.failed is None:
-            try:
-                trajectory.reward = episode.final_reward()
-            except (UserError, RewardError):
-                raise
-            except Exception as error:  # noqa: BLE001 - TRL's get_reward raised, or the rewards are not numbers
-                _fail(trajectory, error)
+        replied = [(i, reply) for i, tokens, values in zip(live, completions, logprobs)
+                   if (reply := _reply(trajectories[i], conversation, list(tokens), list(values), max_tokens))]
+        answers = each([partial(_answers, trajectories[i], episodes[i], conversation, form, text)
+                        for i, (text, _) in replied], bound)
+        for (i, (_, ended)), (answered, new) in zip(replied, answers):
+            if not answered:  # the environment (or a tool) failed: this sample is unscored
+                _fail(trajectories[i], new)
+            else:
+                _follow(trajectories[i], conversation, new, ended, turn == max_turns - 1, max_tokens,
+                        observation_tokens, max_turns)
+    going = [index for index, trajectory in enumerate(trajectories) if trajectory.failed is None]
+    for i, (scored, value) in zip(going, each([episodes[i].final_reward for i in going], bound)):
+        if scored:
+            trajectories[i].reward = value
+        else:  # TRL's get_reward raised, or the rewards are not numbers
+            _fail(trajectories[i], value)
     return trajectories
 
 
@@ -141,25 +155,21 @@ def _fail(trajectory: Trajectory, error: Exception) -> None:
         trajectory.timed_out = "tool" if isinstance(error, ToolTimeout) else "environment"
 
 
-def _started(conversation: Conversation, episode: Episode, prompt: str) -> Trajectory:
-    """A trajectory's first message (the environment's reset) as its prompt; an environment that fails there
-    leaves the row's prompt and an unscored sample."""
-    try:
-        messages = [{"role": "user", "content": episode.first_message(prompt)}]
-        return Trajectory(conversation.prompt_ids(messages), messages=messages)
-    except (UserError, RewardError):
-        raise
-    except Exception as error:  # noqa: BLE001 - the environment's reset raised: this sample is unscored
-        trajectory = Trajectory(conversation.prompt_ids([{"role": "user", "content": prompt}]),
-                                messages=[{"role": "user", "content": prompt}])
-        _fail(trajectory, error)
-        return trajectory
+def _started(conversation: Conversation, prompt: str, outcome: tuple[bool, object]) -> Trajectory:
+    """A trajectory from its first message (the environment's reset: ``outcome``, ``deadline.each``'s) as its
+    prompt; an environment that failed there leaves the row's prompt and an unscored sample."""
+    made, first = outcome
+    messages = [{"role": "user", "content": first if made else prompt}]
+    trajectory = Trajectory(conversation.prompt_ids(messages), messages=messages)
+    if not made:  # the environment's reset raised (or hung): this sample is unscored
+        _fail(trajectory, first)
+    return trajectory
 
 
-def _take_turn(trajectory: Trajectory, episode: Episode, conversation: Conversation, form: str, tokens: list[int],
-               logprobs: list[float], last_turn: bool, max_tokens: int) -> None:
-    """The model's reply appended, then what answers it (tool results, or the environment's observation) as the
-    next turn's start; the trajectory ends when nothing answers, the environment is done, or tokens run out."""
+def _reply(trajectory: Trajectory, conversation: Conversation, tokens: list[int], logprobs: list[float],
+           max_tokens: int) -> tuple[str, bool] | None:
+    """The model's reply appended: its text and whether it ended (its end-of-turn token drawn), for what answers
+    it; None when the trajectory's tokens ran out on it (cut, truncated)."""
     room = max_tokens - len(trajectory.ids)
     tokens, logprobs = tokens[:room], logprobs[:room]
     trajectory.append(tokens, logprobs)
@@ -168,28 +178,37 @@ def _take_turn(trajectory: Trajectory, episode: Episode, conversation: Conversat
     text = conversation.tokenizer.decode(tokens, skip_special_tokens=True)
     trajectory.messages.append({"role": "assistant", "content": text})
     if not ended and len(trajectory.ids) >= max_tokens:
-        trajectory.truncated, trajectory.live = True, False
-        return
-    try:
-        new = _answers(trajectory, episode, conversation, form, text)
-    except (UserError, RewardError):
-        raise
-    except Exception as error:  # noqa: BLE001 - the environment (or a tool) failed: this sample is unscored
-        _fail(trajectory, error)
-        return
+        _truncate(trajectory, f"--max-trajectory-tokens {max_tokens}")
+        return None
+    return text, ended
+
+
+def _follow(trajectory: Trajectory, conversation: Conversation, new: list[dict], ended: bool, last_turn: bool,
+            max_tokens: int, observation_tokens: int | None, max_turns: int) -> None:
+    """What answers the model's reply (tool results, or the environment's observation; ``_answers``) appended as
+    the next turn's start, cut to fit; the trajectory ends when nothing answers (the environment is done), at the
+    last turn, or when even the template's own tokens do not fit."""
     if not new:  # the environment is done, or a tools-only (or TRL-shaped) episode's reply called no tool
         trajectory.live = False
         return
     if last_turn:
-        trajectory.truncated, trajectory.live = True, False
+        _truncate(trajectory, f"--max-turns {max_turns}")
         return
-    fitted = fit(conversation, trajectory.messages, new, ended, max_tokens - len(trajectory.ids))
+    room = max_tokens - len(trajectory.ids)
+    own = observation_tokens is not None and observation_tokens + 1 < room
+    fitted = fit(conversation, trajectory.messages, new, ended, observation_tokens + 1 if own else room)
     if fitted is None:
-        trajectory.truncated, trajectory.live = True, False
+        _truncate(trajectory, f"--max-observation-tokens {observation_tokens}" if own else
+                  f"--max-trajectory-tokens {max_tokens}")
         return
     following, new = fitted
     trajectory.append(following, None)
     trajectory.messages += new
+
+
+def _truncate(trajectory: Trajectory, limit: str) -> None:
+    """The trajectory ends before its environment ended it: ``limit``, the flag and value that cut it."""
+    trajectory.truncated, trajectory.live, trajectory.limit = True, False, limit
 
 
 def _answers(trajectory: Trajectory, episode: Episode, conversation: Conversation, form: str, text: str
