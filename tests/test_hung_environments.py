@@ -193,6 +193,7 @@ def test_a_held_out_evaluation_whose_environment_hangs_stops_the_run_within_two_
                         r"--env-timeout 2 s and none answered, so the run stops rather than wait a limit for each "
                         r"of the rest; \d+ threads are left running \(evaluation before training\)", last), last
     assert "Traceback" not in stderr
+    assert "evaluating the starting policy on 8 held-out prompts (greedy), before training" in stderr
 
 
 def test_a_step_whose_environment_hangs_stops_the_run_within_two_limits_keeping_the_last_checkpoint(
