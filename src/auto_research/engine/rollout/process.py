@@ -32,6 +32,12 @@ from auto_research.orphans import TRAINER_VARIABLE
 START_SECONDS = 300.0
 
 
+def _child_setup(cores: set[int]) -> None:
+    """In the rollout process, before it runs: its cores, and Ctrl-C's SIGINT ignored (see the caller)."""
+    os.sched_setaffinity(0, cores)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class RolloutProcess(ServerSampler):
     """A ``ServerSampler`` over a builtin rollout server that this run started; ``close`` stops it too."""
 
@@ -45,8 +51,11 @@ class RolloutProcess(ServerSampler):
                    str(needs.model_name), "--device", "cpu"]
         environment = {**os.environ, "AUTO_RESEARCH_API_KEY": self.key, "OMP_NUM_THREADS": str(len(cores)),
                        TRAINER_VARIABLE: str(os.getpid())}
+        # SIGINT ignored in the child (Python keeps an inherited SIG_IGN): a Ctrl-C reaches the terminal's whole
+        # process group, and the trainer, which finishes its step and saves it, needs its rollout process for that
+        # step; the trainer stops the child at close (and the child stops with a SIGKILLed trainer, orphans.py).
         self.child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                      env=environment, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+                                      env=environment, preexec_fn=lambda: _child_setup(cores))
         address = self._wait_for_address()
         trainer_cores = set(os.sched_getaffinity(0)) - cores
         self.before = (os.sched_getaffinity(0), torch.get_num_threads())
