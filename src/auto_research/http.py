@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import stat
 import time
 import urllib.error
 import urllib.request
@@ -149,3 +150,27 @@ def is_loopback(host: str) -> bool:
                    for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
     except (OSError, ValueError):
         return False
+
+
+def server_key(key_file: str | None) -> str | None:
+    """``rollout-serve``'s key: the text of ``--api-key-file`` when given (a file its owner alone may read, mode
+    0600; one line end dropped), else ``AUTO_RESEARCH_API_KEY``; checked (``http.check_api_key``), one line else."""
+    if key_file is None:
+        return api_key(None, "")
+    where = f"--api-key-file {key_file}"
+    path = os.path.expanduser(key_file)
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # (a FIFO would hold the start until something wrote to it)
+            raise UserError(f"{where} is not a file")
+        if mode & 0o077:
+            raise UserError(f"{where} may be read by other users (mode {stat.S_IMODE(mode):04o}): make it its "
+                            f"owner's alone (chmod 600 {key_file})")
+        with open(path, "rb") as file:
+            raw = file.read(4096)
+    except OSError as error:
+        raise UserError(f"cannot read {where}: {error.strerror or error}") from None
+    text = raw.decode("utf-8", "surrogateescape").removesuffix("\n").removesuffix("\r")
+    if not text:
+        raise UserError(f"{where} is empty: write the key in it")
+    return check_api_key(text, where)

@@ -226,12 +226,8 @@ def differing_settings(saved: dict, current: dict) -> list[str]:
     return [f"{key} (was {saved.get(key)!r}, now {current[key]!r})" for key in differing_keys(saved, current)]
 
 
-def _as_given(key: str, value) -> str:
+def _as_given(flag: str | None, key: str, value) -> str:
     """A saved setting as the flag that gives it (``--warmup-steps 2``), for the line that says how to resume."""
-    from auto_research.config.fields import flag_of  # noqa: PLC0415 - the refusal's wording only
-    from auto_research.config.generation import GenerationConfig  # noqa: PLC0415
-
-    flag = next((flag_of(item) for item in GenerationConfig.flat_fields() if item.name == key), None)
     if flag is None:
         return f"{key} {value!r}"
     if isinstance(value, (int, float, str)) and not isinstance(value, bool):
@@ -245,12 +241,12 @@ def saved_settings(folder: Path) -> dict:
     return {**config, **resolved_settings(config)}
 
 
-def resumable_checkpoint(run_dir: Path, settings: dict, log, world_size: int = 1, keep=()) -> Path:
+def resumable_checkpoint(run_dir: Path, settings: dict, log, world_size: int = 1, keep=(), flags=None) -> Path:
     """The checkpoint ``--resume`` continues from in ``run_dir``, after checking that the run's settings (``settings``:
     this command's, flat, as ``GenerationConfig.to_json`` gives them) are the saved ones but for
     ``RESUMABLE_DIFFERENCES`` (--steps no lower than the checkpoint's step) and those in ``keep`` (derived, not
     given: the run keeps its saved values), and that it runs on as many processes as before (the only way the
-    resumed run stays exact)."""
+    resumed run stays exact). ``flags`` maps a setting to its flag, for the line that says how to resume."""
     folder = verified_checkpoint(run_dir, log)
     state = json.loads((folder / "trainer_state.json").read_text())
     saved = saved_settings(folder)
@@ -263,7 +259,8 @@ def resumable_checkpoint(run_dir: Path, settings: dict, log, world_size: int = 1
     if differing:
         raise UserError(f"--resume: the run in {run_dir} was started with different settings: "
                         f"{', '.join(differing_settings(saved, settings))}; resume with its own "
-                        f"({', '.join(_as_given(key, saved[key]) for key in differing)}), or start a new run "
+                        f"({', '.join(_as_given((flags or {}).get(key), key, saved[key]) for key in differing)}), "
+                        "or start a new run "
                         "(--overwrite, or another --run-name)")
     if settings["steps"] < state["step"]:
         raise UserError(f"--resume --steps {settings['steps']}: the run in {run_dir} has a checkpoint at step "

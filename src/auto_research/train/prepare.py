@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from auto_research.algorithms.registry import get_algorithm
+from auto_research.config.fields import flag_of
 from auto_research.config.generation import RENAMED, GenerationConfig
 from auto_research.data.tasks import check_answers, load_task
 from auto_research.data.types import Task
@@ -81,7 +82,8 @@ def _resumed(config: GenerationConfig, log, world_size: int) -> tuple[Generation
     derived from --steps (``from_steps``: a preset's warmup, a tenth of the steps at most), which a longer --steps
     would otherwise change: extending a run changes its length only."""
     derived = getattr(config, "from_steps", frozenset())
-    folder = run_folder.resumable_checkpoint(config.run_dir, recorded_settings(config), log, world_size, derived)
+    flags = {item.name: flag_of(item) for item in GenerationConfig.flat_fields()}
+    folder = run_folder.resumable_checkpoint(config.run_dir, recorded_settings(config), log, world_size, derived, flags)
     saved = run_folder.saved_settings(folder)
     kept = {key: saved[key] for key in sorted(derived) if key in saved and saved[key] != getattr(config, key)}
     if kept:

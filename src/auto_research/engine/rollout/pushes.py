@@ -1,7 +1,7 @@
 """The server's other ways in for a lease holder's weights, beside ``/weights`` (HTTP parts) and ``/weights/shared``
 (this host's shared memory): a LoRA run's adapter alone, and the weights over a torch.distributed group of two.
 
-- ``POST /weights/adapter`` (``adapter_push``): see server.py's docstring and ``guard.check_adapter``.
+- ``POST /weights/adapter`` (``adapter_push``): see server.py's docstring and ``adapter_guard.check_adapter``.
 - ``POST /weights/collective`` with ``{"store": "HOST:PORT", "group": nonce, "backend": "gloo" | "nccl",
   "tied": {name: earlier name}}`` (``collective_join``): the server joins a group of two (rank 1) of that backend
   through the trainer's store at that address (``rendezvous.StoreHost``), under a prefix that names this link,
@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from auto_research.engine.rollout.guard import Refused, all_finite, check_adapter, check_ties
+from auto_research.engine.rollout.adapter_guard import check_adapter
+from auto_research.engine.rollout.guard import Refused, all_finite, check_ties
 from auto_research.engine.rollout.rendezvous import RemoteStore, StoreHost, gloo_device, link_key
 from auto_research.engine.rollout.transfer import with_ties
 from auto_research.errors import RolloutEngineError, one_line

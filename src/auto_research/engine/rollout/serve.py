@@ -11,8 +11,8 @@ import torch
 from auto_research.engine.rollout import SamplingSettings
 from auto_research.engine.rollout.guard import weight_spec
 from auto_research.engine.rollout.remote import pushed_weights
-from auto_research.engine.rollout.server import Limits, Served, fingerprint, make_server, server_key
-from auto_research.http import API_KEY_VARIABLE, is_loopback
+from auto_research.engine.rollout.server import Limits, Served, fingerprint, make_server
+from auto_research.http import API_KEY_VARIABLE, is_loopback, server_key
 from auto_research.engine.samplers import vllm_memory
 
 

@@ -4,9 +4,8 @@
     auto-research post-train --model M --sampler vllm --rollout-mode server --rollout-server 127.0.0.1:8000
 
 The protocol, all on one HTTP port (our own: vLLM's OpenAI server has no in-place weight push that works on
-the CPU). With a key (``AUTO_RESEARCH_API_KEY`` on both sides, or ``rollout-serve --api-key-file``: a flag's value
-would show in the process list) every request carries ``Authorization: Bearer KEY`` (``authorization``; a key is
-16 to 256 printable ASCII characters, ``http.check_api_key``).
+the CPU). With a key (``AUTO_RESEARCH_API_KEY`` on both sides, or ``rollout-serve --api-key-file``, ``http.server_key``)
+every request carries ``Authorization: Bearer KEY`` (16 to 256 printable ASCII characters, ``http.check_api_key``).
 
 - ``GET /health`` → ``{"model", "fingerprint", "weights_version", "instance", "max_model_len", "dtype",
   "vocab_size", "max_group_size", "max_request_tokens", "lease_seconds", "adapters", "collective", "partial",
@@ -39,7 +38,7 @@ would show in the process list) every request carries ``Authorization: Bearer KE
   group of two between the trainer and this server, for a trainer on another host (``pushes.py``): NCCL between
   two GPUs, gloo otherwise (``"collective"`` in ``/health``: the backends this server can join).
 - ``POST /weights/adapter`` with the lease and a safetensors body of a LoRA run's adapter (``<weight>::A``,
-  ``::B``, ``::scaling`` for each adapted weight; ``guard.check_adapter``): an engine that applies adapters (the
+  ``::B``, ``::scaling`` for each adapted weight; ``adapter_guard.check_adapter``): an engine that applies adapters (the
   builtin one; ``"adapters"`` in ``/health``) sets each adapted weight to its base (kept from the last full push)
   + (B·A)·scaling, as PEFT merges → ``{"weights_version", "seconds"}``; any other engine answers 400 and the
   trainer pushes merged weights.
@@ -82,7 +81,7 @@ from auto_research.engine.rollout.pushes import (adapter_push, backends, collect
                                                 takes_adapters)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
 from auto_research.errors import UserError, is_decimal, one_line
-from auto_research.http import api_key, authorization, check_api_key
+from auto_research.http import authorization
 
 PART_BYTES = 256 * 2**20
 SLICE_TOKENS = 2**14
@@ -103,33 +102,6 @@ def fingerprint(config, tokenizer) -> str:
     shape = {key: getattr(config, key, None) for key in keys}
     vocabulary = sorted(tokenizer.get_vocab().items())
     return hashlib.sha256(json.dumps([shape, vocabulary], sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def server_key(key_file: str | None) -> str | None:
-    """``rollout-serve``'s key: the text of ``--api-key-file`` when given (a file its owner alone may read, mode
-    0600; one line end dropped), else ``AUTO_RESEARCH_API_KEY``; checked (``http.check_api_key``), one line else."""
-    import os  # noqa: PLC0415
-    import stat  # noqa: PLC0415
-
-    if key_file is None:
-        return api_key(None, "")
-    where = f"--api-key-file {key_file}"
-    path = os.path.expanduser(key_file)
-    try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):  # (a FIFO would hold the start until something wrote to it)
-            raise UserError(f"{where} is not a file")
-        if mode & 0o077:
-            raise UserError(f"{where} may be read by other users (mode {stat.S_IMODE(mode):04o}): make it its "
-                            f"owner's alone (chmod 600 {key_file})")
-        with open(path, "rb") as file:
-            raw = file.read(4096)
-    except OSError as error:
-        raise UserError(f"cannot read {where}: {error.strerror or error}") from None
-    text = raw.decode("utf-8", "surrogateescape").removesuffix("\n").removesuffix("\r")
-    if not text:
-        raise UserError(f"{where} is empty: write the key in it")
-    return check_api_key(text, where)
 
 
 # --- the server ---------------------------------------------------------------------------------------
