@@ -2,8 +2,8 @@
 vanilla policy gradient, RAFT and GRPO at equal samples, on the two-digit sums of benchmarks/real_model.py
 (SmolLM2-135M-Instruct; 1,600 prompts, the last 200 held out and never trained on), on the CPU.
 
-    python benchmarks/paper_table.py --output-dir /work/paper-runs            # the table's 21 runs, the β ablation's 6
-    python benchmarks/paper_table.py --output-dir /work/paper-runs --resume   # continue: finished runs are read
+    python benchmarks/paper_table.py --output-dir paper-runs            # the table's 21 runs, the β ablation's 6
+    python benchmarks/paper_table.py --output-dir paper-runs --resume   # continue: finished runs are read
     python benchmarks/paper_table.py --only rloo,ppo-rlhf --resume            # some algorithms (rloo:4: one K)
     python benchmarks/paper_table.py --timing-only                            # step time and peak memory alone
 

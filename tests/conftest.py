@@ -19,7 +19,8 @@ SHARED_DATA = REPOSITORY.parent / "shared" / "data"
 # kept a worker busy for minutes after the other had run out of files.
 LONGEST_FIRST = ("test_distributed.py", "test_vllm.py", "test_vllm_server.py", "test_real_model.py", "test_async.py",
                  "test_user_code.py", "test_dynamic_sampling.py", "test_lm_training.py", "test_builtin_server.py",
-                 "test_lm_core.py", "test_env_training.py", "test_server_security.py", "test_checkpoint_integrity.py")
+                 "test_lm_core.py", "test_env_training.py", "test_server_security.py", "test_checkpoint_integrity.py",
+                 "test_docs_commands.py")
 
 
 def pytest_collection_modifyitems(items):

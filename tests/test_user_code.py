@@ -280,7 +280,8 @@ def test_the_environments_page_s_commands_run_as_written_on_its_files(tools_mode
     for name, body in files.items():
         (folder / name).write_text(body)
     for index, command in enumerate(commands):
-        arguments = [str(tools_model) if argument == "MODEL" else argument for argument in command]
+        model = command.index("--model") + 1  # the page's SmolLM2 (tests/test_docs_commands.py runs it): a tiny one
+        arguments = [str(tools_model) if index == model else argument for index, argument in enumerate(command)]
         done = run_cli(*arguments, "--steps", "1", "--prompts-per-step", "1", "--group-size", "2", "--max-new-tokens",
                        "3", "--evaluation-examples", "1", "--offline", "--device", "cpu", "--no-progress", "--threads",
                        "1", "--output-dir", str(tmp_path / f"run{index}"), cwd=folder, env={"OMP_NUM_THREADS": "1"})
