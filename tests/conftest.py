@@ -71,6 +71,36 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> sub
     )
 
 
+def rms_difference(got: dict, expected: dict) -> float:
+    """The root-mean-square difference over every element of two runs' weights (the same names), for runs that
+    train alike with sums in another order (N processes against 1, several servers against one, another batching).
+    Tests bound it by a tenth of the largest learning rate the runs stepped with. The argument:
+
+    - Rounding. Adam divides each gradient element by its own running magnitude, so fp32 rounding in an element
+      whose gradient is within rounding of zero moves that element by up to the learning rate. Which elements
+      those are depends on the CPU's kernels: after 3 steps at lr 3e-4 (tests/test_fleet.py) an Intel Xeon ended
+      a k_proj bias about 1.25e-4 apart (0.4 lr; issue 51), AMD EPYC 1e-7, from the same code. So the largest
+      element's difference is no bound on any CPU. In RMS, one element a whole lr apart is lr / 45 among the
+      ~2e3 elements of the smallest set compared (a rank-4 adapter of the 1-layer test model), lr / 140 to
+      lr / 600 among a full model's 2e4 to 4e5. Every other element differs by about 1e-6 of its step.
+    - A fault. Other samples, a rank's gradient left out of the average, a missed step or a missed weight sync
+      change the update of most elements, each by about the learning rate a step. Measured on arithmetic-generate at
+      lr 3e-4 after 3 steps: RMS 0.58 lr with the last step left out, 2.3 lr with half the prompts, 2.8 lr with
+      another seed.
+
+    lr / 10 lies between the two."""
+    import math
+
+    assert got.keys() == expected.keys(), sorted(set(got) ^ set(expected))
+    squares = sum(float((got[name].double() - expected[name].double()).square().sum()) for name in expected)
+    return math.sqrt(squares / sum(expected[name].numel() for name in expected))
+
+
+def largest_difference(got: dict, expected: dict) -> float:
+    """The largest element's difference: printed beside ``rms_difference``, never bounded (see its argument)."""
+    return max(float((got[name] - expected[name]).abs().max()) for name in expected)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A randomly initialised 1-layer Qwen2 with the character tokenizer, saved as a normal checkpoint."""

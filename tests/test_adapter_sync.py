@@ -11,6 +11,7 @@ import torch
 
 from auto_research.engine.rollout import SamplingSettings, prompt_seed
 from auto_research.engine.tiny import build_model, build_tokenizer
+from tests.conftest import largest_difference, rms_difference
 from tests.test_builtin_server import PROMPTS, start_builtin_server, stop
 
 SETTINGS = SamplingSettings(max_new_tokens=6, temperature=1.1)
@@ -197,8 +198,14 @@ def test_a_lora_run_in_a_rollout_process_pushes_its_adapter_and_trains_as_the_co
         rows[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         adapters[name] = load_file(str(run / "checkpoints" / "step-000003" / "adapter_model.safetensors"))
     assert [row["reward_mean"] for row in rows["process"]] == [row["reward_mean"] for row in rows["colocated"]]
-    for name, tensor in adapters["colocated"].items():
-        assert torch.allclose(adapters["process"][name], tensor, atol=1e-5, rtol=0), name
+    # μ from another process's kernels (the importance weights' sums in another order), which Adam lifts to up to
+    # lr in the odd element; a fault (other samples, a stale adapter) moves most elements by ~lr a step: RMS <= the
+    # largest lr stepped with / 10 (conftest.rms_difference).
+    difference = rms_difference(adapters["process"], adapters["colocated"])
+    bound = max(row["learning_rate"] for row in rows["colocated"]) / 10
+    print(f"adapter's RMS difference from colocated {difference:.2e} (bound {bound:.1e}), "
+          f"largest {largest_difference(adapters['process'], adapters['colocated']):.2e}")
+    assert difference <= bound, (difference, bound)
     pushed = [row["weight_sync_bytes"] for row in rows["process"]]
     factors = sum(tensor.numel() * 4 for tensor in adapters["process"].values())
     lora_layers = sum(1 for name in adapters["process"] if ".lora_A." in name)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import kill_after_checkpoint, run_cli
+from conftest import kill_after_checkpoint, largest_difference, rms_difference, run_cli
 
 TIMES = ("step_seconds", "tokens_per_second", "weight_sync_seconds")
 REWARDS = """
@@ -130,7 +130,12 @@ def test_two_processes_in_flight_end_with_the_weights_of_one(tiny_model_dir, sum
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert two.returncode == 0, two.stderr[-3000:]
     expected, got = _final(tmp_path / "one"), _final(tmp_path / "two")
-    assert max(float((got[name] - expected[name]).abs().max()) for name in expected) <= 1e-5
+    # Gradients summed in another order, which Adam lifts to up to lr in the odd element; a fault moves most
+    # elements by ~lr a step: RMS <= the largest lr stepped with / 10 (conftest.rms_difference).
+    difference, bound = rms_difference(got, expected), max(row["learning_rate"] for row in _rows(tmp_path / "one")) / 10
+    print(f"weights' RMS difference from one process {difference:.2e} (bound {bound:.1e}), "
+          f"largest {largest_difference(got, expected):.2e}")
+    assert difference <= bound, (difference, bound)
     for a, b in zip(_rows(tmp_path / "one"), _rows(tmp_path / "two")):
         assert a["reward_mean"] == b["reward_mean"] and a["staleness_max"] == b["staleness_max"]
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)

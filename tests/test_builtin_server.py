@@ -59,7 +59,8 @@ def lease_held(address: str) -> bool:
 
 def test_the_server_draws_what_the_trainers_own_sampler_draws_from_the_pushed_weights(builtin_server, tmp_path):
     """The trainer's weights (not the server's initial ones) pushed through the real HTTP server, then one draw:
-    the same token ids and log-probs as ``sample`` in the trainer's process, bit for bit, in requests of 3 prompts."""
+    the same token ids as ``sample`` in the trainer's process, in requests of 3 prompts, and the same log-probs to
+    fp32 rounding (the server's request thread need not run this thread's kernels)."""
     from auto_research.engine.distributed import World
     from auto_research.engine.rollout.client import ServerSampler
 
@@ -82,7 +83,14 @@ def test_the_server_draws_what_the_trainers_own_sampler_draws_from_the_pushed_we
     assert drawn.token_lists() == expected
     expected_logprobs = [value for part in parts for row, mask in zip(part.sampler_logprobs, part.completion_mask)
                          for value in row[mask.bool()].tolist()]
-    assert drawn.sampler_logprobs[drawn.completion_mask.bool()].tolist() == expected_logprobs
+    # Not bit for bit: the same batches, but the forward runs on the server's request thread, whose kernels may sum
+    # in another order (an Intel Xeon drew -2.85574222 against -2.85574245, one ulp). Rounding through the 3 layers
+    # is a few ulps of each logit, under 1e-5 for log-probs above -20; weights other than the pushed ones, or another
+    # temperature, move them by 1e-3 or more.
+    logprobs = drawn.sampler_logprobs[drawn.completion_mask.bool()]
+    difference = float((logprobs.double() - torch.tensor(expected_logprobs, dtype=torch.float64)).abs().max())
+    print(f"log-probs: largest difference {difference:.2e} (bound 1e-5)")
+    assert difference <= 1e-5, difference
     assert not drawn.trained_distribution  # another process's forward: the trainer computes π_old itself
 
 
@@ -228,9 +236,13 @@ def test_multi_turn_trajectories_through_a_live_server_are_the_trainer_s_own_tok
     for ours, theirs in zip(runs["server"], runs["trainer"]):
         for key in ("prompt_ids", "ids", "loss_mask", "turns", "truncated", "reward"):
             assert getattr(ours, key) == getattr(theirs, key), key
-        # The same draws; the odd first token's log-prob differs in its last float32 bit between the server's
-        # request thread and this one (the trainer recomputes π_old from its own forward in any case).
-        assert ours.logprobs == pytest.approx(theirs.logprobs, abs=2e-6)
+        # The same draws; the odd first token's log-prob differs in its last float32 bits between the server's
+        # request thread and this one (the trainer recomputes π_old from its own forward in any case): to fp32
+        # rounding, as in the test of one draw above.
+        assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
+    largest = max(abs(a - b) for ours, theirs in zip(runs["server"], runs["trainer"])
+                  for a, b in zip(ours.logprobs, theirs.logprobs))
+    print(f"log-probs: largest difference {largest:.2e} (bound 1e-5)")
     assert sum(t.turns for t in runs["server"]) > 9  # some went on after the environment answered "no"
     assert any(0 in t.loss_mask for t in runs["server"])  # environment tokens, masked out
 

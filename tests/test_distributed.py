@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_cli
+from conftest import largest_difference, rms_difference, run_cli
 
 REWARDS = '''
 import os
@@ -87,6 +87,17 @@ def _final(output: Path, name: str = "model.safetensors") -> dict:
     return load_file(str(sorted((run / "checkpoints").iterdir())[-1] / name))
 
 
+def _bounded(got: dict, expected: dict, bound: float, what: str) -> None:
+    """N processes against 1: gradients summed in another order, which Adam lifts to up to lr in the odd element
+    (which element, and how far, depends on the CPU's kernels); a fault (a rank's gradient left out, other samples,
+    a missed step) moves most elements by ~lr a step. So the RMS over every element is bounded, by a tenth of the
+    largest learning rate the run stepped with (``bound``; conftest.rms_difference)."""
+    difference = rms_difference(got, expected)
+    print(f"{what}: weights' RMS difference from one process {difference:.2e} (bound {bound:.1e}), "
+          f"largest {largest_difference(got, expected):.2e}")
+    assert difference <= bound, (what, difference, bound)
+
+
 def _rows(output: Path) -> list[dict]:
     run = next(output.iterdir())
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -122,6 +133,7 @@ def test_two_processes_end_with_the_weights_of_one(tiny_model_dir, sums_jsonl, w
     else:
         moved = max(float((expected[name] - start[name]).abs().max()) for name in start)
     assert moved > 5e-3  # the comparison below is between runs that learned, not two copies of the start
+    bound = max(row["learning_rate"] for row in _rows(workdir / "one")) / 10
     for mode in ("ddp", "fsdp"):
         output = workdir / mode
         two = _torchrun(_args(tiny_model_dir, sums_jsonl, output, *extra, *(("--fsdp",) if mode == "fsdp" else ())),
@@ -129,11 +141,10 @@ def test_two_processes_end_with_the_weights_of_one(tiny_model_dir, sums_jsonl, w
         assert two.returncode == 0, two.stderr[-3000:]
         got = _final(output, weights)
         assert got.keys() == expected.keys()
-        difference = max(float((got[name] - expected[name]).abs().max()) for name in expected)
-        assert difference <= 1e-5, (mode, difference)
+        _bounded(got, expected, bound, mode)
         if algorithm == "ppo-rlhf":
             critic, critic_expected = _final(output, "critic/model.safetensors"), _final(workdir / "one", "critic/model.safetensors")
-            assert max(float((critic[n] - critic_expected[n]).abs().max()) for n in critic_expected) <= 1e-5
+            _bounded(critic, critic_expected, bound, f"{mode} critic")
         # The same samples were drawn: identical rewards, and the logged figures agree.
         for a, b in zip(_rows(workdir / "one"), _rows(output)):
             assert a["reward_mean"] == b["reward_mean"] and a["completion_length"] == b["completion_length"]
@@ -162,9 +173,7 @@ def test_two_processes_with_an_environment_end_with_the_weights_of_one(tiny_mode
     assert all(1.0 < row["turns_mean"] < 2.0 and 0.0 < row["truncated_fraction"] < 1.0 for row in rows), rows
     two = _torchrun(_args(tiny_model_dir, sums_jsonl, workdir / "fsdp", *extra, "--fsdp"), cwd=workdir)
     assert two.returncode == 0, two.stderr[-3000:]
-    got = _final(workdir / "fsdp")
-    difference = max(float((got[name] - expected[name]).abs().max()) for name in expected)
-    assert difference <= 1e-5, difference
+    _bounded(_final(workdir / "fsdp"), expected, max(row["learning_rate"] for row in rows) / 10, "fsdp")
     figures = ("turns_mean", "truncated_fraction", "reward_mean", "completion_length")
     for a, b in zip(rows, _rows(workdir / "fsdp"), strict=True):
         assert [a[key] for key in figures] == [b[key] for key in figures]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from auto_research.engine.rollout import Rollout
 from auto_research.train.dynamic import fill, has_signal, refill_index
 from auto_research.train.rollouts import RolloutSource, produce, rollout_figures
-from conftest import kill_after_checkpoint, run_cli
+from conftest import kill_after_checkpoint, largest_difference, rms_difference, run_cli
 
 
 def test_a_group_has_signal_when_two_scored_values_differ():
@@ -190,7 +190,13 @@ def test_two_processes_refill_the_same_slots_as_one(tiny_model_dir, sums_jsonl, 
             b["refills"], b["prompts_sampled"], b["no_signal_fraction"], b["reward_mean"])
     final = {name: load_file(str(tmp_path / name / "rloo-sums-seed42" / "checkpoints" / "step-000003" /
                                  "model.safetensors")) for name in ("one", "two")}
-    assert max(float((final["two"][k] - final["one"][k]).abs().max()) for k in final["one"]) <= 1e-5
+    # Gradients summed in another order, which Adam lifts to up to lr in the odd element (an Intel Xeon ended one
+    # 1.22e-5 apart); a fault (a slot refilled from other seeds, a rank's groups lost) moves most elements by ~lr
+    # a step: RMS <= the largest lr stepped with / 10 (conftest.rms_difference).
+    difference, bound = rms_difference(final["two"], final["one"]), max(row["learning_rate"] for row in rows_one) / 10
+    print(f"weights' RMS difference from one process {difference:.2e} (bound {bound:.1e}), "
+          f"largest {largest_difference(final['two'], final['one']):.2e}")
+    assert difference <= bound, (difference, bound)
 
 
 def test_a_constant_reward_ends_each_step_after_its_bounded_refills_with_one_warning(tiny_model_dir, sums_jsonl,

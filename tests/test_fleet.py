@@ -4,6 +4,7 @@ the current weights, and one line when none is left. Builtin servers in this pro
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 
 from auto_research.engine.rollout import SamplingSettings, prompt_seed
 from auto_research.engine.tiny import build_model, build_tokenizer
+from tests.conftest import largest_difference, rms_difference
 from tests.test_builtin_server import PROMPTS, start_builtin_server, stop
 from tests.test_distributed import workdir  # noqa: F401 - a fixture: the reward module torchrun's ranks import
 
@@ -186,6 +188,16 @@ def test_multi_turn_histories_stay_on_the_server_that_drew_their_first_turn(serv
             assert {home_before for before, home_before in earlier.items() if history[:len(before)] == before} == {home}
 
 
+def _bounded(got, expected, rows) -> None:
+    """Two processes against one: gradients summed in another order, which Adam lifts to up to lr in the odd
+    element; a fault moves most elements by ~lr a step, so RMS <= the largest lr stepped with / 10
+    (conftest.rms_difference)."""
+    difference, bound = rms_difference(got, expected), max(row["learning_rate"] for row in rows) / 10
+    print(f"two processes: weights' RMS difference from one {difference:.2e} (bound {bound:.1e}), "
+          f"largest {largest_difference(got, expected):.2e}")
+    assert difference <= bound, (difference, bound)
+
+
 def _trainer_run(address, tmp_path, name, **extra):
     from auto_research.config.generation import GenerationConfig
     from auto_research.train.trainer import Trainer
@@ -208,10 +220,10 @@ def _trainer_run(address, tmp_path, name, **extra):
 def test_a_run_over_two_servers_ends_with_the_weights_of_one_and_survives_a_server_that_fails(servers, tmp_path,
                                                                                              staleness):
     """3 steps of RLOO over one server, over two, and over two of which the second fails from its second draw on
-    (HTTP 500 after the client's retries): the same rewards at every step and the same final weights (≤ 1e-5).
+    (HTTP 500 after the client's retries): the same rewards at every step and the same final weights (RMS ≤ lr / 10).
     At K = 1 the two servers draw across batches (``fleet_stream``), the one server a batch at a time.
     One torch thread: two servers drawing at once in this one process share its thread pool, which changes their
-    kernels' summation order (log-probs 1e-7 apart, weights 2e-5 after Adam's 3 steps, measured); servers in
+    kernels' summation order (log-probs 1e-7 apart, weights up to 2e-5 after Adam's 3 steps on AMD); servers in
     processes of their own each have theirs."""
     from auto_research.engine.rollout.builtin import BuiltinEngine
 
@@ -247,10 +259,17 @@ def _runs_with_a_fault(servers, tmp_path, staleness, BuiltinEngine):
                                                         max_staleness=staleness)
     finally:
         BuiltinEngine.generate = original
-    for rows, weights in ((rows_two, weights_two), (rows_fault, weights_fault)):
+    # The weights: two servers drawing in this process share its threads (above), so sums run in another order,
+    # which Adam lifts to up to lr in the odd element (an Intel Xeon ended a k_proj bias 1.25e-4 apart at lr 3e-4);
+    # a fault (a group lost or drawn twice, stale weights) moves most elements by ~lr: RMS <= lr / 10
+    # (conftest.rms_difference).
+    bound = max(row["learning_rate"] for row in rows_one) / 10
+    for name, rows, weights in (("two", rows_two, weights_two), ("fault", rows_fault, weights_fault)):
         assert [row["reward_mean"] for row in rows] == [row["reward_mean"] for row in rows_one]
-        for name, tensor in weights_one.items():
-            assert torch.allclose(weights[name], tensor, atol=1e-5, rtol=0), name
+        difference = rms_difference(weights, weights_one)
+        print(f"{name} servers: weights' RMS difference from one {difference:.2e} (bound {bound:.1e}), "
+              f"largest {largest_difference(weights, weights_one):.2e}")
+        assert difference <= bound, (name, difference, bound)
     # On a slow machine a push 10 s on may find the server answering (only its engine fails) and take it back,
     # until its next draw fails again: every such line names the failing server.
     left = [line for line in lines if "left the pool" in line]
@@ -308,7 +327,11 @@ def test_every_server_gone_is_one_line_with_the_last_checkpoint_and_resume_ends_
     whole = next((tmp_path / "whole").iterdir())
     final = load_file(str(folder / "checkpoints" / "step-000004" / "model.safetensors"))
     expected = load_file(str(whole / "checkpoints" / "step-000004" / "model.safetensors"))
-    assert max((final[name] - expected[name]).abs().max().item() for name in expected) <= 1e-5
+    bound = max(json.loads(line)["learning_rate"] for line in (whole / "metrics.jsonl").read_text().splitlines()) / 10
+    difference = rms_difference(final, expected)  # as in the test above: two servers drawing in this process
+    print(f"resumed: weights' RMS difference {difference:.2e} (bound {bound:.1e}), "
+          f"largest {largest_difference(final, expected):.2e}")
+    assert difference <= bound, (difference, bound)
 
 
 def test_the_forms_of_rollout_server_and_their_refusals(tmp_path, capsys):
@@ -413,7 +436,7 @@ def _rollout_serve(model_dir):
 def test_two_torchrun_processes_over_two_servers_end_with_the_weights_of_one_process_over_one(tiny_model_dir,
                                                                                              sums_jsonl, workdir):
     """torchrun --nproc-per-node 2 over two servers (in processes of their own): each rank's fleet spreads its
-    own groups, the pushes go to both servers one after the other; the same rewards and weights (≤ 1e-5) as one
+    own groups, the pushes go to both servers one after the other; the same rewards and weights (RMS ≤ lr / 10) as one
     process over one server."""
     from tests.conftest import run_cli
     from tests.test_distributed import _args, _final, _rows, _torchrun
@@ -432,7 +455,7 @@ def test_two_torchrun_processes_over_two_servers_end_with_the_weights_of_one_pro
             process.wait(timeout=60)
     assert "sampling with 2 builtin rollout servers" in two.stderr
     expected, got = _final(workdir / "one"), _final(workdir / "two")
-    assert max(float((got[name] - expected[name]).abs().max()) for name in expected) <= 1e-5
+    _bounded(got, expected, _rows(workdir / "one"))
     for a, b in zip(_rows(workdir / "one"), _rows(workdir / "two"), strict=True):
         assert a["reward_mean"] == b["reward_mean"] and a["completion_length"] == b["completion_length"]
 
@@ -441,7 +464,7 @@ def test_in_flight_updates_under_torchrun_over_one_server_end_where_one_process_
                                                                                      workdir):
     """--in-flight-updates under torchrun (partial_serve.py): the server holds one continuous batch for the run,
     every rank sends each round and takes its slice of the groups it finished. Two processes train on what one
-    process trains on: the same rows, and the same weights (≤ 1e-5)."""
+    process trains on: the same rows, and the same weights (RMS ≤ lr / 10)."""
     from tests.conftest import run_cli
     from tests.test_distributed import _args, _final, _rows, _torchrun
 
@@ -466,7 +489,7 @@ def test_in_flight_updates_under_torchrun_over_one_server_end_where_one_process_
     uninterrupted, again = _final(workdir / "two"), _final(killed)
     assert all(torch.equal(uninterrupted[name], again[name]) for name in uninterrupted)
     expected, got = _final(workdir / "one"), _final(workdir / "two")
-    assert max(float((got[name] - expected[name]).abs().max()) for name in expected) <= 1e-5
+    _bounded(got, expected, _rows(workdir / "one"))
     rows_one, rows_two = _rows(workdir / "one"), _rows(workdir / "two")
     assert max(row.get("versions_per_sequence_max", 0) for row in rows_one) == 2  # completions spanning a push
     for a, b in zip(rows_one, rows_two, strict=True):

@@ -24,7 +24,7 @@ from auto_research.engine.logprobs import token_logprobs
 from auto_research.algorithms import estimators as core
 from auto_research.algorithms import losses
 from auto_research.train.trainer import Trainer
-from conftest import run_cli
+from conftest import largest_difference, rms_difference, run_cli
 
 
 def test_loss_gradient_is_the_papers_estimator_for_two_prompts(tiny_model_dir):
@@ -296,10 +296,17 @@ def test_micro_batches_accumulate_to_the_whole_batch_gradient(tiny_model_dir, su
     # micro-batches would shift the advantages by ~0.1 of their mean.
     assert split_row["advantage_std"] == pytest.approx(whole_row["advantage_std"], abs=1e-7)
     assert split_row["advantage_mean"] == pytest.approx(whole_row["advantage_mean"], abs=1e-7)
-    # Summation order differs between accumulated micro-batches and one pass; Adam's first
-    # step divides each gradient element by its own magnitude, so rounding shows at ~1e-6.
-    for name in whole:
-        assert torch.allclose(whole[name], split[name], atol=1e-5), name
+    # Summation order differs between accumulated micro-batches and one pass; Adam's first step divides each
+    # gradient element by its own magnitude, so rounding moves an element whose gradient is within rounding of zero
+    # by up to 2 lr (which one is the CPU's luck), the others by ~1e-6 lr. A micro-batch lost or counted twice turns
+    # most elements' steps: RMS <= lr / 10 (conftest.rms_difference). A uniform scale, which Adam's step hides,
+    # shows in the gradient's norm: fp32 rounding moves it by ~1e-6 relative, a wrong weight by far more.
+    assert split_row["grad_norm"] == pytest.approx(whole_row["grad_norm"], rel=1e-4)
+    difference, bound = rms_difference(split, whole), whole_row["learning_rate"] / 10
+    print(f"weights' RMS difference {difference:.2e} (bound {bound:.1e}), "
+          f"largest {largest_difference(split, whole):.2e}; grad norms {split_row['grad_norm']:.8g}, "
+          f"{whole_row['grad_norm']:.8g}")
+    assert difference <= bound, (difference, bound)
 
 
 @pytest.mark.parametrize("overrides", [

