@@ -102,7 +102,7 @@ GPUS = "needs GPUs"
 SUITE = "is the test suite, or one of its files (run by the suite itself)"
 SERVER_8000 = "auto-research rollout-serve --engine builtin --port 8000 &"
 PAPER = "SmolLM2 loaded, 200 held-out prompts evaluated, a step of 16 samples"
-TURNS = "SmolLM2 loaded, one step of 32 trajectories of up to 4 turns of 128 tokens: minutes"
+TURNS = "SmolLM2 loaded, one step of 32 trajectories of up to 4 turns: 1-4 minutes on one core, 2026-12-06"
 
 PLAN: dict[str, object] = {
     # README.md
@@ -198,7 +198,7 @@ PLAN: dict[str, object] = {
         shows="classic-post-training-gsm8k-seed42"),
     # environments.md
     "auto-research post-train --dataset my_rows.jsonl --model smollm2-135m-instruct-tools --environment "
-    "my_envs:make_env --max-turns 4": Slow(TURNS, FirstStep(seconds=900)),
+    "my_envs:make_env --max-turns 4 --max-new-tokens 8": Slow(TURNS, FirstStep(seconds=900)),
     "auto-research post-train --dataset my_rows.jsonl --model smollm2-135m-instruct-tools --tools "
     "my_tools:add,my_tools:multiply --reward my_rewards:correct": Slow(TURNS, FirstStep(seconds=900)),
     "auto-research post-train --dataset my_rows.jsonl --model smollm2-135m-instruct-tools --rollout-function "
