@@ -518,53 +518,6 @@ def _kill_torchrun_after(args: list[str], workdir, checkpoint) -> None:
     agent.wait()
 
 
-_ROW_KEYS = ("loss", "pg_loss", "grad_norm", "rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_k3_kl",
-             "reward_mean", "kl", "entropy", "completion_length", "advantage_std")
-"""A step's numbers that depend on the rows drawn and the weights (not its timings)."""
-
-
-def _steps_run(address, tmp_path, name, steps, **extra):
-    from auto_research.config.generation import GenerationConfig
-    from auto_research.train.trainer import Trainer
-
-    config = GenerationConfig(dataset="arithmetic-generate", steps=steps, prompts_per_step=8, eval_every=0,
-                              evaluation_examples=4, offline=True, progress=False, output_dir=tmp_path / name,
-                              sampler="builtin", rollout_mode="server", rollout_server=address, **extra)
-    trainer = Trainer.build(config, log=lambda line: None)
-    try:
-        rows = [trainer.step(step) for step in range(1, steps + 1)]
-        weights = {name: tensor.detach().clone() for name, tensor in trainer.components.policy.named_parameters()}
-    finally:
-        trainer.close()
-    return [{key: row[key] for key in _ROW_KEYS} for row in rows], weights
-
-
-def test_with_a_generation_batch_size_one_two_and_three_servers_give_the_same_rows_and_weights_bit_for_bit(
-        servers, tmp_path):
-    """--generation-batch-size 8 (units of 2 prompts, each a request of the shapes one server gets), K = 1: 6 steps
-    over 1, 2 and 3 servers give the same numbers in every row and the same weights, to the bit; the sampler's
-    log-probs feed the correction, so any difference in their last bits would show in the weights from step 1.
-    Without it the one server draws the batch in one forward and the fleet in shares of 8 / (2 N) prompts: the same
-    token ids and rewards over these steps, but weights apart in the last bits (docs/scaling-out.md)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two servers in this process share its thread pool (see the test above)
-    try:
-        one = _steps_run(servers(1)[0], tmp_path, "one", 6, max_staleness=1, generation_batch_size=8)
-        for n in (2, 3):
-            rows, weights = _steps_run(",".join(servers(n)), tmp_path, f"n{n}", 6, max_staleness=1,
-                                       generation_batch_size=8)
-            assert rows == one[0], n
-            assert all(torch.equal(weights[name], one[1][name]) for name in weights), n
-        whole_rows, whole = _steps_run(servers(1)[0], tmp_path, "whole", 3, max_staleness=1)
-        shared_rows, shared = _steps_run(",".join(servers(2)), tmp_path, "shares", 3, max_staleness=1)
-    finally:
-        torch.set_num_threads(threads)
-    assert [row["reward_mean"] for row in shared_rows] == [row["reward_mean"] for row in whole_rows]
-    difference = max((shared[name] - whole[name]).abs().max().item() for name in whole)
-    print(f"without a chunk: two servers' weights up to {difference:.1e} from one's after 3 steps")
-    assert 0 < difference < 1e-4
-
-
 def test_a_fleet_that_loses_a_server_then_all_resumes_to_the_weights_of_one_server_bit_for_bit(servers, tmp_path,
                                                                                                 capsys):
     """From the command line at --max-staleness 1 and --generation-batch-size 8 (units of 2 prompts): a run over one
