@@ -112,7 +112,7 @@ def test_dapo_overlong_punishment_by_hand():
 
 def test_dapo_advantages_see_the_overlong_punishment():
     from auto_research.engine.distributed import World
-    from auto_research.train.experience import Scores
+    from auto_research.train.experience import Scores, task_reward
     from auto_research.train.update import estimate_advantages
 
     # One group of 4 scored 1, 1, 1, 0 with 2, 3, 6, 6 tokens; dapo's default buffer at 6 new tokens is 1, so the
@@ -121,8 +121,10 @@ def test_dapo_advantages_see_the_overlong_punishment():
     config = GenerationConfig(algorithm="dapo", group_size=4).filled().validate()
     mask = torch.tensor([[1.0] * 2 + [0] * 4, [1.0] * 3 + [0] * 3, [1.0] * 6, [1.0] * 6])
     scores = Scores(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.ones(4, dtype=torch.bool))
-    experience = SimpleNamespace(mask=mask, scores=scores, kl=torch.zeros_like(mask), values=None)
     c = SimpleNamespace(config=config, algorithm=get_algorithm("dapo"), world=World())
+    # The punishment is added where the task's stream is made (the ``task`` source), before any estimator.
+    streams = {"task": task_reward(c, SimpleNamespace(trained_mask=mask), scores, None, None)}
+    experience = SimpleNamespace(mask=mask, scores=scores, kl=torch.zeros_like(mask), values=None, streams=streams)
     advantages = estimate_advantages(c, experience).advantages
     by_hand = [0.904534, 0.904534, -0.301511, -1.507556]
     assert advantages[:, 0].tolist() == pytest.approx(by_hand, abs=1e-5)

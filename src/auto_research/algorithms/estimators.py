@@ -112,6 +112,17 @@ def _sequence(inputs: AdvantageInputs, advantage: Callable[[torch.Tensor, torch.
     return spread, spread
 
 
+def dense_term(stream: torch.Tensor, mask: torch.Tensor, group_size: int, baseline: str) -> torch.Tensor:
+    """(B, T) a per-token signal s_{i,t} (a teacher's d) less its baseline b_i, on each completion's tokens: ``loo``
+    b_i = 1/(K−1) Σ_{j≠i} mean_t s_{j,t}, the group's other samples' mean signal (independent of sample i, so the
+    gradient stays unbiased; 0 for K = 1), ``none`` b_i = 0."""
+    if baseline == "none":
+        return stream * mask
+    means = ((stream * mask).sum(1) / mask.sum(1).clamp(min=1)).view(-1, group_size)
+    others = (means.sum(-1, keepdim=True) - means) / max(group_size - 1, 1)
+    return (stream - others.reshape(-1, 1)) * mask
+
+
 def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """G_t = Σ_{s ≥ t} r_s over each completion's tokens (γ = 1), 0 where masked."""
     rewards = rewards * mask

@@ -53,6 +53,13 @@ def kl_in_loss(placement: str) -> bool:
     return placement == "loss"
 
 
+SIGNALS = {
+    "task": "the task's reward on each completion's last token (DAPO's overlong penalty added)",
+    "kl": "the per-token KL of the sampling policy to the reference (--reference-model; 0 without one)",
+    "teacher": "d_t = log π_teacher(y_t) − log π_old(y_t) at each sampled token (--teacher-model)",
+}
+"""The named per-token streams a step's experience carries (made by the sources of ``train/signals.py``)."""
+DISTILL_BASELINES = {"loo": "b_i = the mean over the group's other samples of their mean d", "none": "b_i = 0"}
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-tis", "sequence-mask")
 STANDARD_DEVIATIONS = {
@@ -139,6 +146,13 @@ class Algorithm:
     dynamic_sampling: bool = False
     """The default of --dynamic-sampling: groups whose K scores are all equal are dropped and their slots
     refilled with fresh prompts before the step trains (DAPO; train/dynamic.py)."""
+    rewards: tuple[str, ...] = ("task",)
+    """The streams (``SIGNALS``) summed into the per-token reward the estimator sees; the reference's KL joins them
+    at −β where --kl-in puts it in the reward. Without ``task`` a run needs no task reward (a dataset without
+    answers runs)."""
+    dense: tuple[str, ...] = ("teacher",)
+    """The streams added per token to the estimator's advantage when their source is on, λ·(s_t − b_i) with their
+    baseline (--distill-weight, --distill-baseline): a teacher's d_t."""
     candidate: CandidateTwin | None = None
 
     def kl_estimator_for(self, placement: str) -> str:
@@ -163,7 +177,8 @@ def register(algorithm: Algorithm) -> Algorithm:
     for key, choices in ((algorithm.policy_loss, POLICY_LOSSES), (algorithm.reused_batch_loss, POLICY_LOSSES),
                          (algorithm.aggregation, AGGREGATIONS), (algorithm.kl, KL_PLACEMENTS),
                          (algorithm.kl_estimator, KL_ESTIMATORS), (algorithm.rollout_correction, ROLLOUT_CORRECTIONS),
-                         (algorithm.std, (None, *STANDARD_DEVIATIONS))):
+                         (algorithm.std, (None, *STANDARD_DEVIATIONS)),
+                         *((stream, SIGNALS) for stream in algorithm.rewards + algorithm.dense)):
         if key not in choices:
             raise ValueError(f"algorithm {algorithm.name!r} names {key!r}, which is not one of {', '.join(map(str, choices))}")
     REGISTRY[algorithm.name] = algorithm
@@ -292,4 +307,10 @@ register(Algorithm(
             "bound (ε_low 1), ε_high 0.28; no KL",
     citation="MiniMax, 2025, MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention "
              "(arXiv 2506.13585)",
+))
+register(Algorithm(
+    name="opd", advantage="rloo", policy_loss="vanilla", kl="none", rewards=(), min_group_size=2,
+    formula="Â_{i,t} = λ (d_{i,t} − b_i), d = sg(log π_T − log π_old) at each sampled token, b_i = mean_{j≠i} "
+            "mean_t d_{j,t}; no task reward (needs --teacher-model)",
+    citation="on-policy distillation: Agarwal et al., 2024 (GKD, arXiv 2306.13649); Qwen3 (arXiv 2505.09388)",
 ))

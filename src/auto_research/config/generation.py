@@ -229,7 +229,7 @@ def _schedule_defaults(given: GenerationConfig, filled: GenerationConfig) -> dic
 def _record_defaults(config: GenerationConfig) -> dict:
     """The algorithm record's defaults for the loss and rollout settings left unset."""
     record, loss = get_algorithm(config.algorithm), config.loss
-    kl_in = loss.kl_in or record.kl
+    kl_in = loss.kl_in or ("none" if loss.teacher_model else record.kl)  # a teacher's signal replaces the KL's
     values = {"kl_in": kl_in, "kl_estimator": loss.kl_estimator or record.kl_estimator_for(kl_in),
               "loss_aggregation": loss.loss_aggregation or record.aggregation,
               "clip_low": _first(loss.clip_low, loss.clip_range, record.clip_low),

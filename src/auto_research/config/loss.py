@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from auto_research.algorithms.registry import (AGGREGATIONS, KL_ESTIMATORS, KL_PLACEMENTS, POLICY_LOSSES,
+from auto_research.algorithms.registry import (AGGREGATIONS, DISTILL_BASELINES, KL_ESTIMATORS, KL_PLACEMENTS, POLICY_LOSSES,
                                                RATIO_FREE_LOSSES, REGISTRY, STANDARD_DEVIATIONS, described,
                                                kl_in_loss, kl_shapes_reward, names_by)
 from auto_research.config.fields import (check_choice, check_non_negative_finite, check_positive_finite,
@@ -73,6 +73,14 @@ class LossSection:
                                                    "--overlong-buffer)", "loss", default_text="1.0 (DAPO)", type=float)
     entropy_coef: float = setting(0.0, "weight of the entropy bonus: the loss minus this × the policy's entropy, "
                                        "aggregated as the loss", "loss", type=float)
+    reference_model: str | None = setting(None, "the KL's reference: a model folder, hub id or packaged name with the "
+                                          "policy's tokenizer", "loss", default_text="the initial policy")
+    teacher_model: str | None = setting(None, "on-policy distillation: this model (folder, hub id or packaged name, "
+                                        "the policy's tokenizer) scores the sampled tokens, and λ·(d_t − b_i), d_t = "
+                                        "log π_teacher − log π_old, joins each token's advantage (docs/distillation.md); "
+                                        "the reference KL is then off unless --kl-in is given", "loss")
+    distill_weight: float = setting(1.0, "λ, the teacher's term's weight in the advantage", "loss", type=float)
+    distill_baseline: str = setting("loo", f"the teacher's term's baseline: {described(DISTILL_BASELINES)}", "loss")
     whiten_advantages: bool = setting(True, "keep the advantages of algorithms that whiten them over the global batch "
                                       f"({having('whiten')}) as they are", "loss", flag="--no-whiten-advantages",
                                       action="store_false")
@@ -107,6 +115,10 @@ class LossSection:
             check_non_negative_finite("--overlong-penalty", self.overlong_penalty)
             if not self.overlong_buffer:
                 raise UserError("--overlong-penalty needs --overlong-buffer L > 0 (the punishment is off without it)")
+        check_non_negative_finite("--distill-weight", self.distill_weight)
+        check_choice("--distill-baseline", self.distill_baseline, DISTILL_BASELINES)
+        if self.teacher_model is None and (self.distill_weight != 1.0 or self.distill_baseline != "loo"):
+            raise UserError("--distill-weight and --distill-baseline shape a teacher's term: give --teacher-model")
 
     def _check_clips(self) -> None:
         if self.clip_range is not None and not (math.isfinite(self.clip_range) and 0 <= self.clip_range <= 1):
@@ -125,6 +137,9 @@ class LossSection:
         if self.normalize_advantages and algorithm.whiten:
             raise UserError(f"--normalize-advantages: {algorithm.name} already whitens its advantages over the batch "
                             "(--no-whiten-advantages turns that off)")
+        if "task" not in algorithm.rewards and self.teacher_model is None:
+            raise UserError(f"--algorithm {algorithm.name} takes no task reward: its signal is a teacher's, so it "
+                            "needs --teacher-model")
         if kl_shapes_reward(self.kl_in) and not kl_shapes_reward(algorithm.kl) and self.beta > 0:
             raise UserError(f"--kl-in reward: {algorithm.name}'s advantage does not use the shaped reward; "
                             "use --kl-in loss (or --beta 0)")

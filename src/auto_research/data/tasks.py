@@ -244,20 +244,22 @@ def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str | 
                        + ("" if answered else "; no answers: rewards score completions alone") + ")")
 
 
-def check_answers(task: Task, rewards: list, reward_model: str | None, scored_elsewhere: bool) -> None:
+def check_answers(task: Task, rewards: list, reward_model: str | None, scored_elsewhere: bool,
+                  task_reward: bool = True) -> None:
     """Rows without answers run when nothing needs an answer: the user's rewards, a reward model or a reward URL
-    score the completions (or an environment or rollout function its episodes). A built-in verifier reward, named
-    or the default, would compare completions with answers there are none of: refused in one line."""
+    score the completions (or an environment or rollout function its episodes), or the algorithm takes no task
+    reward (``task_reward`` False: opd, whose signal is a teacher's). A built-in verifier reward, named or the
+    default, would compare completions with answers there are none of: refused in one line."""
     if task.verifier is not None:
         return
     needing = [name for name, _, user in rewards if not user and name in BUILT_IN and name not in SCORES_ALONE]
     if needing:
         raise UserError(f"--reward {needing[0]} compares completions with the rows' answers, and {task.name} has "
                         f"none ({NO_ANSWERS_WHY}); give --answer-field, or rewards that score completions alone")
-    if not rewards and not reward_model and not scored_elsewhere:
+    if not rewards and not reward_model and not scored_elsewhere and task_reward:
         raise UserError(f"{task.name} has no answers ({NO_ANSWERS_WHY}), so the default reward, its verifier, "
                         "has nothing to compare with: give --reward module:function, --reward-model or --reward-url "
-                        "(or --answer-field)")
+                        "(or --answer-field, or --algorithm opd --teacher-model)")
 
 
 # --- the records' loaders: (record, settings) → Task -------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.utils.checkpoint
 
-from auto_research.algorithms.registry import Algorithm, get_algorithm
+from auto_research.algorithms.registry import Algorithm, get_algorithm, kl_in_loss, kl_shapes_reward
 from auto_research.config.generation import GenerationConfig
 from auto_research.data.types import Task
 from auto_research.engine import checkpoint as checkpoints
@@ -71,6 +71,8 @@ class Components:
     """The rollout engine's record (``engine/samplers.py``), resolved once from the settings when not given."""
     python_rewards: tuple = ()
     """The rewards given from Python, as config.yaml names them (``Prepared.python_rewards``)."""
+    teacher: torch.nn.Module | None = None
+    """--teacher-model, frozen in the compute dtype: the source of the ``teacher`` stream (experience.py), else None."""
 
     def __post_init__(self):
         if self.engine is None:
@@ -211,10 +213,12 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
         log(f"loading the model {config.model or model_name} on {device}"
             + (f", with the weights of {resume_from}" if resume_from is not None else ""))
     policy, tokenizer, record = _load_policy(config, model_name, device, log)
-    policy, reference = _reference(config, task, policy, model_name, device, compute_dtype)
+    policy, reference = _reference(config, task, policy, model_name, device, compute_dtype, tokenizer)
+    teacher = _teacher(config, model_name, device, compute_dtype, tokenizer, world, log)
     critic = _load_critic(config, model_name, device, len(tokenizer)) if algorithm.needs_critic else None
-    reward = build_reward(prepared.rewards, config.reward_weights, config.reward_model, task.verifier, device,
-                          config.offline)
+    reward = (CombinedReward([], []) if task.verifier is None and not prepared.rewards and not config.reward_model
+              else build_reward(prepared.rewards, config.reward_weights, config.reward_model, task.verifier, device,
+                                config.offline))  # (none: the algorithm takes no task reward, data/tasks.py)
     train_prompts = _formatted(tokenizer, task.train, config.chat_template)
     eval_prompts = _formatted(tokenizer, task.evaluation, config.chat_template)
     _check_context(policy, tokenizer, train_prompts + eval_prompts, config.max_new_tokens)
@@ -231,7 +235,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     return Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
                       train_policy, optimizer, reference, critic, train_critic, critic_optimizer, sampler, reward,
                       prepared.judge, train_prompts, eval_prompts, episodes=episodes, offloaded_reference=offloaded,
-                      engine=record, python_rewards=prepared.python_rewards)
+                      engine=record, python_rewards=prepared.python_rewards, teacher=teacher)
 
 
 def _start(config: GenerationConfig, world: World) -> tuple[str, torch.dtype]:
@@ -257,19 +261,45 @@ def _load_policy(config: GenerationConfig, model_name: str, device: str, log):
     return policy, tokenizer, record
 
 
-def _reference(config: GenerationConfig, task: Task, policy, model_name: str, device: str, compute_dtype):
+def _reference(config: GenerationConfig, task: Task, policy, model_name: str, device: str, compute_dtype, tokenizer):
     """The policy (with its adapters under LoRA) and the frozen reference: the policy with its adapters off under
-    LoRA, else a second copy in the compute dtype. With β = 0 the reference is not needed, unless the task
-    measures over-optimisation against the KL: None then."""
+    LoRA, else --reference-model (by default a second copy of the initial policy) in the compute dtype. With β = 0
+    the reference is not needed, unless the task measures over-optimisation against the KL: None then."""
     measured = config.beta > 0 or task.gold is not None
     if config.lora_r:
+        if config.reference_model:
+            raise UserError("--reference-model with --lora-r is not built: under LoRA the reference is the policy "
+                            "with its adapters off")
         policy, reference = lora.add_adapters(policy, config.lora, model_name)
         return policy, reference if measured else None
     if not measured:
         return policy, None
-    reference, _ = load_policy(model_name, device, compute_dtype, config.offline)
-    reference.eval().requires_grad_(False)
-    return policy, reference
+    return policy, frozen_model(config.reference_model or model_name, "--reference-model", model_name, tokenizer,
+                                device, compute_dtype, config.offline)
+
+
+def frozen_model(name: str, flag: str, model_name: str, tokenizer, device: str, compute_dtype, offline: bool):
+    """A model that scores the policy's tokens and does not train (a reference, a teacher), in the compute dtype. One
+    whose tokenizer is not the policy's is refused in one line that names both: its log-probs would be of other
+    tokens."""
+    model, own = load_policy(name, device, compute_dtype, offline)
+    if name != model_name and own.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"{flag} {name}: its tokenizer ({len(own)} tokens) is not the policy's ({model_name}, "
+                        f"{len(tokenizer)} tokens); it must score the policy's own token ids")
+    return model.eval().requires_grad_(False)
+
+
+def _teacher(config: GenerationConfig, model_name: str, device: str, compute_dtype, tokenizer, world: World, log):
+    """--teacher-model, frozen and wrapped for several processes as the reference is; None without one."""
+    if config.teacher_model is None:
+        return None
+    if not (kl_shapes_reward(config.kl_in) or kl_in_loss(config.kl_in)):
+        log(f"--teacher-model {config.teacher_model}: the reference KL is off (--kl-in none; --kl-in reward or loss "
+            "puts it back), the teacher's term takes its place")
+    teacher = frozen_model(config.teacher_model, "--teacher-model", model_name, tokenizer, device, compute_dtype,
+                           config.offline)
+    world.wrap(teacher, trains=False)
+    return teacher
 
 
 def _load_critic(config: GenerationConfig, model_name: str, device: str, vocabulary: int):
@@ -369,5 +399,6 @@ def parameter_counts(c: Components) -> dict:
     # With LoRA the reference is the policy with its adapters off: no weights of its own.
     reference = None if c.config.lora_r else c.reference
     held = {"policy": count(c.policy), "critic": count(c.critic), "reference": count(reference),
-            "reward_model": count(reward_model.model if reward_model is not None else None)}
+            "reward_model": count(reward_model.model if reward_model is not None else None),
+            **({"teacher": count(c.teacher)} if c.teacher is not None else {})}
     return {**held, "trainable": trainable(c.policy) + trainable(c.critic), "total": sum(held.values())}

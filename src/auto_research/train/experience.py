@@ -2,17 +2,25 @@
 
     drawn      = rollouts.take(step)                      # Batch, Rollout (with policy versions), rewards
     scores     = agreed_scores(world, drawn, step, K)     # rewards, None-masked, agreed over ranks
-    experience = build_experience(c, rollout, scores, version)  # log π_old, log π_ref, entropy, values, KL
+    experience = build_experience(c, rollout, scores, version)  # log π_old, log π_ref, entropy, values, streams
+
+The experience carries named per-token signal streams (``algorithms.registry.SIGNALS``: the task reward, the KL
+to the reference, a teacher's d_t), each made by the source registered under its name here (``SIGNAL_SOURCES``);
+the algorithm's record says which of them make the estimator's reward and which join the advantage per token
+(``update.estimate_advantages``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
 from auto_research.example import Example
 from auto_research.algorithms.correction import importance_weights, mismatch
+from auto_research.algorithms.estimators import overlong_penalty
+from auto_research.algorithms.losses import last_token
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
 from auto_research.engine.rollout import Rollout
 from auto_research.train.components import Components
@@ -66,8 +74,8 @@ class Experience:
     """(B, T) log π of the policy that sampled: the ratios' denominator."""
     entropy: torch.Tensor
     """(B, T) per-token entropy of that policy."""
-    kl: torch.Tensor
-    """(B, T) per-token KL estimate against the reference (0 without one)."""
+    streams: dict
+    """Name → (B, T) per-token signal, one for each source the run has (``SIGNAL_SOURCES``)."""
     reference_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     """(B, T) the critic's V(s_t) (PPO)."""
@@ -81,6 +89,11 @@ class Experience:
     def mask(self) -> torch.Tensor:
         """(B, T) the model's own tokens (a multi-turn trajectory's environment and tool tokens are 0)."""
         return self.rollout.trained_mask.float()
+
+    @property
+    def kl(self) -> torch.Tensor:
+        """(B, T) per-token KL estimate against the reference (0 without one)."""
+        return self.streams["kl"]
 
 
 def widen(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -140,10 +153,8 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
     else:
         old_logprobs, entropy = no_grad_forward(c, c.policy, rollout, token_logprobs, temperature=temperature,
                                                 with_entropy=True)
-    if reference_logprobs is not None:
-        kl = kl_per_token(old_logprobs, reference_logprobs, c.config.kl_estimator) * mask
-    else:
-        kl = torch.zeros_like(old_logprobs)
+    streams = {name: stream for name, source in SIGNAL_SOURCES.items()
+               if (stream := source(c, rollout, scores, old_logprobs, reference_logprobs)) is not None}
     values = no_grad_forward(c, c.critic, rollout, completion_values) * mask if c.critic is not None else None
     weights = drift = None
     if corrected(c.engine, c.config.max_staleness) and rollout.sampler_logprobs is not None:
@@ -151,7 +162,49 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
         weights = importance_weights(old_logprobs - rollout.sampler_logprobs, mask, c.config.rollout_correction,
                                      c.config.rollout_correction_cap)
         drift = mismatch(old_logprobs, rollout.sampler_logprobs, mask)
-    return Experience(rollout, scores, old_logprobs, entropy, kl, reference_logprobs, values, weights, drift)
+    return Experience(rollout, scores, old_logprobs, entropy, streams, reference_logprobs, values, weights, drift)
+
+
+SIGNAL_SOURCES: dict[str, Callable] = {}
+"""A stream's name → its source: (components, rollout, scores, log π_old, log π_ref or None) → the (B, T) stream, or
+None where the run has no such signal. A source reads its settings from the run's sections (the loss section's)."""
+
+
+def signal_source(name: str):
+    def register(function):
+        SIGNAL_SOURCES[name] = function
+        return function
+
+    return register
+
+
+@signal_source("task")
+def task_reward(c: Components, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs) -> torch.Tensor:
+    """The task's reward on each completion's last token, DAPO's overlong penalty (--overlong-buffer) added to the
+    scored ones."""
+    loss, mask, rewards = c.config.loss, rollout.trained_mask.float(), scores.rewards
+    if loss.overlong_buffer:
+        penalty = overlong_penalty(mask.sum(1), c.config.max_new_tokens, loss.overlong_buffer, loss.overlong_penalty)
+        rewards = torch.where(scores.scored, rewards + penalty, rewards)
+    return last_token(mask) * rewards.unsqueeze(1)
+
+
+@signal_source("kl")
+def reference_kl(c: Components, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs) -> torch.Tensor:
+    """The sampling policy's KL to the reference per token, by --kl-estimator (0 without a reference)."""
+    if reference_logprobs is None:
+        return torch.zeros_like(old_logprobs)
+    return kl_per_token(old_logprobs, reference_logprobs, c.config.kl_estimator) * rollout.trained_mask.float()
+
+
+@signal_source("teacher")
+def teacher_signal(c: Components, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs):
+    """d_t = log π_T(y_t) − log π_old(y_t) at each sampled token (no gradient): the teacher's log-probs at
+    temperature 1 by the policy's own log-prob function; None without --teacher-model."""
+    if c.teacher is None:
+        return None
+    teacher = no_grad_forward(c, c.teacher, rollout, token_logprobs, temperature=1.0)
+    return (teacher - old_logprobs) * rollout.trained_mask.float()
 
 
 def corrected(engine, max_staleness: int) -> bool:

@@ -61,10 +61,28 @@ def step_metrics(c: Components, step: int, experience: Experience, advantages: A
         "unscored_samples": int((~scored).sum()),
         "invalid_rewards": scores.invalid,
         **critic,
+        **teacher_figures(c, experience, advantages),
         "learning_rate": c.optimizer.param_groups[0]["lr"],
         "tokens_per_second": generated / elapsed,
         "step_seconds": elapsed,
     }
+
+
+def teacher_figures(c: Components, experience: Experience, advantages: Advantages) -> dict:
+    """A teacher's figures over every rank's tokens (``{}`` without one; docs/distillation.md): its reverse KL per
+    token (the mean of −d), the dense term's share of the advantage (Σ|λ(d − b)| / Σ|Â|), how much the baseline
+    lowers the per-token variance (1 − var(d − b) / var(d)), and the tokens it scored."""
+    if advantages.centred is None:
+        return {}
+    mask, d, centred = experience.mask, experience.streams["teacher"], advantages.centred
+    dense = (c.config.distill_weight * centred).abs().sum()
+    sums = c.world.total(torch.stack([mask.sum(), d.sum(), d.square().sum(), centred.sum(), centred.square().sum(),
+                                      dense, (advantages.advantages * mask).abs().sum()]).double())
+    tokens, d_sum, d_squares, c_sum, c_squares, dense, total = sums.tolist()
+    variance = lambda summed, squares: squares / max(tokens, 1.0) - (summed / max(tokens, 1.0)) ** 2  # noqa: E731
+    return {"teacher_reverse_kl": -d_sum / max(tokens, 1.0), "distill_share": dense / total if total else 0.0,
+            "distill_variance_reduction": 1.0 - variance(c_sum, c_squares) / max(variance(d_sum, d_squares), 1e-30),
+            "teacher_tokens": int(tokens)}
 
 
 def drift_figures(c: Components, experience: Experience) -> dict:

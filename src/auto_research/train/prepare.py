@@ -105,7 +105,8 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
     if config.resume:
         config, resume_from = _resumed(config, log, world_size)
     for source, flag in ((config.model, "--model"), (config.reward_model, "--reward-model"),
-                         (config.critic_model, "--critic-model")):
+                         (config.critic_model, "--critic-model"), (config.reference_model, "--reference-model"),
+                         (config.teacher_model, "--teacher-model")):
         if source is not None:
             check_model_source(source, config.offline, flag)
     rewards = resolve_rewards(config.reward, config.reward_weights, config.reward_model, list(reward_functions),
@@ -131,6 +132,7 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
 
         factory, functions = load_environment(environment or config.environment, list(tools) + [config.tools or ""],
                                               row_of(task.train[0]), config.env_timeout)
-    check_answers(task, rewards, config.reward_model, factory is not None or own is not None)
+    check_answers(task, rewards, config.reward_model, factory is not None or own is not None,
+                  "task" in get_algorithm(config.algorithm).rewards)
     return Prepared(config, task, resume_from, rewards, judge, factory, functions, own,
                     tuple((name, spec_of(function)) for name, function in reward_functions))

@@ -9,10 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from auto_research.algorithms.estimators import (ADVANTAGE_ESTIMATORS, AdvantageInputs, normalise_over_batch,
-                                                 overlong_penalty, sequence_scores, whiten)
-from auto_research.algorithms.losses import (POLICY_LOSSES, LossInputs, aggregate, clip_fraction, clipped_value_loss,
-                                             last_token)
+from auto_research.algorithms.estimators import (ADVANTAGE_ESTIMATORS, AdvantageInputs, dense_term,
+                                                 normalise_over_batch, sequence_scores, whiten)
+from auto_research.algorithms.losses import POLICY_LOSSES, LossInputs, aggregate, clip_fraction, clipped_value_loss
 from auto_research.algorithms.registry import kl_in_loss, kl_shapes_reward
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
 from auto_research.engine.rollout import Rollout, eos_ids
@@ -29,28 +28,32 @@ class Advantages:
     """(B, T) per-token returns (the critic's targets)."""
     inputs: AdvantageInputs
     """What the estimator saw: the per-token rewards and the rest."""
+    centred: torch.Tensor | None = None
+    """(B, T) the dense stream less its baseline (a teacher's d − b), whose λ× joined the advantages; None without."""
 
 
 def estimate_advantages(c: Components, experience: Experience, baseline: float = 0.0) -> Advantages:
-    """Per-token rewards (the task reward, plus DAPO's overlong penalty when --overlong-buffer is on, on the last
-    token; −β·kl on every token when the KL shapes the reward) → the record's estimator → whitening over every
-    rank's tokens when the record asks for it, or --normalize-advantages' z-score over the completions."""
-    config, mask, scores = c.config, experience.mask, experience.scores
-    rewards = scores.rewards
-    if config.overlong_buffer:
-        penalty = overlong_penalty(mask.sum(1), config.max_new_tokens, config.overlong_buffer, config.overlong_penalty)
-        rewards = torch.where(scores.scored, rewards + penalty, rewards)
-    token_rewards = last_token(mask) * rewards.unsqueeze(1)
+    """Per-token rewards, the record's streams summed (``Algorithm.rewards``: the task reward on the last token),
+    −β·kl on every token when the KL shapes the reward → the record's estimator → whitening over every rank's tokens
+    when the record asks for it, or --normalize-advantages' z-score over the completions → the record's dense streams
+    the run has (a teacher's d), each less its baseline, λ× added per token: Â_{i,t} = A_i + λ·(d_{i,t} − b_i)."""
+    config, mask, scores, streams = c.config, experience.mask, experience.scores, experience.streams
+    token_rewards = sum((streams[name] for name in c.algorithm.rewards), torch.zeros_like(mask))
     if kl_shapes_reward(config.kl_in):
         token_rewards = token_rewards - config.beta * experience.kl
     inputs = AdvantageInputs(token_rewards, mask, config.group_size, scores.scored, scores.greedy_rewards,
-                             experience.values, 1.0, config.gae_lambda, baseline, rewards, config.std or "population")
+                             experience.values, 1.0, config.gae_lambda, baseline, streams["task"].sum(1),
+                             config.std or "population")
     advantages, returns = ADVANTAGE_ESTIMATORS[c.algorithm.advantage](inputs)
     if c.algorithm.whiten and config.whiten_advantages:
         advantages = whiten(advantages, mask * scores.scored.float().unsqueeze(1), total=c.world.total)
     if config.normalize_advantages:
         advantages = normalise_over_batch(advantages, mask, scores.scored, total=c.world.total)
-    return Advantages(advantages, returns, inputs)
+    centred = None
+    for name in (name for name in c.algorithm.dense if name in streams):
+        centred = dense_term(streams[name], mask, config.group_size, config.distill_baseline)
+        advantages = advantages + config.distill_weight * centred
+    return Advantages(advantages, returns, inputs, centred)
 
 
 def truncated(rollout: Rollout, max_new_tokens: int, eos: list[int]) -> torch.Tensor:
