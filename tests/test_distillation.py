@@ -1,0 +1,172 @@
+"""On-policy distillation (issue 55) on the open training signal (issue 54, item 5): the teacher's dense term
+Â_{i,t} = A_i + λ·(d_{i,t} − b_i), d = sg(log π_T − log π_old), checked by hand, by enumeration on a 3-token toy,
+against plain RLOO's rows, and its refusals (docs/distillation.md says which pitfall each test covers)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from auto_research import GenerationConfig, post_train
+from auto_research.algorithms.estimators import dense_term
+from auto_research.algorithms.losses import POLICY_LOSSES, LossInputs
+from auto_research.errors import UserError
+from conftest import run_cli
+
+ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)]
+NOT_COMPARED = ("time_", "step_seconds", "tokens_per_second", "teacher_", "distill_")
+
+
+def test_dense_term_by_hand():
+    # One group of K = 3: d = [1, 3] (mean 2), [0, 0] (mean 0), [4, pad] (mean 4). The LOO baselines are the others'
+    # means: b = (0 + 4)/2 = 2, (2 + 4)/2 = 3, (2 + 0)/2 = 1; so d − b = [−1, 1], [−3, −3], [3, 0 on the pad].
+    d = torch.tensor([[1.0, 3.0], [0.0, 0.0], [4.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    assert dense_term(d, mask, 3, "loo").tolist() == [[-1.0, 1.0], [-3.0, -3.0], [3.0, 0.0]]
+    assert dense_term(d, mask, 3, "none").tolist() == [[1.0, 3.0], [0.0, 0.0], [4.0, 0.0]]
+    assert dense_term(d[:1], mask[:1], 1, "loo").tolist() == [[1.0, 3.0]]  # K = 1: no other sample, b = 0
+
+
+def _vanilla_gradient(theta: torch.Tensor, token: int, advantage: float) -> torch.Tensor:
+    """∇θ of the vanilla loss −A·log π(y) of one sampled token, by the loss function the trainer calls."""
+    theta = theta.detach().requires_grad_(True)
+    logprob = torch.log_softmax(theta, -1)[token].reshape(1, 1)
+    terms = POLICY_LOSSES["vanilla"](LossInputs(logprob, logprob.detach(), torch.tensor([[advantage]]),
+                                                torch.ones(1, 1), 0.2, 0.2))
+    terms.sum().backward()
+    return theta.grad
+
+
+THETA = torch.tensor([0.3, -0.2, 0.5])   # the student's logits over a 3-token vocabulary
+TEACHER = torch.tensor([1.5, -1.0, 0.1])
+
+
+def test_the_dense_terms_expected_gradient_is_minus_the_reverse_kls_gradient_enumerated():
+    # E_y~π[∇(−d(y) log π(y))] over the 3 tokens, d(y) = log π_T(y) − log π(y) detached, is ∇ KL(π ‖ π_T): a step
+    # against the loss is a step down the reverse KL. Σ_y π(y)∇log π(y) = 0 is why the detached d suffices.
+    pi, log_teacher = torch.softmax(THETA, -1), torch.log_softmax(TEACHER, -1)
+    d = log_teacher - torch.log_softmax(THETA, -1)
+    expected = sum(float(pi[y]) * _vanilla_gradient(THETA, y, float(d[y])) for y in range(3))
+    theta = THETA.clone().requires_grad_(True)
+    log_pi = torch.log_softmax(theta, -1)
+    (log_pi.exp() * (log_pi - log_teacher)).sum().backward()  # the analytic reverse KL
+    assert torch.allclose(expected, theta.grad, atol=1e-6) and theta.grad.abs().max() > 0.1
+
+
+def test_a_penalty_that_does_not_depend_on_the_sampled_token_has_zero_gradient():
+    # The trap of a full-distribution (or top-k) KL used as every token's reward (miles #2362): the same value c for
+    # whichever token was drawn, so E[c ∇log π(y)] = c Σ_y ∇π(y) = 0. The sampled token's d is the signal.
+    pi = torch.softmax(THETA, -1)
+    penalty = float((pi * (torch.log(pi) - torch.log_softmax(TEACHER, -1))).sum())
+    flat = sum(float(pi[y]) * _vanilla_gradient(THETA, y, -penalty) for y in range(3))
+    assert flat.abs().max() < 1e-7 and penalty > 0.1
+
+
+def test_the_leave_one_out_baseline_leaves_the_expected_gradient_unchanged_enumerated():
+    # K = 3 samples of one token each from the 3-token student: all 27 draws, weighted by their probability. The LOO
+    # baseline changes every draw's advantages but not the expected gradient (b_i does not depend on y_i).
+    pi, d = torch.softmax(THETA, -1), torch.log_softmax(TEACHER, -1) - torch.log_softmax(THETA, -1)
+    expected, per_draw = {}, {}
+    for baseline in ("none", "loo"):
+        total = torch.zeros(3)
+        for draw in itertools.product(range(3), repeat=3):
+            centred = dense_term(d[list(draw)].reshape(3, 1), torch.ones(3, 1), 3, baseline)
+            probability = float(pi[list(draw)].prod())
+            gradient = sum(_vanilla_gradient(THETA, y, float(a)) for y, a in zip(draw, centred[:, 0])) / 3
+            total += probability * gradient
+            per_draw.setdefault(draw, []).append(centred)
+        expected[baseline] = total
+    assert torch.allclose(expected["loo"], expected["none"], atol=1e-6) and expected["none"].abs().max() > 0.1
+    assert not torch.equal(*per_draw[(0, 1, 2)])
+
+
+def test_a_teacher_that_is_the_current_policy_changes_no_bit_of_the_gradient():
+    # d ≡ 0 exactly when the teacher is the policy itself (the same log-prob function on the same weights), so the
+    # golden batch's gradient with the teacher's term on is the gradient without it, bit for bit.
+    from test_lm_core import _Fixed, _golden_setup
+
+    golden, config, policy, reference, tokenizer, rollout = _golden_setup()
+    plain = _Fixed(config, policy, reference, tokenizer, rollout, golden["rewards"]).gradient()
+    taught = GenerationConfig(**{**config.to_json(), "teacher_model": "itself", "kl_in": "reward"}).filled()
+    fixed = _Fixed(taught.validate(), policy, reference, tokenizer, rollout, golden["rewards"])
+    fixed.components.teacher = policy
+    grads = fixed.gradient()
+    assert all(torch.equal(grads[name], plain[name]) for name in plain)
+
+
+def _rows(tmp_path, name: str, model, **settings) -> list[dict]:
+    post_train(ROWS, model=str(model), group_size=4, prompts_per_step=2, steps=2, max_new_tokens=3,
+               learning_rate=1e-3, output_dir=str(tmp_path / name), offline=True, device="cpu", progress=False,
+               threads=1, eval_every=0, evaluation_examples=4, log=lambda text: None, **settings)
+    (folder,) = (tmp_path / name).iterdir()
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def _compared(row: dict) -> dict:
+    return {key: value for key, value in row.items() if not key.startswith(NOT_COMPARED)}
+
+
+def test_lambda_zero_reproduces_rloo_and_the_initial_student_as_teacher_gives_rloos_first_step(tiny_model_dir,
+                                                                                              tmp_path):
+    plain = _rows(tmp_path, "plain", tiny_model_dir)
+    silent = _rows(tmp_path, "silent", tiny_model_dir, teacher_model=str(tiny_model_dir), distill_weight=0.0,
+                   kl_in="reward")
+    assert [_compared(row) for row in silent] == [_compared(row) for row in plain]
+    assert silent[0]["teacher_tokens"] > 0 and silent[0]["distill_share"] == 0.0
+    # λ = 1, teacher = the initial student: at step 1 d is 0 up to the sampler's rounding (its log-probs are the
+    # incremental decode's), so the step's advantages are plain RLOO's.
+    taught = _rows(tmp_path, "taught", tiny_model_dir, teacher_model=str(tiny_model_dir), kl_in="reward")
+    assert abs(taught[0]["teacher_reverse_kl"]) < 1e-5
+    for key in ("advantage_mean", "advantage_std", "advantage_abs_max", "objective", "pg_loss"):
+        assert taught[0][key] == pytest.approx(plain[0][key], abs=1e-4), key
+
+
+def test_opd_runs_on_rows_without_answers(tiny_model_dir, tmp_path):
+    unanswered = [{"prompt": row["prompt"]} for row in ROWS]
+    with pytest.raises(UserError, match="no answers"):
+        post_train(unanswered, model=str(tiny_model_dir), output_dir=str(tmp_path), offline=True, device="cpu")
+    post_train(unanswered, model=str(tiny_model_dir), algorithm="opd", teacher_model=str(tiny_model_dir),
+               group_size=2, prompts_per_step=2, steps=1, max_new_tokens=3, output_dir=str(tmp_path / "opd"),
+               offline=True, device="cpu", progress=False, threads=1, eval_every=0, evaluation_examples=2,
+               log=lambda text: None)
+    (row,) = [json.loads(line) for line in next((tmp_path / "opd").iterdir()).joinpath("metrics.jsonl").open()]
+    assert row["reward_mean"] == 0.0 and row["teacher_tokens"] > 0 and row["distill_share"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"algorithm": "opd"}, "--algorithm opd takes no task reward: its signal is a teacher's, so it needs "
+                           "--teacher-model"),
+    ({"distill_weight": 0.5}, "--distill-weight and --distill-baseline shape a teacher's term: give --teacher-model"),
+    ({"teacher_model": "t", "distill_baseline": "mean"}, "--distill-baseline 'mean': choose one of loo, none"),
+    ({"teacher_model": "t", "distill_weight": -1.0}, "--distill-weight"),
+])
+def test_bad_distillation_settings_are_one_line(settings, message):
+    with pytest.raises(UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        GenerationConfig(**settings).filled().validate()
+
+
+def test_a_teacher_gets_the_kl_off_unless_asked():
+    assert GenerationConfig(teacher_model="t").filled().kl_in == "none"
+    assert GenerationConfig(teacher_model="t", kl_in="loss").filled().kl_in == "loss"
+    assert GenerationConfig().filled().kl_in == "reward"
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tiny_model_dir, sums_jsonl, tmp_path):
+    from auto_research.engine.tiny import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<extra>"])
+    other = tmp_path / "other"
+    build_model(tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, max_position_embeddings=32).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    result = run_cli("post-train", "--dataset", str(sums_jsonl), "--model", str(tiny_model_dir), "--teacher-model",
+                     str(other), "--steps", "1", "--offline", "--device", "cpu", "--output-dir", str(tmp_path / "runs"),
+                     cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"auto-research: error: --teacher-model {other}: its tokenizer ({len(tokenizer)} tokens) is not the policy's "
+        f"({tiny_model_dir}, {len(tokenizer) - 1} tokens); it must score the policy's own token ids")
