@@ -53,12 +53,9 @@ def kl_in_loss(placement: str) -> bool:
     return placement == "loss"
 
 
-SIGNALS = {
-    "task": "the task's reward on each completion's last token (DAPO's overlong penalty added)",
-    "kl": "the per-token KL of the sampling policy to the reference (--reference-model; 0 without one)",
-    "teacher": "d_t = log π_teacher(y_t) − log π_old(y_t) at each sampled token (--teacher-model)",
-}
-"""The named per-token streams a step's experience carries (made by the sources of ``train/signals.py``)."""
+SIGNALS = ("task", "kl", "teacher")
+"""The per-token streams of a step's experience, each made by its source (``train/experience.py``): the task reward on
+the last token, the KL to the reference, a teacher's d_t = log π_T(y_t) − log π_old(y_t)."""
 DISTILL_BASELINES = {"loo": "b_i = the mean over the group's other samples of their mean d", "none": "b_i = 0"}
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ROLLOUT_CORRECTIONS = ("none", "token-tis", "sequence-tis", "sequence-mask")
@@ -147,12 +144,10 @@ class Algorithm:
     """The default of --dynamic-sampling: groups whose K scores are all equal are dropped and their slots
     refilled with fresh prompts before the step trains (DAPO; train/dynamic.py)."""
     rewards: tuple[str, ...] = ("task",)
-    """The streams (``SIGNALS``) summed into the per-token reward the estimator sees; the reference's KL joins them
-    at −β where --kl-in puts it in the reward. Without ``task`` a run needs no task reward (a dataset without
-    answers runs)."""
+    """The streams (``SIGNALS``) summed into the estimator's per-token reward (the KL joins at −β where --kl-in puts it
+    there). Without ``task`` a run needs no task reward: a dataset without answers runs."""
     dense: tuple[str, ...] = ("teacher",)
-    """The streams added per token to the estimator's advantage when their source is on, λ·(s_t − b_i) with their
-    baseline (--distill-weight, --distill-baseline): a teacher's d_t."""
+    """The streams added per token to the estimator's advantage, λ·(s_t − b_i), when the run has them (a teacher's)."""
     candidate: CandidateTwin | None = None
 
     def kl_estimator_for(self, placement: str) -> str:

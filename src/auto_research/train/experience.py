@@ -4,10 +4,8 @@
     scores     = agreed_scores(world, drawn, step, K)     # rewards, None-masked, agreed over ranks
     experience = build_experience(c, rollout, scores, version)  # log π_old, log π_ref, entropy, values, streams
 
-The experience carries named per-token signal streams (``algorithms.registry.SIGNALS``: the task reward, the KL
-to the reference, a teacher's d_t), each made by the source registered under its name here (``SIGNAL_SOURCES``);
-the algorithm's record says which of them make the estimator's reward and which join the advantage per token
-(``update.estimate_advantages``).
+Its per-token signal streams (``registry.SIGNALS``) are made by the sources of ``SIGNAL_SOURCES``; the algorithm's
+record says which make the estimator's reward and which join the advantage (``update.estimate_advantages``).
 """
 
 from __future__ import annotations
@@ -165,20 +163,6 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
     return Experience(rollout, scores, old_logprobs, entropy, streams, reference_logprobs, values, weights, drift)
 
 
-SIGNAL_SOURCES: dict[str, Callable] = {}
-"""A stream's name → its source: (components, rollout, scores, log π_old, log π_ref or None) → the (B, T) stream, or
-None where the run has no such signal. A source reads its settings from the run's sections (the loss section's)."""
-
-
-def signal_source(name: str):
-    def register(function):
-        SIGNAL_SOURCES[name] = function
-        return function
-
-    return register
-
-
-@signal_source("task")
 def task_reward(c: Components, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs) -> torch.Tensor:
     """The task's reward on each completion's last token, DAPO's overlong penalty (--overlong-buffer) added to the
     scored ones."""
@@ -189,7 +173,6 @@ def task_reward(c: Components, rollout: Rollout, scores: Scores, old_logprobs, r
     return last_token(mask) * rewards.unsqueeze(1)
 
 
-@signal_source("kl")
 def reference_kl(c: Components, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs) -> torch.Tensor:
     """The sampling policy's KL to the reference per token, by --kl-estimator (0 without a reference)."""
     if reference_logprobs is None:
@@ -197,7 +180,6 @@ def reference_kl(c: Components, rollout: Rollout, scores: Scores, old_logprobs, 
     return kl_per_token(old_logprobs, reference_logprobs, c.config.kl_estimator) * rollout.trained_mask.float()
 
 
-@signal_source("teacher")
 def teacher_signal(c: Components, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs):
     """d_t = log π_T(y_t) − log π_old(y_t) at each sampled token (no gradient): the teacher's log-probs at
     temperature 1 by the policy's own log-prob function; None without --teacher-model."""
@@ -205,6 +187,11 @@ def teacher_signal(c: Components, rollout: Rollout, scores: Scores, old_logprobs
         return None
     teacher = no_grad_forward(c, c.teacher, rollout, token_logprobs, temperature=1.0)
     return (teacher - old_logprobs) * rollout.trained_mask.float()
+
+
+SIGNAL_SOURCES: dict[str, Callable] = {"task": task_reward, "kl": reference_kl, "teacher": teacher_signal}
+"""A stream's name → its source: (components, rollout, scores, log π_old, log π_ref or None) → the (B, T) stream, or
+None where the run has none. A source reads its settings from the run's sections (the loss section's)."""
 
 
 def corrected(engine, max_staleness: int) -> bool:
