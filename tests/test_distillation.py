@@ -170,3 +170,32 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tiny_model_dir,
     assert result.stderr.splitlines()[-1] == (
         f"auto-research: error: --teacher-model {other}: its tokenizer ({len(tokenizer)} tokens) is not the policy's "
         f"({tiny_model_dir}, {len(tokenizer) - 1} tokens); it must score the policy's own token ids")
+
+
+def test_the_teachers_figures_by_hand():
+    from types import SimpleNamespace
+
+    from auto_research.engine.distributed import World
+    from auto_research.train.metrics import teacher_figures
+
+    def figures(d, advantages=None):
+        d, mask = torch.tensor(d), torch.ones(4, 2)
+        centred = dense_term(d, mask, 2, "loo")
+        experience = SimpleNamespace(mask=mask, streams={"teacher": d})
+        given = SimpleNamespace(centred=centred, advantages=centred if advantages is None else advantages)
+        return teacher_figures(SimpleNamespace(config=SimpleNamespace(distill_weight=1.0), world=World()),
+                               experience, given)
+
+    # Two groups of K = 2 whose d is a prompt-level offset (−2 and 0): the LOO baseline takes all of it. d's mean is
+    # −1 (reverse KL 1), var(d) = 2 − 1 = 1, E[d²] = 2; d − b ≡ 0.
+    assert figures([[-2.0, -2.0], [-2.0, -2.0], [0.0, 0.0], [0.0, 0.0]]) == {
+        "teacher_reverse_kl": 1.0, "distill_share": 0.0, "distill_variance_reduction": 1.0,
+        "distill_square_reduction": 1.0, "teacher_tokens": 8}
+    # Noise with no offset: group 1's means 2 and 0 give b = 0 and 2, d − b = [1, 3], [−2, −2] (group 2 all 0).
+    # var(d) = 10/8 − (4/8)² = 1, var(d − b) = 18/8 − 0 = 2.25: the baseline adds variance (1 − 2.25 = −1.25);
+    # mean squares 18/8 against 10/8: −0.8. Beside a task advantage of 1 on every token, Σ|Â| = 12: its share 8/12.
+    noisy = figures([[1.0, 3.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]],
+                    advantages=torch.tensor([[2.0, 4.0], [-1.0, -1.0], [1.0, 1.0], [1.0, 1.0]]))
+    assert noisy == {"teacher_reverse_kl": -0.5, "distill_share": pytest.approx(2 / 3),
+                     "distill_variance_reduction": -1.25, "distill_square_reduction": pytest.approx(-0.8),
+                     "teacher_tokens": 8}

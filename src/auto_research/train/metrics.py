@@ -71,7 +71,8 @@ def step_metrics(c: Components, step: int, experience: Experience, advantages: A
 def teacher_figures(c: Components, experience: Experience, advantages: Advantages) -> dict:
     """A teacher's figures over every rank's tokens (``{}`` without one; docs/distillation.md): its reverse KL per
     token (the mean of −d), the dense term's share of the advantage (Σ|λ(d − b)| / Σ|Â|), how much the baseline
-    lowers the per-token variance (1 − var(d − b) / var(d)), and the tokens it scored."""
+    lowers the per-token variance (1 − var(d − b) / var(d)) and mean square (1 − E[(d − b)²] / E[d²]: a constant
+    offset, which var ignores, adds to the gradient's noise), and the tokens it scored."""
     if advantages.centred is None:
         return {}
     mask, d, centred = experience.mask, experience.streams["teacher"], advantages.centred
@@ -82,6 +83,7 @@ def teacher_figures(c: Components, experience: Experience, advantages: Advantage
     variance = lambda summed, squares: squares / max(tokens, 1.0) - (summed / max(tokens, 1.0)) ** 2  # noqa: E731
     return {"teacher_reverse_kl": -d_sum / max(tokens, 1.0), "distill_share": dense / total if total else 0.0,
             "distill_variance_reduction": 1.0 - variance(c_sum, c_squares) / max(variance(d_sum, d_squares), 1e-30),
+            "distill_square_reduction": 1.0 - c_squares / max(d_squares, 1e-30),
             "teacher_tokens": int(tokens)}
 
 
