@@ -199,3 +199,21 @@ def test_the_teachers_figures_by_hand():
     assert noisy == {"teacher_reverse_kl": -0.5, "distill_share": pytest.approx(2 / 3),
                      "distill_variance_reduction": -1.25, "distill_square_reduction": pytest.approx(-0.8),
                      "teacher_tokens": 8}
+
+
+def test_the_reference_model_is_a_setting(tiny_model_dir, tmp_path):
+    # --reference-model: another model with the policy's tokenizer. At step 1 the sampling policy is the initial one,
+    # so the default reference's KL is 0 and another reference's is not; the row's rewards are the same samples'.
+    from auto_research.engine.tiny import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    other = tmp_path / "other-weights"
+    build_model(tokenizer, seed=5, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, max_position_embeddings=32).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    default = _rows(tmp_path, "default", tiny_model_dir)[0]
+    moved = _rows(tmp_path, "moved", tiny_model_dir, reference_model=str(other))[0]
+    assert abs(default["kl"]) < 1e-5 and abs(moved["kl"]) > 0.01  # (k1: a sampled estimate, either sign)
+    assert moved["reward_mean"] == default["reward_mean"] and moved["completion_length"] == default["completion_length"]
+    with pytest.raises(UserError, match="^--reference-model with --lora-r is not built"):
+        _rows(tmp_path, "lora", tiny_model_dir, reference_model=str(other), lora_r=2)
