@@ -144,6 +144,7 @@ MAPPED: dict[str, TrlField] = {
                                  _same(_EPOCHS)),
     # the loss
     "beta": TrlField("float", "--beta", _same("beta")),
+    "teacher_model_name_or_path": TrlField("text", "--teacher-model (DistillationConfig's)", _same("teacher_model")),
     "num_iterations": TrlField("int", "--ppo-epochs", _same("updates_per_batch")),
     "epsilon": TrlField("float", "--clip-range (both sides unless epsilon_high)", _same("clip_range")),
     "epsilon_high": TrlField("float", "--clip-high", _same("clip_high")),
