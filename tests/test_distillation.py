@@ -98,9 +98,9 @@ def test_a_teacher_that_is_the_current_policy_changes_no_bit_of_the_gradient():
 
 
 def _rows(tmp_path, name: str, model, **settings) -> list[dict]:
-    post_train(ROWS, model=str(model), group_size=4, prompts_per_step=2, steps=2, max_new_tokens=3,
-               learning_rate=1e-3, output_dir=str(tmp_path / name), offline=True, device="cpu", progress=False,
-               threads=1, eval_every=0, evaluation_examples=4, log=lambda text: None, **settings)
+    post_train(ROWS, model=str(model), **{"group_size": 4, "prompts_per_step": 2, "steps": 2, **settings},
+               max_new_tokens=3, learning_rate=1e-3, output_dir=str(tmp_path / name), offline=True, device="cpu",
+               progress=False, threads=1, eval_every=0, evaluation_examples=4, log=lambda text: None)
     (folder,) = (tmp_path / name).iterdir()
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
@@ -217,3 +217,14 @@ def test_the_reference_model_is_a_setting(tiny_model_dir, tmp_path):
     assert moved["reward_mean"] == default["reward_mean"] and moved["completion_length"] == default["completion_length"]
     with pytest.raises(UserError, match="^--reference-model with --lora-r is not built"):
         _rows(tmp_path, "lora", tiny_model_dir, reference_model=str(other), lora_r=2)
+
+
+def test_a_run_with_a_teacher_resumes_to_the_same_rows(tiny_model_dir, tmp_path):
+    # The teacher is frozen and reloaded; its d is recomputed from each batch, so a resumed run's rows are the
+    # uninterrupted run's (times aside).
+    settings = dict(teacher_model=str(tiny_model_dir), distill_weight=0.5, kl_in="reward", steps=4)
+    whole = _rows(tmp_path, "whole", tiny_model_dir, **settings)
+    _rows(tmp_path, "cut", tiny_model_dir, **{**settings, "steps": 2})
+    resumed = _rows(tmp_path, "cut", tiny_model_dir, **settings, resume=True)
+    assert [_compared(row) for row in resumed] == [_compared(row) for row in whole]
+    assert [row["teacher_reverse_kl"] for row in resumed] == [row["teacher_reverse_kl"] for row in whole]
