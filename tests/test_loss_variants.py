@@ -124,7 +124,7 @@ def test_dapo_advantages_see_the_overlong_punishment():
     c = SimpleNamespace(config=config, algorithm=get_algorithm("dapo"), world=World())
     # The punishment is added where the task's stream is made (the ``task`` source), before any estimator.
     streams = {"task": task_reward(c, SimpleNamespace(trained_mask=mask), scores, None, None)}
-    experience = SimpleNamespace(mask=mask, scores=scores, kl=torch.zeros_like(mask), values=None, streams=streams)
+    experience = SimpleNamespace(mask=mask, scores=scores, values=None, streams=streams)
     advantages = estimate_advantages(c, experience).advantages
     by_hand = [0.904534, 0.904534, -0.301511, -1.507556]
     assert advantages[:, 0].tolist() == pytest.approx(by_hand, abs=1e-5)

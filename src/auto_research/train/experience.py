@@ -88,11 +88,6 @@ class Experience:
         """(B, T) the model's own tokens (a multi-turn trajectory's environment and tool tokens are 0)."""
         return self.rollout.trained_mask.float()
 
-    @property
-    def kl(self) -> torch.Tensor:
-        """(B, T) per-token KL estimate against the reference (0 without one)."""
-        return self.streams["kl"]
-
 
 def widen(values: torch.Tensor, width: int) -> torch.Tensor:
     """(b, c) → (b, width), zeros on the right: a trimmed micro-batch's output at the batch's width."""

@@ -32,7 +32,7 @@ def step_metrics(c: Components, step: int, experience: Experience, advantages: A
     scored = gather(scores.scored)
     all_rewards = gather(scores.rewards.double())
     rewards = all_rewards[scored]
-    kl_sequence = gather(experience.kl.sum(1).double())
+    kl_sequence = gather(experience.streams["kl"].sum(1).double())
     objective = (all_rewards - config.beta * kl_sequence)[scored]
     sequence_advantages = gather(((advantages.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)).double())
     lengths = gather(mask.sum(1).double())

@@ -40,7 +40,7 @@ def estimate_advantages(c: Components, experience: Experience, baseline: float =
     config, mask, scores, streams = c.config, experience.mask, experience.scores, experience.streams
     token_rewards = sum((streams[name] for name in c.algorithm.rewards), torch.zeros_like(mask))
     if kl_shapes_reward(config.kl_in):
-        token_rewards = token_rewards - config.beta * experience.kl
+        token_rewards = token_rewards - config.beta * streams["kl"]
     inputs = AdvantageInputs(token_rewards, mask, config.group_size, scores.scored, scores.greedy_rewards,
                              experience.values, 1.0, config.gae_lambda, baseline, streams["task"].sum(1),
                              config.std or "population")
