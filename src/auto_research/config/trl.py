@@ -111,12 +111,9 @@ def _log_completions(value) -> dict:
     return {} if value else {"log_completions": 0}
 
 
-_LOSS_TYPES = {
-    "grpo": {"loss_aggregation": "sequence-mean-token-mean"},
-    "dr_grpo": {"loss_aggregation": "constant"},
-    "dapo": {"loss_aggregation": "token-mean"},
-    "cispo": {"policy_loss": "cispo", "loss_aggregation": "token-mean"},
-}
+_LOSS_TYPES = {"grpo": {"loss_aggregation": "sequence-mean-token-mean"}, "dr_grpo": {"loss_aggregation": "constant"},
+               "dapo": {"loss_aggregation": "token-mean"},
+               "cispo": {"policy_loss": "cispo", "loss_aggregation": "token-mean"}}
 _LOSS_TYPES_REFUSED = {
     "bnpo": "normalises by each process's own tokens, so the numbers depend on the process count; dapo (token-mean "
             "over the global batch) is the same loss independent of it",
