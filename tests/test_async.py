@@ -216,6 +216,7 @@ def test_the_producer_draws_each_step_with_its_scheduled_weights_and_hands_on_it
     from auto_research.engine.rollout import Rollout
     from auto_research.train.in_flight import InFlight
     from auto_research.train.rollouts import RolloutSource
+    from auto_research.train.sides import Schedule
 
     policy, copy = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
     drawn_with, published = {}, [0]
@@ -235,7 +236,7 @@ def test_the_producer_draws_each_step_with_its_scheduled_weights_and_hands_on_it
     with torch.no_grad():
         policy.weight.fill_(0)
     K = 2
-    rollouts = InFlight(source, copy, np.random.default_rng(0), K, 7, 0, policy)
+    rollouts = InFlight(source, np.random.default_rng(0), Schedule(K, 7, 0), policy, model=copy)
     for step in range(1, 6):
         time.sleep(0.05 if step % 2 else 0.0)  # the trainer's speed varies; the schedule does not
         drawn = rollouts.take(step)

@@ -40,8 +40,8 @@ def test_each_path_gives_the_server_the_same_tensors_and_draws(server, tmp_path,
     trained = build_model(build_tokenizer(), seed=1)
     client = _client(trained, address, tmp_path / "run", sync)
     assert client.transfer == path
-    if client.shared is not None:  # the tied lm_head is not written: the server loads the embedding's slot
-        assert client.shared.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    if client.transfer == "shared memory":  # the tied lm_head is not written: the server loads the embedding's slot
+        assert client.link.tied == {"lm_head.weight": "model.embed_tokens.weight"}
     for step in (1, 2):
         with torch.no_grad():
             for parameter in trained.parameters():

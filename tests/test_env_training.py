@@ -22,7 +22,7 @@ from auto_research.config.generation import GenerationConfig
 from auto_research.envs.trajectory import turn_seed
 from auto_research.train import update as update_module
 from auto_research.train.experience import build_experience
-from auto_research.train.in_flight import rollout_source
+from auto_research.train.schedule import rollout_source
 from auto_research.train.rollouts import agreed_scores, draw_batch, produce
 from auto_research.train.trainer import Trainer
 from auto_research.train.update import estimate_advantages, update_actor

@@ -310,7 +310,7 @@ def test_the_reference_is_computed_in_parts_as_rows_come_equal_to_those_rows_cut
 def test_a_streamed_batch_s_reference_parts_follow_the_trainer_s_micro_batches_else_a_quarter_of_its_groups():
     import types
 
-    from auto_research.train.in_flight import reference_rows
+    from auto_research.train.schedule import reference_rows
 
     def config(size=None, tokens=None, offload=False):
         return types.SimpleNamespace(micro_batch_size=size, max_tokens_per_micro_batch=tokens,
@@ -325,15 +325,15 @@ def test_a_streamed_batch_s_reference_parts_follow_the_trainer_s_micro_batches_e
 
 def test_drawing_across_batches_gives_way_to_whole_batches_when_its_copies_would_not_fit(monkeypatch):
     """K + 2 host copies of the weights against half the memory available: over it, one line and whole batches."""
-    from auto_research.train import in_flight
+    from auto_research.train import schedule
 
     if sys.platform.startswith("linux"):
-        assert in_flight.available_memory() > 0  # this host's, read from /proc/meminfo
+        assert schedule.available_memory() > 0  # this host's, read from /proc/meminfo
     policy, lines = torch.nn.Linear(256, 256), []  # 65,792 float32 weights: 263,168 bytes a copy
-    monkeypatch.setattr(in_flight, "available_memory", lambda: 2 * 3 * 263_168)
-    assert in_flight.copies_fit(policy, 1, lines.append) and not lines  # 3 copies: exactly half
-    assert not in_flight.copies_fit(policy, 2, lines.append)  # 4 copies
+    monkeypatch.setattr(schedule, "available_memory", lambda: 2 * 3 * 263_168)
+    assert schedule.copies_fit(policy, 1, lines.append) and not lines  # 3 copies: exactly half
+    assert not schedule.copies_fit(policy, 2, lines.append)  # 4 copies
     assert lines == ["rollout fleet: whole batches, one version on every server: drawing across batches would hold "
                      "4 copies of the weights in host memory (0.0 GiB), more than half of the 0.0 GiB available"]
-    monkeypatch.setattr(in_flight, "available_memory", lambda: None)  # unknown: drawn across batches
-    assert in_flight.copies_fit(policy, 8, lines.append) and len(lines) == 1
+    monkeypatch.setattr(schedule, "available_memory", lambda: None)  # unknown: drawn across batches
+    assert schedule.copies_fit(policy, 8, lines.append) and len(lines) == 1

@@ -25,7 +25,7 @@ from auto_research.envs.custom import FunctionRunner
 from auto_research.envs.trajectory import turn_seed
 from auto_research.errors import RewardError, UserError
 from auto_research.train.experience import build_experience
-from auto_research.train.in_flight import rollout_source
+from auto_research.train.schedule import rollout_source
 from auto_research.train.rollouts import agreed_scores, draw_batch, produce
 from auto_research.train.trainer import Trainer
 from auto_research.train.update import estimate_advantages

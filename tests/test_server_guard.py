@@ -530,7 +530,7 @@ def test_a_bad_push_through_shared_memory_is_refused_and_the_engine_keeps_its_we
     assert str(caught.value).endswith("has NaN or infinite values") and "\n" not in str(caught.value)
     assert len(engine.loaded) == 1 and same(engine.loaded[0], good) and policy["version"]() == 1
     names, lease = sorted(policy["spec"]), {"X-Lease": trainer.lease}
-    nonce = trainer.shared.nonce
+    nonce = trainer.link.nonce
     for body, headers, status, message in (
             ({"nonce": "0" * 64, "names": names}, lease, 400, "the nonce is not the one in this lease's shared buffer: "
              "the trainer does not see the server's file (another host?); push the weights over HTTP"),
@@ -560,7 +560,7 @@ def test_a_trainer_that_does_not_see_the_servers_buffer_pushes_over_http(policy,
     offer = SharedBuffer.offer
     monkeypatch.setattr(SharedBuffer, "offer", lambda self: {**offer(self), "path": str(tmp_path / "nowhere")})
     elsewhere = policy["trainer"]()
-    assert elsewhere.transfer == "HTTP" and elsewhere.shared is None and policy["version"]() == 1
+    assert elsewhere.transfer == "HTTP" and type(elsewhere.link).__name__ == "HttpLink" and policy["version"]() == 1
     assert same(policy["engine"].loaded[0], policy["weights"]())
     elsewhere.close()
     other = SharedBuffer(policy["spec"], "another server's", tmp_path)
@@ -585,14 +585,14 @@ def test_a_buffer_goes_with_its_lease_and_its_server(policy):
 
     folder, url = policy["folder"], policy["url"]
     holder = policy["trainer"]()
-    lapsed = Path(holder.shared.path)
+    lapsed = Path(holder.link.path)
     holder._stop.set()  # the holder stops renewing (SIGKILLed): its lease lapses, and its buffer with it
     policy["clock"].now += 61
     assert call(url, "/lease/renew", {}, {"X-Lease": holder.lease})[0] == 409
     assert not lapsed.exists()
     first = policy["trainer"](run="again")
     resumed = policy["trainer"](run="again")  # --resume of the same run takes the lease, with a fresh buffer
-    assert not Path(first.shared.path).exists() and Path(resumed.shared.path).exists()
+    assert not Path(first.link.path).exists() and Path(resumed.link.path).exists()
     stop(policy["server"])
     assert list(folder.iterdir()) == []  # the server stopped: nothing left
     dead, live = folder / f"{PREFIX}4194305-0a1b", folder / f"{PREFIX}{os.getpid()}-0a1b"

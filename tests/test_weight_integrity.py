@@ -78,7 +78,7 @@ def test_a_slot_written_after_the_trainers_copy_is_refused_and_the_engine_keeps_
             client.load_weights(trained)
         assert str(caught.value) == (
             f"--rollout-server {address} refused /weights/shared: tensor {name!r} in the shared buffer is not what "
-            f"the trainer wrote (its checksum differs: another process wrote to {client.shared.path}); the engine "
+            f"the trainer wrote (its checksum differs: another process wrote to {client.link.path}); the engine "
             "keeps its weights")
         assert all(torch.equal(engine.parameters[key], served[key]) for key in served)
         assert health(address)["weights_version"] == 1

@@ -17,7 +17,7 @@ from auto_research.errors import UserError
 
 SAMPLERS = tuple(ENGINES)  # engine/samplers.py lists them
 SYNC_PATHS = ("auto", "shared-memory", "collective", "http")
-"""--rollout-sync's choices (engine/rollout/client.py, ``ServerSampler._choose_path``)."""
+"""--rollout-sync's choices (``engine/rollout/links.py``: ``LINKS``, and auto)."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from auto_research.rewards.combine import MAX_REWARD
 from auto_research.train.components import Components, parameter_counts
 from auto_research.config.files import write_resolved_config
 from auto_research.train.evaluation import held_out, win_rate
-from auto_research.train.in_flight import rollout_source, start_rollouts
+from auto_research.train.rollouts import Drawn
+from auto_research.train.schedule import rollout_source
 from auto_research.train.metrics import MetricsLog
 from auto_research.train.drawn_files import from_files, to_files
 from auto_research.train.state import LoopState
@@ -32,15 +33,16 @@ def _user_error(message: str, cause: BaseException) -> UserError:
     return error
 
 
-def restore(c: Components, state: LoopState, folder: Path, log) -> None:
-    """Continue from a checkpoint: the loop's state, every random state, the batches in flight, and metrics.jsonl
-    cut back to it. (The weights and optimizer states went in when the components were built.)"""
+def restore(c: Components, state: LoopState, folder: Path, log) -> tuple[list[Drawn], tuple[dict, dict] | None]:
+    """Continue from a checkpoint: the loop's state, every random state and metrics.jsonl cut back to it; the
+    batches in flight and the rest of the rollout side it saved, for ``schedule.open_side``. (The weights and
+    optimizer states went in when the components were built.)"""
     saved, rng = checkpoints.read_trainer_state(folder)
     checkpoints.restore_rng(rng, state.rng)
     state.restore(saved)
     in_flight = checkpoints.read_in_flight(folder)
+    batches, side = [], None
     if c.config.max_staleness:
-        batches, side = [], None
         if in_flight is not None:  # this rank's: tensors keyed rank/index/name
             tensors, plain = in_flight
             prefix = f"{c.world.rank}/"
@@ -58,14 +60,17 @@ def restore(c: Components, state: LoopState, folder: Path, log) -> None:
                             f"{c.config.max_staleness} needs {needed} there (a run drawn ahead is extended by "
                             "--steps only from a checkpoint that many steps before its end); resume from another "
                             "checkpoint")
-        start_rollouts(c, state, batches, side=side)
     c.world.on_main(lambda: MetricsLog(c.config.run_dir).truncate(state.step))
     log(f"resumed from {folder} (step {state.step})")
+    return batches, side
 
 
 class RunLoop:
+    """The loop owns the run's rollout side (``open_run`` built it) and hands it to each step."""
+
     def __init__(self, c: Components, state: LoopState, lock=None, log=print, resumed: bool = False):
         self.c, self.state, self.lock, self.log = c, state, lock, log
+        self.side = c.rollouts
         self.run_dir = c.config.run_dir
         self.metrics_log = MetricsLog(self.run_dir, c.config)
         self.resumed = resumed
@@ -112,11 +117,11 @@ class RunLoop:
             critic_state = world.full_state(c.critic)
             critic_optimizer_state = world.optimizer_state(c.train_critic, c.critic_optimizer)
         rng, in_flight = rng or checkpoints.capture_rng(self.state.rng), None
-        if c.config.max_staleness and c.rollouts is not None:  # the batches drawn ahead, every rank's
-            batches, rng["numpy"] = c.rollouts.checkpoint(step)
+        if c.config.max_staleness:  # the batches drawn ahead, every rank's
+            batches, rng["numpy"] = self.side.checkpoint(step)
             tensors, plain = to_files(batches)
-            if hasattr(c.rollouts, "state"):  # --in-flight-updates: the groups still decoding, after the batches
-                side_tensors, side = c.rollouts.state(step)
+            if self.side.carries_state:  # --in-flight-updates: the groups still decoding, after the batches
+                side_tensors, side = self.side.state(step)
                 tensors.update({f"side/{key}": value for key, value in side_tensors.items()})
                 plain.append({"side": side})
             shares = world.gather_objects((tensors, plain))
@@ -234,7 +239,7 @@ class RunLoop:
         # (the batches after the last good step were drawn by weights no longer held).
         rng_before = None if config.max_staleness else checkpoints.capture_rng(state.rng)
         try:
-            return rl_step(c, state, step, self.log)
+            return rl_step(c, state, step, self.side, self.log)
         except RewardError as error:
             where = (f"saved the last good step ({state.step}) in {self.save(state.step, rng_before)}"
                      if state.step > 0 and rng_before is not None else
@@ -259,8 +264,7 @@ class RunLoop:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         deadline.clear_stop()
-        if self.c.rollouts is not None:
-            self.c.rollouts.close()
+        self.side.close()
         bar.close()
         self.metrics_log.close()
 

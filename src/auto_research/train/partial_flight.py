@@ -30,10 +30,7 @@ them again too at each round a checkpoint reads (``settle``, ``vllm_partial.py``
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import threading
 import time
 
 import torch
@@ -44,13 +41,9 @@ from auto_research.engine.rollout.partial import Pool, Rounds, lanes_to_rows, su
 from auto_research.engine.rollout.partial_files import Finished
 from auto_research.engine.rollout.partial_serve import KEPT_STATES
 from auto_research.train.experience import Batch
-from auto_research.train.rollouts import Drawn, Handover, RolloutSource, draw_batch, score, signal_counts
+from auto_research.train.rollouts import Drawn, RolloutSource, draw_batch, score, signal_counts
+from auto_research.train.sides import Handover, Schedule
 from auto_research.errors import RewardError, RolloutEngineError
-
-
-def round_version(step: int) -> int:
-    """The weights version a round decodes with: the trainer's previous step's input, max(0, step − 2)."""
-    return max(0, step - 2)
 
 
 class LocalRounds:
@@ -143,63 +136,32 @@ class RemoteRounds:
 class PartialInFlight(Handover):
     """The rollout side of --in-flight-updates: ``take``, ``checkpoint`` (the batch of the next step) and ``close``
     are ``Handover``'s; ``state``, the rest of the rollout side for a checkpoint. The rounds run in this process
-    (``model``: a copy of the policy) or in a rollout server (``remote``: the run's ``ServerSampler``)."""
+    (``LocalRounds``: a copy of the policy) or in a rollout server (``RemoteRounds``, whose client is ``remote``).
+    ``pool``: --in-flight-pool; ``checkpoint_every``: --checkpoint-every (the rounds a checkpoint reads)."""
 
     depth = 1
+    carries_state = True
+    name = "auto-research-partial-rollouts"
 
-    def __init__(self, source: RolloutSource, model, tokenizer, settings, rng, max_staleness: int, last_step: int,
-                 version: int, policy, recompute_kv: bool, saved: list[Drawn] = (), cpus: set[int] | None = None,
-                 state: tuple[dict, dict] | None = None, context=contextlib.nullcontext, remote=None,
-                 pool: float = 1.0, checkpoint_every: int = 0):
-        self.source, self.rng, self.cpus, self.remote, self.pool = source, rng, cpus, remote, pool
-        self.checkpoint_every = checkpoint_every
+    def __init__(self, source: RolloutSource, rng, schedule: Schedule, policy, saved: list[Drawn] = (), *, engine,
+                 tokenizer, remote=None, state: tuple[dict, dict] | None = None, pool: float = 1.0,
+                 checkpoint_every: int = 0):
+        super().__init__(source, rng, schedule, policy, saved, remote)
+        self.engine, self.tokenizer, self.pool, self.checkpoint_every = engine, tokenizer, pool, checkpoint_every
+        self.max_staleness = schedule.max_staleness
         self.whole = dataclasses.replace(source, share=list)
         """The source unshared: a round holds every rank's groups (one continuous batch, in a rollout server under
         torchrun), and each rank takes its slice of the groups it finished."""
-        self.tokenizer, self.max_staleness, self.last_step = tokenizer, max_staleness, last_step
         self.eos = eos_ids(tokenizer, policy)
-        self.engine = (LocalRounds(model, tokenizer, source, settings, recompute_kv, context) if remote is None
-                       else RemoteRounds(remote, source, settings, recompute_kv))
-        self.condition = threading.Condition()
-        self.ready = {drawn.step: drawn for drawn in saved}
-        self.snapshots: dict[int, dict | None] = {}
-        self.error: BaseException | None = None
-        self.stopping = False
-        self.first_step = version + 1 + len(saved)
-        self.drawn_through = self.first_step - 1
         self.draws = self.first_step - 1  # a resumed run draws new prompt seeds, not the first run's again
         self.per_step: int | None = None
         self.pending = 0
         """Groups in the engine's queue after the last round."""
-        self.numpy_after = saved[-1].numpy_after if saved else rng.bit_generator.state
         self.requeued = 0
         self.counts: dict[int, dict] = {}
         """This side's own plain values after each round (``_state``), until a checkpoint no longer needs them."""
         if state is not None and state[1]:
             self._restore(*state)
-        if remote is None:
-            self.publish(version, policy)
-        else:  # the server was given these weights when the run started (or resumed)
-            self.snapshots[version] = None
-        self.thread = threading.Thread(target=self._run, name="auto-research-partial-rollouts", daemon=True)
-        self.thread.start()
-
-    # --- the trainer's side --------------------------------------------------------------------------------------
-
-    def publish(self, version: int, policy) -> None:
-        if version > round_version(self.last_step):
-            return
-        if self.remote is not None:
-            return self._push(version, policy)
-        snapshot = {name: tensor.detach().clone() for name, tensor in policy.state_dict().items()}
-        with self.condition:
-            self.snapshots[version] = snapshot
-            self.condition.notify_all()
-
-    def _push(self, version: int, policy) -> None:
-        """Version v goes in once the last round that decodes with v − 1 (round v + 1) is done, between two of its
-        decode steps; the server decodes round v + 2 while the trainer trains step v + 1."""
-        self._push_when_drawn(version, min(version + 1, self.last_step), policy)
 
     def state(self, step: int) -> tuple[dict, dict]:
         """The rollout side as the round of step + 1 left it (``checkpoint`` waited for that round)."""
@@ -220,33 +182,23 @@ class PartialInFlight(Handover):
 
     # --- the producer's side ------------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            if self.cpus:
-                os.sched_setaffinity(0, self.cpus)
-            for step in range(self.first_step, self.last_step + 1):
-                waiting = time.perf_counter()
-                going, snapshot = self._await_version(round_version(step))
-                if not going:
-                    return
-                idle = time.perf_counter() - waiting
-                self.engine.load(round_version(step), snapshot)
-                drawn = self._round(step, idle)
-                with self.condition:  # before the batch: ``checkpoint`` waits for the batch, then reads them
-                    self.counts[step] = {"draws": self.draws, "per_step": self.per_step, "requeued": self.requeued,
-                                         "pending_count": self.pending}
-                    self.drawn_through = step  # (``_push`` waits for it, woken by the hand-over)
-                self._hand_over(step, drawn)
-        except BaseException as error:  # handed to the trainer, raised where it waits
-            self._fail(error)
+    def _draw(self, step: int, version: int, snapshot, idle: float) -> Drawn:
+        self.engine.load(version, snapshot)
+        return self._round(step, version, idle)
 
-    def _round(self, step: int, idle: float) -> Drawn:
+    def _hand_over(self, step: int, drawn: Drawn) -> None:
+        with self.condition:  # before the batch: ``checkpoint`` waits for the batch, then reads them
+            self.counts[step] = {"draws": self.draws, "per_step": self.per_step, "requeued": self.requeued,
+                                 "pending_count": self.pending}
+            super()._hand_over(step, drawn)
+
+    def _round(self, step: int, version: int, idle: float) -> Drawn:
         """Step ``step``'s batch: the queue topped up, then the engine's round (stale groups back in its queue,
         decode steps until P groups are done), scored here."""
         started = time.perf_counter()
         supply = self._supply()
         lanes, self.requeued, self.pending = self.engine.run(
-            step, round_version(step), self.per_step, self.pool_groups, (step - 1) - self.max_staleness, supply,
+            step, version, self.per_step, self.pool_groups, (step - 1) - self.max_staleness, supply,
             self._read_by_a_checkpoint(step))
         lanes = self.source.share(lanes)  # this rank's slice of the step's groups, in the order they finished
         sampled = time.perf_counter()

@@ -1,11 +1,11 @@
 """The rollout side of a run: draw prompts → sample → score, one frozen batch per step, each row tagged with the
 policy version that drew it, handed to the trainer side (experience → advantages → update → publish weights).
 
-    rollouts = start_rollouts(c, state)   # Synchronous (--max-staleness 0), else InFlight & co (in_flight.py)
-    drawn = rollouts.take(step)           # the step's frozen batch (waits for it)
+    side = open_side(c, state)            # once a run (schedule.py): Synchronous, InFlight & co (sides.py)
+    drawn = side.take(step)               # the step's frozen batch (waits for it)
     scores = agreed_scores(world, drawn, step)
     ...                                   # experience, advantages, update
-    rollouts.publish(step, c.policy)      # weights version ``step`` (after ``step`` steps)
+    side.publish(step, c.policy)          # weights version ``step`` (after ``step`` steps)
 
 The schedule is fixed: step s's batch is drawn by weights version ``drawing_version(s, K)`` = max(0, s − 1 − K),
 where version v is the policy after v steps. K = 0 is today's synchronous step, a queue of depth 0: the batch is
@@ -306,106 +306,3 @@ def token_staleness(world, rollout: Rollout, step: int) -> tuple[torch.Tensor, d
     spans = max((len(set(row[row >= 0].tolist())) for row in versions), default=0)
     spans = int(world.gather(torch.tensor([spans])).max())
     return gathered[~gathered.isnan()], {"versions_per_sequence_max": spans}
-
-
-class Synchronous:
-    """The queue of depth 0 (--max-staleness 0): the batch is drawn when the trainer asks for it, with the weights
-    it is about to update; ``publish`` hands the sampler the new weights (a no-op for the builtin loop)."""
-
-    max_staleness = 0
-
-    def __init__(self, source: RolloutSource, rng: np.random.Generator, version: int):
-        self.source, self.rng = source, rng
-        self.idle_since = None
-
-    def take(self, step: int) -> Drawn:
-        # The sampler idles from the end of one batch until the trainer asks for the next.
-        idle = 0.0 if self.idle_since is None else time.perf_counter() - self.idle_since
-        drawn = produce(self.source, self.rng, step, step - 1, idle)
-        self.idle_since = time.perf_counter()
-        return drawn
-
-    def publish(self, version: int, policy) -> None:
-        self.source.sampler.load_weights(policy)
-
-    def checkpoint(self, step: int) -> tuple[list[Drawn], dict]:
-        """The batches in flight after ``step`` (none here) and the prompt generator's state after the last."""
-        return [], self.rng.bit_generator.state
-
-    def close(self) -> None:
-        pass
-
-
-class Handover:
-    """The trainer's side of a rollout side in a thread: the batches it drew, by step (``ready``), handed over under
-    one condition; ``error``, raised where the trainer waits. A subclass sets ``depth`` (batches drawn ahead of the
-    trainer), ``last_step``, ``numpy_after``, ``stopping`` and ``thread``; over a rollout server, ``remote`` (its
-    client) and ``drawn_through`` (the last step drawn) too."""
-
-    depth: int
-
-    def take(self, step: int) -> Drawn:
-        with self.condition:
-            while step not in self.ready and self.error is None:
-                self.condition.wait()
-            if step not in self.ready:
-                raise self.error
-            return self.ready.pop(step)
-
-    def checkpoint(self, step: int) -> tuple[list[Drawn], dict]:
-        """The batches of steps step + 1 … step + depth (waited for: their weights are published) and the prompt
-        generator's state after the last of them."""
-        last = min(step + self.depth, self.last_step)
-        with self.condition:
-            while any(s not in self.ready for s in range(step + 1, last + 1)) and self.error is None:
-                self.condition.wait()
-            if self.error is not None:
-                raise self.error
-            batches = [self.ready[s] for s in range(step + 1, last + 1)]
-            return batches, batches[-1].numpy_after if batches else self.numpy_after
-
-    def close(self) -> None:
-        with self.condition:
-            self.stopping = True
-            self.condition.notify_all()
-        self.thread.join(timeout=60)
-
-    def _push_when_drawn(self, version: int, through: int, policy) -> None:
-        """A rollout server (``self.remote``) holds one version at a time: ``version`` goes in once the producer
-        has drawn every batch through step ``through`` (the last the previous version draws), then the producer may
-        draw with it. The trainer pushes (every rank takes part, as at K = 0) while the producer waits."""
-        with self.condition:
-            while self.drawn_through < through and self.error is None:
-                self.condition.wait()
-            if self.error is not None:
-                raise self.error
-        self.remote.load_weights(policy)
-        with self.condition:
-            self.snapshots[version] = None
-            self.condition.notify_all()
-
-    # --- the producer's side: waiting for weights, handing a batch or an error over ------------------------------
-
-    def _await_version(self, version: int) -> tuple[bool, object]:
-        """(True, the weights of ``version``, published by the trainer; older ones dropped), or (False, None)
-        once the run closes."""
-        with self.condition:
-            while version not in self.snapshots and not self.stopping:
-                self.condition.wait()
-            if self.stopping:
-                return False, None
-            for older in [v for v in self.snapshots if v < version]:
-                del self.snapshots[older]
-            return True, self.snapshots[version]
-
-    def _hand_over(self, step: int, drawn: Drawn) -> None:
-        with self.condition:
-            self.ready[step] = drawn
-            self.numpy_after = drawn.numpy_after
-            self.condition.notify_all()
-
-    def _fail(self, error: BaseException) -> None:
-        """The producer's error, raised where the trainer waits."""
-        with self.condition:
-            self.error = error
-            self.condition.notify_all()

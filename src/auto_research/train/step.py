@@ -19,20 +19,21 @@ from auto_research.engine.heap import release_free_memory
 from auto_research.errors import RewardError, RolloutEngineError
 from auto_research.train.components import Components
 from auto_research.train.experience import build_experience
-from auto_research.train.in_flight import start_rollouts
 from auto_research.train.dynamic import REFILL_WARNING
 from auto_research.train.metrics import drift_figures, step_metrics
 from auto_research.train.rollouts import agreed_scores, rollout_figures, unscored_reasons
+from auto_research.train.sides import RolloutSide
 from auto_research.train.state import LoopState
 from auto_research.train.update import estimate_advantages, moving_average_after, update_actor, update_critic
 
 
-def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
-    """take the batch → agree on its scores → experience → advantages → update → publish; the step's row."""
+def rl_step(c: Components, state: LoopState, step: int, side: RolloutSide, log=print) -> dict:
+    """take the batch from the run's rollout side → agree on its scores → experience → advantages → update →
+    publish; the step's row."""
     started, seconds = time.perf_counter(), {}
-    timed, rollouts = _timer(c, seconds), c.rollouts or start_rollouts(c, state)
+    timed = _timer(c, seconds)
     with timed("waiting_for_rollouts"):  # at --max-staleness 0, the trainer idles while the batch is drawn
-        drawn = _take(c, rollouts, step)
+        drawn = _take(c, side, step)
     with timed("score"):
         scores = agreed_scores(c.world, drawn, step, c.config.group_size)
     _warn_unscored(state, scores, step, log)
@@ -52,17 +53,17 @@ def rl_step(c: Components, state: LoopState, step: int, log=print) -> dict:
         critic = update_critic(c, experience, advantages, state.updates)
         state.critic_updates += c.updates_per_step if c.critic is not None else 0
     with timed("weight_sync"):
-        rollouts.publish(step, c.policy)
+        side.publish(step, c.policy)
     row = step_metrics(c, step, experience, advantages, actor, critic, time.perf_counter() - started, state.totals,
                        drift)
     return {**row, **_rollout_row(c, state, drawn, seconds, step, log)}
 
 
-def _take(c: Components, rollouts, step: int):
+def _take(c: Components, side: RolloutSide, step: int):
     """The step's drawn batch; a rollout function's bad return on this rank is told to the others (the collective
     ``agreed_scores`` holds on every other rank) before it is raised."""
     try:
-        return rollouts.take(step)
+        return side.take(step)
     except RewardError as error:
         c.world.agree(error, RewardError)
         raise
@@ -81,7 +82,7 @@ def _check_sampler(c: Components, experience, drift: dict, step: int) -> None:
 def _rollout_row(c: Components, state: LoopState, drawn, seconds: dict, step: int, log) -> dict:
     """The rollout side's figures of the step (groups, refills, the weight sync's time) and its phases' times."""
     extra = {"weight_sync_seconds": seconds["weight_sync"]} if c.engine.pushes_weights else {}
-    if c.engine.pushes_weights and getattr(c.sampler, "pushed_bytes", None) is not None:  # a server's client
+    if c.engine.pushes_weights and c.sampler.pushed_bytes is not None:  # a server's client
         extra["weight_sync_bytes"] = c.sampler.pushed_bytes
     seconds["score"] += drawn.seconds["score"]
     figures = rollout_figures(c.world, drawn, step, c.config.dynamic_sampling)

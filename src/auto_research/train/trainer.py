@@ -13,7 +13,7 @@ from auto_research.engine.rollout import Rollout
 from auto_research.errors import UserError
 from auto_research.train.components import Components, build_components
 from auto_research.train.evaluation import held_out
-from auto_research.train.in_flight import rollout_source
+from auto_research.train.schedule import open_side, rollout_source
 from auto_research.train.loop import restore
 from auto_research.train.prepare import Prepared, prepare
 from auto_research.train.rollouts import draw_batch, sample_batch
@@ -24,22 +24,25 @@ from auto_research.train.warm_start import model_for
 
 def open_run(prepared: Prepared, world: World, log=print) -> tuple[Components, LoopState]:
     """A prepared run's components and loop state: the models built (from the task's warm start where it has one)
-    and, on --resume, the checkpoint's weights, optimizer states and loop state restored. The command line and
-    ``post_train`` (``recipes/generation_run.py``) and ``Trainer`` all open a run here."""
+    and, on --resume, the checkpoint's weights, optimizer states and loop state restored; then the run's rollout
+    side, built once (``schedule.open_side``; it draws from the first step on). The command line and
+    ``post_train`` (``recipes/generation_run.py``) and ``Trainer`` all open a run here. (The side travels in
+    ``Components.rollouts`` to the loop that owns it, until the run's values replace that bag.)"""
     components = build_components(prepared, model_for(prepared.config, prepared.task, world, log), world, log)
     state = LoopState.fresh(prepared.config.seed)
-    if prepared.resume_from is not None:
-        try:
-            restore(components, state, prepared.resume_from, log)
-        except BaseException:
-            components.sampler.close()  # a server's lease is given back
-            raise
+    try:
+        saved = restore(components, state, prepared.resume_from, log) if prepared.resume_from is not None else ()
+        components.rollouts = open_side(components, state, *saved)
+    except BaseException:
+        components.sampler.close()  # a server's lease is given back
+        raise
     return components, state
 
 
 class Trainer:
     def __init__(self, components: Components, state: LoopState, log=print):
         self.components, self.state, self.log = components, state, log
+        self.side = components.rollouts
 
     @classmethod
     def build(cls, config: GenerationConfig, log=print, rows: list[dict] | None = None, reward_functions=(),
@@ -55,7 +58,7 @@ class Trainer:
         """The rollout a step would train on: its prompts drawn from the loop's generator, then sampled (with
         --max-staleness 0; in flight, the rollout side's thread owns the generator)."""
         c = self.components
-        if c.rollouts is not None and c.config.max_staleness:
+        if self.side.started and c.config.max_staleness:
             raise UserError("Trainer.sample draws as a synchronous step does (--max-staleness 0): with rollouts in "
                             "flight the rollout side's thread owns the prompt generator and the sampler (over several "
                             "servers, each holds its own version); call it before the first step")
@@ -63,7 +66,7 @@ class Trainer:
         return sample_batch(source, draw_batch(source, self.state.rng, step))
 
     def step(self, step: int) -> dict:
-        return rl_step(self.components, self.state, step, self.log)
+        return rl_step(self.components, self.state, step, self.side, self.log)
 
     def evaluate(self, completions: dict | None = None) -> dict:
         return held_out(self.components, completions)
@@ -72,7 +75,6 @@ class Trainer:
         """Stop the rollout side's thread (--max-staleness ≥ 1) and close the sampler (a rollout server's lease
         is given back: another run may use the server at once)."""
         try:
-            if self.components.rollouts is not None:
-                self.components.rollouts.close()
+            self.side.close()
         finally:
             self.components.sampler.close()

@@ -121,7 +121,15 @@ class Rollout:
 
 
 class Sampler(Protocol):
-    """What the training step needs of a rollout engine."""
+    """What the training step needs of a rollout engine, and what it declares it offers."""
+
+    streams: bool
+    """Draws across batches (``stream(version, policy)``, ``fleet_stream.Stream``): a fleet of servers."""
+    partial: bool
+    """Decodes partial rollouts in rounds (``partial_round``, ``partial_state``, ``partial_restore``): a rollout
+    server of this version that can (``partial_serve.py``)."""
+    pushed_bytes: int | None
+    """The bytes of tensors its last weight push sent; None: it is given no weights that way."""
 
     def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
         """K completions of each prompt; prompt i's draws come from ``seeds[i]`` alone, so which batch or

@@ -256,6 +256,9 @@ class BuiltinSampler:
     so that shapes are the same on 1 or N processes; ``context`` is entered around the sampling (bf16
     autocast, FSDP's whole parameters). ``load_weights`` has nothing to do: there is no second copy."""
 
+    streams = partial = False
+    pushed_bytes = None
+
     def __init__(self, model, tokenizer, settings: SamplingSettings, chunk_prompts: int | None = None,
                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings

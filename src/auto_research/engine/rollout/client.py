@@ -23,8 +23,8 @@ import torch
 
 from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
 from auto_research.engine.rollout.guard import MAX_REQUEST_TOKENS, slices
-from auto_research.engine.rollout.server import PART_BYTES, fingerprint
-from auto_research.engine.rollout.transfer import SharedWriter
+from auto_research.engine.rollout.links import AdapterLink, HttpLink, Offer, _attempt, choose_link
+from auto_research.engine.rollout.server import fingerprint
 from auto_research.engine.rollout.remote import adapter_factors, pushed_weights, sample_by_ids, tied_weights
 from auto_research.errors import RolloutEngineError, UserError
 from auto_research.files import atomic_write_bytes
@@ -61,6 +61,8 @@ class ServerSampler:
     ranks); ``engine``: the server's engine, for the line that says how to start one; ``api_key``: the server's key
     (default: ``AUTO_RESEARCH_API_KEY``)."""
 
+    streams = False
+
     def __init__(self, model, tokenizer, settings: SamplingSettings, address: str, model_name: str, world,
                  run_dir, timeout: float = 600.0, retries: int = 3, shared: bool = True, engine: str = "vllm",
                  chunk_prompts: int | None = None, api_key: str | None = None, sync: str = "auto"):
@@ -93,9 +95,8 @@ class ServerSampler:
         """``lease``: rank 0's, sent by every rank (its requests go first); rank 0 alone renews and releases it."""
         self.unanswered = 0
         """Heartbeats in a row that got no answer (``answering``)."""
-        self.shared, self.link, self.transfer = None, None, "HTTP"
-        """Rank 0's map of the server's shared buffer when it sees it (same host), else None; its group with the
-        server (``pushes.CollectiveLink``) when the weights go that way, else None; HTTP otherwise."""
+        self.link, self.transfer = None, "HTTP"
+        """Rank 0's way for the weights to the server (``links.py``: its shared buffer, a group with it, HTTP)."""
         self.device = next(model.parameters()).device
         self.tied = tied_weights(model)
         """Weights the policy ties (``remote.tied_weights``): a group with the server, or its shared buffer, takes
@@ -114,8 +115,8 @@ class ServerSampler:
         self.load_weights(model)
 
     def _claim(self, run_dir, sync: str, shared: bool, collective) -> UserError | None:
-        """Rank 0 takes the server's lease, chooses the weights' path (``_choose_path``) and starts its heartbeat;
-        the refusal, for every rank to raise."""
+        """Rank 0 takes the server's lease, chooses the weights' path from what both ends declare
+        (``links.choose_link``) and starts its heartbeat; the refusal, for every rank to raise."""
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "run": str(Path(run_dir).resolve())}
         try:
             claim = {"holder": holder, "secret": run_secret(run_dir)}
@@ -124,41 +125,13 @@ class ServerSampler:
             return error
         self.lease, self.lease_seconds = answer["lease"], float(answer["seconds"])
         threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True).start()
-        return self._choose_path(sync, answer.get("shared") if shared else None, collective)
-
-    def _choose_path(self, sync: str, offered, collective) -> UserError | None:
-        """--rollout-sync: ``auto`` takes the server's shared buffer (``offered``) when this process can map it
-        (same host, same user), else a group with a server on another host (``collective``: the backends the server
-        can join; NCCL when both sides' weights are on GPUs, else gloo), else HTTP; ``shared-memory`` and
-        ``collective`` insist (one line when they cannot); ``http`` always sends HTTP parts."""
-        from auto_research.engine.rollout.pushes import (CollectiveLink, backends, choose_backend,  # noqa: PLC0415
-                                                         offered_backends)
-
-        if sync in ("auto", "shared-memory") and offered:
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not this host's file
-                self.shared = SharedWriter(offered, self.tied)
-                self.transfer = "shared memory"
-                return None
         host, port = split_address(self.address)
-        if sync == "collective" or (sync == "auto" and not is_loopback(host)):
-            ours = backends(self.device)
-            backend = choose_backend(ours, collective)
-            if backend is None:
-                return UserError(f"--rollout-server {self.address} cannot join a torch.distributed group with this "
-                                 f"trainer (the server takes {', '.join(offered_backends(collective)) or 'none'}; "
-                                 f"this trainer, its weights on {self.device.type}, {', '.join(ours) or 'none'})"
-                                 ) if sync == "collective" else None
-            try:
-                self.link = CollectiveLink(self._call, host, port, backend=backend, device=self.device,
-                                           tied=self.tied, lease=self.lease)
-                self.transfer = f"a torch.distributed group ({backend})"
-            except (UserError, RuntimeError, OSError) as error:
-                if sync == "collective":
-                    return UserError(f"--rollout-sync collective: no group with --rollout-server {self.address} "
-                                     f"({str(error)[:300]})")
-        elif sync == "shared-memory":
-            return UserError(f"--rollout-sync shared-memory: --rollout-server {self.address} offers no shared "
-                             "buffer this process can map (another host or user, or a server started without one)")
+        offer = Offer(answer.get("shared") if shared else None, collective, host, port, is_loopback(host))
+        try:
+            self.link = choose_link(self, sync, offer)
+        except UserError as error:
+            return error
+        self.transfer = self.link.transfer
         return None
 
     def _heartbeat(self) -> None:
@@ -183,9 +156,6 @@ class ServerSampler:
         """Leave the server without a word to it (it failed or stopped answering): the heartbeat stops, the lease
         lapses on its own, the shared buffer's map is closed."""
         self._stop.set()
-        if self.shared is not None:
-            self.shared.close()
-            self.shared = None
         if self.link is not None:
             self.link.close()
         self.lease, self.link = None, None
@@ -193,9 +163,6 @@ class ServerSampler:
     def close(self) -> None:
         """The run is over: stop the heartbeat and give the lease back (a server that is gone by now needs none)."""
         self._stop.set()
-        if self.shared is not None:
-            self.shared.close()
-            self.shared = None
         if self.lease is not None and self.world.main:
             with contextlib.suppress(UserError):
                 self._call("/lease/release", b"{}", retries=0)
@@ -295,84 +262,33 @@ class ServerSampler:
 
     def load_weights(self, model) -> None:
         """The policy's weights into the server. A LoRA policy and a server that merges adapters (the builtin
-        engine): the base weights once, then only the adapter (``adapter_factors``: a few percent of the bytes);
+        engine): the base weights once, then only the adapter (``links.AdapterLink``: a few percent of the bytes);
         otherwise the merged weights, every time. Nobody samples before the server has them, and a failed push
         stops every rank."""
         started = time.perf_counter()
         factors = adapter_factors(model) if self.adapters else None  # every rank: FSDP2 gathers
         self.pushed_bytes = 0
         if factors is None or not self.base_pushed:
-            self.pushed_bytes = self._push_weights(model, merged=factors is None)
+            self.pushed_bytes = self._push(self.link or HttpLink(self._call),
+                                           pushed_weights(model, self.dtype, factors is None))
         if factors is not None:
-            self._push_adapter(factors)
-            self.pushed_bytes += sum(tensor.numel() * tensor.element_size() for tensor in factors.values())
+            self.pushed_bytes += self._push(AdapterLink(self._call), factors.items())
             self.base_pushed = True
         self.weight_sync_seconds = time.perf_counter() - started
 
-    def _push_adapter(self, factors: dict) -> None:
-        """Rank 0 sends the adapter under its lease; every rank learns whether it went in."""
-        from safetensors.torch import save  # noqa: PLC0415
-
-        failure = _attempt(self._call, "/weights/adapter", save(factors), "application/octet-stream") \
-            if self.world.main else None
-        self.world.agree(failure, RolloutEngineError)
-        self.version += 1
-
-    def _push_weights(self, model, merged: bool = True) -> int:
-        """Every rank walks the weights (FSDP2 gathers one parameter at a time, in the same order on each);
-        rank 0 sends them in parts under its lease (or through the shared buffer or its group); ``merged=False``:
-        a LoRA policy's base weights, without its adapter. The bytes of tensors sent (rank 0's count)."""
-        from safetensors.torch import save  # noqa: PLC0415
-
-        sent, part, size, batch, seen, failure = 0, 0, 0, {}, set(), None
-        # this push's paths, read once: a fleet may abandon the server meanwhile (the writer then refuses)
-        link, shared = (self.link, self.shared) if self.world.main else (None, None)
-        if link is not None:
-            link.begin()  # the server waits for the tensors in its request
-
-        def send(last: bool) -> None:
-            nonlocal part, size, batch, seen, failure
-            try:
-                self._call(f"/weights?part={part}&last={int(last)}", save(batch), "application/octet-stream")
-            except UserError as error:
-                failure = error
-            part, size, batch, seen = part + 1, 0, {}, set()
-
-        for name, tensor in pushed_weights(model, self.dtype, merged):
-            if not self.world.main or failure is not None:  # every rank still takes part in each gather
+    def _push(self, link, named) -> int:
+        """Every rank walks the tensors (FSDP2 gathers one parameter at a time, in the same order on each); rank 0
+        sends them through ``link`` under its lease; every rank learns whether they went in. The bytes of tensors
+        sent (rank 0's count)."""
+        sent, link = 0, link if self.world.main else None
+        failure = None if link is None else _attempt(link.begin)
+        for name, tensor in named:
+            if link is None or failure is not None:  # every rank still takes part in each gather
                 continue
             sent += tensor.numel() * tensor.element_size()
-            if shared is not None:  # straight into the server's slot, from wherever the tensor lives
-                failure = _attempt(shared.write, name, tensor)
-                continue
-            if link is not None:  # broadcast to the server, which is receiving them in order
-                failure = _attempt(link.send, name, tensor)
-                continue
-            tensor = tensor.detach().to("cpu").contiguous()
-            if tensor.data_ptr() in seen:  # tied weights: safetensors keeps one name per storage
-                tensor = tensor.clone()
-            seen.add(tensor.data_ptr())
-            if size and size + tensor.numel() * tensor.element_size() > PART_BYTES:
-                send(last=False)
-            batch[name] = tensor
-            size += tensor.numel() * tensor.element_size()
-        if shared is not None:
-            body = shared.commit()  # the next push starts afresh, whatever became of this one
-            failure = failure or _attempt(self._call, "/weights/shared", body)
-        elif link is not None:
-            failure = failure or _attempt(link.finish)
-        elif self.world.main and failure is None:
-            send(last=True)
+            failure = _attempt(link.send, name, tensor)
+        if link is not None:
+            failure = link.finish(failure)
         self.world.agree(failure, RolloutEngineError)
         self.version += 1  # the push went in on rank 0 (every rank knows: agree raised otherwise)
         return sent
-
-
-def _attempt(call, *args) -> UserError | None:
-    """``call(*args)``'s failure as a value (a push goes on walking the weights: every rank takes part in each
-    gather), None when it went through."""
-    try:
-        call(*args)
-    except UserError as error:
-        return error
-    return None

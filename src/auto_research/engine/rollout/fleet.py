@@ -54,6 +54,8 @@ REJOIN_SECONDS = 10.0
 class Fleet:
     """The Sampler seam over several rollout servers (see the module docstring)."""
 
+    streams, partial = True, False
+
     def __init__(self, connect: Callable[[str, object], object], addresses: list[str], model, world, log=print,
                  chunk_prompts: int | None = None):
         self.connect, self.addresses, self.world, self.log = connect, list(addresses), world, log

@@ -36,19 +36,16 @@ server's engine are both on CUDA GPUs and both torches have NCCL (the tensors th
 engine's device), gloo otherwise (CPU tensors). NCCL has not run here: it needs two GPUs (one rank per device),
 and this project's machines have had at most one.
 
-The trainer's side is ``CollectiveLink``: it hosts the store, joins the group with the server, and sends a push's
-tensors while its request waits.
+The trainer's side is ``links.CollectiveLink``: it hosts the store, joins the group with the server, and sends a
+push's tensors while its request waits.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import math
-import secrets
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -56,9 +53,9 @@ import torch
 
 from auto_research.engine.rollout.adapter_guard import check_adapter
 from auto_research.engine.rollout.guard import Refused, all_finite, check_ties
-from auto_research.engine.rollout.rendezvous import RemoteStore, StoreHost, gloo_device, link_key
+from auto_research.engine.rollout.rendezvous import RemoteStore, gloo_device, link_key
 from auto_research.engine.rollout.transfer import with_ties
-from auto_research.errors import RolloutEngineError, one_line
+from auto_research.errors import one_line
 
 BUCKET_BYTES = 64 * 2**20
 """The most bytes a bucket of several tensors holds (a tensor larger than this goes alone)."""
@@ -264,157 +261,8 @@ def collective_push(handler):
     return answer
 
 
-# --- the trainer's side ------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _one_thread(device: torch.device):
-    """A copy into a staging buffer on one of this process's threads (on the CPU): gloo sends the last bucket from
-    a thread of its own meanwhile, and two threads copying starved it (a SmolLM2 push on 2 cores: 0.25–0.30 s with
-    both, 0.20–0.24 s with one)."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def local_address(host: str, port: int) -> str:
     """This host's address on the way to ``host:port`` (where the server can reach the trainer's store)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, port))
         return probe.getsockname()[0]
-
-
-class CollectiveLink:
-    """A group of two (``backend``: gloo or NCCL) with one rollout server: ``call(path, body)`` is the client's
-    request under its lease. ``begin`` starts a push's request, ``send`` broadcasts each tensor in the server's
-    order (from ``device``: the trainer's GPU under NCCL), ``finish`` waits for its answer (raising the server's
-    refusal). ``tied`` ({name: the earlier name}, ``remote.tied_weights``): weights the model ties, sent once
-    where the server takes that (an older one sends no ``tied`` back, and gets every name)."""
-
-    def __init__(self, call, host: str, port: int, names: list[str] | None = None, backend: str = "gloo",
-                 device: torch.device | str = "cpu", tied: dict | None = None, lease: str = ""):
-        address = local_address(host, port)
-        prefix, joined = f"auto-research-{secrets.token_hex(8)}", {}
-        self.call, self.store = call, StoreHost(address, link_key(lease, prefix), JOIN_SECONDS)
-        """The rendezvous (``rendezvous.StoreHost``) on ``address``, which the server answers under ``lease``."""
-
-        def join() -> None:
-            try:
-                joined["group"] = _group(self.store.store, prefix, 0, PUSH_SECONDS, backend, address)
-            except Exception as error:  # noqa: BLE001 - reported below
-                joined["error"] = error
-
-        thread = threading.Thread(target=join, name="collective-join", daemon=True)
-        thread.start()
-        try:
-            answer = call("/weights/collective", json.dumps({"store": f"{address}:{self.store.port}", "group": prefix,
-                                                             "backend": backend, "tied": tied or {}}).encode())
-        except BaseException:
-            self.store.close()
-            raise
-        thread.join(JOIN_SECONDS)
-        if "group" not in joined:
-            self.store.close()
-            raise RolloutEngineError(f"the trainer's side of the group did not form ({joined.get('error')})")
-        self.group, self.names, self.options = joined["group"], list(answer["names"]), _broadcast_options()
-        if names is not None and names != self.names:
-            raise RolloutEngineError("the server expects other weights, or in another order, than this run pushes")
-        if "spec" not in answer:
-            raise RolloutEngineError("the server sends no spec of its weights with its group (an older "
-                                     "auto-research): use --rollout-sync http, or update it")
-        self.tied = dict(answer.get("tied") or {})
-        """The names not sent: the server loads their sources' tensors under them."""
-        self.buckets = layout({name: (tuple(shape), dtype) for name, (shape, dtype) in answer["spec"].items()
-                               if name not in self.tied})
-        self.where = {entry[0]: (index, entry) for index, (_, entries, _) in enumerate(self.buckets)
-                      for entry in entries}
-        """Each name's bucket and (name, offset, numel, shape) in it."""
-        self.device, self.pending = _device(backend, device), {}
-        self.staging: list = [None, None]
-        """Two buffers a bucket is copied into, one filling while the other is sent: [tensor, its last send]."""
-
-    def close(self) -> None:
-        """The store closed: no more connections to it (the group itself needs it no more)."""
-        self.store.close()
-
-    def begin(self) -> None:
-        self.pending = {"sent": 0, "sends": []}
-
-        def push() -> None:
-            try:
-                self.pending["answer"] = self.call("/weights/collective/push", b"{}")
-            except Exception as error:  # noqa: BLE001 - raised by finish, in the trainer's thread
-                self.pending["error"] = error
-
-        self.pending["thread"] = threading.Thread(target=push, name="collective-push", daemon=True)
-        self.pending["thread"].start()
-
-    def send(self, name: str, tensor: torch.Tensor) -> None:
-        """``tensor`` into its bucket; the bucket broadcast (without waiting) once its last tensor is in."""
-        expected = self.names[self.pending["sent"]] if self.pending["sent"] < len(self.names) else None
-        if name != expected:
-            raise RolloutEngineError(f"the push sends {name!r} where the server expects {expected!r}")
-        if name in self.tied:  # the server takes its source's tensor
-            self.pending["sent"] += 1
-            return
-        index, (_, offset, numel, shape) = self.where[name]
-        dtype, entries, total = self.buckets[index]
-        if tuple(tensor.shape) != shape or str(tensor.dtype).removeprefix("torch.") != dtype:
-            raise RolloutEngineError(f"the push sends {name!r} as {list(tensor.shape)} {tensor.dtype} where the "
-                                     f"server expects {list(shape)} {dtype}")
-        tensor = tensor.detach().to(self.device)
-        if len(entries) == 1:  # alone in its bucket: sent as it is
-            self._broadcast(tensor.contiguous().view(-1))
-        else:
-            slot = index % 2
-            if offset == 0:  # a new bucket: its staging buffer once the send from it is done
-                buffer = self.staging[slot]
-                if buffer is not None:
-                    self._wait(buffer[1])
-                if buffer is None or buffer[0].dtype != tensor.dtype or buffer[0].numel() < total:
-                    self.staging[slot] = [torch.empty(max(total, BUCKET_BYTES // tensor.element_size()),
-                                                      dtype=tensor.dtype, device=self.device), None]
-            staged = self.staging[slot][0]
-            with _one_thread(self.device):
-                staged[offset: offset + numel].copy_(tensor.reshape(-1))
-            if offset + numel == total:
-                self.staging[slot][1] = self._broadcast(staged[:total])
-        self.pending["sent"] += 1
-
-    def _broadcast(self, flat: torch.Tensor):
-        """``flat`` sent without waiting (gloo sends from a thread of its own); its work, kept until ``finish``."""
-        try:
-            work = self.group.broadcast([flat], self.options)
-        except RuntimeError as error:  # the server gone
-            raise RolloutEngineError(f"the push over the group failed ({str(error).splitlines()[0][:300]})") from None
-        self.pending["sends"].append((work, flat))
-        return work
-
-    @staticmethod
-    def _wait(work) -> None:
-        if work is None:
-            return
-        try:
-            work.wait()
-        except RuntimeError as error:  # the server gone or timed out
-            raise RolloutEngineError(f"the push over the group failed ({str(error).splitlines()[0][:300]})") from None
-
-    def finish(self) -> dict:
-        if self.pending["sent"] != len(self.names):
-            raise RolloutEngineError(f"the push sent {self.pending['sent']} of the {len(self.names)} tensors the "
-                                     "server expects")
-        for work, _ in self.pending["sends"]:
-            self._wait(work)
-        self.pending["sends"] = []
-        self.pending["thread"].join(PUSH_SECONDS + 30)
-        if "error" in self.pending:
-            raise self.pending["error"]
-        if "answer" not in self.pending:
-            raise RolloutEngineError("the server did not answer its push over the group")
-        return self.pending["answer"]

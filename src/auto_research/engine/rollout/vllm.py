@@ -114,6 +114,9 @@ def _process_kept():
 class VLLMSampler:
     """The Sampler seam over a colocated vLLM engine (see the module docstring)."""
 
+    streams = partial = False
+    pushed_bytes = None
+
     def __init__(self, model, tokenizer, settings: SamplingSettings, memory: float, dtype: torch.dtype,
                  max_model_len: int, seed: int = 0, push_weights: bool = True, verbose: bool = False,
                  parallel: tuple[int, int] = (1, 1), lora_rank: int | None = None):
