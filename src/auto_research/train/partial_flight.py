@@ -40,10 +40,9 @@ from auto_research.engine.partial_bounds import pool_groups
 from auto_research.engine.rollout.partial import Pool, Rounds, lanes_to_rows, supply_target
 from auto_research.engine.rollout.partial_files import Finished
 from auto_research.engine.rollout.partial_serve import KEPT_STATES
-from auto_research.train.experience import Batch
-from auto_research.train.rollouts import Drawn, RolloutSource, draw_batch, score, signal_counts
+from auto_research.train.rollouts import Drawn, RolloutSource, batch_of, draw_batch, finish
 from auto_research.train.sides import Handover, Schedule
-from auto_research.errors import RewardError, RolloutEngineError
+from auto_research.errors import RolloutEngineError
 
 
 class LocalRounds:
@@ -201,10 +200,7 @@ class PartialInFlight(Handover):
             step, version, self.per_step, self.pool_groups, (step - 1) - self.max_staleness, supply,
             self._read_by_a_checkpoint(step))
         lanes = self.source.share(lanes)  # this rank's slice of the step's groups, in the order they finished
-        sampled = time.perf_counter()
-        drawn = self._drawn(step, lanes, idle, sampled - started)
-        drawn.seconds["score"] = time.perf_counter() - sampled
-        return drawn
+        return self._drawn(step, version, lanes, idle, time.perf_counter() - started)
 
     def _read_by_a_checkpoint(self, step: int) -> bool:
         """Whether a checkpoint reads round ``step``'s state: the one after step s reads round min(s + 1, the last)
@@ -231,7 +227,7 @@ class PartialInFlight(Handover):
                 supply.append(((int(index), int(seed)), ids, int(seed)))
         return supply
 
-    def _drawn(self, step: int, lanes: list[Finished], idle: float, sample_seconds: float) -> Drawn:
+    def _drawn(self, step: int, version: int, lanes: list[Finished], idle: float, sample_seconds: float) -> Drawn:
         source, K = self.source, self.source.group_size
         prompt, prompt_mask, tokens, mask, logprobs, entropies, versions = lanes_to_rows(
             lanes, source.pad_token_id, self.eos)
@@ -240,14 +236,5 @@ class PartialInFlight(Handover):
         rollout = Rollout(torch.cat([prompt, tokens], dim=1), prompt_mask, mask, texts, K, logprobs, entropies,
                           False, oldest, token_versions=versions)
         indices, seeds = [lane.key[0] for lane in lanes], [lane.key[1] for lane in lanes]
-        batch = Batch(indices, [source.prompts[i] for i in indices], [source.examples[i] for i in indices], seeds)
-        rewards = failure = None
-        try:
-            rewards = score(source, batch, rollout)
-        except RewardError as error:
-            failure = str(error)
-        counts = signal_counts(rewards, K) if failure is None else None
-        reference = source.reference(rollout) if source.reference is not None and failure is None else None
-        seconds = {"sample": sample_seconds, "score": 0.0, "idle": idle}
-        return Drawn(step, batch, rollout, rewards, None, failure, self.rng.bit_generator.state, seconds, reference,
-                     counts)
+        return finish(source, step, version, batch_of(source, indices, seeds), rollout, self.rng.bit_generator.state,
+                      {"sample": sample_seconds, "idle": idle})

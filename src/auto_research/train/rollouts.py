@@ -113,8 +113,10 @@ def produce(source: RolloutSource, rng: np.random.Generator, step: int, version:
 def finish(source: RolloutSource, step: int, version: int, batch: Batch, rollout: Rollout, numpy_after: dict,
            seconds: dict, reference: torch.Tensor | None = None) -> Drawn:
     """A sampled batch scored (refilled with dynamic sampling), its reference log-probs (``reference``: computed
-    already, as its rows came); ``score`` time added."""
-    rollout = replace(rollout, policy_versions=torch.full((rollout.sequences.shape[0],), version, dtype=torch.long))
+    already, as its rows came); ``score`` time added. Each row is tagged with ``version``, unless its tokens carry
+    their own (partial rollouts: the row's oldest)."""
+    if rollout.token_versions is None:
+        rollout = replace(rollout, policy_versions=torch.full((rollout.sequences.shape[0],), version, dtype=torch.long))
     sampled = time.perf_counter()
     greedy = source.greedy(batch.prompts) if source.greedy is not None else None
     rewards = greedy_rewards = failure = None

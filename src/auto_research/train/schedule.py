@@ -47,93 +47,67 @@ class Opening(NamedTuple):
     saved: list[Drawn]
     side: tuple[dict, dict] | None
 
-    @property
-    def schedule(self) -> Schedule:
-        return Schedule(self.c.config.max_staleness, self.c.config.steps, self.state.step)
+    def source(self, sampler, model=None, tokenizer=None) -> RolloutSource:
+        """A side in flight's source: a frozen reference model (not LoRA's, the policy with its adapters off) is
+        copied once, and its forward runs on the rollout side beside the trainer's; an offloaded one is shared (a
+        copy would be ordinary memory again)."""
+        c, reference = self.c, None
+        if c.reference is not None and not c.config.lora_r:
+            reference = c.reference if c.offloaded_reference is not None else copy.deepcopy(c.reference)
+        return rollout_source(c, sampler, model, c.autocast, reference, tokenizer)
+
+    def own_copies(self):
+        """The policy's copy for a side in this process, and a tokenizer of its own: a fast tokenizer's padding
+        is state of the tokenizer, so the trainer's evaluation and the rollout thread's calls at the same time
+        broke one another (seen: "Unable to create tensor" in a held-out evaluation)."""
+        return copy.deepcopy(self.c.policy).requires_grad_(False), copy.deepcopy(self.c.tokenizer)
+
+    def side_of(self, kind, source, **given):
+        return kind(source, self.state.rng, Schedule(self.c.config.max_staleness, self.c.config.steps,
+                                                     self.state.step), self.c.policy, self.saved, **given)
 
 
 def open_side(c: Components, state: LoopState, saved: list[Drawn] = (), side: tuple[dict, dict] | None = None
               ) -> RolloutSide:
     """The run's rollout side at its current step (``saved``, ``side``: what a checkpoint held of it)."""
-    config = c.config
-    opening = Opening(c, state, list(saved), side)
-    in_flight = bool(config.max_staleness)
+    config, in_flight = c.config, bool(c.config.max_staleness)
     streamed = (in_flight and not config.in_flight_updates and streams(c)
                 and copies_fit(c.policy, config.max_staleness, c.sampler.log))
     layout = Layout(in_flight, config.in_flight_updates, streamed, in_flight and c.engine.pushes_weights)
-    return SIDES[layout](opening)
-
-
-def _synchronous(o: Opening) -> Synchronous:
-    return Synchronous(rollout_source(o.c, o.c.sampler, o.c.policy, o.c.sampling), o.state.rng)
-
-
-def _frozen_reference(c: Components):
-    """A frozen reference model (not LoRA's, which is the policy with its adapters off) is copied once: its
-    forward then runs on the rollout side, beside the trainer's, which has the stale batch's π_old to compute.
-    An offloaded reference is not copied (a copy would be ordinary memory again): both sides read its mapping."""
-    if c.reference is None or c.config.lora_r:
-        return None
-    return c.reference if c.offloaded_reference is not None else copy.deepcopy(c.reference)
-
-
-def _own_copies(c: Components):
-    """The policy's copy for a side in this process, and a tokenizer of its own: a fast tokenizer's padding is
-    state of the tokenizer, so the trainer's evaluation (padded batches) and the rollout thread's calls at the
-    same time broke one another (seen: "Unable to create tensor" in a held-out evaluation)."""
-    return copy.deepcopy(c.policy).requires_grad_(False), copy.deepcopy(c.tokenizer)
+    return SIDES[layout](Opening(c, state, list(saved), side))
 
 
 def _local_in_flight(o: Opening) -> InFlight:
-    c = o.c
-    model, tokenizer = _own_copies(c)
-    sampler = BuiltinSampler(model, tokenizer, sampling_settings(c.config), chunk_prompts(c.config), c.autocast)
-    source = rollout_source(c, sampler, model, c.autocast, _frozen_reference(c), tokenizer)
-    return InFlight(source, o.state.rng, o.schedule, c.policy, o.saved, model=model)
-
-
-def _remote_in_flight(o: Opening) -> InFlight:
-    source = rollout_source(o.c, o.c.sampler, None, o.c.autocast, _frozen_reference(o.c))
-    return InFlight(source, o.state.rng, o.schedule, o.c.policy, o.saved, remote=o.c.sampler)
+    model, tokenizer = o.own_copies()
+    config = o.c.config
+    sampler = BuiltinSampler(model, tokenizer, sampling_settings(config), chunk_prompts(config), o.c.autocast)
+    return o.side_of(InFlight, o.source(sampler, model, tokenizer), model=model)
 
 
 def _streamed(o: Opening) -> StreamedInFlight:
-    c, config = o.c, o.c.config
-    source = rollout_source(c, c.sampler, None, c.autocast, _frozen_reference(c))
-    return StreamedInFlight(source, o.state.rng, o.schedule, c.policy, o.saved, c.sampler,
-                            reference_rows(config, config.prompts_per_step, config.group_size))
+    config = o.c.config
+    return o.side_of(StreamedInFlight, o.source(o.c.sampler), fleet=o.c.sampler,
+                     reference_rows=reference_rows(config, config.prompts_per_step, config.group_size))
 
 
-def _partial(o: Opening, source: RolloutSource, engine, tokenizer, remote=None):
-    from auto_research.train.partial_flight import PartialInFlight  # noqa: PLC0415
-
-    return PartialInFlight(source, o.state.rng, o.schedule, o.c.policy, o.saved, engine=engine, tokenizer=tokenizer,
-                           remote=remote, state=o.side, pool=o.c.config.in_flight_pool,
-                           checkpoint_every=o.c.config.checkpoint_every)
-
-
-def _local_partial(o: Opening):
-    from auto_research.train.partial_flight import LocalRounds  # noqa: PLC0415
+def _partial(o: Opening, local: bool):
+    from auto_research.train.partial_flight import LocalRounds, PartialInFlight, RemoteRounds  # noqa: PLC0415
 
     c, config = o.c, o.c.config
-    model, tokenizer = _own_copies(c)
-    source = rollout_source(c, None, model, c.autocast, _frozen_reference(c), tokenizer)
-    rounds = LocalRounds(model.eval(), tokenizer, source, sampling_settings(config), config.recompute_kv_on_update,
-                         c.autocast)
-    return _partial(o, source, rounds, tokenizer)
-
-
-def _remote_partial(o: Opening):
-    from auto_research.train.partial_flight import RemoteRounds  # noqa: PLC0415
-
-    c, config = o.c, o.c.config
-    if not c.sampler.partial:
-        raise UserError(f"--in-flight-updates: the rollout server at {c.sampler.address} cannot decode partial "
-                        "rollouts (it needs one rollout server, auto-research rollout-serve --engine builtin "
-                        "or vllm, of this version or later, without --enable-lora)")
-    source = rollout_source(c, c.sampler, None, c.autocast, _frozen_reference(c))
-    rounds = RemoteRounds(c.sampler, source, sampling_settings(config), config.recompute_kv_on_update)
-    return _partial(o, source, rounds, copy.deepcopy(c.tokenizer), c.sampler)
+    if local:
+        model, tokenizer = o.own_copies()
+        source = o.source(None, model, tokenizer)
+        rounds = LocalRounds(model.eval(), tokenizer, source, sampling_settings(config),
+                             config.recompute_kv_on_update, c.autocast)
+    else:
+        if not c.sampler.partial:
+            raise UserError(f"--in-flight-updates: the rollout server at {c.sampler.address} cannot decode partial "
+                            "rollouts (it needs one rollout server, auto-research rollout-serve --engine builtin "
+                            "or vllm, of this version or later, without --enable-lora)")
+        source, tokenizer = o.source(c.sampler), copy.deepcopy(c.tokenizer)
+        rounds = RemoteRounds(c.sampler, source, sampling_settings(config), config.recompute_kv_on_update)
+    return o.side_of(PartialInFlight, source, engine=rounds, tokenizer=tokenizer, remote=None if local else c.sampler,
+                     state=o.side, pool=config.in_flight_pool, checkpoint_every=config.checkpoint_every)
 
 
 REFERENCE_PARTS = 4
@@ -211,11 +185,12 @@ def rollout_source(c: Components, sampler, model, context, reference=None, token
 
 
 SIDES: dict[Layout, Callable[[Opening], RolloutSide]] = {
-    Layout(False, False, False, False): _synchronous,
+    Layout(False, False, False, False): lambda o: Synchronous(
+        rollout_source(o.c, o.c.sampler, o.c.policy, o.c.sampling), o.state.rng),
     Layout(True, False, False, False): _local_in_flight,
-    Layout(True, False, False, True): _remote_in_flight,
+    Layout(True, False, False, True): lambda o: o.side_of(InFlight, o.source(o.c.sampler), remote=o.c.sampler),
     Layout(True, False, True, True): _streamed,
-    Layout(True, True, False, False): _local_partial,
-    Layout(True, True, False, True): _remote_partial,
+    Layout(True, True, False, False): lambda o: _partial(o, local=True),
+    Layout(True, True, False, True): lambda o: _partial(o, local=False),
 }
 """Every layout a run can have (the settings' checks refuse the others, ``config/rollout.py``)."""

@@ -1,14 +1,6 @@
-"""The rollout side's one interface (``RolloutSide``) and the state a side in a thread shares with the trainer
-(``Handover``), in one place; which side a run gets is ``schedule.py``'s table.
-
-    drawn = side.take(step)                  # the step's frozen batch (waits for it)
-    side.publish(step, policy)               # weights version ``step`` (after ``step`` steps)
-    batches, numpy_after = side.checkpoint(step)   # the batches drawn ahead, for a checkpoint
-    tensors, plain = side.state(step)        # what else of the side a checkpoint holds (``carries_state``)
-    side.close()
-
-A side in a thread starts drawing at its first ``take`` (a run's evaluation before training runs alone).
-"""
+"""The rollout side's one interface (``RolloutSide``: take a batch, publish weights, checkpoint, close) and the
+state a side in a thread shares with the trainer (``Handover``); which side a run gets is ``schedule.py``'s table.
+A side in a thread starts drawing at its first ``take`` (a run's evaluation before training runs alone)."""
 
 from __future__ import annotations
 
@@ -24,18 +16,14 @@ from auto_research.train.rollouts import Drawn, RolloutSource, drawing_version, 
 
 class RolloutSide(Protocol):
     carries_state: bool
-    """A checkpoint saves ``state`` after the batches (--in-flight-updates: the groups still decoding)."""
+    """A checkpoint saves ``state(step)`` after the batches (--in-flight-updates: the groups still decoding)."""
     started: bool
-    """It has drawn (or is drawing) for the trainer: its thread owns the prompt generator and the sampler."""
+    """It has drawn for the trainer: a thread of its own then owns the prompt generator and the sampler."""
 
-    def take(self, step: int) -> Drawn: ...
-
-    def publish(self, version: int, policy) -> None: ...
-
-    def checkpoint(self, step: int) -> tuple[list[Drawn], dict]: ...
-
+    def take(self, step: int) -> Drawn: ...  # the step's frozen batch (waits for it)
+    def publish(self, version: int, policy) -> None: ...  # weights version ``version`` (after that many steps)
+    def checkpoint(self, step: int) -> tuple[list[Drawn], dict]: ...  # the batches drawn ahead, the generator
     def state(self, step: int) -> tuple[dict, dict]: ...
-
     def close(self) -> None: ...
 
 
