@@ -142,6 +142,8 @@ def test_opd_runs_on_rows_without_answers(tiny_model_dir, tmp_path):
     ({"distill_weight": 0.5}, "--distill-weight and --distill-baseline shape a teacher's term: give --teacher-model"),
     ({"teacher_model": "t", "distill_baseline": "mean"}, "--distill-baseline 'mean': choose one of loo, none"),
     ({"teacher_model": "t", "distill_weight": -1.0}, "--distill-weight"),
+    ({"algorithm": "opd", "teacher_model": "t", "dynamic_sampling": True}, "--dynamic-sampling drops groups whose task "
+                                                                           "rewards are equal; opd takes no task reward"),
 ])
 def test_bad_distillation_settings_are_one_line(settings, message):
     with pytest.raises(UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):

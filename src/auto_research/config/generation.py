@@ -294,6 +294,9 @@ def _check_algorithm(algorithm, config: GenerationConfig) -> None:
     if config.sampling.dynamic_sampling and algorithm.needs_greedy:
         raise UserError(f"--dynamic-sampling with {algorithm.name} is not built (a refilled prompt would need its "
                         "greedy baseline too)")
+    if config.sampling.dynamic_sampling and "task" not in algorithm.rewards:
+        raise UserError(f"--dynamic-sampling drops groups whose task rewards are equal; {algorithm.name} takes no "
+                        "task reward")
     config.loss.check_with(algorithm)
     config.critic.check_with(algorithm)
 
