@@ -230,3 +230,22 @@ def test_a_run_with_a_teacher_resumes_to_the_same_rows(tiny_model_dir, tmp_path)
     resumed = _rows(tmp_path, "cut", tiny_model_dir, **settings, resume=True)
     assert [_compared(row) for row in resumed] == [_compared(row) for row in whole]
     assert [row["teacher_reverse_kl"] for row in resumed] == [row["teacher_reverse_kl"] for row in whole]
+
+
+def test_two_processes_with_a_teacher_end_with_the_weights_of_one(tiny_model_dir, sums_jsonl, tmp_path):
+    # torchrun N = 2 (DDP, then FSDP, which shards the teacher too) against one process, as tests/test_distributed.py
+    # checks every layout: a teacher with other weights than the student's, so that d is not 0.
+    import textwrap
+
+    from auto_research.engine.tiny import build_model, build_tokenizer
+    from test_distributed import REWARDS, test_two_processes_end_with_the_weights_of_one as two_against_one
+
+    tokenizer = build_tokenizer()
+    teacher = tmp_path / "teacher"
+    build_model(tokenizer, seed=5, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, max_position_embeddings=32).save_pretrained(teacher)
+    tokenizer.save_pretrained(teacher)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "dist_rewards.py").write_text(textwrap.dedent(REWARDS))  # (test_distributed's workdir fixture)
+    two_against_one(tiny_model_dir, sums_jsonl, workdir, "rloo", ("--teacher-model", str(teacher)))
