@@ -251,3 +251,34 @@ def test_the_producer_draws_each_step_with_its_scheduled_weights_and_hands_on_it
     with pytest.raises(RuntimeError, match="the engine broke"):
         rollouts.take(6)
     rollouts.close()
+
+
+def test_the_side_is_picked_from_the_table_built_once_and_draws_from_its_first_take(tiny_model_dir, sums_jsonl,
+                                                                                 workdir, monkeypatch):
+    """``open_run`` builds the run's rollout side once, from ``schedule.SIDES`` (every layout there has a builder):
+    K = 0 is ``Synchronous``, K = 1 with the builtin sampler ``InFlight``, whose thread starts at its first step
+    (``Trainer.sample`` may draw before it, not after); the step is handed the side, and never builds one."""
+    from auto_research.config.generation import GenerationConfig
+    from auto_research.train.schedule import SIDES, Layout
+    from auto_research.train.trainer import Trainer
+
+    assert Layout(False, False, False, False) in SIDES and len(SIDES) == 6
+    monkeypatch.syspath_prepend(str(workdir))
+    settings = dict(model=str(tiny_model_dir), dataset=str(sums_jsonl), steps=3, prompts_per_step=4, group_size=4,
+                    max_new_tokens=3, evaluation_examples=4, eval_every=0, progress=False, offline=True, device="cpu",
+                    reward=["async_rewards:checksum"])
+    for staleness, kind in ((0, "Synchronous"), (1, "InFlight")):
+        config = GenerationConfig(**settings, max_staleness=staleness,
+                                  output_dir=workdir / str(staleness)).filled().validate()
+        trainer = Trainer.build(config, log=lambda text: None)
+        try:
+            side = trainer.side
+            assert type(side).__name__ == kind and not side.started
+            trainer.sample(1)  # before the first step: the side has not drawn yet
+            trainer.step(1)
+            assert trainer.side is side and side.started == bool(staleness)
+            if staleness:
+                with pytest.raises(Exception, match="Trainer.sample draws as a synchronous step does"):
+                    trainer.sample(2)
+        finally:
+            trainer.close()

@@ -161,14 +161,13 @@ class ServerSampler:
         self.lease, self.link = None, None
 
     def close(self) -> None:
-        """The run is over: stop the heartbeat and give the lease back (a server that is gone by now needs none)."""
+        """The run is over: stop the heartbeat and give the lease back (a server that is gone by now needs none),
+        then leave it as ``abandon`` does."""
         self._stop.set()
         if self.lease is not None and self.world.main:
             with contextlib.suppress(UserError):
                 self._call("/lease/release", b"{}", retries=0)
-        if self.link is not None:
-            self.link.close()
-        self.lease, self.link = None, None
+        self.abandon()
 
     def _lease_headers(self) -> dict:
         """The API key's header, and the lease's once there is one."""
