@@ -74,30 +74,25 @@ def products(rows: int, repeats: int) -> None:
                   f"{flops / statistics.median(times['onednn']) / 1e9:4.0f}  × {spread(ratios)}")
 
 
-def update(model_name: str, repeats: int) -> None:
+def update_step(tokenizer, results: dict, vocabulary: int = 10000):
+    """``(step, tokens)``: ``step(network, name)`` is a function running the update's forward and backward on a
+    fixed batch (8 prompts × 4 completions of up to 32 tokens), keeping its log-probs and gradients in
+    ``results[name]``."""
     import torch
 
-    from auto_research.engine import onednn
     from auto_research.engine.logprobs import token_logprobs
-    from auto_research.engine.models import format_prompt, load_policy
-    from auto_research.train.components import checkpoint_layers
+    from auto_research.engine.models import format_prompt
     from smollm2 import sums
 
-    model, tokenizer = load_policy(model_name, "cpu", torch.float32, offline=True, log=lambda line: None)
-    model.eval()
-    theirs = copy.deepcopy(model)
-    changed = onednn.use_torch(theirs)
-    checkpoint_layers(model), checkpoint_layers(theirs)
     prompts = [format_prompt(tokenizer, row["question"], True) for row in sums(8)]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     generator = torch.Generator().manual_seed(0)
-    completions = torch.randint(100, 10000, (32, 32), generator=generator)
+    completions = torch.randint(min(100, vocabulary // 2), vocabulary, (32, 32), generator=generator)
     lengths = torch.randint(8, 33, (32,), generator=generator)
     mask = (torch.arange(32)[None] < lengths[:, None]).float()
     sequences = torch.cat([encoded["input_ids"].repeat_interleave(4, 0), completions], 1)
     prompt_mask = encoded["attention_mask"].repeat_interleave(4, 0)
     weights = torch.linspace(-1, 1, 32)
-    results = {}
 
     def step(network, name):
         def run():
@@ -107,7 +102,23 @@ def update(model_name: str, repeats: int) -> None:
             results[name] = logprobs.detach(), [p.grad for p in network.parameters()]
         return run
 
-    tokens = int(prompt_mask.sum() / 4 + mask.sum())
+    return step, int(prompt_mask.sum() / 4 + mask.sum())
+
+
+def update(model_name: str, repeats: int) -> None:
+    import torch
+
+    from auto_research.engine import onednn
+    from auto_research.engine.models import load_policy
+    from auto_research.train.components import checkpoint_layers
+
+    model, tokenizer = load_policy(model_name, "cpu", torch.float32, offline=True, log=lambda line: None)
+    model.eval()
+    theirs = copy.deepcopy(model)
+    changed = onednn.use_torch(theirs)
+    checkpoint_layers(model), checkpoint_layers(theirs)
+    results = {}
+    step, tokens = update_step(tokenizer, results)
     print(f"\nthe update's forward and backward on {model_name} ({changed} linear layers on oneDNN; 8 prompts × 4 "
           f"completions, {tokens} tokens, layers recomputed), seconds (medians of {repeats}, ranges):")
     times = rotate({"torch": step(theirs, "torch"), "onednn": step(model, "onednn")}, repeats)

@@ -182,11 +182,10 @@ def rollout_serve(args: argparse.Namespace) -> int:
 
     load_config_file(args, [ServeConfig])
     config = ServeConfig(**given(args, ServeConfig)).validate()
-    import torch
-
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    from auto_research.engine.machine import set_threads
     from auto_research.engine.rollout.serve import serve
+
+    set_threads(config.threads)
 
     serve(config, log=_stderr)
     return 0

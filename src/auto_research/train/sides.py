@@ -11,6 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
+from auto_research.engine.machine import computing
 from auto_research.train.rollouts import Drawn, RolloutSource, drawing_version, produce
 
 
@@ -108,7 +109,7 @@ class Handover:
             self.publish(self.schedule.version, policy)
         else:
             self.snapshots[self.schedule.version] = None
-        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self.thread = threading.Thread(target=computing(self._run), name=self.name, daemon=True)
         self.thread.start()
 
     # --- the trainer's side ---------------------------------------------------------------------------------------

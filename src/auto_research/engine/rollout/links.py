@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from auto_research.engine import machine
 from auto_research.engine.rollout.pushes import (BUCKET_BYTES, JOIN_SECONDS, PUSH_SECONDS, _broadcast_options,
                                                  _device, _group, backends, choose_backend, layout, local_address,
                                                  offered_backends)
@@ -166,7 +167,7 @@ def _one_thread(device: torch.device):
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        machine.set_threads(threads)
 
 
 class CollectiveLink:

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 
+from auto_research.engine.machine import set_threads
 from auto_research.engine.rollout.client import ServerSampler
 from auto_research.engine.rollout.transfer import sweep
 from auto_research.errors import RolloutEngineError, UserError
@@ -63,7 +64,7 @@ class RolloutProcess(ServerSampler):
         Python leaves its caller as it found it)."""
         os.sched_setaffinity(0, trainer_cores)  # this thread: the trainer's work
         if not config.threads:
-            torch.set_num_threads(len(trainer_cores))
+            set_threads(len(trainer_cores))
         try:
             super().__init__(needs.policy, needs.tokenizer, needs.settings, address, needs.model_name, needs.world,
                              config.run_dir, engine="builtin", chunk_prompts=needs.chunk_prompts, api_key=self.key,
@@ -151,7 +152,5 @@ class RolloutProcess(ServerSampler):
             self._give_cores_back()
 
     def _give_cores_back(self) -> None:
-        import torch  # noqa: PLC0415
-
         os.sched_setaffinity(0, self.before[0])
-        torch.set_num_threads(self.before[1])
+        set_threads(self.before[1])

@@ -27,6 +27,7 @@ from typing import Iterator
 
 import torch
 
+from auto_research.engine import machine
 from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids, head_dim
 from auto_research.engine.quiet import harmless_lines_hidden
 from auto_research.engine.rollout.remote import pushed_weights, sample_by_ids
@@ -107,7 +108,7 @@ def _process_kept():
         yield
     finally:
         torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
+        machine.set_threads(threads)
         torch.set_rng_state(state)
 
 
