@@ -260,6 +260,9 @@ def check_across(config: GenerationConfig) -> None:
     _check_algorithm(algorithm, config)
     _check_batch(config.sampling, config.loss)
     _check_memory(config.optimisation, config.lora, config.policy)
+    if config.lora.lora_r and config.loss.reference_model:  # lora × loss
+        raise UserError("--reference-model with --lora-r is not built: under LoRA the reference is the policy with "
+                        "its adapters off")
     config.rollout.check_staleness(config.run.steps, algorithm, config.policy.fsdp)
     _check_in_flight(config)
 
