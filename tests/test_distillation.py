@@ -156,22 +156,51 @@ def test_a_teacher_gets_the_kl_off_unless_asked():
     assert GenerationConfig().filled().kl_in == "reward"
 
 
-def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tiny_model_dir, sums_jsonl, tmp_path):
-    from auto_research.engine.tiny import build_model, build_tokenizer
+def _folder(path, tiny_model_dir, tokenizer=None):
+    """A model folder with the tiny model's config.json and ``tokenizer`` (none: no tokenizer files), no weights."""
+    path.mkdir()
+    (path / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_in_one_line_before_any_weights(tiny_model_dir, sums_jsonl,
+                                                                                     tmp_path):
+    # The teachers' folders hold no weights: the refusal comes from the tokenizers alone, before any model loads.
+    from auto_research.engine.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.add_tokens(["<extra>"])
-    other = tmp_path / "other"
-    build_model(tokenizer, seed=0, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=2, max_position_embeddings=32).save_pretrained(other)
-    tokenizer.save_pretrained(other)
+    other = _folder(tmp_path / "other", tiny_model_dir, tokenizer)
     result = run_cli("post-train", "--dataset", str(sums_jsonl), "--model", str(tiny_model_dir), "--teacher-model",
                      str(other), "--steps", "1", "--offline", "--device", "cpu", "--output-dir", str(tmp_path / "runs"),
                      cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.splitlines()[-1] == (
-        f"auto-research: error: --teacher-model {other}: its tokenizer ({len(tokenizer)} tokens) is not the policy's "
-        f"({tiny_model_dir}, {len(tokenizer) - 1} tokens); it must score the policy's own token ids")
+        f"auto-research: error: --teacher-model {other}: its tokenizer is not the policy's ({tiny_model_dir}): "
+        f"{len(tokenizer)} tokens, the policy's {len(tokenizer) - 1}; it must score the policy's own token ids")
+    # As many tokens, two of them swapped: the line names a token whose id differs.
+    swapped = _folder(tmp_path / "swapped", tiny_model_dir, build_tokenizer())
+    saved = json.loads((swapped / "tokenizer.json").read_text())
+    vocabulary = saved["model"]["vocab"]
+    vocabulary["a"], vocabulary["b"] = vocabulary["b"], vocabulary["a"]
+    (swapped / "tokenizer.json").write_text(json.dumps(saved))
+    with pytest.raises(UserError, match=rf"^--reference-model {swapped}: its tokenizer is not the policy's "
+                                        rf"\({tiny_model_dir}\): 'a' is id {vocabulary['a']} there, {vocabulary['b']} "
+                                        "in the policy's; it must score the policy's own token ids$"):
+        _rows(tmp_path, "swapped", tiny_model_dir, reference_model=str(swapped))
+
+
+def test_a_teacher_that_cannot_load_is_named_by_its_flag(tiny_model_dir, tmp_path):
+    from auto_research.engine.tiny import build_tokenizer
+
+    weightless = _folder(tmp_path / "weightless", tiny_model_dir, build_tokenizer())
+    with pytest.raises(UserError, match=f"^--teacher-model {weightless}: cannot load"):
+        _rows(tmp_path, "teacher", tiny_model_dir, teacher_model=str(weightless))
+    bare = _folder(tmp_path / "bare", tiny_model_dir)  # a config.json only
+    with pytest.raises(UserError, match=f"^--reference-model {bare}: "):
+        _rows(tmp_path, "reference", tiny_model_dir, reference_model=str(bare))
 
 
 def test_a_reference_model_with_lora_is_refused_before_torch(tiny_model_dir, sums_jsonl, tmp_path):

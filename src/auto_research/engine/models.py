@@ -52,44 +52,55 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load_policy(name: str, device: str, dtype, offline: bool, log=None, keep_adapter: bool = False):
-    """Model and tokenizer from a local folder or a hub id.
-
-    A folder holding a LoRA adapter (``adapter_config.json``) loads its base model with the
-    adapter: kept as a PEFT model to train on (``keep_adapter``), or merged into the weights.
-    """
+def load_tokenizer(name: str, offline: bool, log=None, flag: str = "--model"):
+    """A model's tokenizer (an adapter's own, else its base model's; padding with EOS when it has no pad token), its
+    resolved name and where its weights are; ``flag`` names the model in any error."""
     quiet_transformers()
-
-    check_model_source(name, offline)
+    check_model_source(name, offline, flag)
     name = materialise(name, offline, log or _log.info)
     adapter = is_adapter(name)
     weights = base_of(name) if adapter else name
     if adapter:
-        check_model_source(weights, offline, f"--model {name}'s base model")
+        check_model_source(weights, offline, f"{flag} {name}'s base model")
     local = Path(weights).expanduser().exists()
     tokenizer_source = name if not adapter or (Path(name).expanduser() / "tokenizer_config.json").is_file() else weights
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, local_files_only=offline or local)
-        model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, local_files_only=offline or local)
     except Exception as error:  # a damaged file surfaces as many types: OSError, SafetensorError, ValueError …
-        raise UserError(f"--model {name}: cannot load ({one_line(error)})") from None
-    if adapter:
-        model = lora.attach_saved_adapter(model, name, trainable=keep_adapter)
-        if not keep_adapter:
-            model = model.merge_and_unload()
+        raise UserError(f"{flag} {name}: cannot load ({one_line(error)})") from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise UserError(f"--model {name}: the tokenizer has neither a pad nor an EOS token")
+            raise UserError(f"{flag} {name}: the tokenizer has neither a pad nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
         (log or _log.info)(f"tokenizer of {name} has no pad token; padding with its EOS token {tokenizer.eos_token!r}")
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and (backend.padding or backend.truncation):
         # A fast tokenizer's padding and truncation are state on the object, set by a call that asks for them:
         # none of ours does (encode_prompts pads itself), so threads sharing it never change it under each other.
         backend.no_padding()
         backend.no_truncation()
+    return tokenizer, name, weights
+
+
+def load_policy(name: str, device: str, dtype, offline: bool, log=None, keep_adapter: bool = False,
+                flag: str = "--model"):
+    """Model and tokenizer from a local folder or a hub id (``load_tokenizer``; ``flag`` names it in any error).
+
+    A folder holding a LoRA adapter (``adapter_config.json``) loads its base model with the
+    adapter: kept as a PEFT model to train on (``keep_adapter``), or merged into the weights.
+    """
+    tokenizer, name, weights = load_tokenizer(name, offline, log, flag)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype,
+                                                     local_files_only=offline or Path(weights).expanduser().exists())
+    except Exception as error:  # as for the tokenizer: many exception types for one mistake
+        raise UserError(f"{flag} {name}: cannot load ({one_line(error)})") from None
+    if weights != name:  # an adapter on its base model
+        model = lora.attach_saved_adapter(model, name, trainable=keep_adapter)
+        if not keep_adapter:
+            model = model.merge_and_unload()
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
     model.to(device)
     onednn.use_onednn(model)  # float32 products on the CPU through oneDNN (onednn.py); elsewhere torch's
     return model, tokenizer

@@ -26,8 +26,8 @@ from auto_research.engine.logprobs import CACHE_NAMES
 from auto_research.engine.machine import set_threads
 from auto_research.engine.offload import OffloadedReference
 from auto_research.engine.packaged import cache_dir
-from auto_research.engine.models import (context_length, format_prompt, load_critic, load_policy, resolve_device,
-                                         resolve_dtype)
+from auto_research.engine.models import (context_length, format_prompt, load_critic, load_policy, load_tokenizer,
+                                         resolve_device, resolve_dtype)
 from auto_research.engine.rollout import Sampler, SamplingSettings
 from auto_research.engine.samplers import SamplerNeeds, SamplerRecord, sampler_record
 from auto_research.errors import UserError
@@ -213,9 +213,10 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     if config.logging.shows_progress:
         log(f"loading the model {config.model or model_name} on {device}"
             + (f", with the weights of {resume_from}" if resume_from is not None else ""))
+    _check_tokenizers(config, model_name)
     policy, tokenizer, record = _load_policy(config, model_name, device, log)
-    policy, reference = _reference(config, task, policy, model_name, device, compute_dtype, tokenizer)
-    teacher = _teacher(config, model_name, device, compute_dtype, tokenizer, world, log)
+    policy, reference = _reference(config, task, policy, model_name, device, compute_dtype)
+    teacher = _teacher(config, device, compute_dtype, world, log)
     critic = _load_critic(config, model_name, device, len(tokenizer)) if algorithm.needs_critic else None
     reward = (CombinedReward([], []) if task.verifier is None and not prepared.rewards and not config.reward_model
               else build_reward(prepared.rewards, config.reward_weights, config.reward_model, task.verifier, device,
@@ -261,43 +262,51 @@ def _load_policy(config: GenerationConfig, model_name: str, device: str, log):
     return policy, tokenizer, record
 
 
-def _reference(config: GenerationConfig, task: Task, policy, model_name: str, device: str, compute_dtype, tokenizer):
+def _reference(config: GenerationConfig, task: Task, policy, model_name: str, device: str, compute_dtype):
     """The policy (with its adapters under LoRA) and the frozen reference: the policy with its adapters off under
     LoRA, else --reference-model (by default a second copy of the initial policy) in the compute dtype. With β = 0
     the reference is not needed, unless the task measures over-optimisation against the KL: None then."""
     measured = config.beta > 0 or task.gold is not None
     if config.lora_r:
-        if config.reference_model:
-            raise UserError("--reference-model with --lora-r is not built: under LoRA the reference is the policy "
-                            "with its adapters off")
         policy, reference = lora.add_adapters(policy, config.lora, model_name)
         return policy, reference if measured else None
     if not measured:
         return policy, None
-    return policy, frozen_model(config.reference_model or model_name, "--reference-model", model_name, tokenizer,
-                                device, compute_dtype, config.offline)
+    return policy, frozen_model(config.reference_model or model_name, "--reference-model", device, compute_dtype,
+                                config.offline)
 
 
-def frozen_model(name: str, flag: str, model_name: str, tokenizer, device: str, compute_dtype, offline: bool):
-    """A model that scores the policy's tokens and does not train (a reference, a teacher), in the compute dtype. One
-    whose tokenizer is not the policy's is refused in one line that names both: its log-probs would be of other
-    tokens."""
-    model, own = load_policy(name, device, compute_dtype, offline)
-    if name != model_name and own.get_vocab() != tokenizer.get_vocab():
-        raise UserError(f"{flag} {name}: its tokenizer ({len(own)} tokens) is not the policy's ({model_name}, "
-                        f"{len(tokenizer)} tokens); it must score the policy's own token ids")
+def _check_tokenizers(config: GenerationConfig, model_name: str) -> None:
+    """--reference-model and --teacher-model score the policy's token ids: one whose tokenizer is not the policy's is
+    refused in one line that names both (and a token they differ on), before any weights load."""
+    ours = None
+    for name, flag in ((config.reference_model, "--reference-model"), (config.teacher_model, "--teacher-model")):
+        if name not in (None, model_name):
+            ours = ours or load_tokenizer(model_name, config.offline, lambda text: None)[0].get_vocab()
+            theirs = load_tokenizer(name, config.offline, lambda text: None, flag)[0].get_vocab()
+            differ = sorted(token for token in theirs.keys() | ours.keys() if theirs.get(token) != ours.get(token))
+            if differ:
+                raise UserError(f"{flag} {name}: its tokenizer is not the policy's ({model_name}): " + (
+                    f"{len(theirs)} tokens, the policy's {len(ours)}" if len(theirs) != len(ours) else
+                    f"{differ[0]!r} is id {theirs[differ[0]]} there, {ours[differ[0]]} in the policy's")
+                                + "; it must score the policy's own token ids")
+
+
+def frozen_model(name: str, flag: str, device: str, compute_dtype, offline: bool):
+    """A model that scores the policy's tokens and does not train (a reference, a teacher), in the compute dtype;
+    ``flag`` names it in any error (its tokenizer was compared with the policy's: ``_check_tokenizers``)."""
+    model, _ = load_policy(name, device, compute_dtype, offline, flag=flag)
     return model.eval().requires_grad_(False)
 
 
-def _teacher(config: GenerationConfig, model_name: str, device: str, compute_dtype, tokenizer, world: World, log):
+def _teacher(config: GenerationConfig, device: str, compute_dtype, world: World, log):
     """--teacher-model, frozen and wrapped for several processes as the reference is; None without one."""
     if config.teacher_model is None:
         return None
     if not (kl_shapes_reward(config.kl_in) or kl_in_loss(config.kl_in)):
         log(f"--teacher-model {config.teacher_model}: the reference KL is off (--kl-in none; --kl-in reward or loss "
             "puts it back), the teacher's term takes its place")
-    teacher = frozen_model(config.teacher_model, "--teacher-model", model_name, tokenizer, device, compute_dtype,
-                           config.offline)
+    teacher = frozen_model(config.teacher_model, "--teacher-model", device, compute_dtype, config.offline)
     world.wrap(teacher, trains=False)
     return teacher
 
