@@ -46,8 +46,11 @@ class Scripted:
         rows = [[10 + self.version, 100 + seed % 100] for seed in seeds for _ in range(group_size)]
         return rows, [[-1.0, -1.0] for _ in rows]
 
-    def abandon(self) -> None:
-        pass
+    def abandon(self) -> str:
+        return f"lease of {self.address}"
+
+    def give_back(self, lease) -> None:
+        self.events.append((self.address, "give back", lease))
 
     def close(self) -> None:
         pass
@@ -276,6 +279,7 @@ def test_the_reference_is_computed_in_parts_as_rows_come_equal_to_those_rows_cut
     import types
 
     from auto_research.engine.logprobs import token_logprobs
+    from auto_research.engine.machine import computing, one_blas_thread
     from auto_research.engine.tiny import build_model
     from auto_research.train.experience import widen
     from auto_research.train.in_flight import StreamedInFlight
@@ -292,7 +296,8 @@ def test_the_reference_is_computed_in_parts_as_rows_come_equal_to_those_rows_cut
     ticket = fleet.stream(0, _policy(0)).sample(["1+1=", "22+2=", "3+33=", "4+4="], 2, [10, 11, 12, 13], 0)
     side = types.SimpleNamespace(reference_rows=3, source=types.SimpleNamespace(reference=reference))
     parts = []
-    worker = threading.Thread(target=lambda: parts.extend(StreamedInFlight._reference_parts(side, ticket)))
+    one_blas_thread()  # as every thread of a run that computes: the same kernels here as in the worker
+    worker = threading.Thread(target=computing(lambda: parts.extend(StreamedInFlight._reference_parts(side, ticket))))
     worker.start()
     _until(lambda: len(calls) == 2)  # rows 0-2 and 3-5: prompts 0-2, drawn
     held.set()

@@ -63,6 +63,8 @@ class Fleet:
         self.members: dict[str, object] = {}
         """The pool: address → its ``ServerSampler``, for the servers that serve this run now."""
         self.left: dict[str, tuple[str, float]] = {}
+        self.departed: list[tuple[object, str | None]] = []
+        """The clients of servers that left the pool, with the lease each held (given back at ``close``)."""
         """address → (why it left, when it was last asked to rejoin)."""
         self.sticky: dict[int, dict[tuple, str]] = {}
         """The last multi-turn draw: history length → {history (prompt and completion ids): its server}."""
@@ -93,7 +95,7 @@ class Fleet:
             member = self.members.pop(address, None)
             if member is None:
                 return
-            member.abandon()
+            self.departed.append((member, member.abandon()))
             self.left[address] = (why, time.monotonic())
         self.log(f"rollout server {address} left the pool ({why}); {len(self.members)} of {len(self.addresses)} "
                  "serve on")
@@ -273,6 +275,8 @@ class Fleet:
             self.streaming.close()
         for member in list(self.members.values()):
             member.close()
+        for member, lease in self.departed:  # servers that left: their leases too, if they answer
+            member.give_back(lease)
 
 
 def _next_unit(todo: list[int], affinity: list, address: str, members: dict) -> int | None:
