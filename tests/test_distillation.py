@@ -124,16 +124,34 @@ def test_lambda_zero_reproduces_rloo_and_the_initial_student_as_teacher_gives_rl
         assert taught[0][key] == pytest.approx(plain[0][key], abs=1e-4), key
 
 
-def test_opd_runs_on_rows_without_answers(tiny_model_dir, tmp_path):
+def _other_model(folder, seed: int = 5):
+    """A tiny model with the policy's tokenizer and other weights: a teacher whose d is not 0."""
+    from auto_research.engine.tiny import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=seed, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, max_position_embeddings=32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_opd_runs_on_rows_without_answers_and_moves_the_weights(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
     unanswered = [{"prompt": row["prompt"]} for row in ROWS]
     with pytest.raises(UserError, match="no answers"):
         post_train(unanswered, model=str(tiny_model_dir), output_dir=str(tmp_path), offline=True, device="cpu")
-    post_train(unanswered, model=str(tiny_model_dir), algorithm="opd", teacher_model=str(tiny_model_dir),
+    post_train(unanswered, model=str(tiny_model_dir), algorithm="opd", teacher_model=str(_other_model(tmp_path / "t")),
                group_size=2, prompts_per_step=2, steps=1, max_new_tokens=3, output_dir=str(tmp_path / "opd"),
                offline=True, device="cpu", progress=False, threads=1, eval_every=0, evaluation_examples=2,
                log=lambda text: None)
-    (row,) = [json.loads(line) for line in next((tmp_path / "opd").iterdir()).joinpath("metrics.jsonl").open()]
+    run = next((tmp_path / "opd").iterdir())
+    (row,) = [json.loads(line) for line in run.joinpath("metrics.jsonl").open()]
     assert row["reward_mean"] == 0.0 and row["teacher_tokens"] > 0 and row["distill_share"] == pytest.approx(1.0)
+    assert not any(key.startswith("no_signal_") for key in row)  # equal task rewards are not opd's signal
+    before, after = load_file(str(tiny_model_dir / "model.safetensors")), load_file(
+        str(sorted((run / "checkpoints").iterdir())[-1] / "model.safetensors"))
+    assert any(not torch.equal(before[name], after[name]) for name in before)
 
 
 @pytest.mark.parametrize("settings, message", [

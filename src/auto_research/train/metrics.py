@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from auto_research.algorithms.registry import get_algorithm
 from auto_research.files import append_json_lines, atomic_write_text, finite_or_null
 from auto_research.train.components import Components
 from auto_research.train.experience import Experience
@@ -132,6 +133,10 @@ class MetricsLog:
             getattr(self, method)(*args)
 
     def append(self, row: dict) -> None:
+        """A step's row, less the no_signal_* figures for a record without a task reward (opd): they count groups of
+        equal task rewards, which it does not train on."""
+        if self.config is not None and "task" not in get_algorithm(self.config.algorithm).rewards:
+            row = {key: value for key, value in row.items() if not key.startswith("no_signal_")}
         clean = finite_or_null(row)
         append_json_lines(self.path, [clean])
         if self.trackers is not None:
