@@ -304,3 +304,18 @@ def test_two_processes_with_a_teacher_end_with_the_weights_of_one(tiny_model_dir
     workdir.mkdir()
     (workdir / "dist_rewards.py").write_text(textwrap.dedent(REWARDS))  # (test_distributed's workdir fixture)
     two_against_one(tiny_model_dir, sums_jsonl, workdir, "rloo", ("--teacher-model", str(teacher)))
+
+
+def test_trls_beta_beside_a_teacher_is_refused_in_one_line(sums_jsonl, tmp_path):
+    # DistillationConfig's beta is the generalised JSD's interpolation, ours (--beta) the KL's weight: a file with
+    # both teacher_model_name_or_path and beta is refused rather than read as ours.
+    config = tmp_path / "distill.yaml"
+    config.write_text("teacher_model_name_or_path: teacher\nbeta: 0.5\n")
+    result = run_cli("post-train", "--dataset", str(sums_jsonl), "--config", str(config), "--output-dir",
+                     str(tmp_path / "runs"), cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "auto-research: error: TRL's beta: beside teacher_model_name_or_path it is the JSD's interpolation, here the "
+        "KL's weight: leave it out (the reverse KL, its beta 1, is built) or use --teacher-model"]
+    with pytest.raises(UserError, match="^TRL's beta: beside teacher_model_name_or_path"):
+        GenerationConfig.from_trl({"teacher_model_name_or_path": "teacher", "beta": 0.5})
+    assert GenerationConfig.from_trl({"teacher_model_name_or_path": "teacher"}).teacher_model == "teacher"

@@ -33,7 +33,7 @@ from auto_research.errors import UserError
 # epochs. Their names start with "_" and never reach a config.
 _PER_DEVICE, _ACCUMULATION, _STEPS_PER_GENERATION = "_per_device", "_accumulation", "_steps_per_generation"
 _HOST, _PORT, _EPOCHS, _CONSTANT = "_vllm_host", "_vllm_port", "_epochs", "_constant_schedule"
-_BIAS_CORRECTED_KL = "_bias_corrected_kl"
+_BIAS_CORRECTED_KL, _DISTILLATION = "_bias_corrected_kl", "_distillation"
 TRL_DEFAULT_PER_DEVICE = 8
 """TrainingArguments' per_device_train_batch_size when only gradient_accumulation_steps is given."""
 
@@ -141,7 +141,8 @@ MAPPED: dict[str, TrlField] = {
                                  _same(_EPOCHS)),
     # the loss
     "beta": TrlField("float", "--beta", _same("beta")),
-    "teacher_model_name_or_path": TrlField("text", "--teacher-model (DistillationConfig's)", _same("teacher_model")),
+    "teacher_model_name_or_path": TrlField("text", "--teacher-model (DistillationConfig's; not with its beta)",
+                                           lambda value: {"teacher_model": value, _DISTILLATION: True}),
     "num_iterations": TrlField("int", "--ppo-epochs", _same("updates_per_batch")),
     "epsilon": TrlField("float", "--clip-range (both sides unless epsilon_high)", _same("clip_range")),
     "epsilon_high": TrlField("float", "--clip-high", _same("clip_high")),
@@ -338,6 +339,9 @@ def finish(settings: dict, defaults) -> dict:
         raise _refuse("use_bias_correction_kl", f"true with beta {settings.get('beta', defaults.beta)}: the KL term "
                                                 "is not multiplied by the importance ratio here; set it false (or "
                                                 "beta 0)")
+    if pending.get(_DISTILLATION) and "beta" in settings:
+        raise _refuse("beta", "beside teacher_model_name_or_path it is the JSD's interpolation, here the KL's "
+                              "weight: leave it out (the reverse KL, its beta 1, is built) or use --teacher-model")
     if _EPOCHS in pending and "steps" not in settings:
         raise _refuse("num_train_epochs", "steps here draw fresh prompts, not passes over the data: give max_steps "
                                           "(--steps)")
@@ -411,10 +415,8 @@ def parse_flag(name: str, words: list[str]):
 
 def _boolean(name: str, text: str) -> bool:
     lowered = text.strip().lower()
-    if lowered in ("true", "yes", "1", "y"):
-        return True
-    if lowered in ("false", "no", "0", "n"):
-        return False
+    if lowered in ("true", "yes", "1", "y", "false", "no", "0", "n"):
+        return lowered in ("true", "yes", "1", "y")
     raise UserError(f"--{name.replace('_', '-')} takes true or false, got {text!r}")
 
 
