@@ -4,8 +4,10 @@ against plain RLOO's rows, and its refusals (docs/distillation.md says which pit
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +15,13 @@ import torch
 from auto_research import GenerationConfig, post_train
 from auto_research.algorithms.estimators import dense_term
 from auto_research.algorithms.losses import POLICY_LOSSES, LossInputs
+from auto_research.algorithms.registry import get_algorithm
+from auto_research.engine.distributed import World
+from auto_research.engine.logprobs import token_logprobs
+from auto_research.engine.rollout import Rollout
 from auto_research.errors import UserError
+from auto_research.train.experience import Experience, Scores, teacher_signal
+from auto_research.train.update import estimate_advantages
 from conftest import run_cli
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)]
@@ -30,29 +38,55 @@ def test_dense_term_by_hand():
     assert dense_term(d[:1], mask[:1], 1, "loo").tolist() == [[1.0, 3.0]]  # K = 1: no other sample, b = 0
 
 
-def _vanilla_gradient(theta: torch.Tensor, token: int, advantage: float) -> torch.Tensor:
-    """∇θ of the vanilla loss −A·log π(y) of one sampled token, by the loss function the trainer calls."""
-    theta = theta.detach().requires_grad_(True)
-    logprob = torch.log_softmax(theta, -1)[token].reshape(1, 1)
-    terms = POLICY_LOSSES["vanilla"](LossInputs(logprob, logprob.detach(), torch.tensor([[advantage]]),
-                                                torch.ones(1, 1), 0.2, 0.2))
-    terms.sum().backward()
-    return theta.grad
+class _Toy(torch.nn.Module):
+    """A model over a 3-token vocabulary whose next-token logits are ``logits`` at every position."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits.clone())
+
+    def forward(self, input_ids, **options):
+        return SimpleNamespace(logits=self.logits.expand(*input_ids.shape, 3))
 
 
 THETA = torch.tensor([0.3, -0.2, 0.5])   # the student's logits over a 3-token vocabulary
 TEACHER = torch.tensor([1.5, -1.0, 0.1])
 
 
-def test_the_dense_terms_expected_gradient_is_minus_the_reverse_kls_gradient_enumerated():
-    # E_y~π[∇(−d(y) log π(y))] over the 3 tokens, d(y) = log π_T(y) − log π(y) detached, is ∇ KL(π ‖ π_T): a step
-    # against the loss is a step down the reverse KL. Σ_y π(y)∇log π(y) = 0 is why the detached d suffices.
-    pi, log_teacher = torch.softmax(THETA, -1), torch.log_softmax(TEACHER, -1)
-    d = log_teacher - torch.log_softmax(THETA, -1)
-    expected = sum(float(pi[y]) * _vanilla_gradient(THETA, y, float(d[y])) for y in range(3))
+def _taught_gradient(draw, baseline: str = "none", penalty: float | None = None) -> torch.Tensor:
+    """∇θ of the opd record's loss on one group of one-token completions ``draw`` of the student (logits THETA), by
+    the code under test: the teacher's d (experience.teacher_signal, through the log-prob function the trainer
+    calls), its baseline and the record's advantage (update.estimate_advantages, estimators.dense_term), the
+    record's policy loss; averaged over the group. ``penalty``: that one value in place of every token's d."""
+    K = len(draw)
+    rollout = Rollout(torch.tensor([[0, y] for y in draw]), torch.ones(K, 1), torch.ones(K, 1), [""] * K, K)
+    config = SimpleNamespace(group_size=K, micro_batch_size=None, max_tokens_per_micro_batch=None, distill_weight=1.0,
+                             distill_baseline=baseline, kl_in="none", beta=0.0, gae_lambda=1.0, std=None,
+                             whiten_advantages=False, normalize_advantages=False)
+    record = get_algorithm("opd")
+    c = SimpleNamespace(config=config, world=World(), autocast=contextlib.nullcontext, teacher=_Toy(TEACHER),
+                        algorithm=record)
+    student = _Toy(THETA)
+    logprobs = token_logprobs(student, rollout.sequences, rollout.prompt_mask, rollout.completion_mask)
+    old, zero = logprobs.detach(), torch.zeros(K, 1)
+    d = teacher_signal(c, rollout, None, old, None) if penalty is None else torch.full((K, 1), penalty)
+    experience = Experience(rollout, Scores(torch.zeros(K), torch.ones(K, dtype=torch.bool)), old, zero,
+                            {"task": zero, "kl": zero, "teacher": d})
+    advantages = estimate_advantages(c, experience).advantages
+    POLICY_LOSSES[record.policy_loss](LossInputs(logprobs, old, advantages, torch.ones(K, 1))).sum().backward()
+    return student.logits.grad / K
+
+
+def test_at_one_position_the_teachers_term_is_minus_the_reverse_kls_gradient_in_expectation_enumerated():
+    # One position, the 3 tokens enumerated: E_y~π[∇(−d(y) log π(y))], d(y) = log π_T(y) − log π(y) detached, is
+    # ∇ KL(π ‖ π_T), so a step against the loss is a step down the reverse KL (Σ_y π(y)∇log π(y) = 0 is why the
+    # detached d suffices). Over several positions it is the sum of the per-position reverse KLs' gradients with the
+    # prefixes held at their sampled values (docs/distillation.md); this checks the one position.
+    pi = torch.softmax(THETA, -1)
+    expected = sum(float(pi[y]) * _taught_gradient([y]) for y in range(3))
     theta = THETA.clone().requires_grad_(True)
     log_pi = torch.log_softmax(theta, -1)
-    (log_pi.exp() * (log_pi - log_teacher)).sum().backward()  # the analytic reverse KL
+    (log_pi.exp() * (log_pi - torch.log_softmax(TEACHER, -1))).sum().backward()  # the analytic reverse KL
     assert torch.allclose(expected, theta.grad, atol=1e-6) and theta.grad.abs().max() > 0.1
 
 
@@ -61,31 +95,31 @@ def test_a_penalty_that_does_not_depend_on_the_sampled_token_has_zero_gradient()
     # whichever token was drawn, so E[c ∇log π(y)] = c Σ_y ∇π(y) = 0. The sampled token's d is the signal.
     pi = torch.softmax(THETA, -1)
     penalty = float((pi * (torch.log(pi) - torch.log_softmax(TEACHER, -1))).sum())
-    flat = sum(float(pi[y]) * _vanilla_gradient(THETA, y, -penalty) for y in range(3))
-    assert flat.abs().max() < 1e-7 and penalty > 0.1
+    flat = sum(float(pi[y]) * _taught_gradient([y], penalty=-penalty) for y in range(3))
+    sampled = sum(float(pi[y]) * _taught_gradient([y]) for y in range(3))
+    assert flat.abs().max() < 1e-7 and penalty > 0.1 and sampled.abs().max() > 0.1
 
 
 def test_the_leave_one_out_baseline_leaves_the_expected_gradient_unchanged_enumerated():
     # K = 3 samples of one token each from the 3-token student: all 27 draws, weighted by their probability. The LOO
-    # baseline changes every draw's advantages but not the expected gradient (b_i does not depend on y_i).
-    pi, d = torch.softmax(THETA, -1), torch.log_softmax(TEACHER, -1) - torch.log_softmax(THETA, -1)
+    # baseline changes every draw's gradient but not the expected gradient (b_i does not depend on y_i).
+    pi = torch.softmax(THETA, -1)
     expected, per_draw = {}, {}
     for baseline in ("none", "loo"):
         total = torch.zeros(3)
         for draw in itertools.product(range(3), repeat=3):
-            centred = dense_term(d[list(draw)].reshape(3, 1), torch.ones(3, 1), 3, baseline)
-            probability = float(pi[list(draw)].prod())
-            gradient = sum(_vanilla_gradient(THETA, y, float(a)) for y, a in zip(draw, centred[:, 0])) / 3
-            total += probability * gradient
-            per_draw.setdefault(draw, []).append(centred)
+            gradient = _taught_gradient(list(draw), baseline)
+            total += float(pi[list(draw)].prod()) * gradient
+            per_draw.setdefault(draw, []).append(gradient)
         expected[baseline] = total
     assert torch.allclose(expected["loo"], expected["none"], atol=1e-6) and expected["none"].abs().max() > 0.1
-    assert not torch.equal(*per_draw[(0, 1, 2)])
+    assert not torch.allclose(*per_draw[(0, 1, 1)])
 
 
 def test_a_teacher_that_is_the_current_policy_changes_no_bit_of_the_gradient():
-    # d ≡ 0 exactly when the teacher is the policy itself (the same log-prob function on the same weights), so the
-    # golden batch's gradient with the teacher's term on is the gradient without it, bit for bit.
+    # d ≡ 0 exactly when the teacher is the policy itself (the same log-prob function on the same weights, at
+    # temperature 1), so the golden batch's gradient with the teacher's term on is the gradient without it, bit for
+    # bit; another teacher changes it.
     from test_lm_core import _Fixed, _golden_setup
 
     golden, config, policy, reference, tokenizer, rollout = _golden_setup()
@@ -95,6 +129,8 @@ def test_a_teacher_that_is_the_current_policy_changes_no_bit_of_the_gradient():
     fixed.components.teacher = policy
     grads = fixed.gradient()
     assert all(torch.equal(grads[name], plain[name]) for name in plain)
+    fixed.components.teacher = reference  # other weights (seed 1): d is not 0, and the gradient moves
+    assert not all(torch.allclose(fixed.gradient()[name], plain[name]) for name in plain)
 
 
 def _rows(tmp_path, name: str, model, **settings) -> list[dict]:
@@ -159,13 +195,22 @@ def test_opd_runs_on_rows_without_answers_and_moves_the_weights(tiny_model_dir, 
                            "--teacher-model"),
     ({"distill_weight": 0.5}, "--distill-weight and --distill-baseline shape a teacher's term: give --teacher-model"),
     ({"teacher_model": "t", "distill_baseline": "mean"}, "--distill-baseline 'mean': choose one of loo, none"),
-    ({"teacher_model": "t", "distill_weight": -1.0}, "--distill-weight"),
+    ({"teacher_model": "t", "distill_weight": -1.0}, "--distill-weight must be a finite number >= 0, got -1.0"),
+    ({"teacher_model": "t", "distill_weight": float("nan")}, "--distill-weight must be a finite number >= 0, got nan"),
     ({"algorithm": "opd", "teacher_model": "t", "dynamic_sampling": True}, "--dynamic-sampling drops groups whose task "
                                                                            "rewards are equal; opd takes no task reward"),
 ])
 def test_bad_distillation_settings_are_one_line(settings, message):
     with pytest.raises(UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         GenerationConfig(**settings).filled().validate()
+
+
+@pytest.mark.parametrize("weight", ["nan", "-1"])
+def test_a_bad_distill_weight_is_one_line(weight, tmp_path):
+    result = run_cli("post-train", "--dataset", "arithmetic-generate", "--teacher-model", "t", "--distill-weight",
+                     weight, "--output-dir", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"auto-research: error: --distill-weight must be a finite number >= 0, got {float(weight)}"]
 
 
 def test_a_teacher_gets_the_kl_off_unless_asked():
@@ -232,9 +277,6 @@ def test_a_reference_model_with_lora_is_refused_before_torch(tiny_model_dir, sum
 
 
 def test_the_teachers_figures_by_hand():
-    from types import SimpleNamespace
-
-    from auto_research.engine.distributed import World
     from auto_research.train.metrics import teacher_figures
 
     def figures(d, advantages=None):
