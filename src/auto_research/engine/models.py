@@ -84,11 +84,8 @@ def load_tokenizer(name: str, offline: bool, log=None, flag: str = "--model"):
 
 def load_policy(name: str, device: str, dtype, offline: bool, log=None, keep_adapter: bool = False,
                 flag: str = "--model"):
-    """Model and tokenizer from a local folder or a hub id (``load_tokenizer``; ``flag`` names it in any error).
-
-    A folder holding a LoRA adapter (``adapter_config.json``) loads its base model with the
-    adapter: kept as a PEFT model to train on (``keep_adapter``), or merged into the weights.
-    """
+    """Model and tokenizer (``load_tokenizer``; ``flag`` names the model in any error). A LoRA adapter's folder loads
+    its base model with the adapter: kept as a PEFT model to train on (``keep_adapter``), or merged into the weights."""
     tokenizer, name, weights = load_tokenizer(name, offline, log, flag)
     try:
         model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype,

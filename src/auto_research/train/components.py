@@ -272,8 +272,8 @@ def _reference(config: GenerationConfig, task: Task, policy, model_name: str, de
         return policy, reference if measured else None
     if not measured:
         return policy, None
-    return policy, frozen_model(config.reference_model or model_name, "--reference-model", device, compute_dtype,
-                                config.offline)
+    return policy, load_policy(config.reference_model or model_name, device, compute_dtype, config.offline,
+                               flag="--reference-model")[0].eval().requires_grad_(False)
 
 
 def _check_tokenizers(config: GenerationConfig, model_name: str) -> None:
@@ -292,21 +292,16 @@ def _check_tokenizers(config: GenerationConfig, model_name: str) -> None:
                                 + "; it must score the policy's own token ids")
 
 
-def frozen_model(name: str, flag: str, device: str, compute_dtype, offline: bool):
-    """A model that scores the policy's tokens and does not train (a reference, a teacher), in the compute dtype;
-    ``flag`` names it in any error (its tokenizer was compared with the policy's: ``_check_tokenizers``)."""
-    model, _ = load_policy(name, device, compute_dtype, offline, flag=flag)
-    return model.eval().requires_grad_(False)
-
-
 def _teacher(config: GenerationConfig, device: str, compute_dtype, world: World, log):
-    """--teacher-model, frozen and wrapped for several processes as the reference is; None without one."""
+    """--teacher-model, frozen in the compute dtype and wrapped for several processes as the reference is (its
+    tokenizer is the policy's: ``_check_tokenizers``); None without one."""
     if config.teacher_model is None:
         return None
     if not (kl_shapes_reward(config.kl_in) or kl_in_loss(config.kl_in)):
         log(f"--teacher-model {config.teacher_model}: the reference KL is off (--kl-in none; --kl-in reward or loss "
             "puts it back), the teacher's term takes its place")
-    teacher = frozen_model(config.teacher_model, "--teacher-model", device, compute_dtype, config.offline)
+    teacher = load_policy(config.teacher_model, device, compute_dtype, config.offline,
+                          flag="--teacher-model")[0].eval().requires_grad_(False)
     world.wrap(teacher, trains=False)
     return teacher
 

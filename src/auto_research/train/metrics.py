@@ -133,8 +133,7 @@ class MetricsLog:
             getattr(self, method)(*args)
 
     def append(self, row: dict) -> None:
-        """A step's row, less the no_signal_* figures for a record without a task reward (opd): they count groups of
-        equal task rewards, which it does not train on."""
+        # no_signal_* count groups of equal task rewards: no signal of a record that takes none (opd)
         if self.config is not None and "task" not in get_algorithm(self.config.algorithm).rewards:
             row = {key: value for key, value in row.items() if not key.startswith("no_signal_")}
         clean = finite_or_null(row)
