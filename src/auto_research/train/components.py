@@ -213,7 +213,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     if config.logging.shows_progress:
         log(f"loading the model {config.model or model_name} on {device}"
             + (f", with the weights of {resume_from}" if resume_from is not None else ""))
-    _check_tokenizers(config, model_name)
+    _check_tokenizers(config, model_name, log)
     policy, tokenizer, record = _load_policy(config, model_name, device, log)
     policy, reference = _reference(config, task, policy, model_name, device, compute_dtype)
     teacher = _teacher(config, device, compute_dtype, world, log)
@@ -276,14 +276,14 @@ def _reference(config: GenerationConfig, task: Task, policy, model_name: str, de
                                flag="--reference-model")[0].eval().requires_grad_(False)
 
 
-def _check_tokenizers(config: GenerationConfig, model_name: str) -> None:
+def _check_tokenizers(config: GenerationConfig, model_name: str, log) -> None:
     """--reference-model and --teacher-model score the policy's token ids: one whose tokenizer is not the policy's is
     refused in one line that names both (and a token they differ on), before any weights load."""
     ours = None
     for name, flag in ((config.reference_model, "--reference-model"), (config.teacher_model, "--teacher-model")):
         if name not in (None, model_name):
-            ours = ours or load_tokenizer(model_name, config.offline, lambda text: None)[0].get_vocab()
-            theirs = load_tokenizer(name, config.offline, lambda text: None, flag)[0].get_vocab()
+            ours = ours or load_tokenizer(model_name, config.offline, log)[0].get_vocab()
+            theirs = load_tokenizer(name, config.offline, log, flag)[0].get_vocab()
             differ = sorted(token for token in theirs.keys() | ours.keys() if theirs.get(token) != ours.get(token))
             if differ:
                 raise UserError(f"{flag} {name}: its tokenizer is not the policy's ({model_name}): " + (
