@@ -164,7 +164,6 @@ def one_run(options, level: str, model: str | None, output: Path, server=None) -
     The run is configured K + 1 steps longer than it is stepped, so that its rollout thread is still alive (waiting
     for weights) when it is measured."""
     from auto_research.config.generation import GenerationConfig
-    from auto_research.train.in_flight import start_rollouts
     from auto_research.train.trainer import Trainer
 
     parsed = parse_level(level)
@@ -182,21 +181,20 @@ def one_run(options, level: str, model: str | None, output: Path, server=None) -
                               **({"sampler": options.engine, "vllm_mode": "server", "vllm_server": server[1]}
                                  if server else {}))
     trainer = Trainer.build(config, log=lambda text: None)
-    if K:
-        start_rollouts(trainer.components, trainer.state, cpus=options.sampler_cores)
+    if K:  # the side's thread starts at the first step, on these cores
+        trainer.side.cpus = options.sampler_cores
     if options.long_tail and not server:  # on the sampling model only (its first batch, drawn at once, is in the warm-up)
         fraction, factor = (float(part) for part in options.long_tail.split(":"))
         c = trainer.components
         hook = long_tail_hook(fraction, factor, options.max_new_tokens / factor, c.tokenizer.eos_token_id,
                               options.decode_latency / 1000)
-        (c.rollouts.model if K else c.policy).register_forward_hook(hook, with_kwargs=True)
+        (trainer.side.model if K else c.policy).register_forward_hook(hook, with_kwargs=True)
     if options.train_latency:  # an accelerator's update: the trainer's step takes this much longer, on its cores
         trainer.components.optimizer.register_step_post_hook(
             lambda optimizer, args, kwargs: time.sleep(options.train_latency / 1000))
     rows, started = [], None
-    threads = [threading.get_native_id(), trainer.components.rollouts.thread.native_id if K else None]
-
-    def measure():
+    def measure():  # (the side's thread is started by the first step)
+        threads = [threading.get_native_id(), trainer.side.thread.native_id if K else None]
         return [scheduled(threads[0]), process_scheduled(server[0].pid) if server else scheduled(threads[1])]
 
     try:
@@ -211,7 +209,7 @@ def one_run(options, level: str, model: str | None, output: Path, server=None) -
     (cpu, queued), (sampler_cpu, sampler_queued) = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(before, after)]
     return {"wall": wall, "rows": rows[options.warmup:], "trainer_cpu": cpu, "trainer_queued": queued,
             "sampler_cpu": sampler_cpu, "sampler_queued": sampler_queued,
-            "requeued": getattr(trainer.components.rollouts, "requeued", 0)}
+            "requeued": getattr(trainer.side, "requeued", 0)}
 
 
 def summary(runs: list[dict]) -> dict:

@@ -128,8 +128,7 @@ def one_run(options, n: int, K: int, model_dir: str, model, tokenizer, output: P
     server's busy time; ``lose_at``: the step after which the last server stops; ``whole_batches``: a fleet draws
     each batch with one version on every server (the path before ``fleet_stream.py``; K = 0 and torchrun's)."""
     from auto_research.config.generation import GenerationConfig
-    from auto_research.train import in_flight
-    from auto_research.train.in_flight import start_rollouts
+    from auto_research.train import schedule
     from auto_research.train.trainer import Trainer
 
     servers = start_servers(n, model, tokenizer, options)
@@ -142,15 +141,13 @@ def one_run(options, n: int, K: int, model_dir: str, model, tokenizer, output: P
                               top_k=0, eval_every=0, evaluation_examples=4, offline=True, sampler="builtin",
                               rollout_mode="server", rollout_server=addresses, max_rollout_mismatch=1e9)
     lines: list[str] = []
-    trainer = Trainer.build(config, log=lines.append)
-    if K:
-        streams = in_flight.streams
-        if whole_batches:
-            in_flight.streams = lambda components, source: False
-        try:
-            start_rollouts(trainer.components, trainer.state)
-        finally:
-            in_flight.streams = streams
+    streams = schedule.streams  # the table picks the side when the run opens
+    if whole_batches:
+        schedule.streams = lambda components: False
+    try:
+        trainer = Trainer.build(config, log=lines.append)
+    finally:
+        schedule.streams = streams
     rows, times, started, busy = [], [], None, None
     try:
         for step in range(1, options.steps + 1):

@@ -164,6 +164,9 @@ PLAN: dict[str, object] = {
     "python benchmarks/decode_roofline.py --repeats 5": Slow("SmolLM2 loaded, bandwidth and matmuls measured",
                                                              FirstStep(until=r"^bandwidth: read", then=None,
                                                                               seconds=900)),
+    "python benchmarks/blas_threads.py --model none": Runs(seconds=300, shows="× as fast"),
+    "python benchmarks/blas_threads.py": Slow("SmolLM2 loaded and its update run 12 times", FirstStep(
+        until=r"^smollm2", then=None, seconds=900)),
     "python benchmarks/onednn.py": Slow("the first product at SmolLM2's shapes, 5 rounds", FirstStep(
         until=r"^  \w+ .*\d", then=None, seconds=900)),
     "python benchmarks/gpu.py --sampler builtin,vllm": NotHere(GPUS),

@@ -199,7 +199,8 @@ def test_rows_without_answers_train_on_a_user_reward_and_report_no_accuracy(tiny
     error = capsys.readouterr().err.strip()
     assert error.endswith("noanswer has no answers (the first row has no 'answer' field, or --answer-field none), so "
                           "the default reward, its verifier, has nothing to compare with: give --reward "
-                          "module:function, --reward-model or --reward-url (or --answer-field)"), error
+                          "module:function, --reward-model or --reward-url (or --answer-field, or --algorithm opd "
+                          "--teacher-model)"), error
     assert not (tmp_path / "refused").exists()
     assert _run(tiny_model_dir, data, tmp_path / "runs", "--reward", "answerless_rewards:length") == 0, \
         capsys.readouterr().err

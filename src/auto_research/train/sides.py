@@ -4,6 +4,7 @@ A side in a thread starts drawing at its first ``take`` (a run's evaluation befo
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -79,6 +80,8 @@ class Handover:
     depth: int
     carries_state = False
     name = "auto-research-rollouts"
+    cpus: set[int] | None = None
+    """Cores for the side's thread alone, set before the first step (benchmarks/async.py), else the process's."""
 
     def __init__(self, source: RolloutSource, rng, schedule: Schedule, policy, saved: list[Drawn] = (),
                  remote=None):
@@ -109,8 +112,13 @@ class Handover:
             self.publish(self.schedule.version, policy)
         else:
             self.snapshots[self.schedule.version] = None
-        self.thread = threading.Thread(target=computing(self._run), name=self.name, daemon=True)
+        self.thread = threading.Thread(target=computing(self._on_its_cores), name=self.name, daemon=True)
         self.thread.start()
+
+    def _on_its_cores(self) -> None:
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)  # this thread only
+        self._run()
 
     # --- the trainer's side ---------------------------------------------------------------------------------------
 
