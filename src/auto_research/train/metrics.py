@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from auto_research.algorithms.registry import get_algorithm
 from auto_research.files import append_json_lines, atomic_write_text, finite_or_null
 from auto_research.train.components import Components
 from auto_research.train.experience import Experience
@@ -133,9 +132,6 @@ class MetricsLog:
             getattr(self, method)(*args)
 
     def append(self, row: dict) -> None:
-        # no_signal_* count groups of equal task rewards: no signal of a record that takes none (opd)
-        if self.config is not None and "task" not in get_algorithm(self.config.algorithm).rewards:
-            row = {key: value for key, value in row.items() if not key.startswith("no_signal_")}
         clean = finite_or_null(row)
         append_json_lines(self.path, [clean])
         if self.trackers is not None:

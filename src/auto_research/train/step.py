@@ -86,7 +86,9 @@ def _rollout_row(c: Components, state: LoopState, drawn, seconds: dict, step: in
         extra["weight_sync_bytes"] = c.sampler.pushed_bytes
     seconds["score"] += drawn.seconds["score"]
     figures = rollout_figures(c.world, drawn, step, c.config.dynamic_sampling)
-    state.totals["no_signal_groups"] += figures["no_signal_groups"]
+    if "task" not in c.algorithm.rewards:  # no_signal_* count groups of equal task rewards, which opd never reads
+        figures = {key: value for key, value in figures.items() if not key.startswith("no_signal_")}
+    state.totals["no_signal_groups"] += figures.get("no_signal_groups", 0)
     if c.config.dynamic_sampling:
         _warn_refills(state, figures, c.config.prompts_per_step, step, log)
     return {**extra, **figures, **{f"time_{phase}": value for phase, value in seconds.items()}}
