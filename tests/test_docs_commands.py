@@ -164,6 +164,7 @@ PLAN: dict[str, object] = {
     "python benchmarks/decode_roofline.py --repeats 5": Slow("SmolLM2 loaded, bandwidth and matmuls measured",
                                                              FirstStep(until=r"^bandwidth: read", then=None,
                                                                               seconds=900)),
+    "python benchmarks/layout.py": Runs(shows="flat reads below the boundary: "),
     "python benchmarks/blas_threads.py --model none": Runs(seconds=300, shows="× as fast"),
     "python benchmarks/blas_threads.py": Slow("SmolLM2 loaded and its update run 12 times", FirstStep(
         until=r"^smollm2", then=None, seconds=900)),
