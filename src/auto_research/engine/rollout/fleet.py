@@ -63,9 +63,9 @@ class Fleet:
         self.members: dict[str, object] = {}
         """The pool: address → its ``ServerSampler``, for the servers that serve this run now."""
         self.left: dict[str, tuple[str, float]] = {}
+        """address → (why it left, when it was last asked to rejoin)."""
         self.departed: list[tuple[object, str | None]] = []
         """The clients of servers that left the pool, with the lease each held (given back at ``close``)."""
-        """address → (why it left, when it was last asked to rejoin)."""
         self.sticky: dict[int, dict[tuple, str]] = {}
         """The last multi-turn draw: history length → {history (prompt and completion ids): its server}."""
         self.lock = threading.RLock()
