@@ -167,7 +167,8 @@ def run_ours(folder: Path, steps: int, micro: int = 0, settings: dict | None = N
             "embedding": c.policy.get_output_embeddings().weight.numel()}
 
 
-def run_trl(folder: Path, steps: int, micro: int = 0) -> dict:
+def run_trl(folder: Path, steps: int, micro: int = 0, recompute: bool = False) -> dict:
+    """TRL's RLOOTrainer on the same model, prompts and reward (``recompute``: its gradient_checkpointing)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import RLOOConfig, RLOOTrainer
@@ -197,7 +198,7 @@ def run_trl(folder: Path, steps: int, micro: int = 0) -> dict:
                       max_completion_length=NEW_TOKENS, beta=BETA, learning_rate=learning_rate,
                       lr_scheduler_type="constant", temperature=1.0, top_p=1.0, top_k=0, max_steps=steps,
                       logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
-                      disable_dropout=True, seed=0, dataloader_num_workers=0)
+                      disable_dropout=True, seed=0, dataloader_num_workers=0, gradient_checkpointing=recompute)
     def texts(completions):  # conversational completions are message lists
         return [c[0]["content"] if isinstance(c, list) else c for c in completions]
 
@@ -218,7 +219,7 @@ def child(options) -> None:
     if options.child == "ours":
         result = run_ours(folder, options.steps, options.micro_batch, ours_settings(options))
     else:
-        result = run_trl(folder, options.steps, options.micro_batch)
+        result = run_trl(folder, options.steps, options.micro_batch, options.gradient_checkpointing)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -285,7 +286,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--checkpoint-mlp", action="store_true", help="ours with --checkpoint-mlp (TRL as it is)")
     parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="ours with --gradient-checkpointing (TRL as it is)")
+                        help="both recompute their decoder layers in the backward pass: ours with "
+                             "--gradient-checkpointing, TRL with gradient_checkpointing=True")
     parser.add_argument("--offload-reference", action="store_true",
                         help="ours with --offload-reference (TRL as it is); the reference's MB, then in the page "
                              "cache and not in our peak RSS, are printed beside it")
@@ -316,7 +318,8 @@ def main() -> None:
         vocabulary = 49152 if options.model else VOCABULARY
         print(f"\n{size}: {parameters / 1e6:.1f}M parameters, vocabulary {vocabulary}, K={K}, {PROMPTS} prompts/step, "
               f"<= {NEW_TOKENS} new tokens, {options.threads} thread(s), {options.rounds} alternating rounds; ours "
-              f"with {' '.join(ours_flags(options)) or 'the defaults'}")
+              f"with {' '.join(ours_flags(options)) or 'the defaults'}; TRL with "
+              f"{'gradient_checkpointing=True' if options.gradient_checkpointing else 'its defaults'}")
         summary = {}
 
         def spread(values) -> str:
