@@ -88,6 +88,11 @@ class Rollout:
         lengths = self.completion_mask.sum(1).tolist()
         return [row[: int(length)] for row, length in zip(self.completion_ids.tolist(), lengths)]
 
+    def drawn(self) -> tuple[list[list[int]], list[list[float]]]:
+        """``token_lists`` and the sampler's log-prob of each of those tokens (an engine's ``generate``)."""
+        tokens = self.token_lists()
+        return tokens, [row[: len(ids)] for row, ids in zip(self.sampler_logprobs.tolist(), tokens)]
+
     def rows(self, start: int, stop: int, trim: bool = False) -> "Rollout":
         """Rows start … stop − 1 (a micro-batch of whole groups).
 
@@ -190,6 +195,18 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> t
     eos_so_far = is_eos.long().cumsum(dim=1)
     after_eos = (eos_so_far - is_eos.long()) > 0
     return (~after_eos).long()
+
+
+def left_padded(rows: list[list[int]], pad: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists of token ids left-padded with ``pad`` to the longest: (ids, mask: 1 on each row's own tokens)."""
+    width = max(map(len, rows), default=0)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for row, tokens in enumerate(rows):
+        if tokens:
+            ids[row, width - len(tokens):] = torch.as_tensor(tokens, dtype=torch.long)
+            mask[row, width - len(tokens):] = 1
+    return ids.to(device), mask.to(device)
 
 
 def prompt_seed(seed: int, step: int, index: int) -> int:

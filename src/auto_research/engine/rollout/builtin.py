@@ -18,7 +18,8 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from auto_research.engine.logprobs import cache_argument, cache_of
 from auto_research.engine.packed import packed_linears
-from auto_research.engine.rollout import Rollout, SamplingSettings, completion_mask, concatenate, eos_ids
+from auto_research.engine.rollout import (Rollout, SamplingSettings, completion_mask, concatenate, eos_ids,
+                                          left_padded)
 
 
 def encode_prompts(tokenizer, prompts: list[str] | list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,17 +31,7 @@ def encode_prompts(tokenizer, prompts: list[str] | list[list[int]], device) -> t
     sampler thread against the held-out evaluation: rows of unequal length, or pads inside the sampler's prompts)."""
     if prompts and isinstance(prompts[0], str):
         prompts = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    if prompts:
-        width = max(len(ids) for ids in prompts)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        attention = torch.zeros(len(prompts), width, dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            if ids:
-                input_ids[row, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
-                attention[row, width - len(ids):] = 1
-        return input_ids.to(device), attention.to(device)
-    return torch.zeros(0, 0, dtype=torch.long, device=device), torch.zeros(0, 0, dtype=torch.long, device=device)
+    return left_padded(prompts, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, device)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -282,11 +273,10 @@ class BuiltinSampler:
         completions, logprobs = [], []
         with self.context(), self._packed(chunk):
             for start in range(0, len(prompt_ids), chunk):
-                rollout = sample(self.model, self.tokenizer, prompt_ids[start: start + chunk], 1, s.max_new_tokens,
-                                 s.temperature, s.top_p, s.top_k, seeds=seeds[start: start + chunk])
-                tokens = rollout.token_lists()
-                completions += tokens
-                logprobs += [row[: len(ids)] for row, ids in zip(rollout.sampler_logprobs.tolist(), tokens)]
+                tokens, values = sample(self.model, self.tokenizer, prompt_ids[start: start + chunk], 1,
+                                        s.max_new_tokens, s.temperature, s.top_p, s.top_k,
+                                        seeds=seeds[start: start + chunk]).drawn()
+                completions, logprobs = completions + tokens, logprobs + values
         return completions, logprobs
 
     @contextlib.contextmanager
@@ -321,12 +311,8 @@ class BuiltinEngine:
                  settings: SamplingSettings) -> tuple[list[list[int]], list[list[float]]]:
         """Each prompt's ``group_size`` completions (token ids through the first end-of-sequence token) and the
         log-probs of their tokens under the processed distribution (temperature, top-k, top-p)."""
-        rollout = sample(self.model, self.tokenizer, prompt_ids, group_size, settings.max_new_tokens,
-                         settings.temperature, settings.top_p, settings.top_k, seeds=seeds)
-        lengths = rollout.completion_mask.sum(dim=1).tolist()
-        ids, logprobs = rollout.completion_ids.tolist(), rollout.sampler_logprobs.tolist()
-        return ([row[:length] for row, length in zip(ids, lengths)],
-                [row[:length] for row, length in zip(logprobs, lengths)])
+        return sample(self.model, self.tokenizer, prompt_ids, group_size, settings.max_new_tokens,
+                      settings.temperature, settings.top_p, settings.top_k, seeds=seeds).drawn()
 
     @torch.no_grad()
     def load_named(self, weights) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from transformers.cache_utils import DynamicLayer
 
-from auto_research.engine.rollout import completion_mask, eos_ids
+from auto_research.engine.rollout import completion_mask, eos_ids, left_padded
 from auto_research.engine.rollout.builtin import (_prefill, _uniforms, cache_argument, cache_of, droppable,
                                                   encode_prompts, next_token)
 from auto_research.engine.rollout.partial_files import Finished, pool_from_files, pool_to_files
@@ -225,12 +225,7 @@ class Pool:
             return
         histories = [self.lanes[row // self.K]["prompt_ids"] + self.rows["tokens"][row, : int(self.rows["t"][row])]
                      .tolist() for row in self.batch["row"].tolist()]
-        width = max(map(len, histories))
-        ids = torch.full((len(histories), width), self.pad, dtype=torch.long, device=self.device)
-        attention = torch.zeros_like(ids)
-        for row, history in enumerate(histories):
-            ids[row, width - len(history):] = torch.tensor(history, device=self.device)
-            attention[row, width - len(history):] = 1
+        ids, attention = left_padded(histories, self.pad, self.device)
         logits, cache, position = _prefill(self.model, ids, attention, 1)
         self.cache = cache
         self.batch.update(attention=attention, position=position, logits=logits,
@@ -250,20 +245,15 @@ def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
 def lanes_to_rows(finished: list[Finished], pad: int, eos: list[int]):
     """Finished lanes as a rollout's tensors: left-padded prompts, right-padded completions, the completion mask,
     μ's log-probs and entropies (0 where masked), each token's version (−1 where masked)."""
-    prompt_width = max(len(lane.prompt_ids) for lane in finished)
     width = max(lane.tokens.shape[1] for lane in finished)
     K = finished[0].tokens.shape[0]
     device = finished[0].tokens.device
-    prompt = torch.full((len(finished) * K, prompt_width), pad, dtype=torch.long, device=device)
-    prompt_mask = torch.zeros_like(prompt)
+    prompt, prompt_mask = left_padded([lane.prompt_ids for lane in finished for _ in range(K)], pad, device)
     tokens = torch.full((len(finished) * K, width), pad, dtype=torch.long, device=device)
     logprobs, entropies = torch.zeros(tokens.shape, device=device), torch.zeros(tokens.shape, device=device)
     versions = torch.full(tokens.shape, -1, dtype=torch.long, device=device)
     for index, lane in enumerate(finished):
         rows, length = slice(index * K, (index + 1) * K), lane.tokens.shape[1]
-        ids = torch.tensor(lane.prompt_ids, dtype=torch.long, device=device)
-        prompt[rows, prompt_width - len(ids):] = ids
-        prompt_mask[rows, prompt_width - len(ids):] = 1
         tokens[rows, :length], logprobs[rows, :length] = lane.tokens, lane.logprobs
         versions[rows, :length] = lane.versions
         if lane.entropies is not None:

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from auto_research.engine.rollout import Rollout, completion_mask
+from auto_research.engine.rollout import Rollout, completion_mask, left_padded
 
 
 def _named_weights(model) -> Iterator[tuple[str, torch.nn.Parameter, object]]:
@@ -106,15 +106,10 @@ def build_rollout(tokenizer, eos: tuple, pad: int, prompt_ids: list[list[int]], 
                   logprobs: list[list[float]], group_size: int) -> Rollout:
     """The Rollout of an engine's token ids and log-probs (colocated or from a server)."""
     rows, width = len(completions), max(1, max(len(tokens) for tokens in completions))
-    prompt_width = max(len(ids) for ids in prompt_ids)
-    prompt = torch.full((rows, prompt_width), pad, dtype=torch.long)
-    prompt_mask = torch.zeros(rows, prompt_width, dtype=torch.long)
+    prompt, prompt_mask = left_padded([prompt_ids[row // group_size] for row in range(rows)], pad)
     completion = torch.full((rows, width), pad, dtype=torch.long)
     sampled = torch.zeros(rows, width)
     for row, (tokens, values) in enumerate(zip(completions, logprobs)):
-        ids = prompt_ids[row // group_size]
-        prompt[row, prompt_width - len(ids):] = torch.tensor(ids)
-        prompt_mask[row, prompt_width - len(ids):] = 1
         completion[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         sampled[row, : len(values)] = torch.tensor(values)
     mask = completion_mask(completion, eos)
