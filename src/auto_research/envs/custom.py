@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from auto_research.example import Example
-from auto_research.engine.rollout import Rollout, SamplingSettings
-from auto_research.envs.rollout import greedy_generate, row_of, trajectory_rollout
+from auto_research.engine.rollout import SamplingSettings
+from auto_research.envs.rollout import Runner, row_of
 from auto_research.envs.trajectory import Generate, Trajectory, turn_seed
 from auto_research.errors import RewardError, UserError, one_line
 from auto_research.user_code import load_user_object
@@ -64,9 +64,10 @@ def load_rollout_function(spec) -> tuple[str, Callable]:
 
 
 @dataclass
-class FunctionRunner:
-    """The run's rollouts from a rollout function; ``sample``, ``greedy`` and ``scores_replies`` as
-    ``EpisodeRunner``'s, so the rollout side and the held-out evaluation take either."""
+class FunctionRunner(Runner):
+    """The run's rollouts from a rollout function (``greedy``: the function on each example's row once,
+    ``context.generate`` decoding greedily); ``scores_replies`` as ``EpisodeRunner``'s, so the rollout side and the
+    held-out evaluation take either."""
 
     generate: Generate
     """``generate(prompt_ids, seeds, settings)``: the run's sampler's ``generate_ids``."""
@@ -149,15 +150,6 @@ class FunctionRunner:
                 raise RewardError(f"{where}: {key!r} holds {token!r} at position {position}, not a token id of the "
                                   f"model (0 … {self.vocabulary - 1})")
         return [int(token) for token in ids]
-
-    def sample(self, examples: list[Example], group_size: int, seeds: list[int]) -> Rollout:
-        return trajectory_rollout(self.tokenizer, self.trajectories(examples, group_size, seeds), group_size,
-                                  self.pad)
-
-    def greedy(self, model, examples: list[Example]) -> Rollout:
-        """The function on each example's row once (group size 1), ``context.generate`` decoding greedily from
-        ``model``: the held-out evaluation's rollouts, whatever the run's sampler."""
-        return replace(self, generate=greedy_generate(model, self.tokenizer)).sample(examples, 1, [0] * len(examples))
 
 
 def _values(where: str, item: dict, key: str, length: int | None = None) -> list:

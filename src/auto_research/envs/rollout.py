@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from auto_research.example import Example
-from auto_research.engine.rollout import Rollout, SamplingSettings
+from auto_research.engine.rollout import Rollout, SamplingSettings, left_padded
 from auto_research.envs import EnvironmentFactory, Episode
 from auto_research.envs.deadline import CONCURRENCY, each
 from auto_research.envs.tools import load_tools, tool_schema
@@ -82,8 +82,22 @@ class _Unmade(Episode):
         raise self.error
 
 
+class Runner:
+    """What both runners (``EpisodeRunner``, ``custom.FunctionRunner``) do with their ``trajectories``: the
+    rollout side's ``sample``, and the held-out evaluation's ``greedy``."""
+
+    def sample(self, examples: list[Example], group_size: int, seeds: list[int]) -> Rollout:
+        return trajectory_rollout(self.tokenizer, self.trajectories(examples, group_size, seeds), group_size,
+                                  self.pad)
+
+    def greedy(self, model, examples: list[Example]) -> Rollout:
+        """One greedy trajectory per example from ``model`` (``greedy_generate``: group size 1), whatever the
+        run's sampler."""
+        return replace(self, generate=greedy_generate(model, self.tokenizer)).sample(examples, 1, [0] * len(examples))
+
+
 @dataclass
-class EpisodeRunner:
+class EpisodeRunner(Runner):
     generate: Generate
     """``generate(prompt_ids, seeds, settings)``: one completion (ids, log-probs) per prompt (``generate_ids``)."""
     tokenizer: object
@@ -126,14 +140,6 @@ class EpisodeRunner:
         return run_episodes(self.generate, conversation, episodes, prompts, own, self.settings, self.max_turns,
                             self.max_tokens, self.concurrency, self.observation_tokens)
 
-    def greedy(self, model, examples: list[Example]) -> Rollout:
-        """One greedy trajectory per example from ``model`` (held-out evaluation), whatever the run's sampler."""
-        return replace(self, generate=greedy_generate(model, self.tokenizer)).sample(examples, 1, [0] * len(examples))
-
-    def sample(self, examples: list[Example], group_size: int, seeds: list[int]) -> Rollout:
-        return trajectory_rollout(self.tokenizer, self.trajectories(examples, group_size, seeds), group_size,
-                                  self.pad)
-
 
 def greedy_generate(model, tokenizer) -> Generate:
     """A ``generate`` that decodes greedily from ``model`` (log-probs 0), whatever the run's sampler: the held-out
@@ -151,18 +157,13 @@ def trajectory_rollout(tokenizer, trajectories: list[Trajectory], group_size: in
     """The Rollout of finished trajectories: prompts left-padded, each trajectory's ids right-padded; a row's text is
     its ids decoded (special tokens kept), or the trajectory's own ``text`` when it has one."""
     rows = len(trajectories)
-    prompt_width = max(len(t.prompt_ids) for t in trajectories)
     width = max(1, max(len(t.ids) for t in trajectories))
-    prompt = torch.full((rows, prompt_width), pad, dtype=torch.long)
-    prompt_mask = torch.zeros(rows, prompt_width, dtype=torch.long)
+    prompt, prompt_mask = left_padded([t.prompt_ids for t in trajectories], pad)
     completion = torch.full((rows, width), pad, dtype=torch.long)
     span = torch.zeros(rows, width, dtype=torch.long)
     owned = torch.zeros(rows, width, dtype=torch.long)
     logprobs = torch.zeros(rows, width)
     for row, t in enumerate(trajectories):
-        if t.prompt_ids:
-            prompt[row, prompt_width - len(t.prompt_ids):] = torch.tensor(t.prompt_ids, dtype=torch.long)
-            prompt_mask[row, prompt_width - len(t.prompt_ids):] = 1
         if t.ids:
             completion[row, : len(t.ids)] = torch.tensor(t.ids, dtype=torch.long)
             span[row, : len(t.ids)] = 1
