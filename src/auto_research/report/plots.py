@@ -20,11 +20,13 @@ from auto_research.files import atomic_write_bytes  # noqa: E402
 from auto_research.report.tables import LABELS  # noqa: E402
 
 
-def _png(figure, dpi: int) -> bytes:
+def _saved(path: Path, figure, dpi: int) -> Path:
+    """The figure laid out (``tight_layout``), written as a PNG to ``path`` atomically, and closed."""
+    figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi)
     plt.close(figure)
-    return buffer.getvalue()
+    return atomic_write_bytes(path, buffer.getvalue())
 
 
 def comparison_plot(path: Path, histories: dict[str, list[list[dict]]], title: str) -> Path:
@@ -44,8 +46,7 @@ def comparison_plot(path: Path, histories: dict[str, list[list[dict]]], title: s
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     figure.suptitle(title)
-    figure.tight_layout()
-    return atomic_write_bytes(path, _png(figure, 120))
+    return _saved(path, figure, 120)
 
 
 def _values(rows: list[dict], key: str) -> list[float]:
@@ -125,8 +126,7 @@ def training_curves_plot(path: Path, rows: list[dict], metrics: dict) -> Path:
     for axis in list(axes.flat)[len(panels):]:
         axis.set_visible(False)
     figure.suptitle(f"{metrics['algorithm']} on {metrics['dataset']} (seed {metrics['seed']})")
-    figure.tight_layout()
-    return atomic_write_bytes(path, _png(figure, 110))
+    return _saved(path, figure, 110)
 
 
 def generation_comparison_plot(path: Path, dataset: str, tag: str, results: dict) -> Path:
@@ -162,8 +162,7 @@ def generation_comparison_plot(path: Path, dataset: str, tag: str, results: dict
     if any("gold_reward" in run["final"] for runs in results.values() for run in runs):
         axes[1].legend(fontsize=7)
     figure.suptitle(f"{dataset}: {tag}")
-    figure.tight_layout()
-    return atomic_write_bytes(path, _png(figure, 120))
+    return _saved(path, figure, 120)
 
 
 def frontier_plot(path: Path, curves: dict[str, list[tuple[float, float]]], points: dict[str, tuple[float, float]],
@@ -184,8 +183,7 @@ def frontier_plot(path: Path, curves: dict[str, list[tuple[float, float]]], poin
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     axis.set_title(title, fontsize=10)
-    figure.tight_layout()
-    return atomic_write_bytes(path, _png(figure, 120))
+    return _saved(path, figure, 120)
 
 
 def over_optimisation_plot(path: Path, summary: dict) -> Path:
@@ -202,8 +200,7 @@ def over_optimisation_plot(path: Path, summary: dict) -> Path:
         axis.set_title(title)
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    figure.tight_layout()
-    return atomic_write_bytes(path, _png(figure, 120))
+    return _saved(path, figure, 120)
 
 
 def calibration_plot(path: Path, metrics: dict) -> Path:
@@ -219,5 +216,4 @@ def calibration_plot(path: Path, metrics: dict) -> Path:
     right.plot([h["step"] for h in metrics["history"]], [h["loss"] for h in metrics["history"]])
     right.set_xlabel("step")
     right.set_ylabel("Bradley–Terry loss")
-    figure.tight_layout()
-    return atomic_write_bytes(path, _png(figure, 110))
+    return _saved(path, figure, 110)
