@@ -46,7 +46,6 @@ import datetime
 import json
 import math
 import socket
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -158,15 +157,14 @@ def adapter_push(handler, limit: int):
     rank = max(A.shape[0] for A, _, _ in checked.values()) if checked else 0
     if most is not None and rank > most:
         raise Refused(400, f"an adapter of rank {rank} is over this server's --max-lora-rank {most}")
-    started, turns = time.perf_counter(), handler.serving.turns
-    with turns.turn(first=True):
+
+    def load() -> None:
         try:
             sampler.load_adapter(checked)
         except (ValueError, RuntimeError) as error:  # vLLM: a module it cannot adapt; the old adapter stays
             raise Refused(400, f"the engine cannot apply this adapter ({one_line(error)})"[:400]) from None
-        turns.version += 1
-        version = turns.version
-    return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
+
+    return handler.loaded(load)
 
 
 @dataclass

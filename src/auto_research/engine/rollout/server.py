@@ -62,7 +62,6 @@ else HTTP (NCCL between trainer and server is not built: see docs/vllm.md).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import json
@@ -162,8 +161,10 @@ class Handler(BaseHTTPRequestHandler):
     """One connection's requests (a thread each); ``self.server.serving`` is the engine and its guards."""
 
     POSTS = {"/generate": "_generate", "/lease": "_lease", "/lease/renew": "_renew", "/lease/release": "_release",
-             "/weights": "_weights", "/weights/shared": "_shared", "/weights/adapter": "_adapter",
-             "/weights/collective": "_collective_join", "/weights/collective/push": "_collective_push"}
+             "/weights": "_weights", "/weights/shared": "_shared"}
+    PUSHES = {"/weights/adapter": lambda handler: adapter_push(handler, PART_BYTES + 2**20),
+              "/weights/collective": collective_join, "/weights/collective/push": collective_push}
+    """Paths answered by ``pushes.py``'s functions, given the handler."""
     PARTIAL = {"/partial/round": "partial_round", "/partial/state": "partial_state", "/partial/restore": "partial_restore"}
     """Paths answered by ``partial_serve.py``'s functions of these names."""
 
@@ -262,10 +263,7 @@ class Handler(BaseHTTPRequestHandler):
                 head(read, total)
             except Refused:
                 self.close_connection = True
-                left = total - sum(map(len, parts))
-                with contextlib.suppress(TimeoutError, OSError):
-                    while left > 0 and (chunk := self.rfile.read(min(left, 2**20))):
-                        left -= len(chunk)
+                self._drop(total - sum(map(len, parts)))
                 raise
         read(total)
         return b"".join(parts)
@@ -278,15 +276,15 @@ class Handler(BaseHTTPRequestHandler):
         self._holding_large = True
 
     def _drain(self, limit: int) -> None:
-        """Read and drop the body (at most ``limit`` bytes, a MiB at a time): a refusal then reaches a client
-        that is still sending, and nothing of the body is held."""
+        """Read and drop the body (at most ``limit`` bytes): a refusal then reaches a client that is still sending,
+        and nothing of the body is held."""
         length = self.headers.get("Content-Length", "")
-        left = min(int(length), limit) if is_decimal(length) and len(length) <= 18 else 0
+        self._drop(min(int(length), limit) if is_decimal(length) and len(length) <= 18 else 0)
+
+    def _drop(self, left: int) -> None:
+        """Read and drop ``left`` bytes of the body, a MiB at a time (the connection closes if it stops)."""
         try:
-            while left > 0:
-                chunk = self.rfile.read(min(left, 2**20))
-                if not chunk:
-                    break
+            while left > 0 and (chunk := self.rfile.read(min(left, 2**20))):
                 left -= len(chunk)
         except (TimeoutError, OSError):
             self.close_connection = True
@@ -325,6 +323,8 @@ class Handler(BaseHTTPRequestHandler):
             from auto_research.engine.rollout import partial_serve  # noqa: PLC0415 - torch, only when asked
 
             return getattr(partial_serve, self.PARTIAL[self._path()])(self)
+        if self._path() in self.PUSHES:
+            return self.PUSHES[self._path()](self)
         name = self.POSTS.get(self._path())
         if name is None:
             raise Refused(404, f"no such path {self._path()}")
@@ -386,18 +386,6 @@ class Handler(BaseHTTPRequestHandler):
         weights = self.serving.intake.part(token, part, last, body)
         return self.load_checked(weights) if last else (200, {"received": self.serving.intake.received()})
 
-    def _adapter(self):
-        return adapter_push(self, PART_BYTES + 2**20)
-
-    def _collective_join(self):
-        return collective_join(self)
-
-    def _collective_push(self):
-        return collective_push(self)
-
-
-
-
     def holder_body(self, limit: int, head=None) -> bytes:
         """The lease holder's body (``limit`` bytes at most; ``head`` as ``_body``'s); another client's is read,
         dropped and refused."""
@@ -416,13 +404,17 @@ class Handler(BaseHTTPRequestHandler):
             return self.load_checked(self.serving.intake.take_shared(token, body))
 
     def load_checked(self, weights: dict, adopt: bool = False):
-        """Every checked tensor into the engine, in place (the holder's turn: only it pushes); only then does the
-        version move. ``adopt``: the engine serves the tensors themselves (``adopt_named``: memory nobody writes
-        while it is served, ``pushes.collective_push``)."""
+        """Every checked tensor into the engine, in place (``loaded``). ``adopt``: the engine serves the tensors
+        themselves (``adopt_named``: memory nobody writes while it is served, ``pushes.collective_push``)."""
+        sampler = self.serving.sampler
+        return self.loaded(lambda: (sampler.adopt_named if adopt else sampler.load_named)(iter(weights.items())))
+
+    def loaded(self, load):
+        """``load()`` puts new weights into the engine in the holder's turn (only it pushes); only then does the
+        version move → the answer, ``{"weights_version", "seconds"}``."""
         started, turns = time.perf_counter(), self.serving.turns
         with turns.turn(first=True):
-            sampler = self.serving.sampler
-            (sampler.adopt_named if adopt else sampler.load_named)(iter(weights.items()))
+            load()
             turns.version += 1
             version = turns.version
         return 200, {"weights_version": version, "seconds": time.perf_counter() - started}
