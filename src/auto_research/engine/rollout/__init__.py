@@ -103,10 +103,8 @@ class Rollout:
         """
         sequences, prompt_mask, completion_mask = (self.sequences[start:stop], self.prompt_mask[start:stop],
                                                    self.completion_mask[start:stop])
-        logprobs = None if self.sampler_logprobs is None else self.sampler_logprobs[start:stop]
-        entropy = None if self.sampler_entropy is None else self.sampler_entropy[start:stop]
-        owned = None if self.loss_mask is None else self.loss_mask[start:stop]
-        token_versions = None if self.token_versions is None else self.token_versions[start:stop]
+        per_token = {name: None if getattr(self, name) is None else getattr(self, name)[start:stop]
+                     for name in PER_TOKEN}
         if trim and sequences.shape[0]:
             used_prompt = prompt_mask.any(0).nonzero()
             first = int(used_prompt[0]) if used_prompt.numel() else prompt_mask.shape[1] - 1
@@ -115,14 +113,15 @@ class Rollout:
             prompt_length = prompt_mask.shape[1]
             sequences = sequences[:, first: prompt_length + width]
             prompt_mask, completion_mask = prompt_mask[:, first:], completion_mask[:, :width]
-            logprobs = None if logprobs is None else logprobs[:, :width]
-            entropy = None if entropy is None else entropy[:, :width]
-            owned = None if owned is None else owned[:, :width]
-            token_versions = None if token_versions is None else token_versions[:, :width]
-        versions = None if self.policy_versions is None else self.policy_versions[start:stop]
-        episodes = None if self.episodes is None else self.episodes[start:stop]
-        return Rollout(sequences, prompt_mask, completion_mask, self.completions[start:stop], self.group_size, logprobs,
-                       entropy, self.trained_distribution, versions, owned, episodes, token_versions)
+            per_token = {name: None if value is None else value[:, :width] for name, value in per_token.items()}
+        return replace(self, sequences=sequences, prompt_mask=prompt_mask, completion_mask=completion_mask,
+                       completions=self.completions[start:stop],
+                       policy_versions=None if self.policy_versions is None else self.policy_versions[start:stop],
+                       episodes=None if self.episodes is None else self.episodes[start:stop], **per_token)
+
+
+PER_TOKEN = {"sampler_logprobs": 0, "sampler_entropy": 0, "loss_mask": 0, "token_versions": -1}
+"""The optional (B, C) fields of a ``Rollout``, and the value that pads each past a completion's end."""
 
 
 class Sampler(Protocol):
@@ -154,33 +153,27 @@ def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         return rollouts[0]
     prompt_width = max(r.prompt_length for r in rollouts)
     completion_width = max(r.completion_mask.shape[1] for r in rollouts)
-    sequences, prompt_masks, completion_masks, logprobs, entropies, owned, token_versions = [], [], [], [], [], [], []
+    pad = torch.nn.functional.pad
+    sequences, prompt_masks, completion_masks = [], [], []
     for r in rollouts:
         left = prompt_width - r.prompt_length
         right = completion_width - r.completion_mask.shape[1]
-        prompt = torch.nn.functional.pad(r.sequences[:, : r.prompt_length], (left, 0), value=pad_token_id)
-        completion = torch.nn.functional.pad(r.completion_ids, (0, right), value=pad_token_id)
-        sequences.append(torch.cat([prompt, completion], dim=1))
-        prompt_masks.append(torch.nn.functional.pad(r.prompt_mask, (left, 0)))
-        completion_masks.append(torch.nn.functional.pad(r.completion_mask, (0, right)))
-        if r.sampler_logprobs is not None:
-            logprobs.append(torch.nn.functional.pad(r.sampler_logprobs, (0, right)))
-        if r.sampler_entropy is not None:
-            entropies.append(torch.nn.functional.pad(r.sampler_entropy, (0, right)))
-        if r.loss_mask is not None:
-            owned.append(torch.nn.functional.pad(r.loss_mask, (0, right)))
-        if r.token_versions is not None:
-            token_versions.append(torch.nn.functional.pad(r.token_versions, (0, right), value=-1))
+        prompt = pad(r.sequences[:, : r.prompt_length], (left, 0), value=pad_token_id)
+        sequences.append(torch.cat([prompt, pad(r.completion_ids, (0, right), value=pad_token_id)], dim=1))
+        prompt_masks.append(pad(r.prompt_mask, (left, 0)))
+        completion_masks.append(pad(r.completion_mask, (0, right)))
+    per_token = {name: torch.cat([pad(getattr(r, name), (0, completion_width - r.completion_mask.shape[1]),
+                                      value=value) for r in rollouts])
+                 if all(getattr(r, name) is not None for r in rollouts) else None
+                 for name, value in PER_TOKEN.items()}
     return Rollout(torch.cat(sequences), torch.cat(prompt_masks), torch.cat(completion_masks),
                    [text for r in rollouts for text in r.completions], rollouts[0].group_size,
-                   torch.cat(logprobs) if len(logprobs) == len(rollouts) else None,
-                   torch.cat(entropies) if len(entropies) == len(rollouts) else None,
-                   all(r.trained_distribution for r in rollouts),
-                   torch.cat([r.policy_versions for r in rollouts])
+                   trained_distribution=all(r.trained_distribution for r in rollouts),
+                   policy_versions=torch.cat([r.policy_versions for r in rollouts])
                    if all(r.policy_versions is not None for r in rollouts) else None,
-                   torch.cat(owned) if len(owned) == len(rollouts) else None,
-                   [row for r in rollouts for row in r.episodes] if all(r.episodes is not None for r in rollouts)
-                   else None, torch.cat(token_versions) if len(token_versions) == len(rollouts) else None)
+                   episodes=[row for r in rollouts for row in r.episodes] if all(r.episodes is not None
+                                                                                 for r in rollouts) else None,
+                   **per_token)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
