@@ -67,7 +67,7 @@ def test_a_new_task_is_one_record(monkeypatch):
     check_generation_dataset("counting")
     with pytest.raises(UserError, match="counting is a generation-level dataset"):
         check_candidate_dataset("counting")
-    task = load_task(GenerationConfig(dataset="counting", model="some/model").validate().filled())
+    task = load_task(GenerationConfig(dataset="counting", model="some/model").validate().filled().data)
     assert task.name == "counting" and task.source == "seen counting"
     assert [example.prompt for example in task.train] == ["0+1=", "1+1=", "2+1="]
     assert [example.answer for example in task.evaluation] == ["4", "5"]

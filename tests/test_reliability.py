@@ -62,7 +62,7 @@ def test_sft_model_scores_the_same_after_saving(tmp_path, capsys):
     from auto_research.data.tasks import load_task
 
     model, tokenizer = load_policy(str(tmp_path / "model"), "cpu", None, offline=True)
-    task = load_task(GenerationConfig(dataset=str(path)).filled())
+    task = load_task(GenerationConfig(dataset=str(path)).filled().data)
     assert greedy_accuracy(model, tokenizer, task, 128) == printed
 
 
@@ -173,8 +173,8 @@ def test_maximum_examples_applies_at_the_generation_level_and_overreach_is_refus
     from auto_research.config.generation import GenerationConfig
     from auto_research.data.tasks import load_task
 
-    assert len(load_task(GenerationConfig(maximum_examples=100).filled()).train) == 100
-    assert len(load_task(GenerationConfig().filled()).train) == 9150
+    assert len(load_task(GenerationConfig(maximum_examples=100).filled().data).train) == 100
+    assert len(load_task(GenerationConfig().filled().data).train) == 9150
     # sums.jsonl: 36 rows, 7 held out, 29 to train on.
     for flags, message in ((["--maximum-examples", "30"], "--maximum-examples 30: sums has 29 training prompts"),
                            (["--prompts-per-step", "100000"], "--prompts-per-step 100000: a step draws distinct prompts, "

@@ -223,7 +223,7 @@ def test_preference_arithmetic_judges_by_the_sum():
     from auto_research.data.tasks import load_task
 
     config = GenerationConfig(dataset="preference-arithmetic", reward_model="rm").filled()
-    task = load_task(config)
+    task = load_task(config.data)
     example = task.evaluation[0]  # the answer is the sum written least-significant digit first
     right, wrong = example.answer, "9" * len(example.answer) if example.answer != "9" * len(example.answer) else "0"
     assert task.gold([example.prompt] * 2, [right, wrong], [example] * 2)[0] == 1.0

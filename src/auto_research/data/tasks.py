@@ -277,37 +277,37 @@ def load_gsm8k(record: TaskRecord, settings) -> Task:
     return gsm8k_task(settings.dataset_dir, settings.offline, settings.maximum_examples, settings.evaluation_examples)
 
 
-def load_task(config, rows: list[dict] | None = None) -> Task:
-    """The configured generation-level task, with --maximum-examples and --evaluation-examples applied.
+def load_task(data, rows: list[dict] | None = None) -> Task:
+    """The configured generation-level task, with --maximum-examples and --evaluation-examples applied; ``data``:
+    the run's data section (``DataSection``), which a task record's loader is given too.
 
-    ``rows`` are the dicts of an in-memory dataset (the Python API: ``config.dataset`` is
+    ``rows`` are the dicts of an in-memory dataset (the Python API: ``data.dataset`` is
     ``memory:<name>``). Asking for more prompts than the dataset has is refused, never silently capped.
     """
-    record = task_record(config.dataset, "generation")
+    record, dataset = task_record(data.dataset, "generation"), data.dataset
+    fields = (data.prompt_field, data.answer_field, data.evaluation_examples)
     if record is not None:
-        task = record.load(config)
-    elif config.dataset.startswith(IN_MEMORY):
+        task = record.load(data)
+    elif dataset.startswith(IN_MEMORY):
         if rows is None:
-            raise UserError(f"dataset {config.dataset}: an in-memory dataset needs its rows (pass dataset=[...] to the "
+            raise UserError(f"dataset {dataset}: an in-memory dataset needs its rows (pass dataset=[...] to the "
                             "Python API's post_train)")
-        task = rows_task(enumerate(rows, start=1), "rows", config.dataset_name, f"{len(rows)} rows in memory",
-                         config.prompt_field, config.answer_field, config.evaluation_examples, verifier=config.verifier)
-    elif config.dataset.endswith(".jsonl"):
-        task = jsonl_task(config.dataset, config.prompt_field, config.answer_field, config.evaluation_examples,
-                          verifier=config.verifier)
+        task = rows_task(enumerate(rows, start=1), "rows", data.name, f"{len(rows)} rows in memory", *fields,
+                         verifier=data.verifier)
+    elif dataset.endswith(".jsonl"):
+        task = jsonl_task(dataset, *fields, verifier=data.verifier)
     else:  # .json, .parquet, .csv, a save_to_disk folder, or hf:owner/name, through Hugging Face datasets
-        source = config.dataset[len(HUB_DATASET):] if config.dataset.startswith(HUB_DATASET) else config.dataset
-        loaded = load_rows(source, config.offline)
-        task = rows_task(enumerate(loaded, start=1), config.dataset, config.dataset_name,
-                         f"{source} ({len(loaded)} rows, read with datasets)", config.prompt_field,
-                         config.answer_field, config.evaluation_examples, verifier=config.verifier)
+        source = dataset[len(HUB_DATASET):] if dataset.startswith(HUB_DATASET) else dataset
+        loaded = load_rows(source, data.offline)
+        task = rows_task(enumerate(loaded, start=1), dataset, data.name,
+                         f"{source} ({len(loaded)} rows, read with datasets)", *fields, verifier=data.verifier)
     for flag, wanted, available, what in (
-        ("--maximum-examples", config.maximum_examples, len(task.train), "training prompts"),
-        ("--evaluation-examples", config.evaluation_examples, len(task.evaluation), "held-out prompts"),
+        ("--maximum-examples", data.maximum_examples, len(task.train), "training prompts"),
+        ("--evaluation-examples", data.evaluation_examples, len(task.evaluation), "held-out prompts"),
     ):
         if wanted is not None and wanted > available:
             raise UserError(f"{flag} {wanted}: {task.name} has {available} {what}")
-    train = task.train[: config.maximum_examples]
+    train = task.train[: data.maximum_examples]
     if not train:
-        raise UserError(f"dataset {config.dataset}: no training prompts")
-    return replace(task, train=train, evaluation=task.evaluation[: config.evaluation_examples])
+        raise UserError(f"dataset {dataset}: no training prompts")
+    return replace(task, train=train, evaluation=task.evaluation[: data.evaluation_examples])

@@ -148,7 +148,7 @@ def compare_generation(base: GenerationConfig, runs: list[tuple[str, int]], seed
 
     if planned[0][0].model is None:
         # Warm-start the embedded model once, here, so that no run's time or memory includes it.
-        ensure_warm_started(load_task(planned[0][0]), log=log)
+        ensure_warm_started(load_task(planned[0][0].data), log=log)
     results: dict[tuple[int, str], list[dict]] = {}
     for index, (config, done) in enumerate(planned, start=1):
         label = f"run {index}/{len(planned)}"

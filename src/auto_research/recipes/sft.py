@@ -42,7 +42,7 @@ def _fine_tune(config: SFTConfig, task_config: GenerationConfig) -> dict:
                         "what is there")
     if config.model is not None:
         check_model_source(config.model, config.offline)
-    task = load_task(task_config)
+    task = load_task(task_config.data)
     if any(example.solution is None and example.answer is None for example in task.demonstrations):
         raise UserError(f"sft trains on each row's answer (or a messages conversation's final assistant turn), and "
                         f"{task.name}'s rows have none")

@@ -56,16 +56,9 @@ class Prepared:
 def check_settings(config: GenerationConfig, world_size: int) -> None:
     """The checks that read nothing: settings, the number of processes, the output folder."""
     config.validate()
-    sampler_record(config).check_settings()
-    check_world(config.fsdp, config.prompts_per_step, config.ppo_mini_batches, world_size)
-    check_writable_directory(config.output_dir)
-
-
-def recorded_settings(config: GenerationConfig) -> dict:
-    """The run's flat settings as a checkpoint records them, under their former names too (a checkpoint saved
-    before ``RENAMED`` holds those), so that a resume compares them all."""
-    settings = config.to_json()
-    return {**settings, **{old: settings[new] for old, new in RENAMED.items()}}
+    sampler_record(config.rollout).check_settings()
+    check_world(config.policy.fsdp, config.sampling.prompts_per_step, config.loss.ppo_mini_batches, world_size)
+    check_writable_directory(config.run.output_dir)
 
 
 def columns_of(task: Task) -> set[str]:
@@ -81,9 +74,11 @@ def _resumed(config: GenerationConfig, log, world_size: int) -> tuple[Generation
     """The checkpoint ``--resume`` continues from, and the config with the run's own values of what ``filled``
     derived from --steps (``from_steps``: a preset's warmup, a tenth of the steps at most), which a longer --steps
     would otherwise change: extending a run changes its length only."""
-    derived = getattr(config, "from_steps", frozenset())
+    derived, settings = getattr(config, "from_steps", frozenset()), config.to_json()
     flags = {item.name: flag_of(item) for item in GenerationConfig.flat_fields()}
-    folder = run_folder.resumable_checkpoint(config.run_dir, recorded_settings(config), log, world_size, derived, flags)
+    # Compared under their former names too: a checkpoint saved before ``RENAMED`` holds those.
+    recorded = {**settings, **{old: settings[new] for old, new in RENAMED.items()}}
+    folder = run_folder.resumable_checkpoint(config.run_dir, recorded, log, world_size, derived, flags)
     saved = run_folder.saved_settings(folder)
     kept = {key: saved[key] for key in sorted(derived) if key in saved and saved[key] != getattr(config, key)}
     if kept:
@@ -97,42 +92,43 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
             world_size: int = 1, environment=None, tools=(), rollout_function=None) -> Prepared:
     """Every check of a run that needs no torch; reads the run folder (lock it first), writes nothing."""
     check_settings(config, world_size)
-    if config.max_staleness and config.rollout_correction == "none":
-        log(f"warning: --max-staleness {config.max_staleness} with --rollout-correction none: batches drawn by older "
-            "weights are trained on as if the current policy had drawn them (uncorrected; docs/async.md)")
-    run_folder.check_run_folder(config.run_dir, config.resume, config.overwrite)
+    rollout = config.rollout
+    if rollout.max_staleness and rollout.rollout_correction == "none":
+        log(f"warning: --max-staleness {rollout.max_staleness} with --rollout-correction none: batches drawn by "
+            "older weights are trained on as if the current policy had drawn them (uncorrected; docs/async.md)")
+    run_folder.check_run_folder(config.run_dir, config.run.resume, config.run.overwrite)
     resume_from = None
-    if config.resume:
+    if config.run.resume:
         config, resume_from = _resumed(config, log, world_size)
-    for source, flag in ((config.model, "--model"), (config.reward_model, "--reward-model"),
-                         (config.critic_model, "--critic-model"), (config.reference_model, "--reference-model"),
-                         (config.teacher_model, "--teacher-model")):
+    model, loss, given, turns = config.policy.model, config.loss, config.rewards, config.turns
+    for source, flag in ((model, "--model"), (given.reward_model, "--reward-model"),
+                         (config.critic.critic_model, "--critic-model"), (loss.reference_model, "--reference-model"),
+                         (loss.teacher_model, "--teacher-model")):
         if source is not None:
-            check_model_source(source, config.offline, flag)
-    rewards = resolve_rewards(config.reward, config.reward_weights, config.reward_model, list(reward_functions),
-                              config.reward_url)
-    task = load_task(config, rows)
+            check_model_source(source, config.data.offline, flag)
+    rewards = resolve_rewards(given.reward, given.reward_weights, given.reward_model, list(reward_functions),
+                              given.reward_url)
+    task = load_task(config.data, rows)
     check_columns(rewards, columns_of(task), task.name)
-    if config.prompts_per_step > len(task.train):
-        raise UserError(f"--prompts-per-step {config.prompts_per_step}: a step draws distinct prompts, and "
+    if config.sampling.prompts_per_step > len(task.train):
+        raise UserError(f"--prompts-per-step {config.sampling.prompts_per_step}: a step draws distinct prompts, and "
                         f"{task.name} has {len(task.train)} training prompts")
-    judge = load_judge(config.judge, task) if config.judge else None
-    factory, functions, own = None, {}, None
-    if rollout_function is not None or config.rollout_function:
+    judge = load_judge(given.judge, task) if given.judge else None
+    factory, functions, own, algorithm = None, {}, None, get_algorithm(config.run.algorithm)
+    if rollout_function is not None or turns.rollout_function:
         from auto_research.envs.custom import load_rollout_function  # noqa: PLC0415 - user code, on demand
 
-        config.turns.check_loops(get_algorithm(config.algorithm), environment is not None or bool(tools),
-                                 rollout_function is not None)
-        own = load_rollout_function(rollout_function or config.rollout_function)
-    if (config.tools or tools) and config.model is not None and is_packaged(config.model) and with_tools(config.model):
-        raise UserError(f"--tools: {config.model}'s chat template does not show tools to the model; "
-                        f"--model {with_tools(config.model)} is the same weights with a template that does")
-    if config.environment or config.tools or environment is not None or tools:
+        turns.check_loops(algorithm, environment is not None or bool(tools), rollout_function is not None)
+        own = load_rollout_function(rollout_function or turns.rollout_function)
+    if (turns.tools or tools) and model is not None and is_packaged(model) and with_tools(model):
+        raise UserError(f"--tools: {model}'s chat template does not show tools to the model; "
+                        f"--model {with_tools(model)} is the same weights with a template that does")
+    if turns.environment or turns.tools or environment is not None or tools:
         from auto_research.envs.rollout import load_environment, row_of  # noqa: PLC0415 - user code, on demand
 
-        factory, functions = load_environment(environment or config.environment, list(tools) + [config.tools or ""],
-                                              row_of(task.train[0]), config.env_timeout)
-    check_answers(task, rewards, config.reward_model, factory is not None or own is not None,
-                  "task" in get_algorithm(config.algorithm).rewards)
+        factory, functions = load_environment(environment or turns.environment, list(tools) + [turns.tools or ""],
+                                              row_of(task.train[0]), turns.env_timeout)
+    check_answers(task, rewards, given.reward_model, factory is not None or own is not None,
+                  "task" in algorithm.rewards)
     return Prepared(config, task, resume_from, rewards, judge, factory, functions, own,
                     tuple((name, spec_of(function)) for name, function in reward_functions))
