@@ -6,7 +6,7 @@ The choices are listed once, here: ``ENGINES`` (--sampler, rollout-serve --engin
 (its key ``sampler_key``: ``vllm``, ``vllm-server`` …); a new engine is its ``ENGINES`` line, its records here,
 and its module in engine/rollout/.
 
-    record = sampler_record(config)          # builtin, vllm (colocated), vllm-server, builtin-server, ...
+    record = sampler_record(config.rollout)  # builtin, vllm (colocated), vllm-server, builtin-server, ...
     record.check_settings()                  # before torch: the engine is installed
     sampler = record.build(needs)            # the Sampler (engine/rollout/__init__.py)
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from auto_research.engine.launch import parse_cores
@@ -28,9 +29,10 @@ from auto_research.errors import UserError
 
 @dataclass(frozen=True)
 class SamplerNeeds:
-    """What building an engine may use (each factory takes what it needs of it)."""
+    """What building an engine may use (each factory takes what it needs of it), not the run's settings."""
 
-    config: Any
+    rollout: Any
+    """The run's ``RolloutSection``: its engine, server, memory, cores, sync, verbosity."""
     policy: Any
     tokenizer: Any
     settings: Any
@@ -43,10 +45,12 @@ class SamplerNeeds:
     compute_dtype: Any
     device: str
     train_prompts: list[str]
+    seed: int
+    run_dir: Path
+    threads: int | None
+    engine_tokens: int
+    """The most tokens an engine adds to a prompt, which its context must hold (``GenerationConfig.engine_tokens``)."""
     log: Callable = print
-    multi_turn: bool = False
-    """A sample may be a multi-turn trajectory (an environment, tools or a rollout function, from the command line
-    or from Python): an engine's context must hold one (``engine_tokens``)."""
 
 
 ENGINES = {
@@ -102,12 +106,12 @@ def _builtin(needs: SamplerNeeds):
 def _vllm(needs: SamplerNeeds):
     from auto_research.engine.rollout.vllm import VLLMSampler  # noqa: PLC0415 - optional, heavy
 
-    config, tokenizer, device = needs.config, needs.tokenizer, needs.device
+    tokenizer = needs.tokenizer
     longest = max(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) for prompt in needs.train_prompts)
-    memory, of_what = vllm_memory(config.rollout_memory, device)
+    memory, of_what = vllm_memory(needs.rollout.rollout_memory, needs.device)
     needs.log(f"starting a colocated vLLM engine ({memory:g} of the {of_what})")
     return VLLMSampler(needs.policy, tokenizer, needs.settings, memory, needs.compute_dtype,
-                       longest + config.engine_tokens(needs.multi_turn), config.seed, verbose=config.verbose)
+                       longest + needs.engine_tokens, needs.seed, verbose=needs.rollout.verbose)
 
 
 VLLM_MEMORY_GPU = 0.3
@@ -128,15 +132,15 @@ def _server(engine: str):
         from auto_research.engine.rollout.client import ServerSampler  # noqa: PLC0415
         from auto_research.http import split_addresses  # noqa: PLC0415
 
-        addresses = split_addresses(needs.config.rollout_server)
+        addresses = split_addresses(needs.rollout.rollout_server)
         # The builtin engine draws each chunk as the trainer's own sampler would: the same shapes on any world size.
         chunk = needs.chunk_prompts if engine == "builtin" else None
 
         def connect(address: str, model):
             # In a fleet a failing server costs one retry, not three: the others draw its groups meanwhile.
             return ServerSampler(model, needs.tokenizer, needs.settings, address, needs.model_name, needs.world,
-                                 needs.config.run_dir, engine=engine, chunk_prompts=chunk,
-                                 retries=3 if len(addresses) == 1 else 1, sync=needs.config.rollout_sync)
+                                 needs.run_dir, engine=engine, chunk_prompts=chunk,
+                                 retries=3 if len(addresses) == 1 else 1, sync=needs.rollout.rollout_sync)
 
         if len(addresses) == 1:
             sampler = connect(addresses[0], needs.policy)
@@ -155,7 +159,7 @@ def _server(engine: str):
 def _builtin_process(needs: SamplerNeeds):
     from auto_research.engine.rollout.process import RolloutProcess  # noqa: PLC0415
 
-    cores = parse_cores(needs.config.rollout_cores, set(os.sched_getaffinity(0)))
+    cores = parse_cores(needs.rollout.rollout_cores, set(os.sched_getaffinity(0)))
     sampler = RolloutProcess(needs, cores)
     needs.log(f"sampling with a builtin rollout process on CPU(s) {sorted(cores)}, the trainer on "
               f"{sorted(sampler.trainer_cores)} (the policy's weights pushed to it through {sampler.transfer})")
@@ -205,14 +209,14 @@ register(SamplerRecord("builtin", "server", _server("builtin"), runs_apart=True,
 register(SamplerRecord("builtin", "process", _builtin_process, runs_apart=True, pushes_weights=True))
 
 
-def sampler_name(config) -> str:
-    """The registry's key for a run's --sampler and --rollout-mode."""
-    return sampler_key(config.sampler, config.rollout_mode)
+def sampler_name(rollout) -> str:
+    """The registry's key for a run's --sampler and --rollout-mode (``rollout``: its rollout section)."""
+    return sampler_key(rollout.sampler, rollout.rollout_mode)
 
 
-def sampler_record(config) -> SamplerRecord:
-    name = sampler_name(config)
+def sampler_record(rollout) -> SamplerRecord:
+    name = sampler_name(rollout)
     if name not in SAMPLERS:
-        raise UserError(f"--sampler {config.sampler} --rollout-mode {config.rollout_mode}: no such rollout engine "
+        raise UserError(f"--sampler {rollout.sampler} --rollout-mode {rollout.rollout_mode}: no such rollout engine "
                         f"(there are {', '.join(SAMPLERS)})")
     return SAMPLERS[name]

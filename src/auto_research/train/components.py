@@ -17,6 +17,9 @@ import torch.utils.checkpoint
 
 from auto_research.algorithms.registry import Algorithm, get_algorithm, kl_in_loss, kl_shapes_reward
 from auto_research.config.generation import GenerationConfig
+from auto_research.config.loss import LossSection
+from auto_research.config.sampling import OptimisationSection, SamplingSection
+from auto_research.config.sections import LoraSection, PolicySection
 from auto_research.data.types import Task
 from auto_research.engine import checkpoint as checkpoints
 from auto_research.engine import lora
@@ -102,7 +105,7 @@ class Components:
 
     @property
     def updates_per_step(self) -> int:
-        return self.config.updates_per_batch * self.config.ppo_mini_batches
+        return self.config.loss.updates_per_batch * self.config.loss.ppo_mini_batches
 
 
 def autocast_for(device: str, compute_dtype: torch.dtype):
@@ -121,7 +124,7 @@ def sampling_context(world: World, policy, device: str, compute_dtype: torch.dty
     return sampling
 
 
-def adamw(model, config: GenerationConfig) -> torch.optim.AdamW:
+def adamw(model, optimisation: OptimisationSection) -> torch.optim.AdamW:
     """AdamW over the weights that train, the same arithmetic in its fastest form: fused (one kernel reads and
     writes each weight, gradient and moment once, with no temporary the size of the model; on this CPU about 5×
     faster than foreach, and the peak during the step is the training state alone) wherever torch has the fused
@@ -133,7 +136,7 @@ def adamw(model, config: GenerationConfig) -> torch.optim.AdamW:
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
     fused = all(not isinstance(p, DTensor) and p.device.type in _get_fused_kernels_supported_devices()
                 and p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) for p in trainable)
-    return torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay,
+    return torch.optim.AdamW(trainable, lr=optimisation.learning_rate, weight_decay=optimisation.weight_decay,
                              **({"fused": True} if fused else {"foreach": True}))
 
 
@@ -187,11 +190,11 @@ def checkpoint_layers(model) -> int:
     return recompute_in_backward(layers, "layer")
 
 
-def recompute(model, config: GenerationConfig) -> None:
+def recompute(model, optimisation: OptimisationSection) -> None:
     """--checkpoint-mlp and --gradient-checkpointing on a model that trains (the policy, PPO's critic)."""
-    if config.checkpoint_mlp:
+    if optimisation.checkpoint_mlp:
         checkpoint_mlps(model)
-    if config.gradient_checkpointing:
+    if optimisation.gradient_checkpointing:
         checkpoint_layers(model)
 
 
@@ -208,31 +211,40 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     """Load every model once, put the checkpoint's weights and optimizer states in when resuming, and wrap
     the models for several processes (DDP, or FSDP2 with --fsdp)."""
     config, task, resume_from = prepared.config, prepared.task, prepared.resume_from
-    algorithm = get_algorithm(config.algorithm)
-    device, compute_dtype = _start(config, world)
+    algorithm, offline, lora_r = get_algorithm(config.run.algorithm), config.data.offline, bool(config.lora.lora_r)
+    device, compute_dtype = _start(config.policy, config.run.seed, world)
     if config.logging.shows_progress:
-        log(f"loading the model {config.model or model_name} on {device}"
+        log(f"loading the model {config.policy.model or model_name} on {device}"
             + (f", with the weights of {resume_from}" if resume_from is not None else ""))
-    _check_tokenizers(config, model_name, log)
-    policy, tokenizer, record = _load_policy(config, model_name, device, log)
-    policy, reference = _reference(config, task, policy, model_name, device, compute_dtype)
-    teacher = _teacher(config, device, compute_dtype, world, log)
-    critic = _load_critic(config, model_name, device, len(tokenizer)) if algorithm.needs_critic else None
-    reward = (CombinedReward([], []) if task.verifier is None and not prepared.rewards and not config.reward_model
-              else build_reward(prepared.rewards, config.reward_weights, config.reward_model, task.verifier, device,
-                                config.offline))  # (none: the algorithm takes no task reward, data/tasks.py)
-    train_prompts = _formatted(tokenizer, task.train, config.chat_template)
-    eval_prompts = _formatted(tokenizer, task.evaluation, config.chat_template)
-    _check_context(policy, tokenizer, train_prompts + eval_prompts, config.max_new_tokens)
+    _check_tokenizers(config.loss, offline, model_name, log)
+    record = sampler_record(config.rollout)  # the policy in float32 (the master weights) and its sampler's record
+    policy, tokenizer = load_policy(model_name, device, torch.float32, offline, log=log, keep_adapter=lora_r)
+    if record.check_model is not None:  # a sampler that cannot serve this model says so before anything else loads
+        record.check_model(getattr(policy, "get_base_model", lambda: policy)().config, device, model_name)
+    recompute(policy, config.optimisation)
+    policy, reference = _reference(config.loss, config.lora, offline, task, policy, model_name, device, compute_dtype)
+    teacher = _teacher(config.loss, offline, device, compute_dtype, world, log)
+    rewards = config.rewards
+    critic = (_load_critic(config.critic.critic_model, rewards.reward_model, config.optimisation, offline, model_name,
+                           device, len(tokenizer)) if algorithm.needs_critic else None)
+    reward = (CombinedReward([], []) if task.verifier is None and not prepared.rewards and not rewards.reward_model
+              else build_reward(prepared.rewards, rewards.reward_weights, rewards.reward_model, task.verifier, device,
+                                offline))  # (none: the algorithm takes no task reward, data/tasks.py)
+    train_prompts = _formatted(tokenizer, task.train, config.data.chat_template)
+    eval_prompts = _formatted(tokenizer, task.evaluation, config.data.chat_template)
+    _check_context(policy, tokenizer, train_prompts + eval_prompts, config.sampling.max_new_tokens)
     if resume_from is not None:
-        _resume_weights(resume_from, bool(config.lora_r), policy, critic)
+        _resume_weights(resume_from, lora_r, policy, critic)
     train_policy = world.wrap(policy)
     tied_rows_gradient(policy)  # after DDP's wrap (see there)
-    offloaded = _wrap_reference(config, world, reference, log)
-    optimizer, train_critic, critic_optimizer = _optimizers(config, world, policy, train_policy, critic, resume_from)
-    sampler = record.build(SamplerNeeds(config, policy, tokenizer, sampling_settings(config), chunk_prompts(config),
-                                        sampling_context(world, policy, device, compute_dtype), model_name, world,
-                                        compute_dtype, device, train_prompts, log, prepared.multi_turn))
+    offloaded = _wrap_reference(lora_r, config.optimisation.offload_reference, world, reference, log)
+    optimizer, train_critic, critic_optimizer = _optimizers(config.optimisation, world, policy, train_policy, critic,
+                                                            resume_from)
+    sampler = record.build(SamplerNeeds(
+        config.rollout, policy, tokenizer, sampling_settings(config.sampling),
+        chunk_prompts(config.sampling, config.optimisation), sampling_context(world, policy, device, compute_dtype),
+        model_name, world, compute_dtype, device, train_prompts, config.run.seed, config.run_dir,
+        config.policy.threads, config.engine_tokens(prepared.multi_turn), log))
     episodes = _episodes(prepared, algorithm, tokenizer, policy, sampler, model_name, task)
     return Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
                       train_policy, optimizer, reference, critic, train_critic, critic_optimizer, sampler, reward,
@@ -240,50 +252,39 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
                       engine=record, python_rewards=prepared.python_rewards, teacher=teacher)
 
 
-def _start(config: GenerationConfig, world: World) -> tuple[str, torch.dtype]:
+def _start(policy: PolicySection, seed: int, world: World) -> tuple[str, torch.dtype]:
     """The process's threads and seed (set before any model loads, so a freshly initialised head is the same on
     every run), its device, its process group started, and the compute dtype on that device."""
-    set_threads(config.threads)
-    torch.manual_seed(config.seed)
-    device = world.device(resolve_device(config.device))
+    set_threads(policy.threads)
+    torch.manual_seed(seed)
+    device = world.device(resolve_device(policy.device))
     world.start(device)
-    return device, resolve_dtype(config.dtype, device)
+    return device, resolve_dtype(policy.dtype, device)
 
 
-def _load_policy(config: GenerationConfig, model_name: str, device: str, log):
-    """The policy in float32 (the master weights), its tokenizer and its sampler's record; a sampler that cannot
-    serve this model says so before anything else loads."""
-    policy, tokenizer = load_policy(model_name, device, torch.float32, config.offline, log=log,
-                                    keep_adapter=bool(config.lora_r))
-    record = sampler_record(config)
-    if record.check_model is not None:
-        record.check_model(getattr(policy, "get_base_model", lambda: policy)().config, device, model_name)
-    recompute(policy, config)
-    return policy, tokenizer, record
-
-
-def _reference(config: GenerationConfig, task: Task, policy, model_name: str, device: str, compute_dtype):
+def _reference(loss: LossSection, lora_section: LoraSection, offline: bool, task: Task, policy, model_name: str,
+               device: str, compute_dtype):
     """The policy (with its adapters under LoRA) and the frozen reference: the policy with its adapters off under
     LoRA, else --reference-model (by default a second copy of the initial policy) in the compute dtype. With β = 0
     the reference is not needed, unless the task measures over-optimisation against the KL: None then."""
-    measured = config.beta > 0 or task.gold is not None
-    if config.lora_r:
-        policy, reference = lora.add_adapters(policy, config.lora, model_name)
+    measured = loss.beta > 0 or task.gold is not None
+    if lora_section.lora_r:
+        policy, reference = lora.add_adapters(policy, lora_section, model_name)
         return policy, reference if measured else None
     if not measured:
         return policy, None
-    return policy, load_policy(config.reference_model or model_name, device, compute_dtype, config.offline,
+    return policy, load_policy(loss.reference_model or model_name, device, compute_dtype, offline,
                                flag="--reference-model")[0].eval().requires_grad_(False)
 
 
-def _check_tokenizers(config: GenerationConfig, model_name: str, log) -> None:
+def _check_tokenizers(loss: LossSection, offline: bool, model_name: str, log) -> None:
     """--reference-model and --teacher-model score the policy's token ids: one whose tokenizer is not the policy's is
     refused in one line that names both (and a token they differ on), before any weights load."""
     ours = None
-    for name, flag in ((config.reference_model, "--reference-model"), (config.teacher_model, "--teacher-model")):
+    for name, flag in ((loss.reference_model, "--reference-model"), (loss.teacher_model, "--teacher-model")):
         if name not in (None, model_name):
-            ours = ours or load_tokenizer(model_name, config.offline, log)[0].get_vocab()
-            theirs = load_tokenizer(name, config.offline, log, flag)[0].get_vocab()
+            ours = ours or load_tokenizer(model_name, offline, log)[0].get_vocab()
+            theirs = load_tokenizer(name, offline, log, flag)[0].get_vocab()
             differ = sorted(token for token in theirs.keys() | ours.keys() if theirs.get(token) != ours.get(token))
             if differ:
                 raise UserError(f"{flag} {name}: its tokenizer is not the policy's ({model_name}): " + (
@@ -292,28 +293,29 @@ def _check_tokenizers(config: GenerationConfig, model_name: str, log) -> None:
                                 + "; it must score the policy's own token ids")
 
 
-def _teacher(config: GenerationConfig, device: str, compute_dtype, world: World, log):
+def _teacher(loss: LossSection, offline: bool, device: str, compute_dtype, world: World, log):
     """--teacher-model, frozen in the compute dtype and wrapped for several processes as the reference is (its
     tokenizer is the policy's: ``_check_tokenizers``); None without one."""
-    if config.teacher_model is None:
+    if loss.teacher_model is None:
         return None
-    if not (kl_shapes_reward(config.kl_in) or kl_in_loss(config.kl_in)):
-        log(f"--teacher-model {config.teacher_model}: the reference KL is off (--kl-in none; --kl-in reward or loss "
+    if not (kl_shapes_reward(loss.kl_in) or kl_in_loss(loss.kl_in)):
+        log(f"--teacher-model {loss.teacher_model}: the reference KL is off (--kl-in none; --kl-in reward or loss "
             "puts it back), the teacher's term takes its place")
-    teacher = load_policy(config.teacher_model, device, compute_dtype, config.offline,
+    teacher = load_policy(loss.teacher_model, device, compute_dtype, offline,
                           flag="--teacher-model")[0].eval().requires_grad_(False)
     world.wrap(teacher, trains=False)
     return teacher
 
 
-def _load_critic(config: GenerationConfig, model_name: str, device: str, vocabulary: int):
+def _load_critic(critic_model: str | None, reward_model: str | None, optimisation: OptimisationSection,
+                 offline: bool, model_name: str, device: str, vocabulary: int):
     """PPO's critic, from --critic-model, else the reward model, else the policy's checkpoint; the flag that
     named it is in any error about it."""
-    source, flag = ((config.critic_model, "--critic-model") if config.critic_model else
-                    (config.reward_model, "--reward-model (the critic's default start)") if config.reward_model
+    source, flag = ((critic_model, "--critic-model") if critic_model else
+                    (reward_model, "--reward-model (the critic's default start)") if reward_model
                     else (model_name, "--model"))
-    critic = load_critic(source, device, config.offline, vocabulary, flag)
-    recompute(critic, config)
+    critic = load_critic(source, device, offline, vocabulary, flag)
+    recompute(critic, optimisation)
     return critic
 
 
@@ -333,25 +335,26 @@ def _resume_weights(folder: Path, lora_r: bool, policy, critic) -> None:
         checkpoints.load_weights(folder / "critic", critic)
 
 
-def _wrap_reference(config: GenerationConfig, world: World, reference, log) -> OffloadedReference | None:
-    """A reference of its own is wrapped for several processes (it does not train) and, with --offload-reference,
-    kept out of the process between its passes; the offloaded reference, else None."""
-    if reference is not None and not config.lora_r:
+def _wrap_reference(lora_r: bool, offload: bool, world: World, reference, log) -> OffloadedReference | None:
+    """A reference of its own is wrapped for several processes (it does not train) and, with --offload-reference
+    (``offload``), kept out of the process between its passes; the offloaded reference, else None."""
+    if reference is not None and not lora_r:
         world.wrap(reference, trains=False)
-        if config.offload_reference:
+        if offload:
             return OffloadedReference(reference, cache_dir() / "offload")
-    elif config.offload_reference and not config.lora_r:
+    elif offload and not lora_r:
         log("note: --offload-reference has nothing to offload: with --beta 0 no reference is held")
     return None
 
 
-def _optimizers(config: GenerationConfig, world: World, policy, train_policy, critic, resume_from: Path | None):
+def _optimizers(optimisation: OptimisationSection, world: World, policy, train_policy, critic,
+                resume_from: Path | None):
     """The policy's optimizer, the critic wrapped and its optimizer (None, None without a critic), with the
     checkpoint's optimizer states when resuming."""
-    optimizer = adamw(policy, config)
+    optimizer = adamw(policy, optimisation)
     train_critic = critic_optimizer = None
     if critic is not None:
-        train_critic, critic_optimizer = world.wrap(critic), adamw(critic, config)
+        train_critic, critic_optimizer = world.wrap(critic), adamw(critic, optimisation)
     if resume_from is not None:
         _load_optimizer(world, train_policy, optimizer, resume_from)
         if critic is not None:
@@ -363,7 +366,7 @@ def _episodes(prepared: Prepared, algorithm: Algorithm, tokenizer, policy, sampl
     """The multi-turn runner that draws the run's trajectories with its sampler: --environment/--tools' episodes,
     or --rollout-function's; None for single-turn sampling."""
     config = prepared.config
-    scores_replies = bool(prepared.rewards or config.reward_model)
+    scores_replies = bool(prepared.rewards or config.rewards.reward_model)
     episodes = None
     if prepared.environment is not None or prepared.tools:
         from auto_research.engine.rollout import eos_ids  # noqa: PLC0415
@@ -375,20 +378,20 @@ def _episodes(prepared: Prepared, algorithm: Algorithm, tokenizer, policy, sampl
     if prepared.rollout_function is not None:
         from auto_research.envs.custom import function_runner  # noqa: PLC0415
 
-        episodes = function_runner(prepared, tokenizer, policy, sampler, sampling_settings(config),
+        episodes = function_runner(prepared, tokenizer, policy, sampler, sampling_settings(config.sampling),
                                    config.trajectory_tokens(True), scores_replies)
     return episodes
 
 
-def sampling_settings(config: GenerationConfig) -> SamplingSettings:
-    return SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
+def sampling_settings(sampling: SamplingSection) -> SamplingSettings:
+    return SamplingSettings(sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k)
 
 
-def chunk_prompts(config: GenerationConfig) -> int | None:
+def chunk_prompts(sampling: SamplingSection, optimisation: OptimisationSection) -> int | None:
     """Sampling runs in chunks of --generation-batch-size (else --micro-batch-size) completions: the same chunks
     on 1 or N processes, hence the same floating-point numbers."""
-    per_call = config.generation_batch_size or config.micro_batch_size
-    return max(1, per_call // config.group_size) if per_call else None
+    per_call = sampling.generation_batch_size or optimisation.micro_batch_size
+    return max(1, per_call // sampling.group_size) if per_call else None
 
 
 def parameter_counts(c: Components) -> dict:
@@ -401,7 +404,7 @@ def parameter_counts(c: Components) -> dict:
 
     reward_model = c.reward.reward_model
     # With LoRA the reference is the policy with its adapters off: no weights of its own.
-    reference = None if c.config.lora_r else c.reference
+    reference = None if c.config.lora.lora_r else c.reference
     held = {"policy": count(c.policy), "critic": count(c.critic), "reference": count(reference),
             "reward_model": count(reward_model.model if reward_model is not None else None),
             **({"teacher": count(c.teacher)} if c.teacher is not None else {})}

@@ -52,7 +52,7 @@ class Opening(NamedTuple):
         copied once, and its forward runs on the rollout side beside the trainer's; an offloaded one is shared (a
         copy would be ordinary memory again)."""
         c, reference = self.c, None
-        if c.reference is not None and not c.config.lora_r:
+        if c.reference is not None and not c.config.lora.lora_r:
             reference = c.reference if c.offloaded_reference is not None else copy.deepcopy(c.reference)
         return rollout_source(c, sampler, model, c.autocast, reference, tokenizer)
 
@@ -63,51 +63,51 @@ class Opening(NamedTuple):
         return copy.deepcopy(self.c.policy).requires_grad_(False), copy.deepcopy(self.c.tokenizer)
 
     def side_of(self, kind, source, **given):
-        return kind(source, self.state.rng, Schedule(self.c.config.max_staleness, self.c.config.steps,
-                                                     self.state.step), self.c.policy, self.saved, **given)
+        schedule = Schedule(self.c.config.rollout.max_staleness, self.c.config.run.steps, self.state.step)
+        return kind(source, self.state.rng, schedule, self.c.policy, self.saved, **given)
 
 
 def open_side(c: Components, state: LoopState, saved: list[Drawn] = (), side: tuple[dict, dict] | None = None
               ) -> RolloutSide:
     """The run's rollout side at its current step (``saved``, ``side``: what a checkpoint held of it)."""
-    config, in_flight = c.config, bool(c.config.max_staleness)
-    streamed = (in_flight and not config.in_flight_updates and streams(c)
-                and copies_fit(c.policy, config.max_staleness, c.sampler.log))
-    layout = Layout(in_flight, config.in_flight_updates, streamed, in_flight and c.engine.pushes_weights)
+    rollout, in_flight = c.config.rollout, bool(c.config.rollout.max_staleness)
+    streamed = (in_flight and not rollout.in_flight_updates and streams(c)
+                and copies_fit(c.policy, rollout.max_staleness, c.sampler.log))
+    layout = Layout(in_flight, rollout.in_flight_updates, streamed, in_flight and c.engine.pushes_weights)
     return SIDES[layout](Opening(c, state, list(saved), side))
 
 
 def _local_in_flight(o: Opening) -> InFlight:
     model, tokenizer = o.own_copies()
     config = o.c.config
-    sampler = BuiltinSampler(model, tokenizer, sampling_settings(config), chunk_prompts(config), o.c.autocast)
+    sampler = BuiltinSampler(model, tokenizer, sampling_settings(config.sampling),
+                             chunk_prompts(config.sampling, config.optimisation), o.c.autocast)
     return o.side_of(InFlight, o.source(sampler, model, tokenizer), model=model)
 
 
 def _streamed(o: Opening) -> StreamedInFlight:
-    config = o.c.config
-    return o.side_of(StreamedInFlight, o.source(o.c.sampler), fleet=o.c.sampler,
-                     reference_rows=reference_rows(config, config.prompts_per_step, config.group_size))
+    sampling = o.c.config.sampling
+    return o.side_of(StreamedInFlight, o.source(o.c.sampler), fleet=o.c.sampler, reference_rows=reference_rows(
+        o.c.config.optimisation, sampling.prompts_per_step, sampling.group_size))
 
 
 def _partial(o: Opening, local: bool):
     from auto_research.train.partial_flight import LocalRounds, PartialInFlight, RemoteRounds  # noqa: PLC0415
 
-    c, config = o.c, o.c.config
+    c, rollout, settings = o.c, o.c.config.rollout, sampling_settings(o.c.config.sampling)
     if local:
         model, tokenizer = o.own_copies()
         source = o.source(None, model, tokenizer)
-        rounds = LocalRounds(model.eval(), tokenizer, source, sampling_settings(config),
-                             config.recompute_kv_on_update, c.autocast)
+        rounds = LocalRounds(model.eval(), tokenizer, source, settings, rollout.recompute_kv_on_update, c.autocast)
     else:
         if not c.sampler.partial:
             raise UserError(f"--in-flight-updates: the rollout server at {c.sampler.address} cannot decode partial "
                             "rollouts (it needs one rollout server, auto-research rollout-serve --engine builtin "
                             "or vllm, of this version or later, without --enable-lora)")
         source, tokenizer = o.source(c.sampler), copy.deepcopy(c.tokenizer)
-        rounds = RemoteRounds(c.sampler, source, sampling_settings(config), config.recompute_kv_on_update)
+        rounds = RemoteRounds(c.sampler, source, settings, rollout.recompute_kv_on_update)
     return o.side_of(PartialInFlight, source, engine=rounds, tokenizer=tokenizer, remote=None if local else c.sampler,
-                     state=o.side, pool=config.in_flight_pool, checkpoint_every=config.checkpoint_every)
+                     state=o.side, pool=rollout.in_flight_pool, checkpoint_every=c.config.run.checkpoint_every)
 
 
 REFERENCE_PARTS = 4
@@ -115,23 +115,23 @@ REFERENCE_PARTS = 4
 drawn, unless --micro-batch-size sets the parts (the trainer's own micro-batches)."""
 
 
-def reference_rows(config, prompts: int, group_size: int) -> int | None:
+def reference_rows(optimisation, prompts: int, group_size: int) -> int | None:
     """Rows a part of a streamed batch's reference log-probs: the trainer's micro-batch when it is a number of
     rows, else the whole groups of a REFERENCE_PARTS-th of the batch's prompts (a group in one forward shares its
     prompt's pass, ``packing.grouped_rows``). None (the whole batch, once drawn) when micro-batches are cut by
     tokens, which depends on every row's length, and with --offload-reference, whose weights come back for each
-    pass."""
-    if config.max_tokens_per_micro_batch is not None or config.offload_reference:
+    pass. ``optimisation``: the run's section."""
+    if optimisation.max_tokens_per_micro_batch is not None or optimisation.offload_reference:
         return None
-    return config.micro_batch_size or -(-prompts // REFERENCE_PARTS) * group_size
+    return optimisation.micro_batch_size or -(-prompts // REFERENCE_PARTS) * group_size
 
 
 def streams(c: Components) -> bool:
     """Whether a run's batches can be drawn across batches (``StreamedInFlight``): an engine that streams (a fleet
     of servers), one process, one draw per batch (no multi-turn episodes, refills or greedy baseline, which draw
     again mid-batch)."""
-    return (c.sampler.streams and not c.world.distributed and c.episodes is None and not c.config.dynamic_sampling
-            and not c.algorithm.needs_greedy)
+    return (c.sampler.streams and not c.world.distributed and c.episodes is None
+            and not c.config.sampling.dynamic_sampling and not c.algorithm.needs_greedy)
 
 
 def available_memory() -> int | None:
@@ -164,22 +164,23 @@ def rollout_source(c: Components, sampler, model, context, reference=None, token
     """What the rollout side needs of a run; ``reference``: a frozen reference of its own, whose log-probs it
     then computes (in the micro-batches the trainer would use, so the numbers are the trainer's); ``tokenizer``:
     the rollout side's own (default: the trainer's)."""
-    config, world = c.config, c.world
+    sampling, world = c.config.sampling, c.world
     tokenizer = tokenizer or c.tokenizer
     greedy = reference_logprobs = None
     if c.algorithm.needs_greedy:
         def greedy(prompts):
             with context():
-                return sample(model, tokenizer, prompts, 1, config.max_new_tokens, greedy=True)
+                return sample(model, tokenizer, prompts, 1, sampling.max_new_tokens, greedy=True)
     if reference is not None:
         def reference_logprobs(rollout):
             if reference is c.reference:  # offloaded: shared with the trainer, in the process only while in use
                 with c.reference_in_use() as model:
-                    return no_grad_forward(c, model, rollout, token_logprobs, temperature=config.temperature)
-            return no_grad_forward(c, reference, rollout, token_logprobs, temperature=config.temperature)
-    return RolloutSource(c.train_prompts, c.task.train, config.seed, config.prompts_per_step, config.group_size,
-                         lambda picks: world.share(picks, config.ppo_mini_batches), sampler, c.reward, greedy,
-                         reference_logprobs, config.max_refills if config.dynamic_sampling else None,
+                    return no_grad_forward(c, model, rollout, token_logprobs, temperature=sampling.temperature)
+            return no_grad_forward(c, reference, rollout, token_logprobs, temperature=sampling.temperature)
+    return RolloutSource(c.train_prompts, c.task.train, c.config.run.seed, sampling.prompts_per_step,
+                         sampling.group_size, lambda picks: world.share(picks, c.config.loss.ppo_mini_batches),
+                         sampler, c.reward, greedy,
+                         reference_logprobs, sampling.max_refills if sampling.dynamic_sampling else None,
                          c.tokenizer.pad_token_id or 0,
                          None if c.episodes is None else dataclasses.replace(c.episodes, generate=sampler.generate_ids))
 

@@ -45,7 +45,6 @@ class RolloutProcess(ServerSampler):
     def __init__(self, needs, cores: set[int]):
         import torch  # noqa: PLC0415
 
-        config = needs.config
         self.key = secrets.token_hex(16)
         command = [sys.executable, "-m", "auto_research", "rollout-serve", "--engine", "builtin", "--host",
                    "127.0.0.1", "--port", "0", "--threads", str(len(cores)), "--offline", "--model",
@@ -63,12 +62,12 @@ class RolloutProcess(ServerSampler):
         """This thread's cores and torch's threads before the run: given back at ``close`` (a run started from
         Python leaves its caller as it found it)."""
         os.sched_setaffinity(0, trainer_cores)  # this thread: the trainer's work
-        if not config.threads:
+        if not needs.threads:
             set_threads(len(trainer_cores))
         try:
             super().__init__(needs.policy, needs.tokenizer, needs.settings, address, needs.model_name, needs.world,
-                             config.run_dir, engine="builtin", chunk_prompts=needs.chunk_prompts, api_key=self.key,
-                             sync=config.rollout_sync)
+                             needs.run_dir, engine="builtin", chunk_prompts=needs.chunk_prompts, api_key=self.key,
+                             sync=needs.rollout.rollout_sync)
         except BaseException:
             self._stop_child()
             self._give_cores_back()
