@@ -16,7 +16,7 @@ from auto_research.progress import Progress
 from auto_research.report.tables import figure
 from auto_research.rewards.combine import MAX_REWARD
 from auto_research.train.components import Components, parameter_counts
-from auto_research.config.files import write_resolved_config
+from auto_research.config.files import resolved_settings, write_resolved_config
 from auto_research.train.evaluation import held_out, win_rate
 from auto_research.train.rollouts import Drawn
 from auto_research.train.schedule import rollout_source
@@ -42,7 +42,8 @@ def restore(c: Components, state: LoopState, folder: Path, log) -> tuple[list[Dr
     state.restore(saved)
     in_flight = checkpoints.read_in_flight(folder)
     batches, side = [], None
-    if c.config.max_staleness:
+    rollout = c.config.rollout
+    if rollout.max_staleness:
         if in_flight is not None:  # this rank's: tensors keyed rank/index/name
             tensors, plain = in_flight
             prefix = f"{c.world.rank}/"
@@ -52,12 +53,12 @@ def restore(c: Components, state: LoopState, folder: Path, log) -> tuple[list[Dr
                 side = ({key[len("side/"):]: value for key, value in mine.items() if key.startswith("side/")},
                         mine_plain.pop()["side"])
             batches = from_files(rollout_source(c, c.sampler, c.policy, c.sampling), mine, mine_plain)
-        depth = 1 if c.config.in_flight_updates else c.config.max_staleness  # batches drawn ahead of the trainer
-        needed = min(depth, c.config.steps - state.step)
+        depth = 1 if rollout.in_flight_updates else rollout.max_staleness  # batches drawn ahead of the trainer
+        needed = min(depth, c.config.run.steps - state.step)
         batches = batches[:needed]  # a run shortened by --steps: the batches past its new end are not trained on
         if len(batches) != needed:  # their weights are gone: without them the rollout side would wait forever
             raise UserError(f"--resume: {folder} holds {len(batches)} batches in flight, and --max-staleness "
-                            f"{c.config.max_staleness} needs {needed} there (a run drawn ahead is extended by "
+                            f"{rollout.max_staleness} needs {needed} there (a run drawn ahead is extended by "
                             "--steps only from a checkpoint that many steps before its end); resume from another "
                             "checkpoint")
     c.world.on_main(lambda: MetricsLog(c.config.run_dir).truncate(state.step))
@@ -72,7 +73,7 @@ class RunLoop:
         self.c, self.state, self.lock, self.log = c, state, lock, log
         self.side = c.rollouts
         self.run_dir = c.config.run_dir
-        self.metrics_log = MetricsLog(self.run_dir, c.config)
+        self.metrics_log = MetricsLog(self.run_dir, c.config.logging, resolved_settings(c.config))
         self.resumed = resumed
         self.run_dir_ready = False
         self.stop_signal: int | None = None
@@ -90,7 +91,7 @@ class RunLoop:
             self.lock.check()
         if self.run_dir_ready:
             return
-        if not self.resumed and self.c.config.overwrite:
+        if not self.resumed and self.c.config.run.overwrite:
             clear_run_folder(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Resumed too: --steps and the other settings a resumption may change are the run's now.
@@ -117,7 +118,7 @@ class RunLoop:
             critic_state = world.full_state(c.critic)
             critic_optimizer_state = world.optimizer_state(c.train_critic, c.critic_optimizer)
         rng, in_flight = rng or checkpoints.capture_rng(self.state.rng), None
-        if c.config.max_staleness:  # the batches drawn ahead, every rank's
+        if c.config.rollout.max_staleness:  # the batches drawn ahead, every rank's
             batches, rng["numpy"] = self.side.checkpoint(step)
             tensors, plain = to_files(batches)
             if self.side.carries_state:  # --in-flight-updates: the groups still decoding, after the batches
@@ -131,7 +132,7 @@ class RunLoop:
         def write():
             self._open_run_dir()
             return checkpoints.save_checkpoint(self.run_dir, step, c.policy, c.tokenizer, optimizer_state, rng,
-                                               self.trainer_state(), c.config.keep_checkpoints, c.critic,
+                                               self.trainer_state(), c.config.run.keep_checkpoints, c.critic,
                                                critic_optimizer_state, model_state, critic_state, in_flight)
 
         world.on_main(write)
@@ -185,17 +186,17 @@ class RunLoop:
         finishing the step in hand and saving it; metrics.json's payload at the end."""
         c, state, config = self.c, self.state, self.c.config
         if not self.resumed:
-            if config.warmup_steps:
-                self.log(f"warmup: the learning rate rises linearly to {config.learning_rate:g} over the first "
-                         f"{config.warmup_steps} of {config.steps} steps")
+            if config.optimisation.warmup_steps:
+                self.log(f"warmup: the learning rate rises linearly to {config.optimisation.learning_rate:g} over the "
+                         f"first {config.optimisation.warmup_steps} of {config.run.steps} steps")
             self._evaluate_baseline()
         handlers = {signum: signal.signal(signum, self._request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
-        bar = Progress(config.steps, f"{config.algorithm} on {c.task.name}", initial=state.step,
-                       enabled=config.logging.shows_progress and c.world.main, write=self.log, every=config.log_every,
-                       bar=config.progress)
+        bar = Progress(config.run.steps, f"{config.run.algorithm} on {c.task.name}", initial=state.step,
+                       enabled=config.logging.shows_progress and c.world.main, write=self.log,
+                       every=config.logging.log_every, bar=config.logging.progress)
         self.last_saved = state.step if self.resumed else None
         try:
-            for step in range(state.step + 1, config.steps + 1):
+            for step in range(state.step + 1, config.run.steps + 1):
                 self._train_step(step, bar)
         except (RolloutEngineError, RewardError) as error:  # a server gone, in a step or while a checkpoint read
             raise self._engine_gone(error) from None  # the rollout side; or that side's reward failed meanwhile
@@ -214,7 +215,7 @@ class RunLoop:
         state.step = step
         c.world.on_main(lambda: self._append(row))
         postfix = {"reward": figure(row["reward_mean"], 3), "kl": f"{row['kl']:.3f}"}
-        if config.eval_every and (step % config.eval_every == 0 or step == config.steps):
+        if config.run.eval_every and (step % config.run.eval_every == 0 or step == config.run.steps):
             self._evaluate(step, row)
         if state.history:
             postfix["acc"] = figure(state.history[-1]["accuracy"], 3)
@@ -222,7 +223,7 @@ class RunLoop:
         # A signal that reached one rank stops them all after this step.
         if c.world.any(self.stop_signal is not None) and self.stop_signal is None:
             self.stop_signal = signal.SIGTERM
-        if (step == config.steps or (config.checkpoint_every and step % config.checkpoint_every == 0)
+        if (step == config.run.steps or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0)
                 or self.stop_signal is not None):
             self.save(step)
             self.last_saved = step
@@ -237,7 +238,7 @@ class RunLoop:
         c, state, config = self.c, self.state, self.c.config
         # In flight, the generator runs ahead in the rollout side's thread: a failed step saves nothing
         # (the batches after the last good step were drawn by weights no longer held).
-        rng_before = None if config.max_staleness else checkpoints.capture_rng(state.rng)
+        rng_before = None if config.rollout.max_staleness else checkpoints.capture_rng(state.rng)
         try:
             return rl_step(c, state, step, self.side, self.log)
         except RewardError as error:
@@ -282,7 +283,7 @@ class RunLoop:
         c, state = self.c, self.state
         try:
             # The last evaluation keeps its greedy completions for the judge's win rate.
-            last = c.judge is not None and step == c.config.steps
+            last = c.judge is not None and step == c.config.run.steps
             table: list = []
             metrics = held_out(c, self.final_completions if last else None, table)
         except RewardError as error:
@@ -293,7 +294,7 @@ class RunLoop:
 
     def _completions(self, step: int, table: list) -> None:
         """--log-completions: the evaluation's completion table, to completions.jsonl and report.md."""
-        if not self.c.config.log_completions:
+        if not self.c.config.logging.log_completions:
             return
         self.state.completions = {"step": step, "rows": table}
         self.c.world.on_main(lambda: self.metrics_log.completions(step, table))
@@ -310,7 +311,7 @@ class RunLoop:
     def payload(self) -> dict:
         """metrics.json."""
         c, state, config = self.c, self.state, self.c.config
-        if state.history and state.history[-1]["step"] == config.steps:
+        if state.history and state.history[-1]["step"] == config.run.steps:
             final = {key: state.history[-1][key] for key in ("accuracy", "mean_reward", "entropy", "kl_from_reference",
                                                              "gold_reward", "turns_mean") if key in state.history[-1]}
         else:
@@ -326,24 +327,16 @@ class RunLoop:
                 raise _user_error(f"{error} (win rate; the last checkpoint holds the trained model)", error) from None
         baseline = state.baseline
         return {
-            "algorithm": config.algorithm,
-            "dataset": c.task.name,
-            "level": "generation",
-            "seed": config.seed,
-            "model": c.model_name,
-            "baseline": baseline,
-            "final": final,
+            "algorithm": config.run.algorithm, "dataset": c.task.name, "level": "generation", "seed": config.run.seed,
+            "model": c.model_name, "baseline": baseline, "final": final,
             # None for rows without answers (no accuracy measured).
             "relative_accuracy": None if baseline["accuracy"] is None else
             (final["accuracy"] - baseline["accuracy"]) / max(baseline["accuracy"], 1e-12),
             "training": {
                 **config.reported_settings(critic=c.critic is not None),
-                "policy_loss": config.policy_loss_in_use,
-                "dtype": str(c.compute_dtype).replace("torch.", ""),
-                "train_examples": len(c.task.train),
-                "validation_examples": len(c.task.evaluation),
-                "data_source": c.task.source,
-                "optimizer_updates": state.updates,
+                "policy_loss": config.policy_loss_in_use, "dtype": str(c.compute_dtype).replace("torch.", ""),
+                "train_examples": len(c.task.train), "validation_examples": len(c.task.evaluation),
+                "data_source": c.task.source, "optimizer_updates": state.updates,
                 "critic_updates": state.critic_updates,
                 **{key: state.totals[key] for key in ("no_signal_groups", "unscored_samples", "invalid_rewards")},
                 "training_seconds": state.totals["seconds"],

@@ -33,7 +33,7 @@ def step_metrics(c: Components, step: int, experience: Experience, advantages: A
     all_rewards = gather(scores.rewards.double())
     rewards = all_rewards[scored]
     kl_sequence = gather(experience.streams["kl"].sum(1).double())
-    objective = (all_rewards - config.beta * kl_sequence)[scored]
+    objective = (all_rewards - config.loss.beta * kl_sequence)[scored]
     sequence_advantages = gather(((advantages.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)).double())
     lengths = gather(mask.sum(1).double())
     entropy = float(gather(experience.entropy.sum(1).double()).sum())
@@ -76,7 +76,7 @@ def teacher_figures(c: Components, experience: Experience, advantages: Advantage
     if advantages.centred is None:
         return {}
     mask, d, centred = experience.mask, experience.streams["teacher"], advantages.centred
-    dense = (c.config.distill_weight * centred).abs().sum()
+    dense = (c.config.loss.distill_weight * centred).abs().sum()
     sums = c.world.total(torch.stack([mask.sum(), d.sum(), d.square().sum(), centred.sum(), centred.square().sum(),
                                       dense, (advantages.advantages * mask).abs().sum()]).double())
     tokens, d_sum, d_squares, c_sum, c_squares, dense, total = sums.tolist()
@@ -113,20 +113,19 @@ class MetricsLog:
     Nothing is written before ``open`` (the run folder's first write, after --overwrite cleared the earlier
     run): the evaluation before training waits in memory until then."""
 
-    def __init__(self, run_dir: Path, config=None):
+    def __init__(self, run_dir: Path, logging=None, settings: dict | None = None):
+        """``logging``: the run's section (its trackers), ``settings``: what they are given (``resolved_settings``)."""
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.config, self.trackers, self.pending = config, None, []
+        self.logging, self.settings, self.trackers, self.pending = logging, settings, None, []
 
     def open(self, resumed: bool, warn=print) -> None:
         """Start the trackers (``--report-to``) and write what waited."""
         from auto_research.report.trackers import Trackers, parse_report_to
 
-        names = parse_report_to(self.config.report_to) if self.config is not None else ()
+        names = parse_report_to(self.logging.report_to) if self.logging is not None else ()
         if names:
-            from auto_research.config.files import resolved_settings
-
-            self.trackers = Trackers(names, self.path.parent, self.config.tracker_project,
-                                     resolved_settings(self.config), resumed, warn)
+            self.trackers = Trackers(names, self.path.parent, self.logging.tracker_project, self.settings, resumed,
+                                     warn)
         pending, self.pending = self.pending, None
         for method, args in pending:
             getattr(self, method)(*args)

@@ -28,8 +28,10 @@ def open_run(prepared: Prepared, world: World, log=print) -> tuple[Components, L
     side, built once (``schedule.open_side``; it draws from the first step on). The command line and
     ``post_train`` (``recipes/generation_run.py``) and ``Trainer`` all open a run here. (The side travels in
     ``Components.rollouts`` to the loop that owns it, until the run's values replace that bag.)"""
-    components = build_components(prepared, model_for(prepared.config, prepared.task, world, log), world, log)
-    state = LoopState.fresh(prepared.config.seed)
+    config = prepared.config
+    model = model_for(config.policy.model, config.data.offline, config.logging.progress, prepared.task, world, log)
+    components = build_components(prepared, model, world, log)
+    state = LoopState.fresh(config.run.seed)
     try:
         saved = restore(components, state, prepared.resume_from, log) if prepared.resume_from is not None else ()
         components.rollouts = open_side(components, state, *saved)
@@ -50,7 +52,7 @@ class Trainer:
         """``environment``/``tools``: a factory and functions from Python (as --environment and --tools);
         ``rollout_function``: ``fn(rows, context)``, as --rollout-function (envs.custom)."""
         config = config.filled()
-        world = world or World.from_environment(config.fsdp)
+        world = world or World.from_environment(config.policy.fsdp)
         prepared = prepare(config, log, rows, reward_functions, world.size, environment, tools, rollout_function)
         return cls(*open_run(prepared, world, log), log)
 
@@ -58,7 +60,7 @@ class Trainer:
         """The rollout a step would train on: its prompts drawn from the loop's generator, then sampled (with
         --max-staleness 0; in flight, the rollout side's thread owns the generator)."""
         c = self.components
-        if self.side.started and c.config.max_staleness:
+        if self.side.started and c.config.rollout.max_staleness:
             raise UserError("Trainer.sample draws as a synchronous step does (--max-staleness 0): with rollouts in "
                             "flight the rollout side's thread owns the prompt generator and the sampler (over several "
                             "servers, each holds its own version); call it before the first step")

@@ -120,14 +120,14 @@ def warm_start_record(path: Path) -> dict | None:
     return json.loads(record.read_text()) if record.is_file() else None
 
 
-def model_for(config, task, world, log=print) -> str:
+def model_for(model: str | None, offline: bool, progress: bool, task, world, log=print) -> str:
     """The run's model as a folder or hub id: ``--model`` (a GGUF file or a packaged model converted once), else
-    the embedded tiny model warm-started on the task. Rank 0 makes it; the others wait, then read the cache."""
+    the embedded tiny model warm-started on the task. Rank 0 makes it (showing ``progress``); the others wait."""
     def resolve(progress: bool) -> str:
-        if config.model is None:
+        if model is None:
             return str(ensure_warm_started(task, progress=progress, log=log))
-        return materialise(config.model, config.offline, log)
+        return materialise(model, offline, log)
 
-    name = resolve(config.progress) if world.main else None
+    name = resolve(progress) if world.main else None
     world.barrier()
     return name if world.main else resolve(False)
