@@ -163,11 +163,11 @@ def held_out(c, completions: dict | None = None, table: list | None = None) -> d
     with c.reference_in_use() as reference, c.sampling(reference):
         try:
             result = evaluate(c.policy, reference, c.tokenizer, c.eval_prompts, c.task.evaluation, c.task.verifier,
-                              c.reward, c.config.max_new_tokens, c.config.temperature,
+                              c.reward, c.config.sampling.max_new_tokens, c.config.sampling.temperature,
                               shard=(c.world.rank, c.world.size), total=c.world.total, gold=c.task.gold,
                               completions=mine if completions is not None else None,
                               details=details if table is not None else None,
-                              detail_count=c.config.log_completions, episodes=c.episodes)
+                              detail_count=c.config.logging.log_completions, episodes=c.episodes)
         except RewardError as error:
             failure = error
     c.world.agree(failure, RewardError)
@@ -186,6 +186,6 @@ def held_out(c, completions: dict | None = None, table: list | None = None) -> d
 
 def win_rate(c, baseline_completions: list[str], new: list[str]) -> float:
     """Held-out win rate of ``new`` greedy completions against the starting policy's, judged both ways round."""
-    total, count = judged(c.judge, c.config.judge, c.eval_prompts, c.task.evaluation, new, baseline_completions)
+    total, count = judged(c.judge, c.config.rewards.judge, c.eval_prompts, c.task.evaluation, new, baseline_completions)
     return total / max(count, 1.0)
 

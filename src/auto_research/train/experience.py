@@ -109,7 +109,7 @@ def no_grad_forward(c: Components, model, rollout: Rollout, function, **options)
         for part in parts:
             chunk = rows_of(rollout, part)
             result = function(model, chunk.sequences, chunk.prompt_mask, chunk.completion_mask,
-                              group_size=c.config.group_size, **({"pack": True} if pack else {}), **options)
+                              group_size=c.config.sampling.group_size, **({"pack": True} if pack else {}), **options)
             results = result if isinstance(result, tuple) else (result,)
             if outputs is None:
                 outputs = [torch.zeros(rows, width, dtype=value.dtype, device=value.device) for value in results]
@@ -133,7 +133,7 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
     π_old being the weights at the start of this update: for the clipped losses (PPO, GRPO, REINFORCE++) that is
     the decoupled objective's proximal policy (the ratio is clipped against π_old, the weight corrects π_old
     to μ); for the whole-completion estimators (RLOO …) π_old is the policy whose gradient is taken."""
-    temperature = c.config.temperature
+    temperature = c.config.sampling.temperature
     rollout, scores = rollout.to(c.device), scores.to(c.device)  # the sampler's device may not be the trainer's
     if reference_logprobs is not None:
         reference_logprobs = reference_logprobs.to(c.device)
@@ -150,10 +150,11 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
                if (stream := source(c, rollout, scores, old_logprobs, reference_logprobs)) is not None}
     values = no_grad_forward(c, c.critic, rollout, completion_values) * mask if c.critic is not None else None
     weights = drift = None
-    if corrected(c.engine, c.config.max_staleness) and rollout.sampler_logprobs is not None:
+    rollout_section = c.config.rollout
+    if corrected(c.engine, rollout_section.max_staleness) and rollout.sampler_logprobs is not None:
         # Another engine or older weights sampled: how far μ is from π_old, and the weights that correct it.
-        weights = importance_weights(old_logprobs - rollout.sampler_logprobs, mask, c.config.rollout_correction,
-                                     c.config.rollout_correction_cap)
+        weights = importance_weights(old_logprobs - rollout.sampler_logprobs, mask,
+                                     rollout_section.rollout_correction, rollout_section.rollout_correction_cap)
         drift = mismatch(old_logprobs, rollout.sampler_logprobs, mask)
     return Experience(rollout, scores, old_logprobs, entropy, streams, reference_logprobs, values, weights, drift)
 
@@ -163,7 +164,8 @@ def task_reward(c: Components, rollout: Rollout, scores: Scores, old_logprobs, r
     scored ones."""
     loss, mask, rewards = c.config.loss, rollout.trained_mask.float(), scores.rewards
     if loss.overlong_buffer:
-        penalty = overlong_penalty(mask.sum(1), c.config.max_new_tokens, loss.overlong_buffer, loss.overlong_penalty)
+        penalty = overlong_penalty(mask.sum(1), c.config.sampling.max_new_tokens, loss.overlong_buffer,
+                                   loss.overlong_penalty)
         rewards = torch.where(scores.scored, rewards + penalty, rewards)
     return last_token(mask) * rewards.unsqueeze(1)
 
@@ -172,7 +174,7 @@ def reference_kl(c: Components, rollout: Rollout, scores: Scores, old_logprobs, 
     """The sampling policy's KL to the reference per token, by --kl-estimator (0 without a reference)."""
     if reference_logprobs is None:
         return torch.zeros_like(old_logprobs)
-    return kl_per_token(old_logprobs, reference_logprobs, c.config.kl_estimator) * rollout.trained_mask.float()
+    return kl_per_token(old_logprobs, reference_logprobs, c.config.loss.kl_estimator) * rollout.trained_mask.float()
 
 
 def teacher_signal(c: Components, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs):

@@ -32,7 +32,7 @@ from auto_research.train.components import Components
 
 def micro_batches(c: Components, rollout: Rollout, rows: slice, model) -> tuple[bool, list]:
     """Whether the parts are packed, and the parts of ``rows``: slices, or (n,) tensors of row indices."""
-    size, budget = c.config.micro_batch_size, c.config.max_tokens_per_micro_batch
+    size, budget = c.config.optimisation.micro_batch_size, c.config.optimisation.max_tokens_per_micro_batch
     if budget is None:
         size = size or (rows.stop - rows.start)
         return False, [slice(start, min(start + size, rows.stop)) for start in range(rows.start, rows.stop, size)]

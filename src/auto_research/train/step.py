@@ -35,7 +35,7 @@ def rl_step(c: Components, state: LoopState, step: int, side: RolloutSide, log=p
     with timed("waiting_for_rollouts"):  # at --max-staleness 0, the trainer idles while the batch is drawn
         drawn = _take(c, side, step)
     with timed("score"):
-        scores = agreed_scores(c.world, drawn, step, c.config.group_size)
+        scores = agreed_scores(c.world, drawn, step, c.config.sampling.group_size)
     _warn_unscored(state, scores, step, log)
     with timed("experience"):
         experience = build_experience(c, drawn.rollout, scores, step - 1, drawn.reference_logprobs)
@@ -72,10 +72,10 @@ def _take(c: Components, side: RolloutSide, step: int):
 def _check_sampler(c: Components, experience, drift: dict, step: int) -> None:
     """Before the update: the sampler's log-probs within --max-rollout-mismatch of the trainer's, and some of the
     correction's weights alive (``correction.check_weights``)."""
-    check_mismatch(drift, c.config.max_rollout_mismatch, step, c.world.main)
+    check_mismatch(drift, c.config.rollout.max_rollout_mismatch, step, c.world.main)
     # sequence-mask's 0 drops a sequence on purpose (a step whose every sequence is dropped trains on nothing, as
     # in TRL), where a vanishing weight is a mismatch the run would learn nothing from without a word.
-    if experience.rollout_weights is not None and not drops_samples(c.config.rollout_correction):
+    if experience.rollout_weights is not None and not drops_samples(c.config.rollout.rollout_correction):
         check_weights(c.world, experience.rollout_weights, experience.mask)
 
 
@@ -85,12 +85,12 @@ def _rollout_row(c: Components, state: LoopState, drawn, seconds: dict, step: in
     if c.engine.pushes_weights and c.sampler.pushed_bytes is not None:  # a server's client
         extra["weight_sync_bytes"] = c.sampler.pushed_bytes
     seconds["score"] += drawn.seconds["score"]
-    figures = rollout_figures(c.world, drawn, step, c.config.dynamic_sampling)
+    figures = rollout_figures(c.world, drawn, step, c.config.sampling.dynamic_sampling)
     if "task" not in c.algorithm.rewards:  # no_signal_* count groups of equal task rewards, which opd never reads
         figures = {key: value for key, value in figures.items() if not key.startswith("no_signal_")}
     state.totals["no_signal_groups"] += figures.get("no_signal_groups", 0)
-    if c.config.dynamic_sampling:
-        _warn_refills(state, figures, c.config.prompts_per_step, step, log)
+    if c.config.sampling.dynamic_sampling:
+        _warn_refills(state, figures, c.config.sampling.prompts_per_step, step, log)
     return {**extra, **figures, **{f"time_{phase}": value for phase, value in seconds.items()}}
 
 

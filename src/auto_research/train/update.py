@@ -37,22 +37,22 @@ def estimate_advantages(c: Components, experience: Experience, baseline: float =
     −β·kl on every token when the KL shapes the reward → the record's estimator → whitening over every rank's tokens
     when the record asks for it, or --normalize-advantages' z-score over the completions → the record's dense streams
     the run has (a teacher's d), each less its baseline, λ× added per token: Â_{i,t} = A_i + λ·(d_{i,t} − b_i)."""
-    config, mask, scores, streams = c.config, experience.mask, experience.scores, experience.streams
+    loss, group_size, gae_lambda = c.config.loss, c.config.sampling.group_size, c.config.critic.gae_lambda
+    mask, scores, streams = experience.mask, experience.scores, experience.streams
     token_rewards = sum((streams[name] for name in c.algorithm.rewards), torch.zeros_like(mask))
-    if kl_shapes_reward(config.kl_in):
-        token_rewards = token_rewards - config.beta * streams["kl"]
-    inputs = AdvantageInputs(token_rewards, mask, config.group_size, scores.scored, scores.greedy_rewards,
-                             experience.values, 1.0, config.gae_lambda, baseline, streams["task"].sum(1),
-                             config.std or "population")
+    if kl_shapes_reward(loss.kl_in):
+        token_rewards = token_rewards - loss.beta * streams["kl"]
+    inputs = AdvantageInputs(token_rewards, mask, group_size, scores.scored, scores.greedy_rewards, experience.values,
+                             1.0, gae_lambda, baseline, streams["task"].sum(1), loss.std or "population")
     advantages, returns = ADVANTAGE_ESTIMATORS[c.algorithm.advantage](inputs)
-    if c.algorithm.whiten and config.whiten_advantages:
+    if c.algorithm.whiten and loss.whiten_advantages:
         advantages = whiten(advantages, mask * scores.scored.float().unsqueeze(1), total=c.world.total)
-    if config.normalize_advantages:
+    if loss.normalize_advantages:
         advantages = normalise_over_batch(advantages, mask, scores.scored, total=c.world.total)
     centred = None
     for name in (name for name in c.algorithm.dense if name in streams):
-        centred = dense_term(streams[name], mask, config.group_size, config.distill_baseline)
-        advantages = advantages + config.distill_weight * centred
+        centred = dense_term(streams[name], mask, group_size, loss.distill_baseline)
+        advantages = advantages + loss.distill_weight * centred
     return Advantages(advantages, returns, inputs, centred)
 
 
@@ -69,9 +69,9 @@ def loss_mask(c: Components, experience: Experience) -> torch.Tensor:
     """(B, T) the tokens the actor's loss counts: every completion token, less the truncated completions' with
     --mask-truncated (they stay in their groups' baselines, computed before)."""
     mask = experience.mask
-    if not c.config.mask_truncated:
+    if not c.config.loss.mask_truncated:
         return mask
-    cut = truncated(experience.rollout, c.config.max_new_tokens, eos_ids(c.tokenizer, c.policy))
+    cut = truncated(experience.rollout, c.config.sampling.max_new_tokens, eos_ids(c.tokenizer, c.policy))
     return mask * (~cut).to(mask.dtype).unsqueeze(1)
 
 
@@ -102,7 +102,7 @@ def learning_rate_at(optimisation, update: int, total_updates: int) -> float:
 
 def _mini_batches(c: Components, rows: int) -> list[slice]:
     """Slices of whole groups, one optimizer step each."""
-    size = rows // c.config.ppo_mini_batches
+    size = rows // c.config.loss.ppo_mini_batches
     return [slice(start, start + size) for start in range(0, rows, size)]
 
 
@@ -122,10 +122,10 @@ def optimizer_step(c: Components, model, optimizer, update: int) -> float:
     for parameter in trained:  # (a tied embedding's rows-seen share alone, had the output side had none)
         if parameter.grad is not None and parameter.grad.is_sparse:
             parameter.grad = parameter.grad.to_dense()
-    norm = torch.nn.utils.clip_grad_norm_(trained, c.config.max_grad_norm)
+    norm = torch.nn.utils.clip_grad_norm_(trained, c.config.optimisation.max_grad_norm)
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
     for group in optimizer.param_groups:
-        group["lr"] = learning_rate_at(c.config.optimisation, update, c.config.steps * c.updates_per_step)
+        group["lr"] = learning_rate_at(c.config.optimisation, update, c.config.run.steps * c.updates_per_step)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
@@ -135,49 +135,49 @@ def update_actor(c: Components, experience: Experience, advantages: Advantages, 
     """Epochs × mini-batches × micro-batches of the policy loss (--policy-loss, the record's by default), plus the
     KL term in the loss and the entropy bonus. ``updates``: optimizer steps taken before (the schedule's
     position); returns the figures and their count."""
-    config, world = c.config, c.world
+    loss, sampling, world, policy_loss = c.config.loss, c.config.sampling, c.world, c.config.policy_loss_in_use
     mask = loss_mask(c, experience)
-    loss_function = POLICY_LOSSES[config.policy_loss_in_use]
+    loss_function = POLICY_LOSSES[policy_loss]
     totals = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0, "entropy_loss": 0.0, "grad_norm": 0.0,
               "clip_fraction": 0.0}
     width, all_tokens = mask.shape[1], float(world.total(mask.sum()).clamp(min=1))
-    entropy_bonus = config.entropy_coef > 0
-    for _ in range(config.updates_per_batch):
+    entropy_bonus = loss.entropy_coef > 0
+    for _ in range(loss.updates_per_batch):
         for rows in _mini_batches(c, mask.shape[0]):
             # Global counts of this optimizer step (over every rank): micro-batch shares sum to its exact loss.
             # DDP and FSDP average gradients over ranks, hence the loss × N.
             sequences = (rows.stop - rows.start) * world.size
             counts = dict(sequences=float(sequences), tokens=float(world.total(mask[rows].sum()).clamp(min=1)),
-                          groups=float(sequences // config.group_size), max_tokens=float(config.max_new_tokens))
+                          groups=float(sequences // sampling.group_size), max_tokens=float(sampling.max_new_tokens))
             for part, chunk, pack in _accumulating(c, experience, rows, c.train_policy):
                 with c.autocast():
                     output = token_logprobs(c.train_policy, chunk.sequences, chunk.prompt_mask, chunk.completion_mask,
-                                            config.temperature, with_entropy=entropy_bonus,
-                                            group_size=config.group_size, entropy_gradient=entropy_bonus, pack=pack)
+                                            sampling.temperature, with_entropy=entropy_bonus,
+                                            group_size=sampling.group_size, entropy_gradient=entropy_bonus, pack=pack)
                 logprobs, entropy = output if entropy_bonus else (output, None)
                 logprobs = widen(logprobs, width)
                 inputs = LossInputs(logprobs, experience.old_logprobs[part], advantages.advantages[part], mask[part],
-                                    config.clip_low, config.clip_high)
+                                    loss.clip_low, loss.clip_high)
                 terms = loss_function(inputs)
                 if experience.rollout_weights is not None:  # another engine sampled: π/μ, truncated
                     terms = terms * experience.rollout_weights[part]
-                pg = aggregate(terms, mask[part], config.loss_aggregation, **counts,
+                pg = aggregate(terms, mask[part], loss.loss_aggregation, **counts,
                                per_group_sum=c.algorithm.reduction == "sum")
-                loss = pg
-                if kl_in_loss(config.kl_in) and experience.reference_logprobs is not None and config.beta > 0:
-                    kl = kl_per_token(logprobs, experience.reference_logprobs[part], config.kl_estimator)
-                    kl_loss = config.beta * aggregate(kl, mask[part], config.loss_aggregation, **counts)
-                    loss = loss + kl_loss
+                objective = pg
+                if kl_in_loss(loss.kl_in) and experience.reference_logprobs is not None and loss.beta > 0:
+                    kl = kl_per_token(logprobs, experience.reference_logprobs[part], loss.kl_estimator)
+                    kl_loss = loss.beta * aggregate(kl, mask[part], loss.loss_aggregation, **counts)
+                    objective = objective + kl_loss
                     totals["kl_loss"] += float(kl_loss.detach())
                 if entropy_bonus:
-                    entropy_loss = -config.entropy_coef * aggregate(widen(entropy, width), mask[part],
-                                                                    config.loss_aggregation, **counts)
-                    loss = loss + entropy_loss
+                    entropy_loss = -loss.entropy_coef * aggregate(widen(entropy, width), mask[part],
+                                                                  loss.loss_aggregation, **counts)
+                    objective = objective + entropy_loss
                     totals["entropy_loss"] += float(entropy_loss.detach())
-                (loss * world.size if world.distributed else loss).backward()
-                totals["loss"] += float(loss.detach())
+                (objective * world.size if world.distributed else objective).backward()
+                totals["loss"] += float(objective.detach())
                 totals["pg_loss"] += float(pg.detach())
-                totals["clip_fraction"] += float(clip_fraction(config.policy_loss_in_use, inputs).sum()) / all_tokens
+                totals["clip_fraction"] += float(clip_fraction(policy_loss, inputs).sum()) / all_tokens
             totals["grad_norm"] = optimizer_step(c, c.policy, c.optimizer, updates)
             updates += 1
     # Losses are reported per optimizer step (averaged, summed over ranks); the gradient norm is the last step's.
@@ -196,21 +196,21 @@ def update_critic(c: Components, experience: Experience, advantages: Advantages,
     its updates."""
     if c.critic is None:
         return {}
-    config, world = c.config, c.world
+    critic, world = c.config.critic, c.world
     mask = experience.mask * experience.scores.scored.float().unsqueeze(1)
     width, value_loss = mask.shape[1], 0.0
-    for _ in range(config.updates_per_batch):
+    for _ in range(c.config.loss.updates_per_batch):
         for rows in _mini_batches(c, mask.shape[0]):
             tokens = float(world.total(mask[rows].sum()).clamp(min=1))
             for part, chunk, pack in _accumulating(c, experience, rows, c.train_critic):
                 with c.autocast():
                     values = widen(completion_values(c.train_critic, chunk.sequences, chunk.prompt_mask,
-                                                     chunk.completion_mask, config.group_size, pack=pack), width)
-                terms = clipped_value_loss(values, experience.values[part], advantages.returns[part],
-                                           config.value_clip)
-                loss = config.vf_coef * (terms * mask[part]).sum() / tokens
+                                                     chunk.completion_mask, c.config.sampling.group_size, pack=pack),
+                                   width)
+                terms = clipped_value_loss(values, experience.values[part], advantages.returns[part], critic.value_clip)
+                loss = critic.vf_coef * (terms * mask[part]).sum() / tokens
                 (loss * world.size if world.distributed else loss).backward()
-                value_loss += float(loss.detach()) / max(config.vf_coef, 1e-12)
+                value_loss += float(loss.detach()) / max(critic.vf_coef, 1e-12)
             optimizer_step(c, c.critic, c.critic_optimizer, updates)
     returns, values = advantages.returns, experience.values
     count = world.total(mask.sum()).clamp(min=1)
