@@ -45,6 +45,24 @@ def _names_config(node: ast.AST) -> bool:
         isinstance(node, ast.Attribute) and node.attr.endswith("config"))
 
 
+def flat_reads_in(tree: ast.AST, flat: set[str]) -> list[int]:
+    """The lines of ``tree`` that read a setting by its flat name (``config.temperature``, ``c.config.beta``)."""
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr in flat and _names_config(node.value)]
+
+
+def below_the_boundary(path: Path) -> bool:
+    """A module where settings are read by section (outside config/, cli/, recipes/, api.py and ``OTHER_CONFIGS``)."""
+    return _room(path) not in BOUNDARY and not str(path.relative_to(PACKAGE)).startswith(OTHER_CONFIGS)
+
+
+def flat_reads() -> list[str]:
+    """Every flat read below the boundary, as ``module:line``."""
+    flat = flat_names()
+    return [f"{path.relative_to(PACKAGE)}:{line}" for path in sorted(PACKAGE.rglob("*.py")) if below_the_boundary(path)
+            for line in flat_reads_in(ast.parse(path.read_text()), flat)]
+
+
 def _decorated_frozen(node: ast.ClassDef) -> bool | None:
     """True/False for a dataclass (frozen or not), None for another class."""
     for decorator in node.decorator_list:
@@ -66,7 +84,10 @@ def counts() -> dict:
         if text.count("\n") > 450:
             long_files.append(name)
         tree = ast.parse(text)
-        inside = _room(path) in BOUNDARY or name.startswith(OTHER_CONFIGS)
+        inside = not below_the_boundary(path)
+        if not inside and flat_reads_in(tree, flat):
+            reads[name] = len(flat_reads_in(tree, flat))
+            reach.add(name)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 if node.end_lineno - node.lineno + 1 > 60:
@@ -78,9 +99,6 @@ def counts() -> dict:
                                 arg.arg == "config" and _room(path) in GENERATION_ROOMS and not annotation):
                             takers.append(f"{name}:{node.name}")
                             break
-            elif isinstance(node, ast.Attribute) and not inside and node.attr in flat and _names_config(node.value):
-                reads[name] += 1
-                reach.add(name)
             elif isinstance(node, ast.Name) and node.id == "GenerationConfig" and not inside:
                 reach.add(name)
             elif isinstance(node, ast.ClassDef) and not inside and _decorated_frozen(node) is False:

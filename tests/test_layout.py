@@ -158,6 +158,25 @@ def test_the_lower_layers_import_nothing_above_them():
                     if name.startswith(f"auto_research.{low}") and target.startswith(f"auto_research.{high}"))
     assert not upward, upward
 
+def _layout_counts():
+    """benchmarks/layout.py, issue 54's counts, imported from its file (benchmarks/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("layout_counts", PACKAGE.parents[1] / "benchmarks" / "layout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_code_below_the_boundary_reads_settings_by_section():
+    """Flat names (``config.temperature``) are the boundary's (config/, cli/, recipes/, api.py): below it a setting is
+    read from its section (``config.sampling.temperature``), and a function is given the sections it reads."""
+    layout = _layout_counts()
+    made_up = ast.parse("a = config.temperature\nb = c.config.sampling.temperature\nd = self.config.beta\n")
+    assert layout.flat_reads_in(made_up, {"temperature", "beta"}) == [1, 3]  # the detector sees a flat read
+    assert layout.flat_reads() == [], "read these settings from their sections"
+
+
 def test_no_source_file_is_over_450_lines():
     long = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")
             if len(path.read_text().splitlines()) > 450}
