@@ -201,11 +201,7 @@ def _read_round(serving, body) -> tuple:
         {"prompt_ids": [item[1] for item in supply] or [[0]], "group_size": body["group_size"],
          "seeds": [item[2] for item in supply] or [0], "settings": body["settings"]},
         serving.served.vocab_size, serving.sampler.max_model_len, serving.limits.max_group_size)
-    longest = max(map(len, prompts))
-    if pool_groups * group_size * (longest + settings.max_new_tokens) > serving.limits.max_request_tokens:
-        raise Refused(413, f"a round of {pool_groups} groups of {group_size} with prompts of {longest} tokens and "
-                           f"{settings.max_new_tokens} new tokens is over the server's --max-request-tokens "
-                           f"{serving.limits.max_request_tokens}")
+    _check_tokens(serving, pool_groups, group_size, max(map(len, prompts)), settings.max_new_tokens, "a round of ")
     keys = [tuple(item[0]) for item in supply]
     if len(set(keys)) < len(keys):
         raise Refused(400, "supply holds a group twice (its [prompt index, seed])")
@@ -214,15 +210,27 @@ def _read_round(serving, body) -> tuple:
     return number, version, per_step, oldest, [(key, item[1], item[2]) for key, item in zip(keys, supply)], config
 
 
+def _check_tokens(serving, pool_groups: int, group_size: int, longest: int, max_new: int, start: str) -> None:
+    """``Refused(413)`` (its line after ``start``) when a pool's worth of rows asks more than --max-request-tokens."""
+    if pool_groups * group_size * (longest + max_new) > serving.limits.max_request_tokens:
+        raise Refused(413, start + f"{pool_groups} groups of {group_size} with prompts of {longest} tokens and "
+                                   f"{max_new} new tokens is over the server's --max-request-tokens "
+                                   f"{serving.limits.max_request_tokens}")
+
+
 def _most_supply(per_step: int, pool_groups: int) -> int:
     """The most groups one round may supply: four steps' worth, and the pool's extra groups."""
     return 4 * per_step + pool_groups - per_step
 
 
-def _most_held(per_step: int, pool_groups: int) -> int:
-    """The most groups rounds may hold at once, queued, decoding and done: a round's supply, beside a pool's worth
-    decoding and a pool's worth done but not yet handed over (a trainer keeps the queue at ``supply_target``)."""
-    return _most_supply(per_step, pool_groups) + 2 * pool_groups
+def _check_held(count: int, per_step: int, pool_groups: int, holder: str) -> None:
+    """``Refused(400)`` when ``count`` groups are more than rounds may hold at once, queued, decoding and done: a
+    round's supply, beside a pool's worth decoding and a pool's worth done but not yet handed over (a trainer keeps
+    the queue at ``supply_target``)."""
+    most = _most_supply(per_step, pool_groups) + 2 * pool_groups
+    if count > most:
+        raise Refused(400, f"{holder} {count} groups (queued, decoding and done); {_rounds_of(per_step, pool_groups)} "
+                           f"hold at most {most}")
 
 
 def _rounds_of(per_step: int, pool_groups: int) -> str:
@@ -237,11 +245,8 @@ def _check_queue(session: Session, number: int, per_step: int, supply: list) -> 
     held = set(session.rounds.keys()) & {key for key, _, _ in supply}
     if held:
         raise Refused(400, f"supply holds group {list(sorted(held)[0])}, which these rounds hold already")
-    pool_groups = session.config["pool_groups"]
-    count, most = len(session.rounds.keys()) + len(supply), _most_held(per_step, pool_groups)
-    if count > most:
-        raise Refused(400, f"the rounds would hold {count} groups (queued, decoding and done); "
-                           f"{_rounds_of(per_step, pool_groups)} hold at most {most}")
+    _check_held(len(session.rounds.keys()) + len(supply), per_step, session.config["pool_groups"],
+                "the rounds would hold")
     needed = supply_target(per_step, session.config["pool_groups"])
     if len(session.rounds.pending) + len(supply) < needed:
         raise Refused(400, f"the queue would hold {len(session.rounds.pending) + len(supply)} groups; a round needs "
@@ -327,14 +332,8 @@ def _state_head(serving, read, length: int) -> dict:
     if len(lanes) > pool_groups or len(finished) > pool_groups:
         raise Refused(400, RULES + f"the state holds {len(lanes)} groups decoding and {len(finished)} done; "
                                    f"{_rounds_of(per_step, pool_groups)} hold at most {pool_groups} of each")
-    count, most = len(pending) + len(lanes) + len(finished), _most_held(per_step, pool_groups)
-    if count > most:
-        raise Refused(400, RULES + f"the state holds {count} groups (queued, decoding and done); "
-                                   f"{_rounds_of(per_step, pool_groups)} hold at most {most}")
-    if pool_groups * group_size * (longest + max_new) > serving.limits.max_request_tokens:
-        raise Refused(413, RULES + f"{pool_groups} groups of {group_size} with prompts of {longest} tokens and "
-                                   f"{max_new} new tokens is over the server's --max-request-tokens "
-                                   f"{serving.limits.max_request_tokens}")
+    _check_held(len(pending) + len(lanes) + len(finished), per_step, pool_groups, RULES + "the state holds")
+    _check_tokens(serving, pool_groups, group_size, longest, max_new, RULES)
     bound = 8 + size + _state_bytes(serving.served, pool_groups * group_size, longest, max_new)
     if length > bound:
         raise Refused(413, f"a state of {length} bytes is over the {bound} bytes that rounds of {per_step} groups a "
