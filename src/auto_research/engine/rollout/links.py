@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from safetensors.torch import save
 
 from auto_research.engine import machine
 from auto_research.engine.rollout.pushes import (BUCKET_BYTES, JOIN_SECONDS, PUSH_SECONDS, _broadcast_options,
@@ -97,8 +98,6 @@ class HttpLink:
         self.size += tensor.numel() * tensor.element_size()
 
     def _post(self, last: bool) -> None:
-        from safetensors.torch import save  # noqa: PLC0415
-
         part, batch = self.part, self.batch
         self.part, self.size, self.batch, self.seen = part + 1, 0, {}, set()
         self.call(f"/weights?part={part}&last={int(last)}", save(batch), "application/octet-stream")
@@ -118,8 +117,6 @@ class AdapterLink(HttpLink):
         self.batch[name] = tensor
 
     def finish(self, failure: UserError | None) -> UserError | None:
-        from safetensors.torch import save  # noqa: PLC0415
-
         return failure or _attempt(self.call, "/weights/adapter", save(self.batch), "application/octet-stream")
 
 

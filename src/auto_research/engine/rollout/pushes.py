@@ -49,12 +49,14 @@ import socket
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from auto_research.engine.rollout.adapter_guard import check_adapter
 from auto_research.engine.rollout.guard import Refused, all_finite, check_ties
 from auto_research.engine.rollout.rendezvous import RemoteStore, gloo_device, link_key
 from auto_research.engine.rollout.transfer import with_ties
 from auto_research.errors import one_line
+from auto_research.http import split_address
 
 BUCKET_BYTES = 64 * 2**20
 """The most bytes a bucket of several tensors holds (a tensor larger than this goes alone)."""
@@ -65,8 +67,6 @@ PUSH_SECONDS = 120.0
 
 
 def _broadcast_options():
-    import torch.distributed as dist  # noqa: PLC0415
-
     options = dist.BroadcastOptions()
     options.rootRank = 0
     return options
@@ -75,8 +75,6 @@ def _broadcast_options():
 def backends(device: torch.device | str) -> list[str]:
     """The groups this side can form with its weights on ``device``, the fastest first: NCCL for CUDA tensors
     when this torch has it, gloo (any tensor, sent from the CPU) when this torch has it."""
-    import torch.distributed as dist  # noqa: PLC0415
-
     if not dist.is_available():
         return []
     fast = ["nccl"] if torch.device(device).type == "cuda" and dist.is_nccl_available() else []
@@ -98,8 +96,6 @@ def choose_backend(ours: list[str], theirs) -> str | None:
 def _group(store, prefix: str, rank: int, seconds: float, backend: str = "gloo", address: str | None = None):
     """This side's rank of the group of two through ``store``; gloo's listener on ``address`` (this side's on the
     way to the other) alone."""
-    import torch.distributed as dist  # noqa: PLC0415
-
     timeout, store = datetime.timedelta(seconds=seconds), dist.PrefixStore(prefix, store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -184,10 +180,6 @@ class Link:
 
 
 def collective_join(handler):
-    import torch.distributed as dist  # noqa: PLC0415
-
-    from auto_research.http import split_address  # noqa: PLC0415
-
     body = handler.holder_body(2**16)
     try:
         request = json.loads(body)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
+import shutil
 import tempfile
 import time
 from typing import Iterator
@@ -272,8 +274,6 @@ class VLLMSampler:
         weights of the last full push, unmerged: written as a PEFT adapter (each B times its scaling, every rank
         padded with zeros to the largest, so one ``r`` and ``lora_alpha`` = r fit all) under a new id, and loaded at
         once, so an adapter vLLM cannot apply fails its push rather than the next draw."""
-        import json  # noqa: PLC0415
-
         from safetensors.torch import save_file  # noqa: PLC0415
         from vllm.lora.request import LoRARequest  # noqa: PLC0415
 
@@ -300,8 +300,6 @@ class VLLMSampler:
             with _process_kept(), harmless_lines_hidden(not self.verbose):
                 self.llm.llm_engine.add_lora(adapter)  # raises here for an adapter vLLM cannot apply
         except BaseException:
-            import shutil  # noqa: PLC0415
-
             shutil.rmtree(folder, ignore_errors=True)
             raise
         self._drop_adapter()
@@ -311,8 +309,6 @@ class VLLMSampler:
         """The adapter vLLM held, unloaded, and its folder removed."""
         if self.adapter is None:
             return
-        import shutil  # noqa: PLC0415
-
         self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
         shutil.rmtree(self.adapter.lora_path, ignore_errors=True)
         self.adapter = None
