@@ -60,9 +60,9 @@ def _taught_gradient(draw, baseline: str = "none", penalty: float | None = None)
     record's policy loss; averaged over the group. ``penalty``: that one value in place of every token's d."""
     K = len(draw)
     rollout = Rollout(torch.tensor([[0, y] for y in draw]), torch.ones(K, 1), torch.ones(K, 1), [""] * K, K)
-    config = SimpleNamespace(group_size=K, micro_batch_size=None, max_tokens_per_micro_batch=None, distill_weight=1.0,
-                             distill_baseline=baseline, kl_in="none", beta=0.0, gae_lambda=1.0, std=None,
-                             whiten_advantages=False, normalize_advantages=False)
+    config = GenerationConfig(group_size=K, micro_batch_size=None, max_tokens_per_micro_batch=None, distill_weight=1.0,
+                              distill_baseline=baseline, kl_in="none", beta=0.0, gae_lambda=1.0, std=None,
+                              whiten_advantages=False, normalize_advantages=False)
     record = get_algorithm("opd")
     c = SimpleNamespace(config=config, world=World(), autocast=contextlib.nullcontext, teacher=_Toy(TEACHER),
                         algorithm=record)
@@ -284,7 +284,7 @@ def test_the_teachers_figures_by_hand():
         centred = dense_term(d, mask, 2, "loo")
         experience = SimpleNamespace(mask=mask, streams={"teacher": d})
         given = SimpleNamespace(centred=centred, advantages=centred if advantages is None else advantages)
-        return teacher_figures(SimpleNamespace(config=SimpleNamespace(distill_weight=1.0), world=World()),
+        return teacher_figures(SimpleNamespace(config=GenerationConfig(distill_weight=1.0), world=World()),
                                experience, given)
 
     # Two groups of K = 2 whose d is a prompt-level offset (−2 and 0): the LOO baseline takes all of it. d's mean is

@@ -202,7 +202,7 @@ def test_mask_truncated_leaves_completions_that_hit_the_limit_out_of_the_loss():
     assert truncated(rollout, 3, [0]).tolist() == [False, True, False]
     experience = SimpleNamespace(rollout=rollout, mask=mask.float())
     for on, expected in ((False, mask), (True, torch.tensor([[1, 1, 1], [0, 0, 0], [1, 1, 0]]))):
-        c = SimpleNamespace(config=SimpleNamespace(mask_truncated=on, max_new_tokens=3),
+        c = SimpleNamespace(config=GenerationConfig(mask_truncated=on, max_new_tokens=3),
                             tokenizer=SimpleNamespace(eos_token_id=0), policy=None)
         assert torch.equal(loss_mask(c, experience), expected.float())
 

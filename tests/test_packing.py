@@ -208,7 +208,9 @@ def test_a_rank_runs_as_many_micro_batches_as_the_rank_that_needs_the_most(tiny)
         def gather(self, tensor):
             return torch.cat([tensor, torch.tensor([self.other])])
 
-    config = SimpleNamespace(micro_batch_size=None, max_tokens_per_micro_batch=20)
+    from auto_research.config.generation import GenerationConfig
+
+    config = GenerationConfig(micro_batch_size=None, max_tokens_per_micro_batch=20)
     # Rows 4-7 (tokens 10, 7, 6, 5 as rows 0-3): first-fit decreasing in 20 gives [4, 5] (17), then [6, 7] (11).
     pack, parts = micro_batches.micro_batches(SimpleNamespace(config=config, world=World(1)), rollout, slice(4, 8),
                                               tiny)
