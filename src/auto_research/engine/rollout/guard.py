@@ -278,7 +278,7 @@ class WeightPush:
     @property
     def limit(self) -> int:
         """The whole push's size: every expected tensor once."""
-        return sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in self.spec.values())
+        return sum(math.prod(shape) * ITEMSIZE.get(dtype, 4) for shape, dtype in self.spec.values())
 
     def add(self, part: int, body: bytes) -> None:
         """Check one part's tensors against the spec and keep them, or ``Refused`` naming the first that fails."""
@@ -353,10 +353,6 @@ def check_ties(tied, spec: dict) -> dict:
 
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes an element of each dtype a pushed weight may have."""
-
-
-def _itemsize(dtype: str) -> int:
-    return ITEMSIZE.get(dtype, 4)
 
 
 def weight_spec(named) -> dict:
