@@ -204,11 +204,9 @@ class Pool:
                         self.rows["logprobs"][part, :width].clone(), self.rows["entropies"][part, :width].clone(),
                         self.rows["versions"][part, :width].clone())
 
-    def to_files(self, finished: list[Finished]) -> tuple[dict, dict]:
-        return pool_to_files(self, finished)
-
-    def from_files(self, tensors: dict, plain: dict) -> list[Finished]:
-        return pool_from_files(self, tensors, plain)
+    to_files = pool_to_files
+    from_files = pool_from_files
+    """A checkpoint's files of the pool and the groups done, and back (``partial_files.py``)."""
 
     def close(self) -> None:
         """Every lane given up, with its rows and KV cache (the rounds are done with)."""
