@@ -49,16 +49,17 @@ class Server:
     SIGKILL and start again on the same port. Its read timeout is the default's 30 s: with 3 s, a trainer's
     weight push on a host loaded by the suite's other worker once missed it (a 408, then the module's runs)."""
 
-    def __init__(self, model):
+    def __init__(self, model, env=None):
         self.model, self.port, self.lines, self.process = model, 0, [], None
         self.start_args: tuple = ()
+        self.env = {**ENV, **(env or {})}
 
     def start(self) -> str:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "auto_research", "vllm-serve", "--model", str(self.model), "--port", str(self.port),
              "--vllm-memory", "0.02", "--offline", "--read-timeout", "30", "--lease-seconds", "600",
              *self.start_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env, start_new_session=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in self.process.stderr], daemon=True).start()
         deadline, address = time.time() + 240, None
@@ -246,8 +247,11 @@ def test_weights_over_a_gloo_group_reach_a_vllm_server_its_tied_head_sent_once(s
 
 @pytest.fixture(scope="module")
 def second_server(served_model):
-    """A second vLLM server, tensor parallel over two workers (one a core) and taking LoRA adapters up to rank 8."""
-    second = Server(served_model)
+    """A second vLLM server, tensor parallel over two workers (one a core) and taking LoRA adapters up to rank 8,
+    on AVX2 kernels whatever the CPU: there, torch.compile's code for vLLM's sharded embedding wrote garbage past a
+    batch's eighth position (a worker's IndexError, its peer spinning in the all-reduce), which rollout-serve now
+    avoids (vllm.check_parallel)."""
+    second = Server(served_model, env={"ATEN_CPU_CAPABILITY": "avx2"})
     second.start_args = ("--tensor-parallel-size", "2", "--enable-lora", "--max-lora-rank", "8")
     second.start()
     yield second

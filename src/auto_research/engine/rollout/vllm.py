@@ -53,7 +53,8 @@ def check_servable(config, device: str, model_name: str, where: str = "--sampler
 def check_parallel(device: str, tensor: int, data: int, where: str = "rollout-serve") -> None:
     """vLLM's parallelism against this host, in one line before any model loads: on GPUs, tensor × data GPUs must
     be visible; on the CPU, each tensor-parallel worker takes a group of this process's cores (bound here through
-    ``VLLM_CPU_OMP_THREADS_BIND`` unless the user set it: vLLM-CPU otherwise wants a NUMA node per worker)."""
+    ``VLLM_CPU_OMP_THREADS_BIND`` unless the user set it: vLLM-CPU otherwise wants a NUMA node per worker), with
+    torch.compile off in its workers (see below)."""
     if tensor == 1 and data == 1:
         return
     if device.startswith("cuda"):
@@ -69,6 +70,12 @@ def check_parallel(device: str, tensor: int, data: int, where: str = "rollout-se
     share = len(cores) // tensor
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
         _ranges(cores[worker * share: (worker + 1) * share]) for worker in range(tensor)))
+    # vLLM compiles its sharded embedding's index arithmetic with torch.compile whatever enforce_eager says. With
+    # AVX2 kernels (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 host, measured; a CPU without AVX-512 presumably too)
+    # inductor's code (torch 2.13, vLLM-CPU 0.32) fills every position of a batch past the eighth with garbage: a
+    # worker raises IndexError while its peer waits in the all-reduce for ever, spinning a core, or draws from the
+    # wrong embedding rows. Eager is exact and costs nothing at these sizes; the workers are spawned, so read it.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def _ranges(cores: list[int]) -> str:
