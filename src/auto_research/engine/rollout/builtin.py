@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from auto_research.engine.logprobs import cache_argument, cache_of
+from auto_research.engine.logprobs import cache_argument, cache_of, token_logprobs
 from auto_research.engine.packed import packed_linears
 from auto_research.engine.rollout import (Rollout, SamplingSettings, completion_mask, concatenate, eos_ids,
                                           left_padded)
@@ -313,6 +313,25 @@ class BuiltinEngine:
         log-probs of their tokens under the processed distribution (temperature, top-k, top-p)."""
         return sample(self.model, self.tokenizer, prompt_ids, group_size, settings.max_new_tokens,
                       settings.temperature, settings.top_p, settings.top_k, seeds=seeds).drawn()
+
+    @property
+    def longest_scored(self) -> int:
+        """The longest row (prompt + completion) ``logprobs`` scores."""
+        return self.max_model_len
+
+    @torch.no_grad()
+    def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
+        """Each completion token's log-prob at temperature 1 given all before it (a served teacher's scores): the
+        trainer's own ``token_logprobs`` over ``[left-padded prompt | right-padded completion]`` rows, consecutive
+        rows of one prompt sharing its forward as a group of the trainer's batch does."""
+        device, pad = next(self.model.parameters()).device, self.tokenizer.pad_token_id or 0
+        prompts, prompt_mask = left_padded(prompt_ids, pad, device)
+        completions, completion_mask = (tensor.flip(1) for tensor in left_padded([ids[::-1] for ids in completion_ids],
+                                                                                 pad, device))
+        group = next((row for row, ids in enumerate(prompt_ids) if ids != prompt_ids[0]), len(prompt_ids))
+        values = token_logprobs(self.model, torch.cat([prompts, completions], 1), prompt_mask, completion_mask,
+                                group_size=group)  # (token_logprobs checks that the rows are such groups)
+        return [row[: len(ids)] for row, ids in zip(values.tolist(), completion_ids)]
 
     @torch.no_grad()
     def load_named(self, weights) -> None:

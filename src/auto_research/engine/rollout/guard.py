@@ -1,5 +1,6 @@
 """What a rollout server accepts, checked before anything touches its engine: the lease that makes one trainer
-the only writer of its weights, the shape and size of a ``/generate`` request, and every tensor of a weight push.
+the only writer of its weights, the shape and size of a ``/generate`` or ``/logprobs`` request, and every tensor of
+a weight push.
 
 Every check raises ``Refused(status, message)``: the server answers it as one JSON line
 ``{"error": message}`` with that 4xx status, and its engine and weights stay as they were.
@@ -196,11 +197,7 @@ def check_generate(request, vocab_size: int, max_model_len: int, max_group_size:
     if not isinstance(prompts, list) or not 1 <= len(prompts) <= MAX_PROMPTS:
         raise Refused(400, f"prompt_ids must be a list of 1..{MAX_PROMPTS} prompts (lists of token ids)")
     for index, ids in enumerate(prompts):
-        if not isinstance(ids, list) or not ids:
-            raise Refused(400, f"prompt {index} is empty or not a list of token ids")
-        for token in ids:
-            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
-                raise Refused(400, f"prompt {index} has token id {token!r}, outside the vocabulary 0..{vocab_size - 1}")
+        _token_ids(ids, f"prompt {index}", vocab_size)
     group_size = _integer(request["group_size"], "group_size", 1, max_group_size)
     seeds = request["seeds"]
     if not isinstance(seeds, list) or len(seeds) != len(prompts):
@@ -229,6 +226,39 @@ def check_generate(request, vocab_size: int, max_model_len: int, max_group_size:
         top_p=_number(settings.get("top_p", 1.0), "top_p", 0.0, 1.0, low_open=True),
         top_k=_integer(settings.get("top_k", 0), "top_k", 0, vocab_size))
     return prompts, group_size, seeds, checked
+
+
+def _token_ids(ids, name: str, vocab_size: int) -> None:
+    """``Refused(400)`` unless ``ids`` is a non-empty list of token ids of the vocabulary."""
+    if not isinstance(ids, list) or not ids:
+        raise Refused(400, f"{name} is empty or not a list of token ids")
+    for token in ids:
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+            raise Refused(400, f"{name} has token id {token!r}, outside the vocabulary 0..{vocab_size - 1}"[:300])
+
+
+def check_logprobs(request, vocab_size: int, longest: int, bound: int) -> tuple[list, list, int]:
+    """``(prompt_ids, completion_ids, tokens)`` of a well-formed ``POST /logprobs`` (``tokens``: Σ over its rows of
+    prompt + completion), or ``Refused`` naming the first fault: 400 for its form or a row over ``longest`` tokens
+    (the engine's ``longest_scored``), 413 for over ``bound`` tokens."""
+    if not isinstance(request, dict) or set(request) != {"prompt_ids", "completion_ids"}:
+        raise Refused(400, 'a /logprobs request is {"prompt_ids": [[id, ...], ...], "completion_ids": [[id, ...], '
+                           '...]}: a prompt and a completion a row, nothing else')
+    prompts, completions = request["prompt_ids"], request["completion_ids"]
+    if not isinstance(prompts, list) or not isinstance(completions, list) \
+            or not 1 <= len(prompts) == len(completions) <= MAX_PROMPTS:
+        raise Refused(400, f"prompt_ids and completion_ids must be lists of 1..{MAX_PROMPTS} rows, as many of each")
+    for index, (prompt, completion) in enumerate(zip(prompts, completions)):
+        _token_ids(prompt, f"prompt {index}", vocab_size)
+        _token_ids(completion, f"completion {index}", vocab_size)
+        if len(prompt) + len(completion) > longest:
+            raise Refused(400, f"row {index} has {len(prompt) + len(completion)} tokens (prompt + completion), over "
+                               f"the {longest} a row that this server scores (vLLM's: max_model_len less one)")
+    tokens = sum(map(len, prompts)) + sum(map(len, completions))
+    if tokens > bound:
+        raise Refused(413, f"this request holds {tokens} tokens (prompts + completions), over the server's bound of "
+                           f"{bound} a request: send it in parts, or raise rollout-serve's --max-request-tokens")
+    return prompts, completions, tokens
 
 
 def request_tokens(prompts: list, group_size: int, new_tokens: int) -> int:

@@ -11,7 +11,7 @@ import torch
 from auto_research.engine.rollout import SamplingSettings
 from auto_research.engine.rollout.guard import weight_spec
 from auto_research.engine.rollout.remote import pushed_weights
-from auto_research.engine.rollout.server import Limits, Served, fingerprint, make_server
+from auto_research.engine.rollout.server import Limits, Served, fingerprint, make_server, vocabulary
 from auto_research.http import API_KEY_VARIABLE, is_loopback, server_key
 from auto_research.engine.samplers import vllm_memory
 
@@ -86,7 +86,8 @@ def start_engine(config, log) -> tuple[object, Served]:
                               config.seed, parallel=(config.tensor_parallel_size, config.data_parallel_size),
                               lora_rank=config.max_lora_rank if config.enable_lora else None)
     return sampler, Served(name, fingerprint(model.config, tokenizer), weight_spec(pushed_weights(model, dtype)),
-                           int(model.config.vocab_size), str(dtype).removeprefix("torch."), str(device))
+                           int(model.config.vocab_size), str(dtype).removeprefix("torch."), str(device),
+                           vocabulary(tokenizer))
 
 
 def _interrupt(*_) -> None:

@@ -7,12 +7,12 @@ The protocol, all on one HTTP port (our own: vLLM's OpenAI server has no in-plac
 the CPU). With a key (``AUTO_RESEARCH_API_KEY`` on both sides, or ``rollout-serve --api-key-file``, ``http.server_key``)
 every request carries ``Authorization: Bearer KEY`` (16 to 256 printable ASCII characters, ``http.check_api_key``).
 
-- ``GET /health`` → ``{"model", "fingerprint", "weights_version", "instance", "max_model_len", "dtype",
-  "vocab_size", "max_group_size", "max_request_tokens", "lease_seconds", "adapters", "collective", "partial",
-  "lease"}`` (``instance``: random, one
-  per server start). The fingerprint hashes the architecture's shape and the tokenizer's vocabulary: a trainer
-  whose ``--model`` differs is refused. ``lease`` is ``{"held"}`` and, while held, the holder: its host, PID and
-  run folder behind an API key, its host alone on a server without one.
+- ``GET /health`` → ``{"model", "fingerprint", "vocabulary", "weights_version", "instance", "max_model_len",
+  "dtype", "vocab_size", "max_group_size", "max_request_tokens", "lease_seconds", "adapters", "collective",
+  "partial", "lease"}`` (``instance``: random, one per server start). The fingerprint hashes the architecture's
+  shape and the tokenizer's vocabulary: a trainer whose ``--model`` differs is refused; ``vocabulary`` hashes the
+  vocabulary alone (a served teacher's must be the policy's). ``lease`` is ``{"held"}`` and, while held, the
+  holder: its host, PID and run folder behind an API key, its host alone on a server without one.
 - ``POST /lease`` with ``{"holder": {"host", "pid", "run"}, "secret"}`` → ``{"lease", "seconds", "shared"}``
   (the lease's shared-memory buffer, or null), or 409 while another run holds it (``guard.Leases``: one per
   server; ``secret`` is the run's own, kept in its run folder, and only it takes a live lease over, for
@@ -24,6 +24,13 @@ every request carries ``Authorization: Bearer KEY`` (16 to 256 printable ASCII c
   drawing samples changes nothing. Bounded: a request asks for at most ``--max-request-tokens`` tokens (Σ over
   its prompts of group size × (prompt + max new tokens), every completion counted at its longest), else 413;
   the requests of clients without the lease hold at most ``--max-server-tokens`` at once, else 429.
+- ``POST /logprobs`` with ``{"prompt_ids", "completion_ids"}`` (a prompt and a completion a row, token ids) →
+  ``{"logprobs", "weights_version", "instance"}``: each completion token's log-prob at temperature 1 given all
+  before it (the full softmax: a served teacher's scores, ``teacher.ServedTeacher``), a forward and no decoding.
+  Read-only, so open to any client with the key, as ``/generate`` is, and bounded and scheduled as it is: at most
+  ``--max-request-tokens`` tokens (Σ prompt + completion) a request, else 413; without the lease, in slices
+  between the holder's turns and within ``--max-server-tokens``. A scorer needs no lease: it would let it push
+  weights, and the one lease of a server would keep out the trainer that samples from it.
 - ``POST /weights?part=N&last=0|1`` with the lease and a safetensors body: the policy's weights in parts of at
   most ``PART_BYTES``, gathered one parameter at a time on the trainer (FSDP2 shards too). Each part is checked
   as it comes (known names, shapes, dtype, finite values; ``guard.WeightPush``); at the last part, once every
@@ -74,8 +81,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, MAX_REQUEST_TOKENS, MAX_SERVER_TOKENS,
-                                                Leases, Refused, Turns, check_claim, check_generate, check_size,
-                                                describe, slices)
+                                                Leases, Refused, Turns, check_claim, check_generate,
+                                                check_logprobs, check_size, describe, slices)
 from auto_research.engine.rollout.pushes import (adapter_push, backends, collective_join, collective_push,
                                                 takes_adapters)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
@@ -103,6 +110,11 @@ def fingerprint(config, tokenizer) -> str:
     return hashlib.sha256(json.dumps([shape, vocabulary], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def vocabulary(tokenizer) -> str:
+    """The tokenizer's vocabulary alone, hashed: a served teacher's must be the policy's."""
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
+
+
 # --- the server ---------------------------------------------------------------------------------------
 
 
@@ -118,6 +130,8 @@ class Served:
     dtype: str
     device: str = "cpu"
     """The engine's device: a push over a group is received there (NCCL on a GPU, ``pushes.backends``)."""
+    vocabulary: str = ""
+    """``vocabulary(tokenizer)``: what a served teacher's client checks."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +175,7 @@ class Handler(BaseHTTPRequestHandler):
     """One connection's requests (a thread each); ``self.server.serving`` is the engine and its guards."""
 
     POSTS = {"/generate": "_generate", "/lease": "_lease", "/lease/renew": "_renew", "/lease/release": "_release",
-             "/weights": "_weights", "/weights/shared": "_shared"}
+             "/weights": "_weights", "/weights/shared": "_shared", "/logprobs": "_logprobs"}
     PUSHES = {"/weights/adapter": lambda handler: adapter_push(handler, PART_BYTES + 2**20),
               "/weights/collective": collective_join, "/weights/collective/push": collective_push}
     """Paths answered by ``pushes.py``'s functions, given the handler."""
@@ -304,6 +318,7 @@ class Handler(BaseHTTPRequestHandler):
             raise Refused(404, f"no such path {self._path()}")
         serving, limits = self.serving, self.serving.limits
         return 200, {"model": serving.served.name, "fingerprint": serving.served.fingerprint,
+                     "vocabulary": serving.served.vocabulary,
                      "weights_version": serving.turns.version, "instance": serving.instance,
                      "max_model_len": serving.sampler.max_model_len, "dtype": serving.served.dtype,
                      "vocab_size": serving.served.vocab_size, "max_group_size": limits.max_group_size,
@@ -337,23 +352,40 @@ class Handler(BaseHTTPRequestHandler):
             self._json(), serving.served.vocab_size, serving.sampler.max_model_len, limits.max_group_size)
         new = settings.max_new_tokens
         tokens = check_size(prompts, group_size, new, limits.max_request_tokens)
+        answers, version = self._in_turns(tokens, slices(prompts, group_size, new, limits.slice_tokens), lambda s, e: (
+            serving.sampler.generate(prompts[s:e], group_size, seeds[s:e], settings)))
+        return 200, {"completions": [row for drawn, _ in answers for row in drawn],
+                     "logprobs": [row for _, values in answers for row in values], "weights_version": version,
+                     "instance": serving.instance}
+
+    def _logprobs(self):
+        """Each completion token's log-prob at temperature 1 (a teacher's scores), scheduled as ``/generate``."""
+        serving, limits = self.serving, self.serving.limits
+        prompts, completions, tokens = check_logprobs(self._json(), serving.served.vocab_size,
+                                                      serving.sampler.longest_scored, limits.max_request_tokens)
+        rows = [prompt + completion for prompt, completion in zip(prompts, completions)]
+        answers, version = self._in_turns(tokens, slices(rows, 1, 0, limits.slice_tokens), lambda s, e: (
+            serving.sampler.logprobs(prompts[s:e], completions[s:e])))
+        return 200, {"logprobs": [row for values in answers for row in values], "weights_version": version,
+                     "instance": serving.instance}
+
+    def _in_turns(self, tokens: int, parts: list, work) -> tuple[list, int]:
+        """``work(start, end)`` of each part (the whole request at once for the lease holder), each in a turn of
+        the engine; their answers, and the one weights version they all came from."""
+        serving = self.serving
         first = serving.leases.holds(self.headers.get("X-Lease"))
-        parts = [(0, len(prompts))] if first else slices(prompts, group_size, new, limits.slice_tokens)
-        completions, logprobs, version = [], [], None
+        answers, version = [], None
         with serving.turns.admitted(tokens, first):
-            for start, end in parts:
+            for start, end in [(0, parts[-1][1])] if first else parts:
                 with serving.turns.turn(first):
                     _check_no_partial_rollouts(serving)  # in the turn: a round may have begun while this waited
-                    if version not in (None, serving.turns.version):  # stop drawing: the answer is void
+                    if version not in (None, serving.turns.version):  # stop: the answer is void
                         raise Refused(409, "the lease holder pushed new weights while this request was drawn (in "
                                            "slices, between its requests): its samples would come from two versions; "
                                            "send it again")
                     version = serving.turns.version
-                    drawn, values = serving.sampler.generate(prompts[start:end], group_size, seeds[start:end],
-                                                             settings)
-                completions, logprobs = completions + drawn, logprobs + values
-        return 200, {"completions": completions, "logprobs": logprobs, "weights_version": version,
-                     "instance": serving.instance}
+                    answers.append(work(start, end))
+        return answers, version
 
     def _lease(self):
         holder, secret = check_claim(self._json(2**16))

@@ -228,6 +228,29 @@ class VLLMSampler:
                     logprobs.append(list(values))
         return completions, logprobs
 
+    @property
+    def longest_scored(self) -> int:
+        """The longest row (prompt + completion) ``logprobs`` scores: vLLM draws a token after it, within
+        max_model_len."""
+        return self.max_model_len - 1
+
+    def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
+        """Each completion token's log-prob at temperature 1 given all before it (a served teacher's scores):
+        vLLM's prompt log-probs over prompt + completion, one token drawn. ``prompt_logprobs=0`` gives each
+        position's actual token alone; vLLM takes prompt log-probs from the raw logits' log-softmax in any
+        ``logprobs_mode`` (no temperature, top-k or top-p: gpu_model_runner's ``_get_prompt_logprobs_dict``), and
+        skips the prefix cache for such a request (``SamplingParams``: a cached prefix would have none)."""
+        from vllm import SamplingParams  # noqa: PLC0415
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        with _process_kept():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompt + completion) for prompt, completion
+                                         in zip(prompt_ids, completion_ids)], params, use_tqdm=False,
+                                        lora_request=self.adapter)
+        return [[step[token].logprob for step, token in zip(output.prompt_logprobs[len(prompt):], completion)]
+                for output, prompt, completion in zip(outputs, prompt_ids, completion_ids)]
+
     def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
                      ) -> tuple[list[list[int]], list[list[float]]]:
         """One completion per prompt of token ids (``envs.trajectory.run_episodes``)."""
