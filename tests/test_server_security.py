@@ -41,6 +41,9 @@ def checksum(prompts, completions, rows):
             if time.monotonic() > deadline:
                 raise RuntimeError("the test never said go on")
             time.sleep(0.05)
+    hold = os.environ.get("HOLD_AFTER")
+    if hold and pathlib.Path(hold).is_dir():
+        time.sleep(300)  # once that checkpoint is written, here until the test's SIGKILL: the run cannot end first
     return [float(sum(map(ord, c)) % 5) for c in completions]
 """
 ATTACKER = """
@@ -183,7 +186,10 @@ def test_another_process_cannot_take_a_live_trainers_lease_nor_push_weights_and_
         undisturbed = tmp_path / "undisturbed"
         args = _args(tiny_model_dir, sums_jsonl, undisturbed, server.address)
         env = _environment(tmp_path)
-        kill_after_checkpoint(args, env, undisturbed / "rloo-sums-seed42" / "checkpoints" / "step-000002")
+        second = undisturbed / "rloo-sums-seed42" / "checkpoints" / "step-000002"
+        # held in its next reward call once step 2's checkpoint is written: under load a 4-step run once ended (and
+        # gave its lease back) between the test's look at the folder and its SIGKILL
+        kill_after_checkpoint(args, {**env, "HOLD_AFTER": str(second)}, second)
         assert json.loads(_health(server.address))["lease"]["held"]  # the dead process's lease, live for 600 s
         resumed = subprocess.run([sys.executable, "-m", "auto_research", *args, "--resume"], cwd=tmp_path, env=env,
                                  capture_output=True, text=True, timeout=300)
