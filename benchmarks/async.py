@@ -185,8 +185,8 @@ def one_run(options, level: str, model: str | None, output: Path, server=None) -
         trainer.side.cpus = options.sampler_cores
     if options.long_tail and not server:  # on the sampling model only (its first batch, drawn at once, is in the warm-up)
         fraction, factor = (float(part) for part in options.long_tail.split(":"))
-        c = trainer.components
-        hook = long_tail_hook(fraction, factor, options.max_new_tokens / factor, c.tokenizer.eos_token_id,
+        c = trainer.models
+        hook = long_tail_hook(fraction, factor, options.max_new_tokens / factor, trainer.run.tokenizer.eos_token_id,
                               options.decode_latency / 1000)
         (trainer.side.model if K else c.policy).register_forward_hook(hook, with_kwargs=True)
     if options.train_latency:  # an accelerator's update: the trainer's step takes this much longer, on its cores

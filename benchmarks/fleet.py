@@ -143,7 +143,7 @@ def one_run(options, n: int, K: int, model_dir: str, model, tokenizer, output: P
     lines: list[str] = []
     streams = schedule.streams  # the table picks the side when the run opens
     if whole_batches:
-        schedule.streams = lambda components: False
+        schedule.streams = lambda run, drawing: False
     try:
         trainer = Trainer.build(config, log=lines.append)
     finally:

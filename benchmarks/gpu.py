@@ -96,10 +96,10 @@ def child(options) -> None:
         rows_seen.append(trainer.step(step))
         steps.append(time.perf_counter() - started)
     trainer.close()
-    c = trainer.components
-    world = c.world
+    c, world, tokenizer = trainer.models, trainer.run.world, trainer.run.tokenizer
+    prompts = trainer.drawing.train_prompts
     parameters = sum(p.numel() for p in c.policy.parameters())
-    held = held_bytes(c)
+    held = held_bytes(c, trainer.run.config.lora.lora_r)
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
@@ -107,8 +107,8 @@ def child(options) -> None:
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     # This rank's prompt tokens, times the ranks: the step's (every rank holds as many prompts).
-    prompt_tokens = sum(len(c.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-                        for prompt in c.train_prompts) / len(c.train_prompts)
+    prompt_tokens = sum(len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                        for prompt in prompts) / len(prompts)
     result = {"steps": steps[1:], "collect": [row["time_sample"] for row in rows_seen[1:]],
               "update": [row["time_update_actor"] for row in rows_seen[1:]],
               "weight_sync": [row.get("weight_sync_seconds", 0.0) for row in rows_seen[1:]],
@@ -124,7 +124,7 @@ def child(options) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def held_bytes(c) -> dict:
+def held_bytes(c, lora_r: int) -> dict:
     """The training state this process holds, counted tensor by tensor: the policy's weights, a gradient
     for every trainable weight, the optimizer's states and the reference's own weights. Exact and the same
     on every run, where peak memory also holds the allocator's and the framework's working memory."""
@@ -133,7 +133,7 @@ def held_bytes(c) -> dict:
     def size(tensors) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
-    own_reference = c.reference is not None and not c.config.lora_r
+    own_reference = c.reference is not None and not lora_r
     held = {"weights": size(c.policy.parameters()),
             "gradients": size(p for p in c.policy.parameters() if p.requires_grad),
             "optimizer": size(value for state in c.optimizer.state.values() for value in state.values()

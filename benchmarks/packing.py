@@ -95,19 +95,19 @@ def child(options) -> None:
                                 log=lambda text: None)
     if options.mode == "buckets":
         micro_batches.packs_sequences = lambda model: False
-    c = trainer.components
-    rollout = rollout_of(options, c.policy.config.vocab_size, 4)
+    run, models = trainer.run, trainer.models
+    rollout = rollout_of(options, models.policy.config.vocab_size, 4)
     rewards = torch.rand(rollout.sequences.shape[0], generator=torch.Generator().manual_seed(1)).round()
     scores = Scores(rewards, torch.ones_like(rewards, dtype=torch.bool))
-    pack, parts = micro_batches.micro_batches(c, rollout, slice(0, rollout.sequences.shape[0]), c.policy)
+    pack, parts = micro_batches.micro_batches(run, rollout, slice(0, rollout.sequences.shape[0]), models.policy)
     seconds, peaks = [], []
     for step in range(options.run_steps + 1):
         gc.collect()
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM ← VmRSS
         before = _status("VmRSS")
         started = time.perf_counter()
-        experience = build_experience(c, rollout, scores)
-        update_actor(c, experience, estimate_advantages(c, experience), step)
+        experience = build_experience(run, models, rollout, scores)
+        update_actor(run, models, experience, estimate_advantages(run, experience), step)
         if step:  # the first step warms up (allocator, AdamW's state)
             seconds.append(time.perf_counter() - started)
             peaks.append(_status("VmHWM") - before)

@@ -90,7 +90,7 @@ def child(options) -> None:
     rows = [trainer.step(step) for step in range(1, options.run_steps + 1)]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("RESULT " + json.dumps({"rows": rows, "peak_mb": (peak - before) / 2**20,
-                                  "held": held_bytes(trainer.components)}), flush=True)
+                                  "held": held_bytes(trainer.models, trainer.run.config.lora.lora_r)}), flush=True)
 
 
 def _run(algorithm: str, micro: int, options, scratch: str) -> dict:

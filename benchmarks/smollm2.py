@@ -35,9 +35,10 @@ def digit_reward(completions) -> list[float]:
     return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in completions]
 
 
-def held_bytes(c) -> dict:
-    """The training state of a run's components, counted tensor by tensor (MB): the policy's weights, a gradient
-    per trainable weight, AdamW's two moments, the reference's own weights, and the critic's three. ``peak``
+def held_bytes(c, lora_r: int) -> dict:
+    """The training state of a run's models (``Trainer.models``; ``lora_r``: the run's), counted tensor by tensor
+    (MB): the policy's weights, a gradient per trainable weight, AdamW's two moments, the reference's own weights,
+    and the critic's three. ``peak``
     adds one model's gradients only: each model's are freed after its optimizer step (``set_to_none``), so
     PPO never holds the policy's and the critic's at once."""
     import torch
@@ -49,7 +50,7 @@ def held_bytes(c) -> dict:
         return size(value for state in opt.state.values() for value in state.values()
                     if torch.is_tensor(value) and value.dim() > 0)
 
-    own_reference = c.reference is not None and not c.config.lora_r
+    own_reference = c.reference is not None and not lora_r
     held = {"weights": size(c.policy.parameters()),
             "gradients": size(p for p in c.policy.parameters() if p.requires_grad),
             "adamw": optimizer(c.optimizer),

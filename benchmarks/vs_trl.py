@@ -156,13 +156,13 @@ def run_ours(folder: Path, steps: int, micro: int = 0, settings: dict | None = N
         times.append(time.perf_counter() - started)
         lengths.append(row["completion_length"])
         phases.append({key[5:]: value for key, value in row.items() if key.startswith("time_")})
-    c = trainer.components
-    prompt_tokens = sum(len(c.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in c.train_prompts)
-    offloaded = trainer.components.offloaded_reference
+    c, prompts = trainer.models, trainer.drawing.train_prompts
+    prompt_tokens = sum(len(trainer.run.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    offloaded = trainer.models.offloaded_reference
     return {"times": times, "lengths": lengths, "peak_mb": _peak_mb(), "loaded_mb": loaded, "phases": phases,
             "offloaded_mb": sum(p.numel() * p.element_size() for p in dict.fromkeys(c.reference.parameters())) / 2**20
             if offloaded is not None else 0.0,
-            "prompt_tokens": prompt_tokens / len(c.train_prompts),
+            "prompt_tokens": prompt_tokens / len(prompts),
             "parameters": sum(p.numel() for p in c.policy.parameters()),
             "embedding": c.policy.get_output_embeddings().weight.numel()}
 

@@ -171,7 +171,8 @@ def test_a_stale_batch_gets_the_trainers_log_probs_and_the_correction(tiny_model
     from auto_research.engine.logprobs import token_logprobs
     from auto_research.engine.models import load_policy
     from auto_research.engine.rollout.builtin import sample
-    from auto_research.train.components import Components
+    from auto_research.engine.samplers import sampler_record
+    from auto_research.train.components import Models, RunContext
     from auto_research.algorithms.registry import get_algorithm
     from auto_research.engine.distributed import World
     from auto_research.train.experience import Scores, build_experience
@@ -184,11 +185,12 @@ def test_a_stale_batch_gets_the_trainers_log_probs_and_the_correction(tiny_model
             parameter.add_(0.05 * torch.randn_like(parameter))
     config = GenerationConfig(group_size=4, prompts_per_step=2, max_staleness=1, temperature=1.0, max_new_tokens=4,
                               beta=0.0).filled()
-    c = Components(config, get_algorithm("rloo"), World(), None, "cpu", torch.float32, "tiny", tokenizer, policy,
-                   policy, None, None, None, None, None, None, None, None, [], [])
+    run = RunContext(config, World(), "cpu", torch.float32, get_algorithm("rloo"), None, tokenizer, "tiny",
+                     sampler_record(config.rollout))
+    models = Models(policy, policy, None, None)
     scores = Scores(torch.ones(8), torch.ones(8, dtype=torch.bool))
     stale = replace(rollout, policy_versions=torch.zeros(8, dtype=torch.long))
-    experience = build_experience(c, stale, scores, version=1)
+    experience = build_experience(run, models, stale, scores, version=1)
     mask = rollout.completion_mask.float()
     with torch.no_grad():
         expected = token_logprobs(policy, rollout.sequences, rollout.prompt_mask, rollout.completion_mask, 1.0)
@@ -200,7 +202,7 @@ def test_a_stale_batch_gets_the_trainers_log_probs_and_the_correction(tiny_model
     with torch.no_grad():
         for parameter, value in zip(policy.parameters(), old):
             parameter.copy_(value)
-    current = build_experience(c, replace(rollout, policy_versions=torch.ones(8, dtype=torch.long)), scores, version=1)
+    current = build_experience(run, models, replace(rollout, policy_versions=torch.ones(8, dtype=torch.long)), scores, version=1)
     assert torch.equal(current.old_logprobs, rollout.sampler_logprobs)
     assert torch.equal(current.rollout_weights, mask)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -69,7 +70,7 @@ def _taught_gradient(draw, baseline: str = "none", penalty: float | None = None)
     student = _Toy(THETA)
     logprobs = token_logprobs(student, rollout.sequences, rollout.prompt_mask, rollout.completion_mask)
     old, zero = logprobs.detach(), torch.zeros(K, 1)
-    d = teacher_signal(c, rollout, None, old, None) if penalty is None else torch.full((K, 1), penalty)
+    d = teacher_signal(c, c, rollout, None, old, None) if penalty is None else torch.full((K, 1), penalty)
     experience = Experience(rollout, Scores(torch.zeros(K), torch.ones(K, dtype=torch.bool)), old, zero,
                             {"task": zero, "kl": zero, "teacher": d})
     advantages = estimate_advantages(c, experience).advantages
@@ -126,10 +127,10 @@ def test_a_teacher_that_is_the_current_policy_changes_no_bit_of_the_gradient():
     plain = _Fixed(config, policy, reference, tokenizer, rollout, golden["rewards"]).gradient()
     taught = GenerationConfig(**{**config.to_json(), "teacher_model": "itself", "kl_in": "reward"}).filled()
     fixed = _Fixed(taught.validate(), policy, reference, tokenizer, rollout, golden["rewards"])
-    fixed.components.teacher = policy
+    fixed.models = replace(fixed.models, teacher=policy)
     grads = fixed.gradient()
     assert all(torch.equal(grads[name], plain[name]) for name in plain)
-    fixed.components.teacher = reference  # other weights (seed 1): d is not 0, and the gradient moves
+    fixed.models = replace(fixed.models, teacher=reference)  # other weights (seed 1): d is not 0, and the gradient moves
     assert not all(torch.allclose(fixed.gradient()[name], plain[name]) for name in plain)
 
 

@@ -22,7 +22,6 @@ from auto_research.config.generation import GenerationConfig
 from auto_research.envs.trajectory import turn_seed
 from auto_research.train import update as update_module
 from auto_research.train.experience import build_experience
-from auto_research.train.schedule import rollout_source
 from auto_research.train.rollouts import agreed_scores, draw_batch, produce
 from auto_research.train.trainer import Trainer
 from auto_research.train.update import estimate_advantages, update_actor
@@ -50,20 +49,19 @@ SCRIPT = [lambda answer: [answer], lambda answer: ["x", answer], lambda answer: 
 def _scripted(trainer: Trainer, step: int = 1):
     """The step's batch, its trajectories' replies drawn from SCRIPT (each reply ends in EOS, log-prob −0.5 a
     token), through the run's own rollout side: (drawn, source)."""
-    c = trainer.components
-    source = rollout_source(c, c.sampler, c.policy, c.sampling)
+    source = trainer.source()
     batch = draw_batch(source, copy.deepcopy(trainer.state.rng), step)
     [seed], [example] = batch.seeds, batch.examples
     which = {turn_seed(turn_seed(seed, k, 0), 0, t): (k, t) for k in range(4) for t in range(3)}
-    eos = c.tokenizer.eos_token_id
+    eos = trainer.run.tokenizer.eos_token_id
 
     def generate(prompt_ids, seeds, settings):
         replies = [SCRIPT[which[s][0]](example.answer)[which[s][1]] for s in seeds]
-        tokens = [c.tokenizer(reply, add_special_tokens=False)["input_ids"] + [eos] for reply in replies]
+        tokens = [trainer.run.tokenizer(reply, add_special_tokens=False)["input_ids"] + [eos] for reply in replies]
         return tokens, [[-0.5] * len(ids) for ids in tokens]
 
-    c.sampler.generate_ids = generate  # the rollout side asks the sampler for each turn
-    source = rollout_source(c, c.sampler, c.policy, c.sampling)
+    trainer.drawing.sampler.generate_ids = generate  # the rollout side asks the sampler for each turn
+    source = trainer.source()
     return produce(source, trainer.state.rng, step, step - 1), example
 
 
@@ -75,8 +73,7 @@ def test_a_scripted_game_gives_the_hand_computed_rewards_and_advantages(tiny_mod
     assert [row["turns"] for row in rollout.episodes] == [1, 2, 3, 1]
     assert [row["truncated"] for row in rollout.episodes] == [False, False, True, False]
     assert rollout.episodes[3]["failed"] == "RuntimeError: boom"
-    c = trainer.components
-    tokenizer = c.tokenizer
+    tokenizer = trainer.run.tokenizer
     # Row 1's trajectory: "x</s>", the environment's "\nno\n", then the answer and </s>; mask 1 on the model's.
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     eos = tokenizer.eos_token_id
@@ -84,9 +81,9 @@ def test_a_scripted_game_gives_the_hand_computed_rewards_and_advantages(tiny_mod
     assert row == ids("x") + [eos] + ids("\nno\n") + ids(example.answer) + [eos]
     assert rollout.loss_mask[1][: len(row)].tolist() == ([1] * (len(ids("x")) + 1) + [0] * len(ids("\nno\n"))
                                                         + [1] * (len(ids(example.answer)) + 1))
-    scores = agreed_scores(c.world, drawn, 1, 4)
-    experience = build_experience(c, rollout, scores, 0)
-    advantages = estimate_advantages(c, experience).advantages
+    scores = agreed_scores(trainer.run.world, drawn, 1, 4)
+    experience = build_experience(trainer.run, trainer.models, rollout, scores, 0)
+    advantages = estimate_advantages(trainer.run, experience).advantages
     # Leave-one-out over the three scored: 1 − (0.9 − 0.3)/2, 0.9 − (1 − 0.3)/2, −0.3 − (1 + 0.9)/2; 0 unscored.
     by_hand = torch.tensor([0.7, 0.55, -1.25, 0.0])
     owned = rollout.loss_mask.bool()
@@ -99,7 +96,7 @@ def test_a_scripted_game_gives_the_hand_computed_rewards_and_advantages(tiny_mod
 def _gradient(trainer: Trainer, experience, monkeypatch, perturb=None) -> list[torch.Tensor]:
     """The actor's gradient of one update on ``experience`` (the optimizer step replaced by a recorder);
     ``perturb(targets) -> bool mask``: positions whose policy log-probs are changed (× 3 + 1, with gradient)."""
-    c, recorded = trainer.components, []
+    recorded = []
     original = update_module.token_logprobs
 
     def changed(*args, **kwargs):
@@ -117,7 +114,7 @@ def _gradient(trainer: Trainer, experience, monkeypatch, perturb=None) -> list[t
 
     monkeypatch.setattr(update_module, "token_logprobs", changed)
     monkeypatch.setattr(update_module, "optimizer_step", record)
-    update_actor(c, experience, estimate_advantages(c, experience), 0)
+    update_actor(trainer.run, trainer.models, experience, estimate_advantages(trainer.run, experience), 0)
     return recorded
 
 
@@ -126,9 +123,9 @@ def test_changing_only_the_environment_s_log_probs_leaves_the_gradient_unchanged
                                                                                   game, monkeypatch, algorithm):
     trainer = _trainer(tiny_model_dir, sums_jsonl, tmp_path, algorithm=algorithm, beta=0.1,
                        **({"kl_in": "loss"} if algorithm == "grpo" else {}))
-    c = trainer.components
     drawn, _ = _scripted(trainer)
-    experience = build_experience(c, drawn.rollout, agreed_scores(c.world, drawn, 1, 4), 0)
+    scores = agreed_scores(trainer.run.world, drawn, 1, 4)
+    experience = build_experience(trainer.run, trainer.models, drawn.rollout, scores, 0)
     environment = (drawn.rollout.completion_mask - drawn.rollout.loss_mask).bool()
     assert environment.any()
     base = _gradient(trainer, experience, monkeypatch)
@@ -139,12 +136,12 @@ def test_changing_only_the_environment_s_log_probs_leaves_the_gradient_unchanged
     changed = replace(experience, old_logprobs=other(experience.old_logprobs),
                       reference_logprobs=other(experience.reference_logprobs),
                       rollout=replace(experience.rollout, sampler_logprobs=other(experience.rollout.sampler_logprobs)))
-    newline, n = (c.tokenizer(text, add_special_tokens=False)["input_ids"][0] for text in ("\n", "n"))
+    newline, n = (trainer.run.tokenizer(text, add_special_tokens=False)["input_ids"][0] for text in ("\n", "n"))
     only_environment = _gradient(trainer, changed, monkeypatch,
                                  lambda targets: (targets == newline) | (targets == n))  # only "\nno\n" has these
     assert all(torch.equal(a, b) for a, b in zip(base, only_environment))
     # The same change on one of the model's own tokens (its EOS) does change the gradient: the check can fail.
-    eos = c.tokenizer.eos_token_id
+    eos = trainer.run.tokenizer.eos_token_id
     on_model = _gradient(trainer, experience, monkeypatch, lambda targets: targets == eos)
     assert max(float((a - b).abs().max()) for a, b in zip(base, on_model)) > 1e-6
 
@@ -152,15 +149,15 @@ def test_changing_only_the_environment_s_log_probs_leaves_the_gradient_unchanged
 def test_the_trained_ids_are_the_sampled_ids_and_the_trainer_s_log_probs_are_the_sampler_s(tiny_model_dir, sums_jsonl,
                                                                                            tmp_path, game):
     trainer = _trainer(tiny_model_dir, sums_jsonl, tmp_path, prompts_per_step=2, temperature=1.0)
-    c, calls = trainer.components, []
-    drawing = c.sampler.generate_ids
+    calls = []
+    drawing = trainer.drawing.sampler.generate_ids
 
     def recorded(prompt_ids, seeds, settings):
         completions, logprobs = drawing(prompt_ids, seeds, settings)
         calls.extend(zip(prompt_ids, completions, logprobs))
         return completions, logprobs
 
-    c.sampler.generate_ids = recorded
+    trainer.drawing.sampler.generate_ids = recorded
     rollout = trainer.sample(1)
     P = rollout.prompt_length
     rows = [(rollout.sequences[i][rollout.prompt_mask[i].bool().tolist() + rollout.completion_mask[i].bool().tolist()]
@@ -183,7 +180,8 @@ def test_the_trained_ids_are_the_sampled_ids_and_the_trainer_s_log_probs_are_the
     from auto_research.engine.logprobs import token_logprobs
 
     with torch.no_grad():
-        trainer_logprobs = token_logprobs(c.policy, rollout.sequences, rollout.prompt_mask, rollout.completion_mask)
+        trainer_logprobs = token_logprobs(trainer.models.policy, rollout.sequences, rollout.prompt_mask,
+                                          rollout.completion_mask)
     owned = rollout.loss_mask.bool()
     assert (trainer_logprobs - rollout.sampler_logprobs)[owned].abs().max() < 1e-5
     assert P == rollout.prompt_mask.shape[1]
@@ -373,8 +371,7 @@ def test_tools_in_training_answer_calls_and_the_task_s_verifier_scores_the_final
                               max_trajectory_tokens=200, evaluation_examples=4, progress=False, offline=True, seed=3,
                               device="cpu").filled().validate()
     trainer = Trainer.build(config, log=lambda text: None, tools=[add])
-    c = trainer.components
-    source = rollout_source(c, c.sampler, c.policy, c.sampling)
+    source = trainer.source()
     batch = draw_batch(source, copy.deepcopy(trainer.state.rng), 1)
     [seed], [example] = batch.seeds, batch.examples
     a, b = (int(x) for x in example.prompt.rstrip("=").split("+"))
@@ -382,18 +379,18 @@ def test_tools_in_training_answer_calls_and_the_task_s_verifier_scores_the_final
     # Trajectory 0 calls the tool, then answers with its result; trajectory 1 answers "x" at once.
     replies = {turn_seed(turn_seed(seed, 0, 0), 0, 0): call, turn_seed(turn_seed(seed, 0, 0), 0, 1): str(a + b),
                turn_seed(turn_seed(seed, 1, 0), 0, 0): "x"}
-    eos = c.tokenizer.eos_token_id
+    eos = trainer.run.tokenizer.eos_token_id
 
     def generate(prompt_ids, seeds, settings):
-        tokens = [c.tokenizer(replies[s], add_special_tokens=False)["input_ids"] + [eos] for s in seeds]
+        tokens = [trainer.run.tokenizer(replies[s], add_special_tokens=False)["input_ids"] + [eos] for s in seeds]
         return tokens, [[-0.5] * len(ids) for ids in tokens]
 
-    c.sampler.generate_ids = generate
-    drawn = produce(rollout_source(c, c.sampler, c.policy, c.sampling), trainer.state.rng, 1, 0)
+    trainer.drawing.sampler.generate_ids = generate
+    drawn = produce(trainer.source(), trainer.state.rng, 1, 0)
     assert drawn.rewards == [1.0, 0.0]  # match on the final reply
     assert [(row["turns"], row["tool_calls"], row["tool_errors"]) for row in drawn.rollout.episodes] == [(2, 1, 0),
                                                                                                        (1, 0, 0)]
-    ids = lambda text: c.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    ids = lambda text: trainer.run.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     answer = ids(call) + [eos] + ids(f"\ntool: {a + b}</s>\nassistant: ") + ids(str(a + b)) + [eos]
     row = drawn.rollout.completion_ids[0][drawn.rollout.completion_mask[0].bool()].tolist()
     assert row == answer

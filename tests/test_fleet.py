@@ -210,7 +210,7 @@ def _trainer_run(address, tmp_path, name, **extra):
     try:
         rows = [trainer.step(step) for step in range(1, 4)]
         weights = {name: tensor.detach().clone() for name, tensor in trainer.components.policy.named_parameters()}
-        lines.append(f"rollouts: {type(trainer.components.rollouts).__name__}")
+        lines.append(f"rollouts: {type(trainer.side).__name__}")
     finally:
         trainer.close()
     return rows, weights, lines

@@ -130,15 +130,16 @@ class _Fixed:
 
     def __init__(self, config, policy, reference, tokenizer, rollout, rewards, critic=None, greedy_rewards=None):
         from auto_research.algorithms.registry import get_algorithm
-        from auto_research.train.components import Components
+        from auto_research.engine.samplers import sampler_record
+        from auto_research.train.components import Models, RunContext
         from auto_research.train.experience import Scores
 
         self.grads = {}
         names = {parameter: name for name, parameter in policy.named_parameters()}
         optimizer = _KeepGradient(policy.parameters(), self.grads, names)
-        self.components = Components(config, get_algorithm(config.algorithm), World(), None, "cpu", torch.float32,
-                                     "fixed", tokenizer, policy, policy, optimizer, reference, critic, critic, None,
-                                     None, None, None, [], [])
+        self.run = RunContext(config, World(), "cpu", torch.float32, get_algorithm(config.algorithm), None, tokenizer,
+                              "fixed", sampler_record(config.rollout))
+        self.models = Models(policy, policy, optimizer, reference, critic, critic)
         self.rollout = rollout
         self.scores = Scores(rewards.float().reshape(-1), torch.ones(rewards.numel(), dtype=torch.bool), greedy_rewards)
 
@@ -146,8 +147,8 @@ class _Fixed:
         from auto_research.train.experience import build_experience
         from auto_research.train.update import estimate_advantages, update_actor
 
-        experience = build_experience(self.components, self.rollout, self.scores)
-        update_actor(self.components, experience, estimate_advantages(self.components, experience), 0)
+        experience = build_experience(self.run, self.models, self.rollout, self.scores)
+        update_actor(self.run, self.models, experience, estimate_advantages(self.run, experience), 0)
         return dict(self.grads)
 
 
@@ -244,7 +245,7 @@ def test_bf16_compute_keeps_float32_master_weights(tiny_model_dir, sums_jsonl, t
                               reward=["match"]).filled().validate()
     trainer = Trainer.build(config, log=lambda text: None)
     assert all(p.dtype == torch.float32 for p in trainer.components.policy.parameters())
-    assert trainer.components.compute_dtype == torch.bfloat16
+    assert trainer.run.compute_dtype == torch.bfloat16
     assert next(trainer.components.reference.parameters()).dtype == torch.bfloat16
     before = {n: p.detach().clone() for n, p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()}
     row = trainer.step(1)

@@ -123,7 +123,7 @@ def test_dapo_advantages_see_the_overlong_punishment():
     scores = Scores(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.ones(4, dtype=torch.bool))
     c = SimpleNamespace(config=config, algorithm=get_algorithm("dapo"), world=World())
     # The punishment is added where the task's stream is made (the ``task`` source), before any estimator.
-    streams = {"task": task_reward(c, SimpleNamespace(trained_mask=mask), scores, None, None)}
+    streams = {"task": task_reward(c, None, SimpleNamespace(trained_mask=mask), scores, None, None)}
     experience = SimpleNamespace(mask=mask, scores=scores, values=None, streams=streams)
     advantages = estimate_advantages(c, experience).advantages
     by_hand = [0.904534, 0.904534, -0.301511, -1.507556]
@@ -204,7 +204,7 @@ def test_mask_truncated_leaves_completions_that_hit_the_limit_out_of_the_loss():
     for on, expected in ((False, mask), (True, torch.tensor([[1, 1, 1], [0, 0, 0], [1, 1, 0]]))):
         c = SimpleNamespace(config=GenerationConfig(mask_truncated=on, max_new_tokens=3),
                             tokenizer=SimpleNamespace(eos_token_id=0), policy=None)
-        assert torch.equal(loss_mask(c, experience), expected.float())
+        assert torch.equal(loss_mask(c, None, experience), expected.float())
 
 
 def test_the_entropy_bonus_has_the_entropys_gradient():

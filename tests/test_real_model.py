@@ -39,13 +39,13 @@ def test_the_chat_template_eos_and_padding_of_a_real_model(smollm2_dir, tmp_path
                               evaluation_examples=2, temperature=1.0, output_dir=tmp_path / "out", offline=True,
                               device="cpu", progress=False)
     trainer = Trainer.build(config, log=lambda text: None)
-    c = trainer.components
+    run, drawing = trainer.run, trainer.drawing
     # The chat template, with the generation prompt, is what the model sees.
     assert all(prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
-               for prompt in c.train_prompts)
-    assert QUESTIONS[0]["question"] in c.train_prompts[0]
-    eos = c.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert c.tokenizer.eos_token_id == c.tokenizer.pad_token_id == eos
+               for prompt in drawing.train_prompts)
+    assert QUESTIONS[0]["question"] in drawing.train_prompts[0]
+    eos = run.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert run.tokenizer.eos_token_id == run.tokenizer.pad_token_id == eos
     rollout = trainer.sample(1)
     ids, mask = rollout.completion_ids, rollout.completion_mask
     finished = 0
@@ -64,7 +64,7 @@ def test_the_chat_template_eos_and_padding_of_a_real_model(smollm2_dir, tmp_path
     from auto_research.engine.logprobs import token_logprobs
 
     with torch.no_grad():
-        again = token_logprobs(c.policy, rollout.sequences, rollout.prompt_mask, mask, 1.0)
+        again = token_logprobs(trainer.models.policy, rollout.sequences, rollout.prompt_mask, mask, 1.0)
     assert float((again - rollout.sampler_logprobs).abs().max()) < 1e-3
 
 

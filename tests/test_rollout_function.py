@@ -25,7 +25,6 @@ from auto_research.envs.custom import FunctionRunner
 from auto_research.envs.trajectory import turn_seed
 from auto_research.errors import RewardError, UserError
 from auto_research.train.experience import build_experience
-from auto_research.train.schedule import rollout_source
 from auto_research.train.rollouts import agreed_scores, draw_batch, produce
 from auto_research.train.trainer import Trainer
 from auto_research.train.update import estimate_advantages
@@ -113,30 +112,30 @@ SCRIPT = [lambda answer: [answer, answer], lambda answer: [answer, "x"], lambda 
 def _scripted(trainer: Trainer):
     """Step 1's batch through the run's rollout side, the sampler's draws taken from SCRIPT (each reply ends in
     EOS, log-prob −0.5 a token) and the function's calls recorded: (drawn, example, [(rows, context, returned)])."""
-    c, calls = trainer.components, []
-    source = rollout_source(c, c.sampler, c.policy, c.sampling)
+    calls = []
+    source = trainer.source()
     [seed], [example] = (lambda batch: (batch.seeds, batch.examples))(
         draw_batch(source, copy.deepcopy(trainer.state.rng), 1))
     # Turn 0 draws from the row's seed, turn 1 from turn_seed(that seed, 0, 1) (my_loops.two_turns).
     which = {**{turn_seed(seed, k, 0): (k, 0) for k in range(4)},
              **{turn_seed(turn_seed(seed, k, 0), 0, 1): (k, 1) for k in range(4)}}
-    eos = c.tokenizer.eos_token_id
+    eos = trainer.run.tokenizer.eos_token_id
 
     def generate(prompt_ids, seeds, settings):
         replies = [SCRIPT[which[s][0]](example.answer)[which[s][1]] for s in seeds]
-        tokens = [c.tokenizer(reply, add_special_tokens=False)["input_ids"] + [eos] for reply in replies]
+        tokens = [trainer.run.tokenizer(reply, add_special_tokens=False)["input_ids"] + [eos] for reply in replies]
         return tokens, [[-0.5] * len(ids) for ids in tokens]
 
-    function = c.episodes.function
+    function = trainer.drawing.episodes.function
 
     def recorded(rows, context):
         returned = function(rows, context)
         calls.append((rows, context, copy.deepcopy(returned)))
         return returned
 
-    c.sampler.generate_ids = generate
-    c.episodes.function = recorded
-    drawn = produce(rollout_source(c, c.sampler, c.policy, c.sampling), trainer.state.rng, 1, 0)
+    trainer.drawing.sampler.generate_ids = generate
+    trainer.drawing.episodes.function = recorded
+    drawn = produce(trainer.source(), trainer.state.rng, 1, 0)
     return drawn, example, calls, seed
 
 
@@ -149,7 +148,7 @@ def test_the_trained_rows_are_what_the_function_returned_with_the_hand_computed_
     assert context.group_size == 4 and context.max_tokens == 12
     assert context.seeds == tuple(turn_seed(seed, k, 0) for k in range(4))
     assert context.settings == SamplingSettings(3, 1.0, 1.0, 0)
-    rollout, tokenizer = drawn.rollout, trainer.components.tokenizer
+    rollout, tokenizer = drawn.rollout, trainer.run.tokenizer
     for i, item in enumerate(returned):
         prompt = rollout.sequences[i, : rollout.prompt_length][rollout.prompt_mask[i].bool()].tolist()
         span = rollout.completion_mask[i].bool()
@@ -166,8 +165,9 @@ def test_the_trained_rows_are_what_the_function_returned_with_the_hand_computed_
     assert returned[1]["completion_ids"] == ids(example.answer) + [eos] + ids("\nok\n") + ids("x") + [eos]
     assert [(row["turns"], row["tool_calls"], row["failed"]) for row in rollout.episodes] == [(2, 0, None)] * 4
     assert drawn.rewards[:3] == [2.0, 0.5, -0.5] and drawn.rewards[3] is None  # the verifier adds nothing
-    c = trainer.components
-    advantages = estimate_advantages(c, build_experience(c, rollout, agreed_scores(c.world, drawn, 1, 4), 0)).advantages
+    run = trainer.run
+    scores = agreed_scores(run.world, drawn, 1, 4)
+    advantages = estimate_advantages(run, build_experience(run, trainer.models, rollout, scores, 0)).advantages
     # Leave-one-out over the three scored: 2 − (0.5 − 0.5)/2, 0.5 − (2 − 0.5)/2, −0.5 − (2 + 0.5)/2; 0 unscored.
     by_hand = torch.tensor([2.0, -0.25, -1.75, 0.0])
     owned = rollout.loss_mask.bool()

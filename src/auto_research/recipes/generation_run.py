@@ -1,4 +1,4 @@
-"""The torch half of a generation-level run: the components, the loop, the reports."""
+"""The torch half of a generation-level run: its frozen values and rollout side, the loop, the reports."""
 
 from __future__ import annotations
 
@@ -25,15 +25,15 @@ def train_and_report(prepared: Prepared, world: World | None, lock, log) -> dict
     config = prepared.config
     world = world or World.from_environment(config.fsdp)
     memory = MemoryMeter(config.device)
-    components, state = open_run(prepared, world, log)
+    run, models, drawing, side, state = open_run(prepared, world, log)
     try:
-        metrics = RunLoop(components, state, lock, log, resumed=prepared.resume_from is not None).run()
+        metrics = RunLoop(run, models, drawing, side, state, lock, log, resumed=prepared.resume_from is not None).run()
     finally:
-        components.sampler.close()  # a server's lease is given back, whichever way the run ended
+        drawing.sampler.close()  # a server's lease is given back, whichever way the run ended
     if config.merge_lora:
         folder = config.run_dir / "merged"
         if world.main:
-            save_merged(components.policy, components.tokenizer, folder)
+            save_merged(models.policy, run.tokenizer, folder)
             log(f"wrote the merged model to {folder}")
         world.barrier()
     # Every rank is done with collectives, together, before rank 0 writes the reports and the others leave
@@ -41,7 +41,7 @@ def train_and_report(prepared: Prepared, world: World | None, lock, log) -> dict
     world.barrier()
     metrics["training"].update(memory.read())
     metrics["training"]["processes"] = world.size
-    metrics["machine"] = machine_record(str(components.compute_dtype).removeprefix("torch."), components.device)
+    metrics["machine"] = machine_record(str(run.compute_dtype).removeprefix("torch."), run.device)
     if not world.main:
         return {"runs": [metrics], "paths": [], "summary": None}
     lock.check()

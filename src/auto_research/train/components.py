@@ -1,4 +1,4 @@
-"""What a generation-level run trains and samples with, built once (``build_components``) and never replaced.
+"""A generation-level run's frozen values, built once (``build_components``): ``RunContext``, ``Models``, ``Drawing``.
 
 Weights and optimizer states are float32 (master weights); ``--dtype bfloat16`` runs the forward passes
 under bf16 autocast. The frozen reference is the initial policy held in the compute dtype, or, with
@@ -38,16 +38,40 @@ from auto_research.rewards.combine import CombinedReward, build_reward
 from auto_research.train.prepare import Prepared
 
 
-@dataclass
-class Components:
+@dataclass(frozen=True)
+class RunContext:
+    """Who runs, on what, with which settings (``config``: the whole run's, whose sections the phases read)."""
+
     config: GenerationConfig
-    algorithm: Algorithm
     world: World
-    task: Task
     device: str
     compute_dtype: torch.dtype
-    model_name: str
+    algorithm: Algorithm
+    task: Task
     tokenizer: object
+    model_name: str
+    engine: SamplerRecord
+    """The rollout engine's record (``engine/samplers.py``), resolved once from the settings."""
+    python_rewards: tuple = ()
+    """The rewards given from Python, as config.yaml names them (``Prepared.python_rewards``)."""
+
+    def autocast(self):
+        """bf16 compute over float32 master weights when --dtype bfloat16; nothing otherwise."""
+        return autocast_for(self.device, self.compute_dtype)
+
+    def sampling(self, policy):
+        """What decoding from ``policy`` (and other models) is done inside (``sampling_context``)."""
+        return sampling_context(self.world, policy, self.device, self.compute_dtype)
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.config.loss.updates_per_batch * self.config.loss.ppo_mini_batches
+
+
+@dataclass(frozen=True)
+class Models:
+    """The trainer side: the policy and PPO's critic with their optimizers, the frozen reference, a teacher."""
+
     policy: torch.nn.Module
     """The model that trains (a PEFT model with LoRA); its weights are what a checkpoint holds."""
     train_policy: torch.nn.Module
@@ -55,32 +79,13 @@ class Components:
     optimizer: torch.optim.Optimizer
     reference: Callable | None
     """The frozen reference: a model, the policy with its LoRA adapters off, or None (not needed)."""
-    critic: torch.nn.Module | None
-    train_critic: torch.nn.Module | None
-    critic_optimizer: torch.optim.Optimizer | None
-    sampler: Sampler
-    reward: CombinedReward
-    judge: Callable | None
-    train_prompts: list[str]
-    """The task's training prompts as the model sees them (through the chat template)."""
-    eval_prompts: list[str]
-    rollouts: object | None = None
-    """The rollout side (train/rollouts.py), started at the first step or when a run resumes."""
-    episodes: object | None = None
-    """Multi-turn trajectories with --environment/--tools (envs.rollout.EpisodeRunner), or --rollout-function's
-    (envs.custom.FunctionRunner), else None."""
+    critic: torch.nn.Module | None = None
+    train_critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
     offloaded_reference: OffloadedReference | None = None
     """The reference's weights out of the process between its passes (--offload-reference), else None."""
-    engine: SamplerRecord | None = None
-    """The rollout engine's record (``engine/samplers.py``), resolved once from the settings when not given."""
-    python_rewards: tuple = ()
-    """The rewards given from Python, as config.yaml names them (``Prepared.python_rewards``)."""
     teacher: torch.nn.Module | None = None
     """--teacher-model, frozen in the compute dtype: the source of the ``teacher`` stream (experience.py), else None."""
-
-    def __post_init__(self):
-        if self.engine is None:
-            self.engine = sampler_record(self.config.rollout)
 
     @contextlib.contextmanager
     def reference_in_use(self):
@@ -95,17 +100,20 @@ class Components:
         finally:
             self.offloaded_reference.release()
 
-    def autocast(self):
-        """bf16 compute over float32 master weights when --dtype bfloat16; nothing otherwise."""
-        return autocast_for(self.device, self.compute_dtype)
 
-    def sampling(self, *models):
-        """Around decoding from the policy (and the reference): autocast, and whole parameters under FSDP."""
-        return sampling_context(self.world, self.policy, self.device, self.compute_dtype)(*models)
+@dataclass(frozen=True)
+class Drawing:
+    """What the rollout side (``schedule.rollout_source``) and the held-out evaluations draw and score with."""
 
-    @property
-    def updates_per_step(self) -> int:
-        return self.config.loss.updates_per_batch * self.config.loss.ppo_mini_batches
+    sampler: Sampler
+    reward: CombinedReward
+    judge: Callable | None
+    train_prompts: list[str]
+    """The task's training prompts as the model sees them (through the chat template)."""
+    eval_prompts: list[str]
+    episodes: object | None = None
+    """Multi-turn trajectories with --environment/--tools (envs.rollout.EpisodeRunner), or --rollout-function's
+    (envs.custom.FunctionRunner), else None."""
 
 
 def autocast_for(device: str, compute_dtype: torch.dtype):
@@ -207,9 +215,9 @@ def _check_context(model, tokenizer, prompts: list[str], max_new_tokens: int) ->
                             f"exceed the model's context of {limit} tokens")
 
 
-def build_components(prepared: Prepared, model_name: str, world: World, log=print) -> Components:
-    """Load every model once, put the checkpoint's weights and optimizer states in when resuming, and wrap
-    the models for several processes (DDP, or FSDP2 with --fsdp)."""
+def build_components(prepared: Prepared, model_name: str, world: World, log=print):
+    """The run's context, its trainer side and what it draws with: every model loaded once, the checkpoint's weights
+    and optimizer states put in when resuming, and the models wrapped for several processes (DDP, or FSDP2)."""
     config, task, resume_from = prepared.config, prepared.task, prepared.resume_from
     algorithm, offline, lora_r = get_algorithm(config.run.algorithm), config.data.offline, bool(config.lora.lora_r)
     device, compute_dtype = _start(config.policy, config.run.seed, world)
@@ -246,10 +254,11 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
         model_name, world, compute_dtype, device, train_prompts, config.run.seed, config.run_dir,
         config.policy.threads, config.engine_tokens(prepared.multi_turn), log))
     episodes = _episodes(prepared, algorithm, tokenizer, policy, sampler, model_name, task)
-    return Components(config, algorithm, world, task, device, compute_dtype, model_name, tokenizer, policy,
-                      train_policy, optimizer, reference, critic, train_critic, critic_optimizer, sampler, reward,
-                      prepared.judge, train_prompts, eval_prompts, episodes=episodes, offloaded_reference=offloaded,
-                      engine=record, python_rewards=prepared.python_rewards, teacher=teacher)
+    return (RunContext(config, world, device, compute_dtype, algorithm, task, tokenizer, model_name, record,
+                       prepared.python_rewards),
+            Models(policy, train_policy, optimizer, reference, critic, train_critic, critic_optimizer, offloaded,
+                   teacher),
+            Drawing(sampler, reward, prepared.judge, train_prompts, eval_prompts, episodes))
 
 
 def _start(policy: PolicySection, seed: int, world: World) -> tuple[str, torch.dtype]:
@@ -394,7 +403,7 @@ def chunk_prompts(sampling: SamplingSection, optimisation: OptimisationSection) 
     return max(1, per_call // sampling.group_size) if per_call else None
 
 
-def parameter_counts(c: Components) -> dict:
+def parameter_counts(models: Models, reward: CombinedReward, lora_r: int) -> dict:
     """Trainable and total parameters of every model held: policy, critic, reference, reward model."""
     def count(model):
         return sum(parameter.numel() for parameter in model.parameters()) if model is not None else 0
@@ -402,10 +411,10 @@ def parameter_counts(c: Components) -> dict:
     def trainable(model):
         return sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else 0
 
-    reward_model = c.reward.reward_model
+    reward_model = reward.reward_model
     # With LoRA the reference is the policy with its adapters off: no weights of its own.
-    reference = None if c.config.lora.lora_r else c.reference
-    held = {"policy": count(c.policy), "critic": count(c.critic), "reference": count(reference),
+    reference = None if lora_r else models.reference
+    held = {"policy": count(models.policy), "critic": count(models.critic), "reference": count(reference),
             "reward_model": count(reward_model.model if reward_model is not None else None),
-            **({"teacher": count(c.teacher)} if c.teacher is not None else {})}
-    return {**held, "trainable": trainable(c.policy) + trainable(c.critic), "total": sum(held.values())}
+            **({"teacher": count(models.teacher)} if models.teacher is not None else {})}
+    return {**held, "trainable": trainable(models.policy) + trainable(models.critic), "total": sum(held.values())}

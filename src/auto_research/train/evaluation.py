@@ -154,38 +154,40 @@ def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 8) -> float | 
     return correct / max(len(task.evaluation), 1)
 
 
-def held_out(c, completions: dict | None = None, table: list | None = None) -> dict:
-    """Held-out evaluation of a run's components, its batches dealt out to the ranks and the sums added up.
+def held_out(run, models, drawing, completions: dict | None = None, table: list | None = None) -> dict:
+    """Held-out evaluation of a run's policy (``models``), its batches dealt out to the ranks and the sums added up.
     With ``completions`` (a dict), it receives every held-out prompt's greedy completion by index; with
     ``table`` (a list), the completion table of the first --log-completions prompts (rows of prompt,
     completion, answer, reward, correct), from the same greedy completions and rewards."""
     failure, result, mine, details = None, None, {}, {}
-    with c.reference_in_use() as reference, c.sampling(reference):
+    task, sampling, world = run.task, run.config.sampling, run.world
+    with models.reference_in_use() as reference, run.sampling(models.policy)(reference):
         try:
-            result = evaluate(c.policy, reference, c.tokenizer, c.eval_prompts, c.task.evaluation, c.task.verifier,
-                              c.reward, c.config.sampling.max_new_tokens, c.config.sampling.temperature,
-                              shard=(c.world.rank, c.world.size), total=c.world.total, gold=c.task.gold,
+            result = evaluate(models.policy, reference, run.tokenizer, drawing.eval_prompts, task.evaluation,
+                              task.verifier, drawing.reward, sampling.max_new_tokens, sampling.temperature,
+                              shard=(world.rank, world.size), total=world.total, gold=task.gold,
                               completions=mine if completions is not None else None,
                               details=details if table is not None else None,
-                              detail_count=c.config.logging.log_completions, episodes=c.episodes)
+                              detail_count=run.config.logging.log_completions, episodes=drawing.episodes)
         except RewardError as error:
             failure = error
-    c.world.agree(failure, RewardError)
+    world.agree(failure, RewardError)
     if completions is not None:
-        for part in c.world.gather_objects(mine):
+        for part in world.gather_objects(mine):
             completions.update(part)
     if table is not None:
         found = {}
-        for part in c.world.gather_objects(details):
+        for part in world.gather_objects(details):
             found.update(part)
-        table += [{"prompt": c.task.evaluation[index].prompt, "completion": text,
-                   "answer": c.task.evaluation[index].answer, "reward": reward, "correct": correct}
+        table += [{"prompt": task.evaluation[index].prompt, "completion": text,
+                   "answer": task.evaluation[index].answer, "reward": reward, "correct": correct}
                   for index, (text, reward, correct) in sorted(found.items())]
     return result
 
 
-def win_rate(c, baseline_completions: list[str], new: list[str]) -> float:
+def win_rate(run, drawing, baseline_completions: list[str], new: list[str]) -> float:
     """Held-out win rate of ``new`` greedy completions against the starting policy's, judged both ways round."""
-    total, count = judged(c.judge, c.config.rewards.judge, c.eval_prompts, c.task.evaluation, new, baseline_completions)
+    total, count = judged(drawing.judge, run.config.rewards.judge, drawing.eval_prompts, run.task.evaluation, new,
+                          baseline_completions)
     return total / max(count, 1.0)
 

@@ -2,7 +2,7 @@
 
     drawn      = rollouts.take(step)                      # Batch, Rollout (with policy versions), rewards
     scores     = agreed_scores(world, drawn, step, K)     # rewards, None-masked, agreed over ranks
-    experience = build_experience(c, rollout, scores, version)  # log π_old, log π_ref, entropy, values, streams
+    experience = build_experience(run, models, rollout, scores, version)  # log π_old, π_ref, entropy, values, streams
 
 Its per-token signal streams (``registry.SIGNALS``) are made by the sources of ``SIGNAL_SOURCES``; the algorithm's
 record says which make the estimator's reward and which join the advantage (``update.estimate_advantages``).
@@ -21,7 +21,7 @@ from auto_research.algorithms.estimators import overlong_penalty
 from auto_research.algorithms.losses import last_token
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
 from auto_research.engine.rollout import Rollout
-from auto_research.train.components import Components
+from auto_research.train.components import Models, RunContext
 from auto_research.train.micro_batches import micro_batches, rows_of
 
 
@@ -94,7 +94,7 @@ def widen(values: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(values, (0, width - values.shape[1])) if values.shape[1] < width else values
 
 
-def no_grad_forward(c: Components, model, rollout: Rollout, function, **options):
+def no_grad_forward(run: RunContext, model, rollout: Rollout, function, **options):
     """``function`` over the rollout in micro-batches (``micro_batches.py``: by rows or by tokens), without
     gradient, each output row put back in its place.
 
@@ -104,12 +104,12 @@ def no_grad_forward(c: Components, model, rollout: Rollout, function, **options)
     """
     rows, width = rollout.sequences.shape[0], rollout.completion_mask.shape[1]
     outputs = None
-    with torch.no_grad(), c.autocast():
-        pack, parts = micro_batches(c, rollout, slice(0, rows), model)
+    with torch.no_grad(), run.autocast():
+        pack, parts = micro_batches(run, rollout, slice(0, rows), model)
         for part in parts:
             chunk = rows_of(rollout, part)
             result = function(model, chunk.sequences, chunk.prompt_mask, chunk.completion_mask,
-                              group_size=c.config.sampling.group_size, **({"pack": True} if pack else {}), **options)
+                              group_size=run.config.sampling.group_size, **({"pack": True} if pack else {}), **options)
             results = result if isinstance(result, tuple) else (result,)
             if outputs is None:
                 outputs = [torch.zeros(rows, width, dtype=value.dtype, device=value.device) for value in results]
@@ -118,7 +118,7 @@ def no_grad_forward(c: Components, model, rollout: Rollout, function, **options)
     return tuple(outputs) if isinstance(result, tuple) else outputs[0]
 
 
-def build_experience(c: Components, rollout: Rollout, scores: Scores, version: int | None = None,
+def build_experience(run: RunContext, models: Models, rollout: Rollout, scores: Scores, version: int | None = None,
                      reference_logprobs: torch.Tensor | None = None) -> Experience:
     """log π_ref of every completion token (when a reference is held), then log π of the policy that sampled
     (the ratios' denominator and the KL) with its entropy, and the critic's values: no-grad forwards.
@@ -133,25 +133,25 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
     π_old being the weights at the start of this update: for the clipped losses (PPO, GRPO, REINFORCE++) that is
     the decoupled objective's proximal policy (the ratio is clipped against π_old, the weight corrects π_old
     to μ); for the whole-completion estimators (RLOO …) π_old is the policy whose gradient is taken."""
-    temperature = c.config.sampling.temperature
-    rollout, scores = rollout.to(c.device), scores.to(c.device)  # the sampler's device may not be the trainer's
+    temperature, device, critic = run.config.sampling.temperature, run.device, models.critic
+    rollout, scores = rollout.to(device), scores.to(device)  # the sampler's device may not be the trainer's
     if reference_logprobs is not None:
-        reference_logprobs = reference_logprobs.to(c.device)
+        reference_logprobs = reference_logprobs.to(device)
     mask = rollout.trained_mask.float()
-    if reference_logprobs is None and c.reference is not None:  # (the rollout side may have computed them)
-        with c.reference_in_use() as reference:
-            reference_logprobs = no_grad_forward(c, reference, rollout, token_logprobs, temperature=temperature)
-    if sampled_is_the_policy(c, rollout, version):
+    if reference_logprobs is None and models.reference is not None:  # (the rollout side may have computed them)
+        with models.reference_in_use() as reference:
+            reference_logprobs = no_grad_forward(run, reference, rollout, token_logprobs, temperature=temperature)
+    if sampled_is_the_policy(run, rollout, version):
         old_logprobs, entropy = rollout.sampler_logprobs, rollout.sampler_entropy
     else:
-        old_logprobs, entropy = no_grad_forward(c, c.policy, rollout, token_logprobs, temperature=temperature,
+        old_logprobs, entropy = no_grad_forward(run, models.policy, rollout, token_logprobs, temperature=temperature,
                                                 with_entropy=True)
     streams = {name: stream for name, source in SIGNAL_SOURCES.items()
-               if (stream := source(c, rollout, scores, old_logprobs, reference_logprobs)) is not None}
-    values = no_grad_forward(c, c.critic, rollout, completion_values) * mask if c.critic is not None else None
+               if (stream := source(run, models, rollout, scores, old_logprobs, reference_logprobs)) is not None}
+    values = no_grad_forward(run, critic, rollout, completion_values) * mask if critic is not None else None
     weights = drift = None
-    rollout_section = c.config.rollout
-    if corrected(c.engine, rollout_section.max_staleness) and rollout.sampler_logprobs is not None:
+    rollout_section = run.config.rollout
+    if corrected(run.engine, rollout_section.max_staleness) and rollout.sampler_logprobs is not None:
         # Another engine or older weights sampled: how far μ is from π_old, and the weights that correct it.
         weights = importance_weights(old_logprobs - rollout.sampler_logprobs, mask,
                                      rollout_section.rollout_correction, rollout_section.rollout_correction_cap)
@@ -159,36 +159,36 @@ def build_experience(c: Components, rollout: Rollout, scores: Scores, version: i
     return Experience(rollout, scores, old_logprobs, entropy, streams, reference_logprobs, values, weights, drift)
 
 
-def task_reward(c: Components, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs) -> torch.Tensor:
+def task_reward(run, models, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs) -> torch.Tensor:
     """The task's reward on each completion's last token, DAPO's overlong penalty (--overlong-buffer) added to the
     scored ones."""
-    loss, mask, rewards = c.config.loss, rollout.trained_mask.float(), scores.rewards
+    loss, mask, rewards = run.config.loss, rollout.trained_mask.float(), scores.rewards
     if loss.overlong_buffer:
-        penalty = overlong_penalty(mask.sum(1), c.config.sampling.max_new_tokens, loss.overlong_buffer,
+        penalty = overlong_penalty(mask.sum(1), run.config.sampling.max_new_tokens, loss.overlong_buffer,
                                    loss.overlong_penalty)
         rewards = torch.where(scores.scored, rewards + penalty, rewards)
     return last_token(mask) * rewards.unsqueeze(1)
 
 
-def reference_kl(c: Components, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs) -> torch.Tensor:
+def reference_kl(run, models, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs) -> torch.Tensor:
     """The sampling policy's KL to the reference per token, by --kl-estimator (0 without a reference)."""
     if reference_logprobs is None:
         return torch.zeros_like(old_logprobs)
-    return kl_per_token(old_logprobs, reference_logprobs, c.config.loss.kl_estimator) * rollout.trained_mask.float()
+    return kl_per_token(old_logprobs, reference_logprobs, run.config.loss.kl_estimator) * rollout.trained_mask.float()
 
 
-def teacher_signal(c: Components, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs):
+def teacher_signal(run: RunContext, models: Models, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs):
     """d_t = log π_T(y_t) − log π_old(y_t) at each sampled token (no gradient): the teacher's log-probs at
     temperature 1 by the policy's own log-prob function; None without --teacher-model."""
-    if c.teacher is None:
+    if models.teacher is None:
         return None
-    teacher = no_grad_forward(c, c.teacher, rollout, token_logprobs, temperature=1.0)
+    teacher = no_grad_forward(run, models.teacher, rollout, token_logprobs, temperature=1.0)
     return (teacher - old_logprobs) * rollout.trained_mask.float()
 
 
 SIGNAL_SOURCES: dict[str, Callable] = {"task": task_reward, "kl": reference_kl, "teacher": teacher_signal}
-"""A stream's name → its source: (components, rollout, scores, log π_old, log π_ref or None) → the (B, T) stream, or
-None where the run has none. A source reads its settings from the run's sections (the loss section's)."""
+"""A stream's name → its source: (the run's context, its models, rollout, scores, log π_old, log π_ref or None) → the
+(B, T) stream, or None where the run has none. A source reads its settings from the run's sections (the loss's)."""
 
 
 def corrected(engine, max_staleness: int) -> bool:
@@ -197,10 +197,10 @@ def corrected(engine, max_staleness: int) -> bool:
     return not engine.is_the_trainer or max_staleness > 0
 
 
-def sampled_is_the_policy(c: Components, rollout: Rollout, version: int | None = None) -> bool:
+def sampled_is_the_policy(run: RunContext, rollout: Rollout, version: int | None = None) -> bool:
     """Whether the rollout's own log-probs serve as the old policy's (see ``build_experience``)."""
     current = (rollout.policy_versions is None or version is None
                or bool((rollout.policy_versions == version).all()))
     return (current and rollout.trained_distribution and rollout.sampler_logprobs is not None
-            and rollout.sampler_entropy is not None and c.updates_per_step == 1
-            and c.compute_dtype == torch.float32)
+            and rollout.sampler_entropy is not None and run.updates_per_step == 1
+            and run.compute_dtype == torch.float32)

@@ -15,7 +15,7 @@ from auto_research.errors import RewardError, RolloutEngineError, TrainingInterr
 from auto_research.progress import Progress
 from auto_research.report.tables import figure
 from auto_research.rewards.combine import MAX_REWARD
-from auto_research.train.components import Components, parameter_counts
+from auto_research.train.components import parameter_counts
 from auto_research.config.files import resolved_settings, write_resolved_config
 from auto_research.train.evaluation import held_out, win_rate
 from auto_research.train.rollouts import Drawn
@@ -33,47 +33,48 @@ def _user_error(message: str, cause: BaseException) -> UserError:
     return error
 
 
-def restore(c: Components, state: LoopState, folder: Path, log) -> tuple[list[Drawn], tuple[dict, dict] | None]:
+def restore(run, models, drawing, state: LoopState, folder: Path, log) -> tuple[list[Drawn], tuple[dict, dict] | None]:
     """Continue from a checkpoint: the loop's state, every random state and metrics.jsonl cut back to it; the
     batches in flight and the rest of the rollout side it saved, for ``schedule.open_side``. (The weights and
-    optimizer states went in when the components were built.)"""
+    optimizer states went in when the models were built.)"""
     saved, rng = checkpoints.read_trainer_state(folder)
     checkpoints.restore_rng(rng, state.rng)
     state.restore(saved)
     in_flight = checkpoints.read_in_flight(folder)
     batches, side = [], None
-    rollout = c.config.rollout
+    rollout, rank = run.config.rollout, run.world.rank
     if rollout.max_staleness:
         if in_flight is not None:  # this rank's: tensors keyed rank/index/name
             tensors, plain = in_flight
-            prefix = f"{c.world.rank}/"
+            prefix = f"{rank}/"
             mine = {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
-            mine_plain = list(plain[c.world.rank])
+            mine_plain = list(plain[rank])
             if mine_plain and "side" in mine_plain[-1]:  # --in-flight-updates: the rollout side's own state
                 side = ({key[len("side/"):]: value for key, value in mine.items() if key.startswith("side/")},
                         mine_plain.pop()["side"])
-            batches = from_files(rollout_source(c, c.sampler, c.policy, c.sampling), mine, mine_plain)
+            source = rollout_source(run, drawing, drawing.sampler, models.policy, run.sampling(models.policy))
+            batches = from_files(source, mine, mine_plain)
         depth = 1 if rollout.in_flight_updates else rollout.max_staleness  # batches drawn ahead of the trainer
-        needed = min(depth, c.config.run.steps - state.step)
+        needed = min(depth, run.config.run.steps - state.step)
         batches = batches[:needed]  # a run shortened by --steps: the batches past its new end are not trained on
         if len(batches) != needed:  # their weights are gone: without them the rollout side would wait forever
             raise UserError(f"--resume: {folder} holds {len(batches)} batches in flight, and --max-staleness "
                             f"{rollout.max_staleness} needs {needed} there (a run drawn ahead is extended by "
                             "--steps only from a checkpoint that many steps before its end); resume from another "
                             "checkpoint")
-    c.world.on_main(lambda: MetricsLog(c.config.run_dir).truncate(state.step))
+    run.world.on_main(lambda: MetricsLog(run.config.run_dir).truncate(state.step))
     log(f"resumed from {folder} (step {state.step})")
     return batches, side
 
 
 class RunLoop:
-    """The loop owns the run's rollout side (``open_run`` built it) and hands it to each step."""
+    """The loop owns the run's rollout side (``open_run`` built it) and its state, and hands them to each step."""
 
-    def __init__(self, c: Components, state: LoopState, lock=None, log=print, resumed: bool = False):
-        self.c, self.state, self.lock, self.log = c, state, lock, log
-        self.side = c.rollouts
-        self.run_dir = c.config.run_dir
-        self.metrics_log = MetricsLog(self.run_dir, c.config.logging, resolved_settings(c.config))
+    def __init__(self, run, models, drawing, side, state: LoopState, lock=None, log=print, resumed: bool = False):
+        self.context, self.models, self.drawing, self.side = run, models, drawing, side
+        self.state, self.lock, self.log = state, lock, log
+        self.run_dir = run.config.run_dir
+        self.metrics_log = MetricsLog(self.run_dir, run.config.logging, resolved_settings(run.config))
         self.resumed = resumed
         self.run_dir_ready = False
         self.stop_signal: int | None = None
@@ -91,11 +92,11 @@ class RunLoop:
             self.lock.check()
         if self.run_dir_ready:
             return
-        if not self.resumed and self.c.config.run.overwrite:
+        if not self.resumed and self.context.config.run.overwrite:
             clear_run_folder(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Resumed too: --steps and the other settings a resumption may change are the run's now.
-        write_resolved_config(self.run_dir / "config.yaml", self.c.config, self.c.python_rewards)
+        write_resolved_config(self.run_dir / "config.yaml", self.context.config, self.context.python_rewards)
         self.run_dir_ready = True
         self.metrics_log.open(self.resumed, self.log)
 
@@ -104,21 +105,21 @@ class RunLoop:
         self.metrics_log.append(row)
 
     def trainer_state(self) -> dict:
-        c = self.c
-        return {"config": c.config.to_json(), **self.state.saved(c.algorithm.moving_average is not None),
-                "model": c.model_name, "world_size": c.world.size}
+        run = self.context
+        return {"config": run.config.to_json(), **self.state.saved(run.algorithm.moving_average is not None),
+                "model": run.model_name, "world_size": run.world.size}
 
     def save(self, step: int, rng: dict | None = None) -> Path:
         """One checkpoint: every rank helps gather sharded state (FSDP), rank 0 writes it."""
-        c, world = self.c, self.c.world
-        model_state = world.full_state(c.policy)
-        optimizer_state = world.optimizer_state(c.train_policy, c.optimizer)
+        models, run, config, world = self.models, self.context, self.context.config, self.context.world
+        model_state = world.full_state(models.policy)
+        optimizer_state = world.optimizer_state(models.train_policy, models.optimizer)
         critic_state = critic_optimizer_state = None
-        if c.critic is not None:
-            critic_state = world.full_state(c.critic)
-            critic_optimizer_state = world.optimizer_state(c.train_critic, c.critic_optimizer)
+        if models.critic is not None:
+            critic_state = world.full_state(models.critic)
+            critic_optimizer_state = world.optimizer_state(models.train_critic, models.critic_optimizer)
         rng, in_flight = rng or checkpoints.capture_rng(self.state.rng), None
-        if c.config.rollout.max_staleness:  # the batches drawn ahead, every rank's
+        if config.rollout.max_staleness:  # the batches drawn ahead, every rank's
             batches, rng["numpy"] = self.side.checkpoint(step)
             tensors, plain = to_files(batches)
             if self.side.carries_state:  # --in-flight-updates: the groups still decoding, after the batches
@@ -131,8 +132,8 @@ class RunLoop:
 
         def write():
             self._open_run_dir()
-            return checkpoints.save_checkpoint(self.run_dir, step, c.policy, c.tokenizer, optimizer_state, rng,
-                                               self.trainer_state(), c.config.run.keep_checkpoints, c.critic,
+            return checkpoints.save_checkpoint(self.run_dir, step, models.policy, run.tokenizer, optimizer_state,
+                                               rng, self.trainer_state(), config.run.keep_checkpoints, models.critic,
                                                critic_optimizer_state, model_state, critic_state, in_flight)
 
         world.on_main(write)
@@ -141,7 +142,7 @@ class RunLoop:
     def _write_failed(self, error: OSError, last_saved: int | None) -> UserError:
         """A full disk (or any failed write): one line, and the last good checkpoint left as it was."""
         reason = error.strerror or str(error)
-        if not self.c.world.main:
+        if not self.context.world.main:
             kept = "rank 0 reports it"
         elif last_saved is not None:
             kept = f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{last_saved:06d}'}"
@@ -160,23 +161,24 @@ class RunLoop:
     # --- the loop ---------------------------------------------------------------------------------------
 
     def _evaluate_baseline(self) -> None:
-        c, state = self.c, self.state
-        if c.config.logging.shows_progress:
-            self.log(f"evaluating the starting policy on {len(c.eval_prompts)} held-out prompts (greedy), before "
-                     "training")
+        run, drawing, state = self.context, self.drawing, self.state
+        if run.config.logging.shows_progress:
+            self.log(f"evaluating the starting policy on {len(drawing.eval_prompts)} held-out prompts (greedy), "
+                     "before training")
         try:
             table: list = []
-            if c.judge is not None:
+            if drawing.judge is not None:
                 found: dict = {}
-                state.baseline = held_out(c, found, table)
-                state.baseline_completions = [found[index] for index in range(len(c.eval_prompts))]
+                state.baseline = held_out(run, self.models, drawing, found, table)
+                state.baseline_completions = [found[index] for index in range(len(drawing.eval_prompts))]
                 # The judge on the starting policy against itself: a judge that fails fails now, not at the end.
-                state.baseline["win_rate"] = win_rate(c, state.baseline_completions, state.baseline_completions)
+                state.baseline["win_rate"] = win_rate(run, drawing, state.baseline_completions,
+                                                      state.baseline_completions)
             else:
-                state.baseline = held_out(c, table=table)
+                state.baseline = held_out(run, self.models, drawing, table=table)
         except RewardError as error:
             raise _user_error(f"{error} (evaluation before training)", error) from None
-        self.c.world.on_main(lambda: self.metrics_log.evaluation(0, state.baseline))
+        run.world.on_main(lambda: self.metrics_log.evaluation(0, state.baseline))
         self._completions(0, table)
         self.log(f"before training: held-out accuracy {figure(state.baseline['accuracy'], 3)}, "
                  f"mean reward {figure(state.baseline['mean_reward'], 3)}")
@@ -184,15 +186,15 @@ class RunLoop:
     def run(self) -> dict:
         """The evaluation before training (not when resuming), then the steps up to --steps, a Ctrl-C or SIGTERM
         finishing the step in hand and saving it; metrics.json's payload at the end."""
-        c, state, config = self.c, self.state, self.c.config
+        run, state, config = self.context, self.state, self.context.config
         if not self.resumed:
             if config.optimisation.warmup_steps:
                 self.log(f"warmup: the learning rate rises linearly to {config.optimisation.learning_rate:g} over the "
                          f"first {config.optimisation.warmup_steps} of {config.run.steps} steps")
             self._evaluate_baseline()
         handlers = {signum: signal.signal(signum, self._request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
-        bar = Progress(config.run.steps, f"{config.run.algorithm} on {c.task.name}", initial=state.step,
-                       enabled=config.logging.shows_progress and c.world.main, write=self.log,
+        bar = Progress(config.run.steps, f"{config.run.algorithm} on {run.task.name}", initial=state.step,
+                       enabled=config.logging.shows_progress and run.world.main, write=self.log,
                        every=config.logging.log_every, bar=config.logging.progress)
         self.last_saved = state.step if self.resumed else None
         try:
@@ -210,10 +212,10 @@ class RunLoop:
     def _train_step(self, step: int, bar: Progress) -> None:
         """One step and its row, then the evaluation and the checkpoint when their cadence (or a stop) calls for
         them; a stop requested on any rank ends every rank's loop here, its checkpoint saved."""
-        c, state, config = self.c, self.state, self.c.config
+        world, state, config = self.context.world, self.state, self.context.config
         row = self._step(step)
         state.step = step
-        c.world.on_main(lambda: self._append(row))
+        world.on_main(lambda: self._append(row))
         postfix = {"reward": figure(row["reward_mean"], 3), "kl": f"{row['kl']:.3f}"}
         if config.run.eval_every and (step % config.run.eval_every == 0 or step == config.run.steps):
             self._evaluate(step, row)
@@ -221,7 +223,7 @@ class RunLoop:
             postfix["acc"] = figure(state.history[-1]["accuracy"], 3)
         bar.update(postfix)
         # A signal that reached one rank stops them all after this step.
-        if c.world.any(self.stop_signal is not None) and self.stop_signal is None:
+        if world.any(self.stop_signal is not None) and self.stop_signal is None:
             self.stop_signal = signal.SIGTERM
         if (step == config.run.steps or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0)
                 or self.stop_signal is not None):
@@ -235,12 +237,12 @@ class RunLoop:
     def _step(self, step: int) -> dict:
         """``rl_step``'s row; a bad reward answered in one line that says what was kept: the last good step saved
         (a rollout server gone is answered by the loop, ``_engine_gone``)."""
-        c, state, config = self.c, self.state, self.c.config
+        state = self.state
         # In flight, the generator runs ahead in the rollout side's thread: a failed step saves nothing
         # (the batches after the last good step were drawn by weights no longer held).
-        rng_before = None if config.rollout.max_staleness else checkpoints.capture_rng(state.rng)
+        rng_before = None if self.context.config.rollout.max_staleness else checkpoints.capture_rng(state.rng)
         try:
-            return rl_step(c, state, step, self.side, self.log)
+            return rl_step(self.context, self.models, self.drawing, state, step, self.side, self.log)
         except RewardError as error:
             where = (f"saved the last good step ({state.step}) in {self.save(state.step, rng_before)}"
                      if state.step > 0 and rng_before is not None else
@@ -251,7 +253,7 @@ class RunLoop:
         """A server gone mid-step (the weights may be a step ahead), or while a checkpoint read the rollout side's
         state, which also raises a reward's failure on that side (nothing of that checkpoint written yet): one line
         naming the checkpoint to resume from."""
-        gone = isinstance(error, RolloutEngineError) and self.c.engine.started_by_the_user
+        gone = isinstance(error, RolloutEngineError) and self.context.engine.started_by_the_user
         again = "restart the server, then continue" if gone else \
             "continue"  # the run's own engine (its process too) starts anew with it
         kept = (f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{self.last_saved:06d}'}"
@@ -280,68 +282,68 @@ class RunLoop:
                      f"None{why})")
 
     def _evaluate(self, step: int, row: dict) -> None:
-        c, state = self.c, self.state
+        state, run, drawing = self.state, self.context, self.drawing
         try:
             # The last evaluation keeps its greedy completions for the judge's win rate.
-            last = c.judge is not None and step == c.config.run.steps
+            last = drawing.judge is not None and step == run.config.run.steps
             table: list = []
-            metrics = held_out(c, self.final_completions if last else None, table)
+            metrics = held_out(run, self.models, drawing, self.final_completions if last else None, table)
         except RewardError as error:
             raise _user_error(f"{error} (held-out evaluation); saved step {step} in {self.save(step)}", error) from None
         state.history.append({"step": float(step), "loss": row["loss"], **metrics})
-        self.c.world.on_main(lambda: self.metrics_log.evaluation(step, metrics))
+        run.world.on_main(lambda: self.metrics_log.evaluation(step, metrics))
         self._completions(step, table)
 
     def _completions(self, step: int, table: list) -> None:
         """--log-completions: the evaluation's completion table, to completions.jsonl and report.md."""
-        if not self.c.config.logging.log_completions:
+        if not self.context.config.logging.log_completions:
             return
         self.state.completions = {"step": step, "rows": table}
-        self.c.world.on_main(lambda: self.metrics_log.completions(step, table))
+        self.context.world.on_main(lambda: self.metrics_log.completions(step, table))
 
     def _final_completions(self) -> list[str]:
         """The final policy's greedy held-out completions: those of the last evaluation when the loop
         made one at the final step (and this process ran it), else from a fresh evaluation."""
         found = self.final_completions
-        if len(found) < len(self.c.eval_prompts):
+        if len(found) < len(self.drawing.eval_prompts):
             found = {}
-            held_out(self.c, found)
-        return [found[index] for index in range(len(self.c.eval_prompts))]
+            held_out(self.context, self.models, self.drawing, found)
+        return [found[index] for index in range(len(self.drawing.eval_prompts))]
 
     def payload(self) -> dict:
         """metrics.json."""
-        c, state, config = self.c, self.state, self.c.config
+        run, models, drawing, state, config = self.context, self.models, self.drawing, self.state, self.context.config
         if state.history and state.history[-1]["step"] == config.run.steps:
             final = {key: state.history[-1][key] for key in ("accuracy", "mean_reward", "entropy", "kl_from_reference",
                                                              "gold_reward", "turns_mean") if key in state.history[-1]}
         else:
             try:
-                final = held_out(c)
+                final = held_out(run, models, drawing)
             except RewardError as error:
                 raise _user_error(f"{error} (final evaluation; the last checkpoint holds the trained model)",
                                   error) from None
-        if c.judge is not None:
+        if drawing.judge is not None:
             try:
-                final["win_rate"] = win_rate(c, state.baseline_completions, self._final_completions())
+                final["win_rate"] = win_rate(run, drawing, state.baseline_completions, self._final_completions())
             except RewardError as error:
                 raise _user_error(f"{error} (win rate; the last checkpoint holds the trained model)", error) from None
         baseline = state.baseline
         return {
-            "algorithm": config.run.algorithm, "dataset": c.task.name, "level": "generation", "seed": config.run.seed,
-            "model": c.model_name, "baseline": baseline, "final": final,
+            "algorithm": config.run.algorithm, "dataset": run.task.name, "level": "generation",
+            "seed": config.run.seed, "model": run.model_name, "baseline": baseline, "final": final,
             # None for rows without answers (no accuracy measured).
             "relative_accuracy": None if baseline["accuracy"] is None else
             (final["accuracy"] - baseline["accuracy"]) / max(baseline["accuracy"], 1e-12),
             "training": {
-                **config.reported_settings(critic=c.critic is not None),
-                "policy_loss": config.policy_loss_in_use, "dtype": str(c.compute_dtype).replace("torch.", ""),
-                "train_examples": len(c.task.train), "validation_examples": len(c.task.evaluation),
-                "data_source": c.task.source, "optimizer_updates": state.updates,
+                **config.reported_settings(critic=models.critic is not None),
+                "policy_loss": config.policy_loss_in_use, "dtype": str(run.compute_dtype).replace("torch.", ""),
+                "train_examples": len(run.task.train), "validation_examples": len(run.task.evaluation),
+                "data_source": run.task.source, "optimizer_updates": state.updates,
                 "critic_updates": state.critic_updates,
                 **{key: state.totals[key] for key in ("no_signal_groups", "unscored_samples", "invalid_rewards")},
                 "training_seconds": state.totals["seconds"],
                 "tokens_per_second": state.totals["generated_tokens"] / max(state.totals["seconds"], 1e-9),
-                "parameters": parameter_counts(c),
+                "parameters": parameter_counts(models, drawing.reward, config.lora.lora_r),
             },
             "history": state.history,
             **({"completions": state.completions} if state.completions else {}),

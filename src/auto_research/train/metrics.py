@@ -19,15 +19,15 @@ from pathlib import Path
 import torch
 
 from auto_research.files import append_json_lines, atomic_write_text, finite_or_null
-from auto_research.train.components import Components
+from auto_research.train.components import RunContext
 from auto_research.train.experience import Experience
 from auto_research.train.update import Advantages
 
 
-def step_metrics(c: Components, step: int, experience: Experience, advantages: Advantages, actor: dict,
+def step_metrics(run: RunContext, optimizer, step: int, experience: Experience, advantages: Advantages, actor: dict,
                  critic: dict, elapsed: float, totals: dict, drift: dict) -> dict:
     """The step's row; ``drift``: ``drift_figures`` of its experience (computed once, before the update)."""
-    config, mask, gather = c.config, experience.mask, c.world.gather
+    config, mask, gather = run.config, experience.mask, run.world.gather
     scores = experience.scores
     scored = gather(scores.scored)
     all_rewards = gather(scores.rewards.double())
@@ -61,14 +61,14 @@ def step_metrics(c: Components, step: int, experience: Experience, advantages: A
         "unscored_samples": int((~scored).sum()),
         "invalid_rewards": scores.invalid,
         **critic,
-        **teacher_figures(c, experience, advantages),
-        "learning_rate": c.optimizer.param_groups[0]["lr"],
+        **teacher_figures(run, experience, advantages),
+        "learning_rate": optimizer.param_groups[0]["lr"],
         "tokens_per_second": generated / elapsed,
         "step_seconds": elapsed,
     }
 
 
-def teacher_figures(c: Components, experience: Experience, advantages: Advantages) -> dict:
+def teacher_figures(run: RunContext, experience: Experience, advantages: Advantages) -> dict:
     """A teacher's figures over every rank's tokens (``{}`` without one; docs/distillation.md): its reverse KL per
     token (the mean of −d), the dense term's share of the advantage (Σ|λ(d − b)| / Σ|Â|), how much the baseline
     lowers the per-token variance (1 − var(d − b) / var(d)) and mean square (1 − E[(d − b)²] / E[d²]: a constant
@@ -76,8 +76,8 @@ def teacher_figures(c: Components, experience: Experience, advantages: Advantage
     if advantages.centred is None:
         return {}
     mask, d, centred = experience.mask, experience.streams["teacher"], advantages.centred
-    dense = (c.config.loss.distill_weight * centred).abs().sum()
-    sums = c.world.total(torch.stack([mask.sum(), d.sum(), d.square().sum(), centred.sum(), centred.square().sum(),
+    dense = (run.config.loss.distill_weight * centred).abs().sum()
+    sums = run.world.total(torch.stack([mask.sum(), d.sum(), d.square().sum(), centred.sum(), centred.square().sum(),
                                       dense, (advantages.advantages * mask).abs().sum()]).double())
     tokens, d_sum, d_squares, c_sum, c_squares, dense, total = sums.tolist()
     variance = lambda summed, squares: squares / max(tokens, 1.0) - (summed / max(tokens, 1.0)) ** 2  # noqa: E731
@@ -87,17 +87,17 @@ def teacher_figures(c: Components, experience: Experience, advantages: Advantage
             "teacher_tokens": int(tokens)}
 
 
-def drift_figures(c: Components, experience: Experience) -> dict:
+def drift_figures(run: RunContext, experience: Experience) -> dict:
     """The sampler/trainer mismatch over every rank's tokens, and the correction's weights (another sampler or stale
     weights only; ``{}`` otherwise). Every rank gets the same figures (collectives: every rank calls it)."""
     if experience.drift is None:
         return {}
     drift, mask = experience.drift, experience.mask
-    absolute, k3, tokens = c.world.total(torch.stack([drift["absolute"], drift["k3"], drift["tokens"]])).tolist()
+    absolute, k3, tokens = run.world.total(torch.stack([drift["absolute"], drift["k3"], drift["tokens"]])).tolist()
     weights = experience.rollout_weights
-    sequence_weight = c.world.gather(((weights * mask).sum(1) / mask.sum(1).clamp(min=1)).double())
+    sequence_weight = run.world.gather(((weights * mask).sum(1) / mask.sum(1).clamp(min=1)).double())
     return {"rollout_logprob_diff_mean": absolute / max(tokens, 1.0),
-            "rollout_logprob_diff_max": float(c.world.gather(drift["maximum"].reshape(1)).max()),
+            "rollout_logprob_diff_max": float(run.world.gather(drift["maximum"].reshape(1)).max()),
             "rollout_k3_kl": k3 / max(tokens, 1.0),
             "rollout_weight_mean": float(sequence_weight.mean()),
             "rollout_weight_zero_fraction": float((sequence_weight == 0).double().mean())}

@@ -1,7 +1,7 @@
 """Which rows of a batch go through the model together: the micro-batches of an update (one optimizer step's
 rows) and of the no-grad passes (π_old, the reference, the critic's values).
 
-    pack, parts = micro_batches(c, rollout, rows, model)   # slices, or row indices under a token budget
+    pack, parts = micro_batches(run, rollout, rows, model) # slices, or row indices under a token budget
     for part in parts:
         chunk = rows_of(rollout, part)                     # those rows, trimmed to their own widths
         ... token_logprobs(model, chunk..., pack=pack) ...
@@ -27,12 +27,12 @@ import torch
 
 from auto_research.engine.packing import packs_sequences, row_tokens
 from auto_research.engine.rollout import Rollout
-from auto_research.train.components import Components
+from auto_research.train.components import RunContext
 
 
-def micro_batches(c: Components, rollout: Rollout, rows: slice, model) -> tuple[bool, list]:
+def micro_batches(run: RunContext, rollout: Rollout, rows: slice, model) -> tuple[bool, list]:
     """Whether the parts are packed, and the parts of ``rows``: slices, or (n,) tensors of row indices."""
-    size, budget = c.config.optimisation.micro_batch_size, c.config.optimisation.max_tokens_per_micro_batch
+    size, budget = run.config.optimisation.micro_batch_size, run.config.optimisation.max_tokens_per_micro_batch
     if budget is None:
         size = size or (rows.stop - rows.start)
         return False, [slice(start, min(start + size, rows.stop)) for start in range(rows.start, rows.stop, size)]
@@ -44,7 +44,7 @@ def micro_batches(c: Components, rollout: Rollout, rows: slice, model) -> tuple[
     else:
         bins = sorted_buckets(prompt_mask.long().sum(1).tolist(), completion_mask.long().sum(1).tolist(), budget, cap)
     # (On the rollout's device: NCCL all-gathers CUDA tensors only.)
-    bins = split_to(bins, int(c.world.gather(torch.tensor([len(bins)], device=prompt_mask.device)).max()))
+    bins = split_to(bins, int(run.world.gather(torch.tensor([len(bins)], device=prompt_mask.device)).max()))
     return pack, [torch.tensor(sorted(part), dtype=torch.long) + rows.start for part in bins]
 
 

@@ -1,11 +1,11 @@
 """The rollout side of a run: draw prompts → sample → score, one frozen batch per step, each row tagged with the
 policy version that drew it, handed to the trainer side (experience → advantages → update → publish weights).
 
-    side = open_side(c, state)            # once a run (schedule.py): Synchronous, InFlight & co (sides.py)
+    side = open_side(run, models, drawing, state)  # once a run (schedule.py): Synchronous, InFlight & co (sides.py)
     drawn = side.take(step)               # the step's frozen batch (waits for it)
     scores = agreed_scores(world, drawn, step)
     ...                                   # experience, advantages, update
-    side.publish(step, c.policy)          # weights version ``step`` (after ``step`` steps)
+    side.publish(step, models.policy)     # weights version ``step`` (after ``step`` steps)
 
 The schedule is fixed: step s's batch is drawn by weights version ``drawing_version(s, K)`` = max(0, s − 1 − K),
 where version v is the policy after v steps. K = 0 is today's synchronous step, a queue of depth 0: the batch is

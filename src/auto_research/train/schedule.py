@@ -16,6 +16,7 @@ the weights fit in memory.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import Callable, NamedTuple
@@ -23,7 +24,7 @@ from typing import Callable, NamedTuple
 from auto_research.engine.logprobs import token_logprobs
 from auto_research.engine.rollout.builtin import BuiltinSampler, sample
 from auto_research.errors import UserError
-from auto_research.train.components import Components, chunk_prompts, sampling_settings
+from auto_research.train.components import Drawing, Models, RunContext, chunk_prompts, sampling_settings
 from auto_research.train.experience import no_grad_forward
 from auto_research.train.in_flight import InFlight, StreamedInFlight
 from auto_research.train.rollouts import Drawn, RolloutSource
@@ -39,10 +40,12 @@ class Layout(NamedTuple):
 
 
 class Opening(NamedTuple):
-    """What building a side takes: the run, its loop state, the batches a checkpoint saved in flight and, with
-    --in-flight-updates, the rest of the side it saved."""
+    """What building a side takes: the run's three values, its loop state, the batches a checkpoint saved in flight
+    and, with --in-flight-updates, the rest of the side it saved."""
 
-    c: Components
+    run: RunContext
+    models: Models
+    drawing: Drawing
     state: LoopState
     saved: list[Drawn]
     side: tuple[dict, dict] | None
@@ -51,63 +54,65 @@ class Opening(NamedTuple):
         """A side in flight's source: a frozen reference model (not LoRA's, the policy with its adapters off) is
         copied once, and its forward runs on the rollout side beside the trainer's; an offloaded one is shared (a
         copy would be ordinary memory again)."""
-        c, reference = self.c, None
-        if c.reference is not None and not c.config.lora.lora_r:
-            reference = c.reference if c.offloaded_reference is not None else copy.deepcopy(c.reference)
-        return rollout_source(c, sampler, model, c.autocast, reference, tokenizer)
+        models, reference = self.models, None
+        if models.reference is not None and not self.run.config.lora.lora_r:
+            reference = (models.reference_in_use if models.offloaded_reference is not None else
+                         lambda held=copy.deepcopy(models.reference): contextlib.nullcontext(held))
+        return rollout_source(self.run, self.drawing, sampler, model, self.run.autocast, reference, tokenizer)
 
     def own_copies(self):
         """The policy's copy for a side in this process, and a tokenizer of its own: a fast tokenizer's padding
         is state of the tokenizer, so the trainer's evaluation and the rollout thread's calls at the same time
         broke one another (seen: "Unable to create tensor" in a held-out evaluation)."""
-        return copy.deepcopy(self.c.policy).requires_grad_(False), copy.deepcopy(self.c.tokenizer)
+        return copy.deepcopy(self.models.policy).requires_grad_(False), copy.deepcopy(self.run.tokenizer)
 
     def side_of(self, kind, source, **given):
-        schedule = Schedule(self.c.config.rollout.max_staleness, self.c.config.run.steps, self.state.step)
-        return kind(source, self.state.rng, schedule, self.c.policy, self.saved, **given)
+        schedule = Schedule(self.run.config.rollout.max_staleness, self.run.config.run.steps, self.state.step)
+        return kind(source, self.state.rng, schedule, self.models.policy, self.saved, **given)
 
 
-def open_side(c: Components, state: LoopState, saved: list[Drawn] = (), side: tuple[dict, dict] | None = None
-              ) -> RolloutSide:
+def open_side(run: RunContext, models: Models, drawing: Drawing, state: LoopState, saved: list[Drawn] = (),
+              side: tuple[dict, dict] | None = None) -> RolloutSide:
     """The run's rollout side at its current step (``saved``, ``side``: what a checkpoint held of it)."""
-    rollout, in_flight = c.config.rollout, bool(c.config.rollout.max_staleness)
-    streamed = (in_flight and not rollout.in_flight_updates and streams(c)
-                and copies_fit(c.policy, rollout.max_staleness, c.sampler.log))
-    layout = Layout(in_flight, rollout.in_flight_updates, streamed, in_flight and c.engine.pushes_weights)
-    return SIDES[layout](Opening(c, state, list(saved), side))
+    rollout, in_flight, sampler = run.config.rollout, bool(run.config.rollout.max_staleness), drawing.sampler
+    streamed = (in_flight and not rollout.in_flight_updates and streams(run, drawing)
+                and copies_fit(models.policy, rollout.max_staleness, sampler.log))
+    layout = Layout(in_flight, rollout.in_flight_updates, streamed, in_flight and run.engine.pushes_weights)
+    return SIDES[layout](Opening(run, models, drawing, state, list(saved), side))
 
 
 def _local_in_flight(o: Opening) -> InFlight:
     model, tokenizer = o.own_copies()
-    config = o.c.config
+    config = o.run.config
     sampler = BuiltinSampler(model, tokenizer, sampling_settings(config.sampling),
-                             chunk_prompts(config.sampling, config.optimisation), o.c.autocast)
+                             chunk_prompts(config.sampling, config.optimisation), o.run.autocast)
     return o.side_of(InFlight, o.source(sampler, model, tokenizer), model=model)
 
 
 def _streamed(o: Opening) -> StreamedInFlight:
-    sampling = o.c.config.sampling
-    return o.side_of(StreamedInFlight, o.source(o.c.sampler), fleet=o.c.sampler, reference_rows=reference_rows(
-        o.c.config.optimisation, sampling.prompts_per_step, sampling.group_size))
+    sampling, fleet = o.run.config.sampling, o.drawing.sampler
+    return o.side_of(StreamedInFlight, o.source(fleet), fleet=fleet, reference_rows=reference_rows(
+        o.run.config.optimisation, sampling.prompts_per_step, sampling.group_size))
 
 
 def _partial(o: Opening, local: bool):
     from auto_research.train.partial_flight import LocalRounds, PartialInFlight, RemoteRounds  # noqa: PLC0415
 
-    c, rollout, settings = o.c, o.c.config.rollout, sampling_settings(o.c.config.sampling)
+    config, sampler, rollout = o.run.config, o.drawing.sampler, o.run.config.rollout
+    settings = sampling_settings(config.sampling)
     if local:
         model, tokenizer = o.own_copies()
         source = o.source(None, model, tokenizer)
-        rounds = LocalRounds(model.eval(), tokenizer, source, settings, rollout.recompute_kv_on_update, c.autocast)
+        rounds = LocalRounds(model.eval(), tokenizer, source, settings, rollout.recompute_kv_on_update, o.run.autocast)
     else:
-        if not c.sampler.partial:
-            raise UserError(f"--in-flight-updates: the rollout server at {c.sampler.address} cannot decode partial "
+        if not sampler.partial:
+            raise UserError(f"--in-flight-updates: the rollout server at {sampler.address} cannot decode partial "
                             "rollouts (it needs one rollout server, auto-research rollout-serve --engine builtin "
                             "or vllm, of this version or later, without --enable-lora)")
-        source, tokenizer = o.source(c.sampler), copy.deepcopy(c.tokenizer)
-        rounds = RemoteRounds(c.sampler, source, settings, rollout.recompute_kv_on_update)
-    return o.side_of(PartialInFlight, source, engine=rounds, tokenizer=tokenizer, remote=None if local else c.sampler,
-                     state=o.side, pool=rollout.in_flight_pool, checkpoint_every=c.config.run.checkpoint_every)
+        source, tokenizer = o.source(sampler), copy.deepcopy(o.run.tokenizer)
+        rounds = RemoteRounds(sampler, source, settings, rollout.recompute_kv_on_update)
+    return o.side_of(PartialInFlight, source, engine=rounds, tokenizer=tokenizer, remote=None if local else sampler,
+                     state=o.side, pool=rollout.in_flight_pool, checkpoint_every=config.run.checkpoint_every)
 
 
 REFERENCE_PARTS = 4
@@ -126,12 +131,12 @@ def reference_rows(optimisation, prompts: int, group_size: int) -> int | None:
     return optimisation.micro_batch_size or -(-prompts // REFERENCE_PARTS) * group_size
 
 
-def streams(c: Components) -> bool:
+def streams(run: RunContext, drawing: Drawing) -> bool:
     """Whether a run's batches can be drawn across batches (``StreamedInFlight``): an engine that streams (a fleet
     of servers), one process, one draw per batch (no multi-turn episodes, refills or greedy baseline, which draw
     again mid-batch)."""
-    return (c.sampler.streams and not c.world.distributed and c.episodes is None
-            and not c.config.sampling.dynamic_sampling and not c.algorithm.needs_greedy)
+    return (drawing.sampler.streams and not run.world.distributed and drawing.episodes is None
+            and not run.config.sampling.dynamic_sampling and not run.algorithm.needs_greedy)
 
 
 def available_memory() -> int | None:
@@ -160,36 +165,35 @@ def copies_fit(policy, max_staleness: int, log) -> bool:
     return False
 
 
-def rollout_source(c: Components, sampler, model, context, reference=None, tokenizer=None) -> RolloutSource:
-    """What the rollout side needs of a run; ``reference``: a frozen reference of its own, whose log-probs it
-    then computes (in the micro-batches the trainer would use, so the numbers are the trainer's); ``tokenizer``:
-    the rollout side's own (default: the trainer's)."""
-    sampling, world = c.config.sampling, c.world
-    tokenizer = tokenizer or c.tokenizer
+def rollout_source(run: RunContext, drawing: Drawing, sampler, model, context, reference=None, tokenizer=None):
+    """What the rollout side needs of a run; ``reference``: what yields a frozen reference (a copy, or the offloaded
+    one, shared), whose log-probs it then computes (in the micro-batches the trainer would use, so the numbers are
+    the trainer's); ``tokenizer``: the rollout side's own (default: the trainer's)."""
+    sampling, world, episodes = run.config.sampling, run.world, drawing.episodes
+    tokenizer = tokenizer or run.tokenizer
     greedy = reference_logprobs = None
-    if c.algorithm.needs_greedy:
+    if run.algorithm.needs_greedy:
         def greedy(prompts):
             with context():
                 return sample(model, tokenizer, prompts, 1, sampling.max_new_tokens, greedy=True)
     if reference is not None:
         def reference_logprobs(rollout):
-            if reference is c.reference:  # offloaded: shared with the trainer, in the process only while in use
-                with c.reference_in_use() as model:
-                    return no_grad_forward(c, model, rollout, token_logprobs, temperature=sampling.temperature)
-            return no_grad_forward(c, reference, rollout, token_logprobs, temperature=sampling.temperature)
-    return RolloutSource(c.train_prompts, c.task.train, c.config.run.seed, sampling.prompts_per_step,
-                         sampling.group_size, lambda picks: world.share(picks, c.config.loss.ppo_mini_batches),
-                         sampler, c.reward, greedy,
+            with reference() as held:
+                return no_grad_forward(run, held, rollout, token_logprobs, temperature=sampling.temperature)
+    return RolloutSource(drawing.train_prompts, run.task.train, run.config.run.seed, sampling.prompts_per_step,
+                         sampling.group_size, lambda picks: world.share(picks, run.config.loss.ppo_mini_batches),
+                         sampler, drawing.reward, greedy,
                          reference_logprobs, sampling.max_refills if sampling.dynamic_sampling else None,
-                         c.tokenizer.pad_token_id or 0,
-                         None if c.episodes is None else dataclasses.replace(c.episodes, generate=sampler.generate_ids))
+                         run.tokenizer.pad_token_id or 0,
+                         None if episodes is None else dataclasses.replace(episodes, generate=sampler.generate_ids))
 
 
 SIDES: dict[Layout, Callable[[Opening], RolloutSide]] = {
-    Layout(False, False, False, False): lambda o: Synchronous(
-        rollout_source(o.c, o.c.sampler, o.c.policy, o.c.sampling), o.state.rng),
+    Layout(False, False, False, False): lambda o: Synchronous(rollout_source(
+        o.run, o.drawing, o.drawing.sampler, o.models.policy, o.run.sampling(o.models.policy)), o.state.rng),
     Layout(True, False, False, False): _local_in_flight,
-    Layout(True, False, False, True): lambda o: o.side_of(InFlight, o.source(o.c.sampler), remote=o.c.sampler),
+    Layout(True, False, False, True): lambda o: o.side_of(InFlight, o.source(o.drawing.sampler),
+                                                          remote=o.drawing.sampler),
     Layout(True, False, True, True): _streamed,
     Layout(True, True, False, False): lambda o: _partial(o, local=True),
     Layout(True, True, False, True): lambda o: _partial(o, local=False),

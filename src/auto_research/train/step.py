@@ -17,7 +17,7 @@ import torch
 from auto_research.algorithms.correction import check_weights, drops_samples
 from auto_research.engine.heap import release_free_memory
 from auto_research.errors import RewardError, RolloutEngineError
-from auto_research.train.components import Components
+from auto_research.train.components import Drawing, Models, RunContext
 from auto_research.train.experience import build_experience
 from auto_research.train.dynamic import REFILL_WARNING
 from auto_research.train.metrics import drift_figures, step_metrics
@@ -27,70 +27,72 @@ from auto_research.train.state import LoopState
 from auto_research.train.update import estimate_advantages, moving_average_after, update_actor, update_critic
 
 
-def rl_step(c: Components, state: LoopState, step: int, side: RolloutSide, log=print) -> dict:
+def rl_step(run: RunContext, models: Models, drawing: Drawing, state: LoopState, step: int, side: RolloutSide,
+            log=print) -> dict:
     """take the batch from the run's rollout side → agree on its scores → experience → advantages → update →
-    publish; the step's row."""
+    publish; the step's row. ``state`` (the loop's) moves on: its counters and moving-average baseline."""
     started, seconds = time.perf_counter(), {}
-    timed = _timer(c, seconds)
+    timed = _timer(run, seconds)
     with timed("waiting_for_rollouts"):  # at --max-staleness 0, the trainer idles while the batch is drawn
-        drawn = _take(c, side, step)
+        drawn = _take(run, side, step)
     with timed("score"):
-        scores = agreed_scores(c.world, drawn, step, c.config.sampling.group_size)
+        scores = agreed_scores(run.world, drawn, step, run.config.sampling.group_size)
     _warn_unscored(state, scores, step, log)
     with timed("experience"):
-        experience = build_experience(c, drawn.rollout, scores, step - 1, drawn.reference_logprobs)
-        drift = drift_figures(c, experience)
-    _check_sampler(c, experience, drift, step)
+        experience = build_experience(run, models, drawn.rollout, scores, step - 1, drawn.reference_logprobs)
+        drift = drift_figures(run, experience)
+    _check_sampler(run, experience, drift, step)
     with timed("advantages"):
-        advantages = estimate_advantages(c, experience, state.moving_average)
-        if c.algorithm.moving_average is not None:  # the loop's baseline moves after the advantages used it
+        advantages = estimate_advantages(run, experience, state.moving_average)
+        if run.algorithm.moving_average is not None:  # the loop's baseline moves after the advantages used it
             state.moving_average = moving_average_after(advantages.inputs, state.moving_average,
-                                                        c.algorithm.moving_average, c.world.total)
+                                                        run.algorithm.moving_average, run.world.total)
     with timed("update_actor"):
-        actor = update_actor(c, experience, advantages, state.updates)
-        state.updates += c.updates_per_step
+        actor = update_actor(run, models, experience, advantages, state.updates)
+        state.updates += run.updates_per_step
     with timed("update_critic"):
-        critic = update_critic(c, experience, advantages, state.updates)
-        state.critic_updates += c.updates_per_step if c.critic is not None else 0
+        critic = update_critic(run, models, experience, advantages, state.updates)
+        state.critic_updates += run.updates_per_step if models.critic is not None else 0
     with timed("weight_sync"):
-        side.publish(step, c.policy)
-    row = step_metrics(c, step, experience, advantages, actor, critic, time.perf_counter() - started, state.totals,
-                       drift)
-    return {**row, **_rollout_row(c, state, drawn, seconds, step, log)}
+        side.publish(step, models.policy)
+    row = step_metrics(run, models.optimizer, step, experience, advantages, actor, critic,
+                       time.perf_counter() - started, state.totals, drift)
+    return {**row, **_rollout_row(run, drawing.sampler, state, drawn, seconds, step, log)}
 
 
-def _take(c: Components, side: RolloutSide, step: int):
+def _take(run: RunContext, side: RolloutSide, step: int):
     """The step's drawn batch; a rollout function's bad return on this rank is told to the others (the collective
     ``agreed_scores`` holds on every other rank) before it is raised."""
     try:
         return side.take(step)
     except RewardError as error:
-        c.world.agree(error, RewardError)
+        run.world.agree(error, RewardError)
         raise
 
 
-def _check_sampler(c: Components, experience, drift: dict, step: int) -> None:
+def _check_sampler(run: RunContext, experience, drift: dict, step: int) -> None:
     """Before the update: the sampler's log-probs within --max-rollout-mismatch of the trainer's, and some of the
     correction's weights alive (``correction.check_weights``)."""
-    check_mismatch(drift, c.config.rollout.max_rollout_mismatch, step, c.world.main)
+    check_mismatch(drift, run.config.rollout.max_rollout_mismatch, step, run.world.main)
     # sequence-mask's 0 drops a sequence on purpose (a step whose every sequence is dropped trains on nothing, as
     # in TRL), where a vanishing weight is a mismatch the run would learn nothing from without a word.
-    if experience.rollout_weights is not None and not drops_samples(c.config.rollout.rollout_correction):
-        check_weights(c.world, experience.rollout_weights, experience.mask)
+    if experience.rollout_weights is not None and not drops_samples(run.config.rollout.rollout_correction):
+        check_weights(run.world, experience.rollout_weights, experience.mask)
 
 
-def _rollout_row(c: Components, state: LoopState, drawn, seconds: dict, step: int, log) -> dict:
+def _rollout_row(run: RunContext, sampler, state: LoopState, drawn, seconds: dict, step: int, log) -> dict:
     """The rollout side's figures of the step (groups, refills, the weight sync's time) and its phases' times."""
-    extra = {"weight_sync_seconds": seconds["weight_sync"]} if c.engine.pushes_weights else {}
-    if c.engine.pushes_weights and c.sampler.pushed_bytes is not None:  # a server's client
-        extra["weight_sync_bytes"] = c.sampler.pushed_bytes
+    sampling = run.config.sampling
+    extra = {"weight_sync_seconds": seconds["weight_sync"]} if run.engine.pushes_weights else {}
+    if run.engine.pushes_weights and sampler.pushed_bytes is not None:  # a server's client
+        extra["weight_sync_bytes"] = sampler.pushed_bytes
     seconds["score"] += drawn.seconds["score"]
-    figures = rollout_figures(c.world, drawn, step, c.config.sampling.dynamic_sampling)
-    if "task" not in c.algorithm.rewards:  # no_signal_* count groups of equal task rewards, which opd never reads
+    figures = rollout_figures(run.world, drawn, step, sampling.dynamic_sampling)
+    if "task" not in run.algorithm.rewards:  # no_signal_* count groups of equal task rewards, which opd never reads
         figures = {key: value for key, value in figures.items() if not key.startswith("no_signal_")}
     state.totals["no_signal_groups"] += figures.get("no_signal_groups", 0)
-    if c.config.sampling.dynamic_sampling:
-        _warn_refills(state, figures, c.config.sampling.prompts_per_step, step, log)
+    if sampling.dynamic_sampling:
+        _warn_refills(state, figures, sampling.prompts_per_step, step, log)
     return {**extra, **figures, **{f"time_{phase}": value for phase, value in seconds.items()}}
 
 
@@ -137,9 +139,9 @@ on top of what sampling and the no-grad passes left behind. Not before every pha
 fault in again when next used (about 0.4 ms a call on a tiny model, a fifth of its step at seven a step)."""
 
 
-def _timer(c: Components, seconds: dict):
+def _timer(run: RunContext, seconds: dict):
     """A phase's clock (and, on the CPU, the heap given back before the phases of ``HEAP_RETURNED_BEFORE``)."""
-    cuda = c.device.startswith("cuda")
+    cuda = run.device.startswith("cuda")
 
     @contextlib.contextmanager
     def timed(phase: str):

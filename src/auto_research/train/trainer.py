@@ -1,4 +1,4 @@
-"""A run's components and loop state together, for Python and for tests: build once, then step and
+"""A run's frozen values, rollout side and loop state together, for Python and for tests: build once, then step and
 evaluate. One wiring path: the command line and ``post_train()`` open a run with the same ``open_run``, then put
 the run folder's lock and the loop (``RunLoop``, whose steps are ``rl_step``, as ``Trainer.step``'s) around it
 (recipes/post_train.py, recipes/generation_run.py); this class writes nothing but the model cache and, in server
@@ -11,40 +11,41 @@ from auto_research.config.generation import GenerationConfig
 from auto_research.engine.distributed import World
 from auto_research.engine.rollout import Rollout
 from auto_research.errors import UserError
-from auto_research.train.components import Components, build_components
+from auto_research.train.components import Drawing, Models, RunContext, build_components
 from auto_research.train.evaluation import held_out
 from auto_research.train.schedule import open_side, rollout_source
 from auto_research.train.loop import restore
 from auto_research.train.prepare import Prepared, prepare
-from auto_research.train.rollouts import draw_batch, sample_batch
+from auto_research.train.rollouts import RolloutSource, draw_batch, sample_batch
 from auto_research.train.state import LoopState
 from auto_research.train.step import rl_step
 from auto_research.train.warm_start import model_for
 
 
-def open_run(prepared: Prepared, world: World, log=print) -> tuple[Components, LoopState]:
-    """A prepared run's components and loop state: the models built (from the task's warm start where it has one)
-    and, on --resume, the checkpoint's weights, optimizer states and loop state restored; then the run's rollout
-    side, built once (``schedule.open_side``; it draws from the first step on). The command line and
-    ``post_train`` (``recipes/generation_run.py``) and ``Trainer`` all open a run here. (The side travels in
-    ``Components.rollouts`` to the loop that owns it, until the run's values replace that bag.)"""
+def open_run(prepared: Prepared, world: World, log=print):
+    """A prepared run's frozen values (``build_components``: from the task's warm start where it has one; on --resume
+    with the checkpoint's weights, optimizer states and loop state), its rollout side, built once (``open_side``) for
+    the loop that owns it, and the loop's state. The command line, ``post_train`` and ``Trainer`` open a run here."""
     config = prepared.config
     model = model_for(config.policy.model, config.data.offline, config.logging.progress, prepared.task, world, log)
-    components = build_components(prepared, model, world, log)
+    run, models, drawing = build_components(prepared, model, world, log)
     state = LoopState.fresh(config.run.seed)
     try:
-        saved = restore(components, state, prepared.resume_from, log) if prepared.resume_from is not None else ()
-        components.rollouts = open_side(components, state, *saved)
+        saved = restore(run, models, drawing, state, prepared.resume_from, log) if prepared.resume_from else ()
+        side = open_side(run, models, drawing, state, *saved)
     except BaseException:
-        components.sampler.close()  # a server's lease is given back
+        drawing.sampler.close()  # a server's lease is given back
         raise
-    return components, state
+    return run, models, drawing, side, state
 
 
 class Trainer:
-    def __init__(self, components: Components, state: LoopState, log=print):
-        self.components, self.state, self.log = components, state, log
-        self.side = components.rollouts
+    """The run's frozen values (``run``, ``models``, ``drawing``), its rollout side and the loop's state."""
+
+    def __init__(self, run: RunContext, models: Models, drawing: Drawing, side, state: LoopState, log=print):
+        self.run, self.models, self.drawing, self.side, self.state, self.log = run, models, drawing, side, state, log
+
+    components = property(lambda self: self.models, doc="The trainer side (``models``), by its earlier name.")
 
     @classmethod
     def build(cls, config: GenerationConfig, log=print, rows: list[dict] | None = None, reward_functions=(),
@@ -56,22 +57,26 @@ class Trainer:
         prepared = prepare(config, log, rows, reward_functions, world.size, environment, tools, rollout_function)
         return cls(*open_run(prepared, world, log), log)
 
+    def source(self) -> RolloutSource:
+        """What a synchronous step draws from: the run's sampler, on the trainer's policy."""
+        policy = self.models.policy
+        return rollout_source(self.run, self.drawing, self.drawing.sampler, policy, self.run.sampling(policy))
+
     def sample(self, step: int) -> Rollout:
         """The rollout a step would train on: its prompts drawn from the loop's generator, then sampled (with
         --max-staleness 0; in flight, the rollout side's thread owns the generator)."""
-        c = self.components
-        if self.side.started and c.config.rollout.max_staleness:
+        if self.side.started and self.run.config.rollout.max_staleness:
             raise UserError("Trainer.sample draws as a synchronous step does (--max-staleness 0): with rollouts in "
                             "flight the rollout side's thread owns the prompt generator and the sampler (over several "
                             "servers, each holds its own version); call it before the first step")
-        source = rollout_source(c, c.sampler, c.policy, c.sampling)
+        source = self.source()
         return sample_batch(source, draw_batch(source, self.state.rng, step))
 
     def step(self, step: int) -> dict:
-        return rl_step(self.components, self.state, step, self.side, self.log)
+        return rl_step(self.run, self.models, self.drawing, self.state, step, self.side, self.log)
 
     def evaluate(self, completions: dict | None = None) -> dict:
-        return held_out(self.components, completions)
+        return held_out(self.run, self.models, self.drawing, completions)
 
     def close(self) -> None:
         """Stop the rollout side's thread (--max-staleness ≥ 1) and close the sampler (a rollout server's lease
@@ -79,4 +84,4 @@ class Trainer:
         try:
             self.side.close()
         finally:
-            self.components.sampler.close()
+            self.drawing.sampler.close()

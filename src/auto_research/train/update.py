@@ -15,7 +15,7 @@ from auto_research.algorithms.losses import POLICY_LOSSES, LossInputs, aggregate
 from auto_research.algorithms.registry import kl_in_loss, kl_shapes_reward
 from auto_research.engine.logprobs import completion_values, kl_per_token, token_logprobs
 from auto_research.engine.rollout import Rollout, eos_ids
-from auto_research.train.components import Components
+from auto_research.train.components import Models, RunContext
 from auto_research.train.experience import Experience, widen
 from auto_research.train.micro_batches import micro_batches, rows_of
 
@@ -32,25 +32,25 @@ class Advantages:
     """(B, T) the dense stream less its baseline (a teacher's d − b), whose λ× joined the advantages; None without."""
 
 
-def estimate_advantages(c: Components, experience: Experience, baseline: float = 0.0) -> Advantages:
+def estimate_advantages(run: RunContext, experience: Experience, baseline: float = 0.0) -> Advantages:
     """Per-token rewards, the record's streams summed (``Algorithm.rewards``: the task reward on the last token),
     −β·kl on every token when the KL shapes the reward → the record's estimator → whitening over every rank's tokens
     when the record asks for it, or --normalize-advantages' z-score over the completions → the record's dense streams
     the run has (a teacher's d), each less its baseline, λ× added per token: Â_{i,t} = A_i + λ·(d_{i,t} − b_i)."""
-    loss, group_size, gae_lambda = c.config.loss, c.config.sampling.group_size, c.config.critic.gae_lambda
+    loss, group_size, gae_lambda = run.config.loss, run.config.sampling.group_size, run.config.critic.gae_lambda
     mask, scores, streams = experience.mask, experience.scores, experience.streams
-    token_rewards = sum((streams[name] for name in c.algorithm.rewards), torch.zeros_like(mask))
+    token_rewards = sum((streams[name] for name in run.algorithm.rewards), torch.zeros_like(mask))
     if kl_shapes_reward(loss.kl_in):
         token_rewards = token_rewards - loss.beta * streams["kl"]
     inputs = AdvantageInputs(token_rewards, mask, group_size, scores.scored, scores.greedy_rewards, experience.values,
                              1.0, gae_lambda, baseline, streams["task"].sum(1), loss.std or "population")
-    advantages, returns = ADVANTAGE_ESTIMATORS[c.algorithm.advantage](inputs)
-    if c.algorithm.whiten and loss.whiten_advantages:
-        advantages = whiten(advantages, mask * scores.scored.float().unsqueeze(1), total=c.world.total)
+    advantages, returns = ADVANTAGE_ESTIMATORS[run.algorithm.advantage](inputs)
+    if run.algorithm.whiten and loss.whiten_advantages:
+        advantages = whiten(advantages, mask * scores.scored.float().unsqueeze(1), total=run.world.total)
     if loss.normalize_advantages:
-        advantages = normalise_over_batch(advantages, mask, scores.scored, total=c.world.total)
+        advantages = normalise_over_batch(advantages, mask, scores.scored, total=run.world.total)
     centred = None
-    for name in (name for name in c.algorithm.dense if name in streams):
+    for name in (name for name in run.algorithm.dense if name in streams):
         centred = dense_term(streams[name], mask, group_size, loss.distill_baseline)
         advantages = advantages + loss.distill_weight * centred
     return Advantages(advantages, returns, inputs, centred)
@@ -65,13 +65,13 @@ def truncated(rollout: Rollout, max_new_tokens: int, eos: list[int]) -> torch.Te
     return (lengths >= max_new_tokens) & ~torch.isin(last, torch.tensor(eos, dtype=last.dtype, device=last.device))
 
 
-def loss_mask(c: Components, experience: Experience) -> torch.Tensor:
+def loss_mask(run: RunContext, policy, experience: Experience) -> torch.Tensor:
     """(B, T) the tokens the actor's loss counts: every completion token, less the truncated completions' with
     --mask-truncated (they stay in their groups' baselines, computed before)."""
     mask = experience.mask
-    if not c.config.loss.mask_truncated:
+    if not run.config.loss.mask_truncated:
         return mask
-    cut = truncated(experience.rollout, c.config.sampling.max_new_tokens, eos_ids(c.tokenizer, c.policy))
+    cut = truncated(experience.rollout, run.config.sampling.max_new_tokens, eos_ids(run.tokenizer, policy))
     return mask * (~cut).to(mask.dtype).unsqueeze(1)
 
 
@@ -100,59 +100,59 @@ def learning_rate_at(optimisation, update: int, total_updates: int) -> float:
     return rate
 
 
-def _mini_batches(c: Components, rows: int) -> list[slice]:
+def _mini_batches(run: RunContext, rows: int) -> list[slice]:
     """Slices of whole groups, one optimizer step each."""
-    size = rows // c.config.loss.ppo_mini_batches
+    size = rows // run.config.loss.ppo_mini_batches
     return [slice(start, start + size) for start in range(0, rows, size)]
 
 
-def _accumulating(c: Components, experience: Experience, rows: slice, wrapped):
+def _accumulating(run: RunContext, experience: Experience, rows: slice, wrapped):
     """The trimmed micro-batches of one optimizer step (``micro_batches.py``: by rows or by tokens), each body
     run inside DDP's ``no_sync`` except the last, whose backward then all-reduces the accumulated gradient once;
     with whether they are packed."""
-    pack, parts = micro_batches(c, experience.rollout, rows, wrapped)
+    pack, parts = micro_batches(run, experience.rollout, rows, wrapped)
     for index, part in enumerate(parts):
-        with c.world.no_sync(wrapped, last=index == len(parts) - 1):
+        with run.world.no_sync(wrapped, last=index == len(parts) - 1):
             yield part, rows_of(experience.rollout, part), pack
 
 
-def optimizer_step(c: Components, model, optimizer, update: int) -> float:
+def optimizer_step(run: RunContext, model, optimizer, update: int) -> float:
     """Clip the gradient norm, set the scheduled learning rate, step, zero; returns the norm before clipping."""
     trained = [p for p in model.parameters() if p.requires_grad]
     for parameter in trained:  # (a tied embedding's rows-seen share alone, had the output side had none)
         if parameter.grad is not None and parameter.grad.is_sparse:
             parameter.grad = parameter.grad.to_dense()
-    norm = torch.nn.utils.clip_grad_norm_(trained, c.config.optimisation.max_grad_norm)
+    norm = torch.nn.utils.clip_grad_norm_(trained, run.config.optimisation.max_grad_norm)
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
     for group in optimizer.param_groups:
-        group["lr"] = learning_rate_at(c.config.optimisation, update, c.config.run.steps * c.updates_per_step)
+        group["lr"] = learning_rate_at(run.config.optimisation, update, run.config.run.steps * run.updates_per_step)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
 
 
-def update_actor(c: Components, experience: Experience, advantages: Advantages, updates: int) -> dict:
+def update_actor(run: RunContext, models: Models, experience: Experience, advantages: Advantages, updates: int) -> dict:
     """Epochs × mini-batches × micro-batches of the policy loss (--policy-loss, the record's by default), plus the
     KL term in the loss and the entropy bonus. ``updates``: optimizer steps taken before (the schedule's
     position); returns the figures and their count."""
-    loss, sampling, world, policy_loss = c.config.loss, c.config.sampling, c.world, c.config.policy_loss_in_use
-    mask = loss_mask(c, experience)
+    loss, sampling, world, policy_loss = run.config.loss, run.config.sampling, run.world, run.config.policy_loss_in_use
+    mask = loss_mask(run, models.policy, experience)
     loss_function = POLICY_LOSSES[policy_loss]
     totals = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0, "entropy_loss": 0.0, "grad_norm": 0.0,
               "clip_fraction": 0.0}
     width, all_tokens = mask.shape[1], float(world.total(mask.sum()).clamp(min=1))
     entropy_bonus = loss.entropy_coef > 0
     for _ in range(loss.updates_per_batch):
-        for rows in _mini_batches(c, mask.shape[0]):
+        for rows in _mini_batches(run, mask.shape[0]):
             # Global counts of this optimizer step (over every rank): micro-batch shares sum to its exact loss.
             # DDP and FSDP average gradients over ranks, hence the loss × N.
             sequences = (rows.stop - rows.start) * world.size
             counts = dict(sequences=float(sequences), tokens=float(world.total(mask[rows].sum()).clamp(min=1)),
                           groups=float(sequences // sampling.group_size), max_tokens=float(sampling.max_new_tokens))
-            for part, chunk, pack in _accumulating(c, experience, rows, c.train_policy):
-                with c.autocast():
-                    output = token_logprobs(c.train_policy, chunk.sequences, chunk.prompt_mask, chunk.completion_mask,
-                                            sampling.temperature, with_entropy=entropy_bonus,
+            for part, chunk, pack in _accumulating(run, experience, rows, models.train_policy):
+                with run.autocast():
+                    output = token_logprobs(models.train_policy, chunk.sequences, chunk.prompt_mask,
+                                            chunk.completion_mask, sampling.temperature, with_entropy=entropy_bonus,
                                             group_size=sampling.group_size, entropy_gradient=entropy_bonus, pack=pack)
                 logprobs, entropy = output if entropy_bonus else (output, None)
                 logprobs = widen(logprobs, width)
@@ -162,7 +162,7 @@ def update_actor(c: Components, experience: Experience, advantages: Advantages, 
                 if experience.rollout_weights is not None:  # another engine sampled: π/μ, truncated
                     terms = terms * experience.rollout_weights[part]
                 pg = aggregate(terms, mask[part], loss.loss_aggregation, **counts,
-                               per_group_sum=c.algorithm.reduction == "sum")
+                               per_group_sum=run.algorithm.reduction == "sum")
                 objective = pg
                 if kl_in_loss(loss.kl_in) and experience.reference_logprobs is not None and loss.beta > 0:
                     kl = kl_per_token(logprobs, experience.reference_logprobs[part], loss.kl_estimator)
@@ -178,40 +178,40 @@ def update_actor(c: Components, experience: Experience, advantages: Advantages, 
                 totals["loss"] += float(objective.detach())
                 totals["pg_loss"] += float(pg.detach())
                 totals["clip_fraction"] += float(clip_fraction(policy_loss, inputs).sum()) / all_tokens
-            totals["grad_norm"] = optimizer_step(c, c.policy, c.optimizer, updates)
+            totals["grad_norm"] = optimizer_step(run, models.policy, models.optimizer, updates)
             updates += 1
     # Losses are reported per optimizer step (averaged, summed over ranks); the gradient norm is the last step's.
     keys = ("loss", "pg_loss", "kl_loss", "entropy_loss", "clip_fraction")
     summed = world.total(torch.tensor([totals[key] for key in keys], dtype=torch.float64))
     for key, value in zip(keys, summed.tolist()):
-        totals[key] = value / c.updates_per_step
+        totals[key] = value / run.updates_per_step
     if not entropy_bonus:
         del totals["entropy_loss"]
     return totals
 
 
-def update_critic(c: Components, experience: Experience, advantages: Advantages, updates: int) -> dict:
+def update_critic(run: RunContext, models: Models, experience: Experience, advantages: Advantages, updates: int):
     """PPO's critic: ½·max((V − R)², (V_clip − R)²) on the GAE returns, token-mean, times --vf-coef.
     Every critic step of a step takes the schedule's learning rate at ``updates``, the actor's count after
     its updates."""
-    if c.critic is None:
+    if models.critic is None:
         return {}
-    critic, world = c.config.critic, c.world
+    critic, world = run.config.critic, run.world
     mask = experience.mask * experience.scores.scored.float().unsqueeze(1)
     width, value_loss = mask.shape[1], 0.0
-    for _ in range(c.config.loss.updates_per_batch):
-        for rows in _mini_batches(c, mask.shape[0]):
+    for _ in range(run.config.loss.updates_per_batch):
+        for rows in _mini_batches(run, mask.shape[0]):
             tokens = float(world.total(mask[rows].sum()).clamp(min=1))
-            for part, chunk, pack in _accumulating(c, experience, rows, c.train_critic):
-                with c.autocast():
-                    values = widen(completion_values(c.train_critic, chunk.sequences, chunk.prompt_mask,
-                                                     chunk.completion_mask, c.config.sampling.group_size, pack=pack),
+            for part, chunk, pack in _accumulating(run, experience, rows, models.train_critic):
+                with run.autocast():
+                    values = widen(completion_values(models.train_critic, chunk.sequences, chunk.prompt_mask,
+                                                     chunk.completion_mask, run.config.sampling.group_size, pack=pack),
                                    width)
                 terms = clipped_value_loss(values, experience.values[part], advantages.returns[part], critic.value_clip)
                 loss = critic.vf_coef * (terms * mask[part]).sum() / tokens
                 (loss * world.size if world.distributed else loss).backward()
                 value_loss += float(loss.detach()) / max(critic.vf_coef, 1e-12)
-            optimizer_step(c, c.critic, c.critic_optimizer, updates)
+            optimizer_step(run, models.critic, models.critic_optimizer, updates)
     returns, values = advantages.returns, experience.values
     count = world.total(mask.sum()).clamp(min=1)
     mean = world.total((returns * mask).sum()) / count
@@ -219,4 +219,4 @@ def update_critic(c: Components, experience: Experience, advantages: Advantages,
                                     ((returns - mean) * mask).square().sum(),
                                     torch.tensor(value_loss, dtype=torch.float32, device=mask.device)]).double())
     residual, variance, value_loss = sums.tolist()
-    return {"value_loss": value_loss / c.updates_per_step, "explained_variance": 1.0 - residual / max(variance, 1e-12)}
+    return {"value_loss": value_loss / run.updates_per_step, "explained_variance": 1 - residual / max(variance, 1e-12)}
