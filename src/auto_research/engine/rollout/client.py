@@ -24,7 +24,7 @@ import torch
 from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
 from auto_research.engine.rollout.guard import MAX_REQUEST_TOKENS, slices
 from auto_research.engine.rollout.links import AdapterLink, HttpLink, Offer, _attempt, choose_link
-from auto_research.engine.rollout.server import fingerprint
+from auto_research.engine.rollout.served import fingerprint
 from auto_research.engine.rollout.remote import adapter_factors, pushed_weights, sample_by_ids, tied_weights
 from auto_research.errors import RolloutEngineError, UserError
 from auto_research.files import atomic_write_bytes

@@ -69,7 +69,6 @@ else HTTP (NCCL between trainer and server is not built: see docs/vllm.md).
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import secrets
@@ -83,6 +82,7 @@ from urllib.parse import parse_qs, urlparse
 from auto_research.engine.rollout.guard import (GENERATE_BYTES, MAX_GROUP_SIZE, MAX_REQUEST_TOKENS, MAX_SERVER_TOKENS,
                                                 Leases, Refused, Turns, check_claim, check_generate,
                                                 check_logprobs, check_size, describe, slices)
+from auto_research.engine.rollout.served import Served, fingerprint, vocabulary  # noqa: F401 - re-exported
 from auto_research.engine.rollout.pushes import (adapter_push, backends, collective_join, collective_push,
                                                 takes_adapters)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
@@ -91,47 +91,17 @@ from auto_research.http import authorization
 
 PART_BYTES = 256 * 2**20
 SLICE_TOKENS = 2**14
+"""A request without the lease is drawn in slices of whole prompts asking at most this many tokens (one prompt's
+group alone when it asks more): between two slices the lease holder's waiting requests go first."""
 LARGE_BODY_BYTES = 2**20
 LARGE_BODIES = 4
 """Bodies over LARGE_BODY_BYTES (up to /generate's 64 MiB) that clients without the lease may have read and held at
 once: connections are not bounded (a flood of slow ones blocks nobody), the memory their bodies take is. One
 beyond waits for a slot up to --read-timeout, then gets 503. The holder's bodies (its weight pushes) are never
 held up."""
-"""A request without the lease is drawn in slices of whole prompts asking at most this many tokens (one prompt's
-group alone when it asks more): between two slices the lease holder's waiting requests go first."""
-
-
-def fingerprint(config, tokenizer) -> str:
-    """What must agree between trainer and server: the architecture's shape and the tokenizer's vocabulary."""
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
-    shape = {key: getattr(config, key, None) for key in keys}
-    vocabulary = sorted(tokenizer.get_vocab().items())
-    return hashlib.sha256(json.dumps([shape, vocabulary], sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def vocabulary(tokenizer) -> str:
-    """The tokenizer's vocabulary alone, hashed: a served teacher's must be the policy's."""
-    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
 
 
 # --- the server ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Served:
-    """What the server knows of its model: the trainer's pushes and requests are checked against it."""
-
-    name: str
-    fingerprint: str
-    spec: dict
-    """``{checkpoint name: (shape, dtype name)}`` of every weight the engine loads."""
-    vocab_size: int
-    dtype: str
-    device: str = "cpu"
-    """The engine's device: a push over a group is received there (NCCL on a GPU, ``pushes.backends``)."""
-    vocabulary: str = ""
-    """``vocabulary(tokenizer)``: what a served teacher's client checks."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import json
 import time
 
 from auto_research.engine.rollout.guard import MAX_REQUEST_TOKENS, slices
-from auto_research.engine.rollout.server import vocabulary
+from auto_research.engine.rollout.served import vocabulary
 from auto_research.errors import RolloutEngineError, UserError
 from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, request, split_address
 from auto_research.http import api_key as http_api_key
