@@ -262,3 +262,50 @@ def test_a_vllm_teacher_scores_as_the_builtin_one_within_1e_4(tmp_path):
     print(f"vLLM against the trainer's log-probs: largest difference {difference:.2e}")
     assert difference <= 1e-4, difference
     assert len(longest[0]) == 23
+
+
+class _FailsAfterOne(BuiltinEngine):
+    """A teacher's engine that scores one batch, then fails every call (a server whose engine broke mid-run)."""
+
+    calls = 0
+
+    def logprobs(self, prompts, completions):
+        type(self).calls += 1
+        if type(self).calls > 1:
+            raise RuntimeError("the teacher's engine broke")
+        return super().logprobs(prompts, completions)
+
+
+def test_a_run_with_a_served_teacher_trains_as_with_the_same_teacher_loaded_and_stops_in_one_line_when_it_fails(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """--teacher-model http://HOST:PORT: the server's log-probs in place of the local forward give the run that
+    loads the same teacher (every figure within 1e-5, the same rewards); a teacher server that fails (after the
+    client's retries) stops the run in one line naming it and what was kept, never a zero term."""
+    from transformers import AutoModelForCausalLM
+
+    from test_distillation import _compared, _other_model, _rows as run_rows
+
+    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
+    folder = _other_model(tmp_path / "teacher")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), build_tokenizer()
+    server, address = serve(model, tokenizer)
+    broken, broken_address = serve(model, tokenizer, engine=_FailsAfterOne(model, tokenizer))
+    try:
+        loaded = run_rows(tmp_path, "loaded", tiny_model_dir, teacher_model=str(folder), steps=3)
+        served = run_rows(tmp_path, "served", tiny_model_dir, teacher_model=f"http://{address}", steps=3)
+        with pytest.raises(UserError) as stopped:
+            run_rows(tmp_path, "broken", tiny_model_dir, teacher_model=f"http://{broken_address}", steps=3,
+                     checkpoint_every=1)
+    finally:
+        for each in (server, broken):
+            each.shutdown()
+            each.server_close()
+    assert [row["reward_mean"] for row in served] == [row["reward_mean"] for row in loaded]
+    assert served[0]["teacher_tokens"] > 0 and abs(served[0]["teacher_reverse_kl"]) > 1e-3  # a term of its own
+    for got, expected in zip(served, loaded):
+        for key, value in {**_compared(expected), "teacher_reverse_kl": expected["teacher_reverse_kl"]}.items():
+            if isinstance(value, float):
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    line = str(stopped.value)
+    assert "\n" not in line and line.startswith(f"--teacher-model {broken_address}: /logprobs failed ("), line
+    assert line.endswith("step-000001 (continue with the same command and --resume)"), line

@@ -15,6 +15,11 @@ from auto_research.config.fields import (check_choice, check_non_negative_finite
 from auto_research.errors import UserError
 
 
+def served(model: str | None) -> bool:
+    """--teacher-model http://HOST:PORT: a rollout server scores for the teacher (``engine/rollout/teacher.py``)."""
+    return model is not None and model.startswith("http://")
+
+
 def by_algorithm(attribute: str, choices) -> str:
     """``a (rloo, grpo), b (…)``: each choice with the algorithms whose record defaults to it."""
     grouped = names_by(attribute)
@@ -76,7 +81,8 @@ class LossSection:
     reference_model: str | None = setting(None, "the KL's reference: a model folder, hub id or packaged name with the "
                                           "policy's tokenizer", "loss", default_text="the initial policy")
     teacher_model: str | None = setting(None, "on-policy distillation: this model (folder, hub id or packaged name, "
-                                        "the policy's tokenizer) scores the sampled tokens, and λ·(d_t − b_i), d_t = "
+                                        "or http://HOST:PORT, a rollout server serving it; the policy's tokenizer) "
+                                        "scores the sampled tokens, and λ·(d_t − b_i), d_t = "
                                         "log π_teacher − log π_old, joins each token's advantage (docs/distillation.md); "
                                         "the reference KL is then off unless --kl-in is given", "loss")
     distill_weight: float = setting(1.0, "λ, the teacher's term's weight in the advantage", "loss", type=float)

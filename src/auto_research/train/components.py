@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 
 from auto_research.algorithms.registry import Algorithm, get_algorithm, kl_in_loss, kl_shapes_reward
 from auto_research.config.generation import GenerationConfig
-from auto_research.config.loss import LossSection
+from auto_research.config.loss import LossSection, served
 from auto_research.config.sampling import OptimisationSection, SamplingSection
 from auto_research.config.sections import LoraSection, PolicySection
 from auto_research.data.types import Task
@@ -32,6 +32,7 @@ from auto_research.engine.packaged import cache_dir
 from auto_research.engine.models import (context_length, format_prompt, load_critic, load_policy, load_tokenizer,
                                          resolve_device, resolve_dtype)
 from auto_research.engine.rollout import Sampler, SamplingSettings
+from auto_research.engine.rollout.teacher import ServedTeacher
 from auto_research.engine.samplers import SamplerNeeds, SamplerRecord, sampler_record
 from auto_research.errors import UserError
 from auto_research.rewards.combine import CombinedReward, build_reward
@@ -84,8 +85,9 @@ class Models:
     critic_optimizer: torch.optim.Optimizer | None = None
     offloaded_reference: OffloadedReference | None = None
     """The reference's weights out of the process between its passes (--offload-reference), else None."""
-    teacher: torch.nn.Module | None = None
-    """--teacher-model, frozen in the compute dtype: the source of the ``teacher`` stream (experience.py), else None."""
+    teacher: torch.nn.Module | ServedTeacher | None = None
+    """--teacher-model, frozen in the compute dtype, or the client of the server that scores for it: the source of the
+    ``teacher`` stream (experience.py), else None."""
 
     @contextlib.contextmanager
     def reference_in_use(self):
@@ -231,7 +233,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
         record.check_model(getattr(policy, "get_base_model", lambda: policy)().config, device, model_name)
     recompute(policy, config.optimisation)
     policy, reference = _reference(config.loss, config.lora, offline, task, policy, model_name, device, compute_dtype)
-    teacher = _teacher(config.loss, offline, device, compute_dtype, world, log)
+    teacher = _teacher(config.loss, offline, device, compute_dtype, world, tokenizer, log)
     rewards = config.rewards
     critic = (_load_critic(config.critic.critic_model, rewards.reward_model, config.optimisation, offline, model_name,
                            device, len(tokenizer)) if algorithm.needs_critic else None)
@@ -291,7 +293,7 @@ def _check_tokenizers(loss: LossSection, offline: bool, model_name: str, log) ->
     refused in one line that names both (and a token they differ on), before any weights load."""
     ours = None
     for name, flag in ((loss.reference_model, "--reference-model"), (loss.teacher_model, "--teacher-model")):
-        if name not in (None, model_name):
+        if name not in (None, model_name) and not served(name):  # a served teacher's server checks its own
             ours = ours or load_tokenizer(model_name, offline, log)[0].get_vocab()
             theirs = load_tokenizer(name, offline, log, flag)[0].get_vocab()
             differ = sorted(token for token in theirs.keys() | ours.keys() if theirs.get(token) != ours.get(token))
@@ -302,14 +304,17 @@ def _check_tokenizers(loss: LossSection, offline: bool, model_name: str, log) ->
                                 + "; it must score the policy's own token ids")
 
 
-def _teacher(loss: LossSection, offline: bool, device: str, compute_dtype, world: World, log):
+def _teacher(loss: LossSection, offline: bool, device: str, compute_dtype, world: World, tokenizer, log):
     """--teacher-model, frozen in the compute dtype and wrapped for several processes as the reference is (its
-    tokenizer is the policy's: ``_check_tokenizers``); None without one."""
+    tokenizer is the policy's: ``_check_tokenizers``); http://HOST:PORT: a rollout server scores for it
+    (``teacher.ServedTeacher``, which checks the server's vocabulary against ``tokenizer``); None without one."""
     if loss.teacher_model is None:
         return None
     if not (kl_shapes_reward(loss.kl_in) or kl_in_loss(loss.kl_in)):
         log(f"--teacher-model {loss.teacher_model}: the reference KL is off (--kl-in none; --kl-in reward or loss "
             "puts it back), the teacher's term takes its place")
+    if served(loss.teacher_model):
+        return ServedTeacher(loss.teacher_model, tokenizer)
     teacher = load_policy(loss.teacher_model, device, compute_dtype, offline,
                           flag="--teacher-model")[0].eval().requires_grad_(False)
     world.wrap(teacher, trains=False)
@@ -416,5 +421,5 @@ def parameter_counts(models: Models, reward: CombinedReward, lora_r: int) -> dic
     reference = None if lora_r else models.reference
     held = {"policy": count(models.policy), "critic": count(models.critic), "reference": count(reference),
             "reward_model": count(reward_model.model if reward_model is not None else None),
-            **({"teacher": count(models.teacher)} if models.teacher is not None else {})}
+            **({"teacher": count(models.teacher)} if isinstance(models.teacher, torch.nn.Module) else {})}
     return {**held, "trainable": trainable(models.policy) + trainable(models.critic), "total": sum(held.values())}

@@ -179,10 +179,20 @@ def reference_kl(run, models, rollout: Rollout, scores: Scores, old_logprobs, re
 
 def teacher_signal(run: RunContext, models: Models, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs):
     """d_t = log π_T(y_t) − log π_old(y_t) at each sampled token (no gradient): the teacher's log-probs at
-    temperature 1 by the policy's own log-prob function; None without --teacher-model."""
+    temperature 1 by the policy's own log-prob function, or its server's (a served teacher: each row's prompt and
+    completion ids, its group's rows together; a server that fails raises ``RolloutEngineError``, which stops the run
+    in one line, never a zero term); None without --teacher-model."""
     if models.teacher is None:
         return None
-    teacher = no_grad_forward(run, models.teacher, rollout, token_logprobs, temperature=1.0)
+    if isinstance(models.teacher, torch.nn.Module):
+        teacher = no_grad_forward(run, models.teacher, rollout, token_logprobs, temperature=1.0)
+    else:
+        prompts = rollout.sequences[:, :rollout.prompt_length]
+        answers = models.teacher.logprobs([row[mask.bool()].tolist() for row, mask in zip(prompts, rollout.prompt_mask)],
+                                          rollout.token_lists())
+        teacher = torch.zeros_like(old_logprobs)
+        for row, values in zip(teacher, answers):
+            row[: len(values)] = torch.tensor(values, dtype=row.dtype)
     return (teacher - old_logprobs) * rollout.trained_mask.float()
 
 

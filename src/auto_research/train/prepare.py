@@ -14,6 +14,7 @@ from typing import Callable
 from auto_research.algorithms.registry import get_algorithm
 from auto_research.config.fields import flag_of
 from auto_research.config.generation import RENAMED, GenerationConfig
+from auto_research.config.loss import served
 from auto_research.data.tasks import check_answers, load_task
 from auto_research.data.types import Task
 from auto_research.engine import run_folder
@@ -104,7 +105,7 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
     for source, flag in ((model, "--model"), (given.reward_model, "--reward-model"),
                          (config.critic.critic_model, "--critic-model"), (loss.reference_model, "--reference-model"),
                          (loss.teacher_model, "--teacher-model")):
-        if source is not None:
+        if source is not None and not (flag == "--teacher-model" and served(source)):
             check_model_source(source, config.data.offline, flag)
     rewards = resolve_rewards(given.reward, given.reward_weights, given.reward_model, list(reward_functions),
                               given.reward_url)
