@@ -159,8 +159,9 @@ PLAN: dict[str, object] = {
     "auto-research compare --dataset arithmetic-generate --algorithms rloo,ppo-rlhf,grpo,reinforce,vanilla-pg,remax,"
     "raft --seeds 42,43,44 --group-size 4": FirstStep(until=HOOKED_STEP, then=None),
     "python benchmarks/rloo_vs_ppo.py": FirstStep(until=HOOKED_STEP, then=None),
-    "pip install trl && python benchmarks/vs_trl.py --model smollm2 --threads 2 --steps 4 --rounds 3 "
-    "--gradient-checkpointing --offload-reference": NotHere(INSTALLS),
+    "pip install trl && python benchmarks/vs_trl.py --model smollm2 --threads 2 --steps 4 --rounds 2": NotHere(INSTALLS),
+    "pip install trl && python benchmarks/vs_trl.py --model smollm2 --threads 2 --steps 4 --rounds 2 "
+    "--gradient-checkpointing": NotHere(INSTALLS),
     "python benchmarks/decode_roofline.py --repeats 5": Slow("SmolLM2 loaded, bandwidth and matmuls measured",
                                                              FirstStep(until=r"^bandwidth: read", then=None,
                                                                               seconds=900)),
