@@ -369,8 +369,9 @@ class _StepHook(importlib.abc.MetaPathFinder):
             run(module)
             inner = module.rl_step
 
-            def rl_step(c, state, step, *args, **kwargs):
-                row = inner(c, state, step, *args, **kwargs)
+            def rl_step(*args, **kwargs):  # the step is its one int argument, wherever the signature puts it
+                row = inner(*args, **kwargs)
+                step = kwargs.get("step", next((a for a in args if type(a) is int), None))
                 with open(os.environ["AUTO_RESEARCH_DOCS_STEPS"], "a") as steps:
                     steps.write(f"docs-check: step {step} done (pid {os.getpid()})\\n")
                 return row

@@ -78,27 +78,22 @@ def test_metrics_and_report_record_the_machine(tmp_path):
 
 
 @pytest.mark.parametrize("schedule", [(), ("--max-staleness", "1")], ids=["synchronous", "in-flight-K1"])
-def test_repeats_are_identical_at_one_thread_while_they_contend_and_at_every_core_one_after_the_other(tmp_path,
-                                                                                                      schedule):
+def test_repeats_at_one_thread_are_identical_while_they_contend_for_the_cores(tmp_path, schedule):
     """The main job (shortened), synchronous and with a batch drawn in flight (K = 1, the rollout thread computing
     beside the trainer): three copies at --threads 1 started together, so that they contend for this machine's
-    cores, give the same rows to the bit; so do two copies at the default threads (one a core) run one after the
-    other. Copies at two threads that contend for two cores can differ in the last bits from step 3: that is not
-    promised (docs/benchmarks.md, "Repeats")."""
+    cores, give the same rows to the bit. Copies at two threads that contend for two cores can differ in the last
+    bits from step 3: that is not promised (docs/benchmarks.md, "Repeats"), nor tested here, where the suite's
+    other worker contends with any run."""
     command = [sys.executable, "-m", "auto_research", "post-train", "--dataset", TASK, "--steps", "30",
-               "--eval-every", "0", "--evaluation-examples", "20", "--offline", "--no-progress", *schedule]
-    contended = [subprocess.Popen([*command, "--threads", "1", "--output-dir", str(tmp_path / f"one-{index}")],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for index in range(3)]
+               "--eval-every", "0", "--evaluation-examples", "20", "--offline", "--no-progress", "--threads", "1",
+               *schedule]
+    contended = [subprocess.Popen([*command, "--output-dir", str(tmp_path / str(index))], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for index in range(3)]
     for run in contended:
         assert run.wait(timeout=900) == 0, run.stderr.read()[-2000:]
-    for index in range(2):
-        alone = subprocess.run([*command, "--output-dir", str(tmp_path / f"all-{index}")], capture_output=True,
-                               text=True, timeout=900)
-        assert alone.returncode == 0, alone.stderr[-2000:]
-    one, every = [_rows(tmp_path / f"one-{index}") for index in range(3)], [_rows(tmp_path / f"all-{i}") for i in (0, 1)]
-    assert len(one[0]) == 30 and one[0][-1]["loss"] != one[0][0]["loss"]
-    assert one[1] == one[0] and one[2] == one[0]
-    assert every[1] == every[0]
+    rows = [_rows(tmp_path / str(index)) for index in range(3)]
+    assert len(rows[0]) == 30 and rows[0][-1]["loss"] != rows[0][0]["loss"]
+    assert rows[1] == rows[0] and rows[2] == rows[0]
 
 
 def _rows(output) -> list[dict]:
