@@ -25,10 +25,11 @@ from auto_research.engine.rollout import Rollout, SamplingSettings, eos_ids
 from auto_research.engine.rollout.guard import MAX_REQUEST_TOKENS, slices
 from auto_research.engine.rollout.links import AdapterLink, HttpLink, Offer, _attempt, choose_link
 from auto_research.engine.rollout.served import fingerprint
+from auto_research.engine.rollout.served import health as served_health
 from auto_research.engine.rollout.remote import adapter_factors, pushed_weights, sample_by_ids, tied_weights
 from auto_research.errors import RolloutEngineError, UserError
 from auto_research.files import atomic_write_bytes
-from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, is_loopback, request, split_address
+from auto_research.http import RequestFailed, authorization, is_loopback, request, split_address
 from auto_research.http import api_key as http_api_key
 
 SECRET_NAME = ".lease-secret"
@@ -74,17 +75,8 @@ class ServerSampler:
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
         key = http_api_key(api_key, "the API key")
         self.headers = {"Authorization": authorization(key)} if key else {}
-        try:
-            health = json.loads(request(self.base + "/health", None, "application/json", 10.0, 1, 0.5,
-                                        self.headers))
-        except RequestFailed as error:
-            if error.status == 401:
-                raise UserError(f"--rollout-server {address} " + ("refused this API key" if key else "wants an API key")
-                                + f": set {API_KEY_VARIABLE} to the key the server was started with") from None
-            raise UserError(f"--rollout-server {address}: no rollout server answers there ({error}); start one with "
-                            f"auto-research rollout-serve --engine {engine} --model {model_name} --port {port}") from None
-        except ValueError:
-            raise UserError(f"--rollout-server {address}: what answers there is not a rollout server") from None
+        health = served_health(self.base, self.headers, f"--rollout-server {address}",
+                               f"auto-research rollout-serve --engine {engine} --model {model_name} --port {port}")
         config = model.get_base_model().config if hasattr(model, "peft_config") else model.config
         if health.get("fingerprint") != fingerprint(config, tokenizer):
             raise UserError(f"--rollout-server {address} serves {health.get('model')!r}, another model than --model "

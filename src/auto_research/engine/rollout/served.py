@@ -8,6 +8,9 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from auto_research.errors import UserError
+from auto_research.http import API_KEY_VARIABLE, RequestFailed, request
+
 
 def fingerprint(config, tokenizer) -> str:
     """What must agree between trainer and server: the architecture's shape and the tokenizer's vocabulary."""
@@ -37,3 +40,18 @@ class Served:
     """The engine's device: a push over a group is received there (NCCL on a GPU, ``pushes.backends``)."""
     vocabulary: str = ""
     """``vocabulary(tokenizer)``: what a served teacher's client checks."""
+
+
+def health(base: str, headers: dict, where: str, start: str) -> dict:
+    """The ``/health`` of the server at ``base`` (a trainer's or a teacher's client), else ``UserError`` in one line
+    that starts with ``where`` (the flag and address): a key refused or missing, no server (``start``: the command
+    that starts one), or something else answering."""
+    try:
+        return json.loads(request(base + "/health", None, "application/json", 10.0, 1, 0.5, headers))
+    except RequestFailed as error:
+        if error.status == 401:
+            raise UserError(f"{where} " + ("refused this API key" if headers else "wants an API key")
+                            + f": set {API_KEY_VARIABLE} to the key the server was started with") from None
+        raise UserError(f"{where}: no rollout server answers there ({error}); start one with {start}") from None
+    except ValueError:
+        raise UserError(f"{where}: what answers there is not a rollout server") from None

@@ -8,9 +8,10 @@ import json
 import time
 
 from auto_research.engine.rollout.guard import MAX_REQUEST_TOKENS, slices
+from auto_research.engine.rollout.served import health as served_health
 from auto_research.engine.rollout.served import vocabulary
 from auto_research.errors import RolloutEngineError, UserError
-from auto_research.http import API_KEY_VARIABLE, RequestFailed, authorization, request, split_address
+from auto_research.http import RequestFailed, authorization, request, split_address
 from auto_research.http import api_key as http_api_key
 
 AGAIN = (409, 429)
@@ -31,16 +32,7 @@ class ServedTeacher:
         key = http_api_key(api_key, "the API key")
         self.headers = {"Authorization": authorization(key)} if key else {}
         where = f"--teacher-model {address}"
-        try:
-            health = json.loads(request(self.base + "/health", None, "application/json", 10.0, 1, 0.5, self.headers))
-        except RequestFailed as error:
-            if error.status == 401:
-                raise UserError(f"{where} " + ("refused this API key" if key else "wants an API key")
-                                + f": set {API_KEY_VARIABLE} to the key the server was started with") from None
-            raise UserError(f"{where}: no rollout server answers there ({error}); start one with auto-research "
-                            f"rollout-serve --model TEACHER --port {port}") from None
-        except ValueError:
-            raise UserError(f"{where}: what answers there is not a rollout server") from None
+        health = served_health(self.base, self.headers, where, f"auto-research rollout-serve --model TEACHER --port {port}")
         if health.get("vocabulary") != vocabulary(tokenizer):
             raise UserError(f"{where} serves {health.get('model')!r}, whose tokenizer is not the policy's (or a server "
                             "too old to say): a teacher scores the policy's token ids")
