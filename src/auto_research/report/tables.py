@@ -93,7 +93,7 @@ def run_report(metrics: dict) -> str:
     ]
     for key, value in training.items():
         if isinstance(value, list):
-            value = ", ".join(f"{item:.4g}" for item in value)
+            value = ", ".join(f"{item:.4g}" if isinstance(item, (int, float)) else str(item) for item in value)
         lines.append(f"- {key.replace('_', ' ')}: {value}")
     machine = metrics.get("machine")
     if machine:  # where the figures were computed: CPU, kernels, versions (engine/machine.py)
