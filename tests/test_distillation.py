@@ -22,6 +22,7 @@ from auto_research.engine.logprobs import token_logprobs
 from auto_research.engine.rollout import Rollout
 from auto_research.errors import UserError
 from auto_research.train.experience import Experience, Scores, teacher_signal
+from auto_research.train.teachers import score_with_teachers
 from auto_research.train.update import estimate_advantages
 from conftest import run_cli
 
@@ -37,6 +38,10 @@ def test_dense_term_by_hand():
     assert dense_term(d, mask, 3, "loo").tolist() == [[-1.0, 1.0], [-3.0, -3.0], [3.0, 0.0]]
     assert dense_term(d, mask, 3, "none").tolist() == [[1.0, 3.0], [0.0, 0.0], [4.0, 0.0]]
     assert dense_term(d[:1], mask[:1], 1, "loo").tolist() == [[1.0, 3.0]]  # K = 1: no other sample, b = 0
+    # Row 2 unscored (its teacher failed): no term of its own, and out of the others' baselines: b = 4 and 2.
+    valid = torch.tensor([True, False, True])
+    assert dense_term(d, mask, 3, "loo", valid).tolist() == [[-3.0, -1.0], [0.0, 0.0], [2.0, 0.0]]
+    assert dense_term(d, mask, 3, "none", valid).tolist() == [[1.0, 3.0], [0.0, 0.0], [4.0, 0.0]]
 
 
 class _Toy(torch.nn.Module):
@@ -65,14 +70,14 @@ def _taught_gradient(draw, baseline: str = "none", penalty: float | None = None)
                               distill_baseline=baseline, kl_in="none", beta=0.0, gae_lambda=1.0, std=None,
                               whiten_advantages=False, normalize_advantages=False)
     record = get_algorithm("opd")
-    c = SimpleNamespace(config=config, world=World(), autocast=contextlib.nullcontext, teacher=_Toy(TEACHER),
-                        algorithm=record)
+    c = SimpleNamespace(config=config, world=World(), autocast=contextlib.nullcontext, algorithm=record, device="cpu")
     student = _Toy(THETA)
     logprobs = token_logprobs(student, rollout.sequences, rollout.prompt_mask, rollout.completion_mask)
     old, zero = logprobs.detach(), torch.zeros(K, 1)
-    d = teacher_signal(c, c, rollout, None, old, None) if penalty is None else torch.full((K, 1), penalty)
-    experience = Experience(rollout, Scores(torch.zeros(K), torch.ones(K, dtype=torch.bool)), old, zero,
-                            {"task": zero, "kl": zero, "teacher": d})
+    taught = score_with_teachers(c, {"teacher": _Toy(TEACHER)}, rollout, [None] * K)
+    scores = Scores(torch.zeros(K), torch.ones(K, dtype=torch.bool), teacher=taught.logprobs)
+    d = teacher_signal(c, c, rollout, scores, old, None) if penalty is None else torch.full((K, 1), penalty)
+    experience = Experience(rollout, scores, old, zero, {"task": zero, "kl": zero, "teacher": d})
     advantages = estimate_advantages(c, experience).advantages
     POLICY_LOSSES[record.policy_loss](LossInputs(logprobs, old, advantages, torch.ones(K, 1))).sum().backward()
     return student.logits.grad / K
@@ -127,10 +132,12 @@ def test_a_teacher_that_is_the_current_policy_changes_no_bit_of_the_gradient():
     plain = _Fixed(config, policy, reference, tokenizer, rollout, golden["rewards"]).gradient()
     taught = GenerationConfig(**{**config.to_json(), "teacher_model": "itself", "kl_in": "reward"}).filled()
     fixed = _Fixed(taught.validate(), policy, reference, tokenizer, rollout, golden["rewards"])
-    fixed.models = replace(fixed.models, teacher=policy)
+    teach = lambda teacher: replace(fixed.scores, teacher=score_with_teachers(  # noqa: E731
+        fixed.run, {"teacher": teacher}, rollout, [None] * 3).logprobs)
+    fixed.scores = teach(policy)
     grads = fixed.gradient()
     assert all(torch.equal(grads[name], plain[name]) for name in plain)
-    fixed.models = replace(fixed.models, teacher=reference)  # other weights (seed 1): d is not 0, and the gradient moves
+    fixed.scores = teach(reference)  # other weights (seed 1): d is not 0, and the gradient moves
     assert not all(torch.allclose(fixed.gradient()[name], plain[name]) for name in plain)
 
 
@@ -280,10 +287,11 @@ def test_a_reference_model_with_lora_is_refused_before_torch(tiny_model_dir, sum
 def test_the_teachers_figures_by_hand():
     from auto_research.train.metrics import teacher_figures
 
-    def figures(d, advantages=None):
-        d, mask = torch.tensor(d), torch.ones(4, 2)
-        centred = dense_term(d, mask, 2, "loo")
-        experience = SimpleNamespace(mask=mask, streams={"teacher": d})
+    def figures(d, advantages=None, scored=(True,) * 4, tokens=None):
+        d, mask, scored = torch.tensor(d), torch.ones(4, 2), torch.tensor(scored)
+        centred = dense_term(d, mask, 2, "loo", scored)
+        experience = SimpleNamespace(mask=mask, streams={"teacher": d * scored.unsqueeze(1)},
+                                     scores=SimpleNamespace(scored=scored, teacher_tokens=tokens or {}))
         given = SimpleNamespace(centred=centred, advantages=centred if advantages is None else advantages)
         return teacher_figures(SimpleNamespace(config=GenerationConfig(distill_weight=1.0), world=World()),
                                experience, given)
@@ -301,6 +309,13 @@ def test_the_teachers_figures_by_hand():
     assert noisy == {"teacher_reverse_kl": -0.5, "distill_share": pytest.approx(2 / 3),
                      "distill_variance_reduction": -1.25, "distill_square_reduction": pytest.approx(-0.8),
                      "teacher_tokens": 8}
+    # Row 2 unscored (its teacher failed): its tokens leave every figure. d over rows 1, 3, 4 is [−2, −2], [0, 0],
+    # [0, 0] (6 tokens, mean −2/3); row 1 has no scored partner (b = 0), group 2's baseline takes all; each teacher's
+    # tokens as counted where it scored.
+    partial = figures([[-2.0, -2.0], [5.0, 5.0], [0.0, 0.0], [0.0, 0.0]], scored=(True, False, True, True),
+                      tokens={"a": 2, "b": 4})
+    assert partial["teacher_tokens"] == 6 and partial["teacher_reverse_kl"] == pytest.approx(2 / 3)
+    assert partial["teacher/a/tokens"] == 2 and partial["teacher/b/tokens"] == 4
 
 
 def test_the_reference_model_is_a_setting(tiny_model_dir, tmp_path):
@@ -361,4 +376,4 @@ def test_trls_beta_beside_a_teacher_is_refused_in_one_line(sums_jsonl, tmp_path)
         "KL's weight: leave it out (the reverse KL, its beta 1, is built) or use --teacher-model"]
     with pytest.raises(UserError, match="^TRL's beta: beside teacher_model_name_or_path"):
         GenerationConfig.from_trl({"teacher_model_name_or_path": "teacher", "beta": 0.5})
-    assert GenerationConfig.from_trl({"teacher_model_name_or_path": "teacher"}).teacher_model == "teacher"
+    assert GenerationConfig.from_trl({"teacher_model_name_or_path": "teacher"}).teacher_model == ["teacher"]

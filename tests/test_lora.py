@@ -31,7 +31,7 @@ def test_the_lora_reference_is_the_base_model_and_only_adapters_train(tiny_model
 
     trainer = Trainer.build(_config(tiny_model_dir, sums_jsonl, tmp_path), log=lambda text: None)
     # No second copy of the weights: the reference is the policy with its adapters off.
-    assert parameter_counts(trainer.models, trainer.drawing.reward, True)["reference"] == 0
+    assert parameter_counts(trainer.models, trainer.drawing, True)["reference"] == 0
     trainable = [name for name, p in trainer.components.policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
     # Move the adapters away from zero, so that the policy differs from the base model.

@@ -306,6 +306,117 @@ def test_a_run_with_a_served_teacher_trains_as_with_the_same_teacher_loaded_and_
         for key, value in {**_compared(expected), "teacher_reverse_kl": expected["teacher_reverse_kl"]}.items():
             if isinstance(value, float):
                 assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    # Step 2: the teacher answers no row, so no sample of the step can be scored: one line naming the teacher's
+    # failure and the checkpoint kept.
     line = str(stopped.value)
-    assert "\n" not in line and line.startswith(f"--teacher-model {broken_address}: /logprobs failed ("), line
-    assert line.endswith("step-000001 (continue with the same command and --resume)"), line
+    assert "\n" not in line and line.startswith(
+        f"no sample of step 2 could be scored: --teacher-model {broken_address}: /logprobs failed ("), line
+    assert "; the server is gone or failing for all 8 completions; saved the last good step (1) in " in line, line
+    assert line.endswith("step-000001"), line
+
+
+def _taught_rows(count: int, teachers: tuple[str, ...]) -> list[dict]:
+    """Sums whose ``teacher`` column names each row's teacher in turn."""
+    return [{"prompt": f"{i % 7}+{i // 7}=", "answer": str(i % 7 + i // 7), "teacher": teachers[i % len(teachers)]}
+            for i in range(count)]
+
+
+def test_several_teachers_score_their_own_rows_and_one_that_fails_leaves_its_rows_unscored(tiny_model_dir, tmp_path,
+                                                                                         monkeypatch):
+    """--teacher-model NAME=SOURCE twice, a ``teacher`` column naming each row's: each row is scored by its own
+    teacher (tokens per teacher), and a teacher whose server breaks after its first answer leaves its rows unscored,
+    with its cause counted, while the run goes on with the other teacher's rows."""
+    from transformers import AutoModelForCausalLM
+
+    from auto_research import post_train
+    from test_distillation import _other_model
+
+    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
+    folder = _other_model(tmp_path / "teacher")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), build_tokenizer()
+    good, good_address = serve(model, tokenizer)
+    _FailsAfterOne.calls = 0
+    broken, broken_address = serve(model, tokenizer, engine=_FailsAfterOne(model, tokenizer))
+    rows = _taught_rows(40, ("good", "good", "broken"))
+    try:
+        post_train(rows, model=str(tiny_model_dir), teacher_model=[f"good=http://{good_address}",
+                                                                   f"broken=http://{broken_address}"],
+                   group_size=2, prompts_per_step=6, steps=3, max_new_tokens=3, output_dir=str(tmp_path / "run"),
+                   offline=True, device="cpu", progress=False, threads=1, eval_every=0, evaluation_examples=4,
+                   log=lambda text: None)
+    finally:
+        for each in (good, broken):
+            each.shutdown()
+            each.server_close()
+    (folder,) = (tmp_path / "run").iterdir()
+    steps = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 3
+    first, later = steps[0], steps[1:]
+    assert first["unscored_samples"] == 0 and first["teacher/good/tokens"] > 0 and first["teacher/broken/tokens"] > 0
+    assert first["teacher_tokens"] == first["teacher/good/tokens"] + first["teacher/broken/tokens"]
+    unscored = sum(row["unscored_samples"] for row in later)
+    assert unscored > 0 and all(row["teacher/broken/tokens"] == 0 for row in later)
+    assert all(row["teacher/good/tokens"] == row["teacher_tokens"] > 0 for row in later)
+
+
+def test_a_row_naming_no_teacher_of_several_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(row) + "\n" for row in _taught_rows(8, ("a", "b", "c"))))
+    result = subprocess.run([sys.executable, "-m", "auto_research", "post-train", "--dataset", str(rows), "--model",
+                             str(tiny_model_dir), "--teacher-model", f"a={tiny_model_dir}", "--teacher-model",
+                             f"b={tiny_model_dir}", "--offline", "--device", "cpu", "--output-dir",
+                             str(tmp_path / "runs")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.splitlines()[-1] == (
+        "auto-research: error: rows: training row 3 names teacher 'c', and several --teacher-model entries need one "
+        "of a, b in it"), result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_in_flight_with_a_served_teacher_resumes_after_sigkill_to_the_same_rows(tiny_model_dir, tmp_path):
+    """--max-staleness 1 and a served teacher: SIGKILL after checkpoint 2, then --resume, gives the uninterrupted
+    run's rows; the checkpoint holds the teachers' scores of the batch drawn ahead, so the resumed run does not ask
+    the teacher for it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from conftest import kill_after_checkpoint
+    from test_distillation import _other_model
+
+    folder = _other_model(tmp_path / "teacher")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), build_tokenizer()
+    server, address = serve(model, tokenizer)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(row) + "\n" for row in _taught_rows(40, ("t",))))
+    env = {key: value for key, value in os.environ.items() if key != "AUTO_RESEARCH_API_KEY"}
+
+    def args(name: str) -> list[str]:
+        return ["post-train", "--dataset", str(rows), "--model", str(tiny_model_dir), "--teacher-model",
+                f"http://{address}", "--max-staleness", "1", "--steps", "5", "--checkpoint-every", "1",
+                "--group-size", "2", "--prompts-per-step", "4", "--max-new-tokens", "3", "--threads", "1",
+                "--eval-every", "0", "--evaluation-examples", "4", "--offline", "--device", "cpu", "--no-progress",
+                "--output-dir", str(tmp_path / name)]
+
+    try:
+        whole = subprocess.run([sys.executable, "-m", "auto_research", *args("whole")], env=env, capture_output=True,
+                               text=True, timeout=300)
+        assert whole.returncode == 0, whole.stderr
+        (run,) = (tmp_path / "whole").iterdir()
+        kill_after_checkpoint(args("killed"), env, tmp_path / "killed" / run.name / "checkpoints" / "step-000002")
+        (checkpoint,) = sorted((tmp_path / "killed" / run.name / "checkpoints").glob("step-*"))[-1:]
+        saved = load_file(str(checkpoint / "in_flight.safetensors"))
+        assert any(key.endswith("/teacher_logprobs") for key in saved), sorted(saved)
+        assert len((tmp_path / "killed" / run.name / "metrics.jsonl").read_text().splitlines()) < 5  # killed mid-run
+        resumed = subprocess.run([sys.executable, "-m", "auto_research", *args("killed"), "--resume"], env=env,
+                                 capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    def figures(name: str) -> list[dict]:
+        lines = (tmp_path / name / run.name / "metrics.jsonl").read_text().splitlines()
+        return [{key: value for key, value in json.loads(line).items() if not key.startswith(("time_", "step_seconds",
+                                                                                               "tokens_per_second"))}
+                for line in lines]
+
+    assert len(figures("whole")) == 5 and figures("killed") == figures("whole")

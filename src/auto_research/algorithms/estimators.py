@@ -112,15 +112,19 @@ def _sequence(inputs: AdvantageInputs, advantage: Callable[[torch.Tensor, torch.
     return spread, spread
 
 
-def dense_term(stream: torch.Tensor, mask: torch.Tensor, group_size: int, baseline: str) -> torch.Tensor:
+def dense_term(stream: torch.Tensor, mask: torch.Tensor, group_size: int, baseline: str,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) a per-token signal s_{i,t} (a teacher's d) less its baseline b_i, on each completion's tokens: ``loo``
-    b_i = 1/(K−1) Σ_{j≠i} mean_t s_{j,t}, the group's other samples' mean signal (independent of sample i, so the
-    gradient stays unbiased; 0 for K = 1), ``none`` b_i = 0."""
+    b_i = mean over the group's other valid samples j of mean_t s_{j,t} (independent of sample i, so the gradient
+    stays unbiased; 0 with none), ``none`` b_i = 0. ``valid`` (B,): the rows that have the signal (default all); an
+    invalid row's term is 0 and it is in no baseline."""
+    valid = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device) if valid is None else valid
     if baseline == "none":
-        return stream * mask
-    means = ((stream * mask).sum(1) / mask.sum(1).clamp(min=1)).view(-1, group_size)
-    others = (means.sum(-1, keepdim=True) - means) / max(group_size - 1, 1)
-    return (stream - others.reshape(-1, 1)) * mask
+        return stream * mask * valid.unsqueeze(1)
+    means = torch.where(valid, (stream * mask).sum(1) / mask.sum(1).clamp(min=1), 0.0).view(-1, group_size)
+    others = (means.sum(-1, keepdim=True) - means) / (valid.view(-1, group_size).sum(-1, keepdim=True)
+                                                      - valid.view(-1, group_size).long()).clamp(min=1)
+    return (stream - others.reshape(-1, 1)) * mask * valid.unsqueeze(1)
 
 
 def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pathlib import Path
 from auto_research.algorithms.registry import RATIO_FREE_LOSSES, check_group_size, get_algorithm
 from auto_research.config.environment import TurnsSection
 from auto_research.config.fields import EMBEDDED_MODEL_DATASETS, PREFERENCE_DATASETS, json_ready
-from auto_research.config.loss import CriticSection, LossSection
+from auto_research.config.loss import CriticSection, LossSection, served
 from auto_research.config.rollout import RolloutSection
 from auto_research.config.sampling import OptimisationSection, SamplingSection
 from auto_research.config.sections import (DataSection, LoggingSection, LoraSection, PolicySection, RewardSection,
@@ -263,6 +263,11 @@ def check_across(config: GenerationConfig) -> None:
     if config.lora.lora_r and config.loss.reference_model:  # lora × loss
         raise UserError("--reference-model with --lora-r is not built: under LoRA the reference is the policy with "
                         "its adapters off")
+    loaded = [name for name, source in config.loss.teachers.items() if not served(source)]
+    if config.policy.fsdp and len(config.loss.teachers) > 1 and loaded:  # policy × loss
+        raise UserError(f"several --teacher-model entries with --fsdp: teacher {loaded[0]!r} would be loaded and "
+                        "sharded, and a rank whose rows name no teacher of its would miss its collectives; serve it "
+                        "(NAME=http://HOST:PORT, auto-research rollout-serve) or leave out --fsdp")
     config.rollout.check_staleness(config.run.steps, algorithm, config.policy.fsdp)
     _check_in_flight(config)
 

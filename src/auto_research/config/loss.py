@@ -5,6 +5,7 @@ loss to the algorithm's record). Light: no torch."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from auto_research.algorithms.registry import (AGGREGATIONS, DISTILL_BASELINES, KL_ESTIMATORS, KL_PLACEMENTS, POLICY_LOSSES,
@@ -18,6 +19,31 @@ from auto_research.errors import UserError
 def served(model: str | None) -> bool:
     """--teacher-model http://HOST:PORT: a rollout server scores for the teacher (``engine/rollout/teacher.py``)."""
     return model is not None and model.startswith("http://")
+
+
+TEACHER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def teacher_entries(given) -> dict[str, str]:
+    """--teacher-model's teachers by name: one bare source (named ``teacher``), or ``name=source`` entries, each row
+    then naming its teacher in a ``teacher`` column (a source is a folder, hub id, packaged name or http://HOST:PORT;
+    a text before ``=`` holding ``/`` or ``:`` is part of a bare source)."""
+    entries = [given] if isinstance(given, str) else list(given or ())
+    named = {}
+    for entry in entries:
+        name, equals, source = entry.partition("=")
+        if not equals or "/" in name or ":" in name:
+            if len(entries) > 1:
+                raise UserError(f"--teacher-model {entry}: several teachers are named, NAME=SOURCE each (a row's "
+                                "'teacher' column names the one that scores it)")
+            name, source = "teacher", entry
+        elif not TEACHER_NAME.fullmatch(name) or not source:
+            raise UserError(f"--teacher-model {entry}: a teacher's entry is NAME=SOURCE, NAME of letters, digits, "
+                            "'_', '.' or '-'")
+        if name in named:
+            raise UserError(f"--teacher-model names the teacher {name!r} twice")
+        named[name] = source
+    return named
 
 
 def by_algorithm(attribute: str, choices) -> str:
@@ -80,16 +106,23 @@ class LossSection:
                                        "aggregated as the loss", "loss", type=float)
     reference_model: str | None = setting(None, "the KL's reference: a model folder, hub id or packaged name with the "
                                           "policy's tokenizer", "loss", default_text="the initial policy")
-    teacher_model: str | None = setting(None, "on-policy distillation: this model (folder, hub id or packaged name, "
-                                        "or http://HOST:PORT, a rollout server serving it; the policy's tokenizer) "
-                                        "scores the sampled tokens, and λ·(d_t − b_i), d_t = "
-                                        "log π_teacher − log π_old, joins each token's advantage (docs/distillation.md); "
-                                        "the reference KL is then off unless --kl-in is given", "loss")
+    teacher_model: list[str] | None = setting(None, "on-policy distillation: this model (folder, hub id or packaged "
+                                              "name, or http://HOST:PORT, a rollout server serving it; the policy's "
+                                              "tokenizer) scores the sampled tokens, and λ·(d_t − b_i), d_t = "
+                                              "log π_teacher − log π_old, joins each token's advantage "
+                                              "(docs/distillation.md); the reference KL is then off unless --kl-in is "
+                                              "given; repeatable as NAME=SOURCE, a row's 'teacher' column naming its "
+                                              "teacher", "loss", action="append")
     distill_weight: float = setting(1.0, "λ, the teacher's term's weight in the advantage", "loss", type=float)
     distill_baseline: str = setting("loo", f"the teacher's term's baseline: {described(DISTILL_BASELINES)}", "loss")
     whiten_advantages: bool = setting(True, "keep the advantages of algorithms that whiten them over the global batch "
                                       f"({having('whiten')}) as they are", "loss", flag="--no-whiten-advantages",
                                       action="store_false")
+
+    @property
+    def teachers(self) -> dict[str, str]:
+        """--teacher-model's teachers by name (``teacher_entries``); empty without one."""
+        return teacher_entries(self.teacher_model)
 
     @property
     def several_updates(self) -> bool:
@@ -123,7 +156,7 @@ class LossSection:
                 raise UserError("--overlong-penalty needs --overlong-buffer L > 0 (the punishment is off without it)")
         check_non_negative_finite("--distill-weight", self.distill_weight)
         check_choice("--distill-baseline", self.distill_baseline, DISTILL_BASELINES)
-        if self.teacher_model is None and (self.distill_weight != 1.0 or self.distill_baseline != "loo"):
+        if not self.teachers and (self.distill_weight != 1.0 or self.distill_baseline != "loo"):
             raise UserError("--distill-weight and --distill-baseline shape a teacher's term: give --teacher-model")
 
     def _check_clips(self) -> None:
@@ -143,7 +176,7 @@ class LossSection:
         if self.normalize_advantages and algorithm.whiten:
             raise UserError(f"--normalize-advantages: {algorithm.name} already whitens its advantages over the batch "
                             "(--no-whiten-advantages turns that off)")
-        if "task" not in algorithm.rewards and self.teacher_model is None:
+        if "task" not in algorithm.rewards and not self.teachers:
             raise UserError(f"--algorithm {algorithm.name} takes no task reward: its signal is a teacher's, so it "
                             "needs --teacher-model")
         if kl_shapes_reward(self.kl_in) and not kl_shapes_reward(algorithm.kl) and self.beta > 0:

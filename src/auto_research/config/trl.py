@@ -142,7 +142,7 @@ MAPPED: dict[str, TrlField] = {
     # the loss
     "beta": TrlField("float", "--beta", _same("beta")),
     "teacher_model_name_or_path": TrlField("text", "--teacher-model (DistillationConfig's; not with its beta)",
-                                           lambda value: {"teacher_model": value, _DISTILLATION: True}),
+                                           lambda value: {"teacher_model": [value], _DISTILLATION: True}),
     "num_iterations": TrlField("int", "--ppo-epochs", _same("updates_per_batch")),
     "epsilon": TrlField("float", "--clip-range (both sides unless epsilon_high)", _same("clip_range")),
     "epsilon_high": TrlField("float", "--clip-high", _same("clip_high")),

@@ -262,6 +262,27 @@ def check_answers(task: Task, rewards: list, reward_model: str | None, scored_el
                         "(or --answer-field, or --algorithm opd --teacher-model)")
 
 
+TEACHER_COLUMN = "teacher"
+"""With several --teacher-model NAME=SOURCE entries, each training row names the teacher that scores it here."""
+
+
+def row_teacher(example, names) -> str:
+    """The teacher that scores ``example``'s completions: the only one, else its ``teacher`` column's."""
+    return next(iter(names)) if len(names) == 1 else str(example.fields.get(TEACHER_COLUMN))
+
+
+def check_teacher_column(task: Task, teachers: dict) -> None:
+    """Several teachers: every training row's ``teacher`` column names one of them, else one line naming the row."""
+    if len(teachers) < 2:
+        return
+    for index, example in enumerate(task.train):
+        if row_teacher(example, teachers) not in teachers:
+            given = example.fields.get(TEACHER_COLUMN)
+            raise UserError(f"{task.name}: training row {index + 1} "
+                            + (f"has no '{TEACHER_COLUMN}' column" if given is None else f"names teacher {given!r}")
+                            + f", and several --teacher-model entries need one of {', '.join(teachers)} in it")
+
+
 # --- the records' loaders: (record, settings) → Task -------------------------------------------------------
 
 

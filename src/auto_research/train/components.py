@@ -8,7 +8,7 @@ LoRA, the same model with its adapters off (no second copy).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -71,7 +71,7 @@ class RunContext:
 
 @dataclass(frozen=True)
 class Models:
-    """The trainer side: the policy and PPO's critic with their optimizers, the frozen reference, a teacher."""
+    """The trainer side: the policy and PPO's critic with their optimizers, the frozen reference."""
 
     policy: torch.nn.Module
     """The model that trains (a PEFT model with LoRA); its weights are what a checkpoint holds."""
@@ -85,9 +85,6 @@ class Models:
     critic_optimizer: torch.optim.Optimizer | None = None
     offloaded_reference: OffloadedReference | None = None
     """The reference's weights out of the process between its passes (--offload-reference), else None."""
-    teacher: torch.nn.Module | ServedTeacher | None = None
-    """--teacher-model, frozen in the compute dtype, or the client of the server that scores for it: the source of the
-    ``teacher`` stream (experience.py), else None."""
 
     @contextlib.contextmanager
     def reference_in_use(self):
@@ -116,6 +113,9 @@ class Drawing:
     episodes: object | None = None
     """Multi-turn trajectories with --environment/--tools (envs.rollout.EpisodeRunner), or --rollout-function's
     (envs.custom.FunctionRunner), else None."""
+    teachers: dict = field(default_factory=dict)
+    """--teacher-model's teachers by name, each a model frozen in the compute dtype or the client of the server that
+    scores for it (``teachers.py`` scores each batch with them); empty without one."""
 
 
 def autocast_for(device: str, compute_dtype: torch.dtype):
@@ -233,7 +233,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
         record.check_model(getattr(policy, "get_base_model", lambda: policy)().config, device, model_name)
     recompute(policy, config.optimisation)
     policy, reference = _reference(config.loss, config.lora, offline, task, policy, model_name, device, compute_dtype)
-    teacher = _teacher(config.loss, offline, device, compute_dtype, world, tokenizer, log)
+    teachers = _teachers(config.loss, offline, device, compute_dtype, world, tokenizer, log)
     rewards = config.rewards
     critic = (_load_critic(config.critic.critic_model, rewards.reward_model, config.optimisation, offline, model_name,
                            device, len(tokenizer)) if algorithm.needs_critic else None)
@@ -258,9 +258,8 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     episodes = _episodes(prepared, algorithm, tokenizer, policy, sampler, model_name, task)
     return (RunContext(config, world, device, compute_dtype, algorithm, task, tokenizer, model_name, record,
                        prepared.python_rewards),
-            Models(policy, train_policy, optimizer, reference, critic, train_critic, critic_optimizer, offloaded,
-                   teacher),
-            Drawing(sampler, reward, prepared.judge, train_prompts, eval_prompts, episodes))
+            Models(policy, train_policy, optimizer, reference, critic, train_critic, critic_optimizer, offloaded),
+            Drawing(sampler, reward, prepared.judge, train_prompts, eval_prompts, episodes, teachers))
 
 
 def _start(policy: PolicySection, seed: int, world: World) -> tuple[str, torch.dtype]:
@@ -292,7 +291,8 @@ def _check_tokenizers(loss: LossSection, offline: bool, model_name: str, log) ->
     """--reference-model and --teacher-model score the policy's token ids: one whose tokenizer is not the policy's is
     refused in one line that names both (and a token they differ on), before any weights load."""
     ours = None
-    for name, flag in ((loss.reference_model, "--reference-model"), (loss.teacher_model, "--teacher-model")):
+    for name, flag in ((loss.reference_model, "--reference-model"),
+                       *((teacher, "--teacher-model") for teacher in loss.teachers.values())):
         if name not in (None, model_name) and not served(name):  # a served teacher's server checks its own
             ours = ours or load_tokenizer(model_name, offline, log)[0].get_vocab()
             theirs = load_tokenizer(name, offline, log, flag)[0].get_vocab()
@@ -304,21 +304,22 @@ def _check_tokenizers(loss: LossSection, offline: bool, model_name: str, log) ->
                                 + "; it must score the policy's own token ids")
 
 
-def _teacher(loss: LossSection, offline: bool, device: str, compute_dtype, world: World, tokenizer, log):
-    """--teacher-model, frozen in the compute dtype and wrapped for several processes as the reference is (its
-    tokenizer is the policy's: ``_check_tokenizers``); http://HOST:PORT: a rollout server scores for it
-    (``teacher.ServedTeacher``, which checks the server's vocabulary against ``tokenizer``); None without one."""
-    if loss.teacher_model is None:
-        return None
-    if not (kl_shapes_reward(loss.kl_in) or kl_in_loss(loss.kl_in)):
-        log(f"--teacher-model {loss.teacher_model}: the reference KL is off (--kl-in none; --kl-in reward or loss "
-            "puts it back), the teacher's term takes its place")
-    if served(loss.teacher_model):
-        return ServedTeacher(loss.teacher_model, tokenizer)
-    teacher = load_policy(loss.teacher_model, device, compute_dtype, offline,
-                          flag="--teacher-model")[0].eval().requires_grad_(False)
-    world.wrap(teacher, trains=False)
-    return teacher
+def _teachers(loss: LossSection, offline: bool, device: str, compute_dtype, world: World, tokenizer, log) -> dict:
+    """--teacher-model's teachers by name: each frozen in the compute dtype and wrapped for several processes as the
+    reference is (its tokenizer is the policy's: ``_check_tokenizers``), or, http://HOST:PORT, the client of the
+    rollout server that scores for it (``teacher.ServedTeacher``, which checks the server's vocabulary)."""
+    teachers = {}
+    if loss.teachers and not (kl_shapes_reward(loss.kl_in) or kl_in_loss(loss.kl_in)):
+        log(f"--teacher-model {', '.join(loss.teachers.values())}: the reference KL is off (--kl-in none; --kl-in "
+            "reward or loss puts it back), the teacher's term takes its place")
+    for name, source in loss.teachers.items():
+        if served(source):
+            teachers[name] = ServedTeacher(source, tokenizer)
+            continue
+        teachers[name] = load_policy(source, device, compute_dtype, offline,
+                                     flag="--teacher-model")[0].eval().requires_grad_(False)
+        world.wrap(teachers[name], trains=False)
+    return teachers
 
 
 def _load_critic(critic_model: str | None, reward_model: str | None, optimisation: OptimisationSection,
@@ -408,7 +409,7 @@ def chunk_prompts(sampling: SamplingSection, optimisation: OptimisationSection) 
     return max(1, per_call // sampling.group_size) if per_call else None
 
 
-def parameter_counts(models: Models, reward: CombinedReward, lora_r: int) -> dict:
+def parameter_counts(models: Models, drawing: Drawing, lora_r: int) -> dict:
     """Trainable and total parameters of every model held: policy, critic, reference, reward model."""
     def count(model):
         return sum(parameter.numel() for parameter in model.parameters()) if model is not None else 0
@@ -416,10 +417,11 @@ def parameter_counts(models: Models, reward: CombinedReward, lora_r: int) -> dic
     def trainable(model):
         return sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else 0
 
-    reward_model = reward.reward_model
+    reward_model = drawing.reward.reward_model
     # With LoRA the reference is the policy with its adapters off: no weights of its own.
     reference = None if lora_r else models.reference
     held = {"policy": count(models.policy), "critic": count(models.critic), "reference": count(reference),
             "reward_model": count(reward_model.model if reward_model is not None else None),
-            **({"teacher": count(models.teacher)} if isinstance(models.teacher, torch.nn.Module) else {})}
+            **{("teacher" if name == "teacher" else f"teacher/{name}"): count(teacher)
+               for name, teacher in drawing.teachers.items() if isinstance(teacher, torch.nn.Module)}}
     return {**held, "trainable": trainable(models.policy) + trainable(models.critic), "total": sum(held.values())}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from auto_research.engine.rollout import Rollout
 from auto_research.rewards.combine import Scored
 from auto_research.train.rollouts import Drawn, RolloutSource, batch_of
+from auto_research.train.teachers import TeacherScores
 
 
 _TENSORS = ("sequences", "prompt_mask", "completion_mask", "sampler_logprobs", "sampler_entropy", "policy_versions",
@@ -22,6 +23,8 @@ def to_files(batches: list[Drawn]) -> tuple[dict, list]:
                 tensors[f"{index}/{name}"] = value.detach().clone().contiguous()
         if drawn.reference_logprobs is not None:
             tensors[f"{index}/reference_logprobs"] = drawn.reference_logprobs.detach().clone().contiguous()
+        if drawn.teacher is not None:  # the teachers' scores: a resumed run asks no teacher again
+            tensors[f"{index}/teacher_logprobs"] = drawn.teacher.logprobs.detach().clone().contiguous()
         plain.append({"step": drawn.step, "indices": drawn.batch.indices, "seeds": drawn.batch.seeds,
                       "completions": drawn.rollout.completions, "group_size": drawn.rollout.group_size,
                       "trained_distribution": drawn.rollout.trained_distribution, "rewards": drawn.rewards,
@@ -29,7 +32,9 @@ def to_files(batches: list[Drawn]) -> tuple[dict, list]:
                       "reward_causes": getattr(drawn.rewards, "causes", None),
                       "greedy_rewards": drawn.greedy_rewards, "failure": drawn.failure,
                       "numpy_after": drawn.numpy_after, "seconds": drawn.seconds, "counts": drawn.counts,
-                      "episodes": drawn.rollout.episodes})
+                      "episodes": drawn.rollout.episodes,
+                      "teacher": None if drawn.teacher is None else {"failures": drawn.teacher.failures,
+                                                                     "tokens": drawn.teacher.tokens}})
     return tensors, plain
 
 
@@ -45,5 +50,8 @@ def from_files(source: RolloutSource, tensors: dict, plain: list) -> list[Drawn]
             saved["rewards"], saved.get("reward_parts"), saved.get("reward_causes"))
         batches.append(Drawn(saved["step"], batch_of(source, saved["indices"], saved["seeds"]), rollout,
                              rewards, saved["greedy_rewards"], saved["failure"], saved["numpy_after"],
-                             saved["seconds"], tensors.get(f"{index}/reference_logprobs"), saved.get("counts")))
+                             saved["seconds"], tensors.get(f"{index}/reference_logprobs"), saved.get("counts"),
+                             None if saved.get("teacher") is None else TeacherScores(
+                                 tensors[f"{index}/teacher_logprobs"], saved["teacher"]["failures"],
+                                 saved["teacher"]["tokens"])))
     return batches

@@ -55,11 +55,17 @@ class Scores:
     """{why a completion is unscored: how many}, over every rank (a plain None is not listed)."""
     functions: dict = field(default_factory=dict)
     """Each reward function's ``reward/<name>`` (the mean) and ``reward/<name>.std`` (``rollouts.function_figures``)."""
+    teacher: torch.Tensor | None = None
+    """(B, T) the teachers' log-probs of the completion tokens (``teachers.py``; 0 on an unscored row), or None."""
+    teacher_tokens: dict = field(default_factory=dict)
+    """{teacher: completion tokens it scored}, over every rank."""
 
     def to(self, device) -> "Scores":
         """The per-completion tensors on ``device`` (the rewards are computed on the CPU)."""
         greedy = None if self.greedy_rewards is None else self.greedy_rewards.to(device)
-        return replace(self, rewards=self.rewards.to(device), scored=self.scored.to(device), greedy_rewards=greedy)
+        teacher = None if self.teacher is None else self.teacher.to(device)
+        return replace(self, rewards=self.rewards.to(device), scored=self.scored.to(device), greedy_rewards=greedy,
+                       teacher=teacher)
 
 
 @dataclass(frozen=True)
@@ -178,22 +184,11 @@ def reference_kl(run, models, rollout: Rollout, scores: Scores, old_logprobs, re
 
 
 def teacher_signal(run: RunContext, models: Models, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs):
-    """d_t = log π_T(y_t) − log π_old(y_t) at each sampled token (no gradient): the teacher's log-probs at
-    temperature 1 by the policy's own log-prob function, or its server's (a served teacher: each row's prompt and
-    completion ids, its group's rows together; a server that fails raises ``RolloutEngineError``, which stops the run
-    in one line, never a zero term); None without --teacher-model."""
-    if models.teacher is None:
+    """d_t = log π_T(y_t) − log π_old(y_t) at each sampled token of a row its teacher scored (no gradient; the
+    teachers' log-probs came with the batch, ``teachers.py``); None without --teacher-model."""
+    if scores.teacher is None:
         return None
-    if isinstance(models.teacher, torch.nn.Module):
-        teacher = no_grad_forward(run, models.teacher, rollout, token_logprobs, temperature=1.0)
-    else:
-        prompts = rollout.sequences[:, :rollout.prompt_length]
-        answers = models.teacher.logprobs([row[mask.bool()].tolist() for row, mask in zip(prompts, rollout.prompt_mask)],
-                                          rollout.token_lists())
-        teacher = torch.zeros_like(old_logprobs)
-        for row, values in zip(teacher, answers):
-            row[: len(values)] = torch.tensor(values, dtype=row.dtype)
-    return (teacher - old_logprobs) * rollout.trained_mask.float()
+    return (scores.teacher - old_logprobs) * rollout.trained_mask.float() * scores.scored.float().unsqueeze(1)
 
 
 SIGNAL_SOURCES: dict[str, Callable] = {"task": task_reward, "kl": reference_kl, "teacher": teacher_signal}

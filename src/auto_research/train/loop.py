@@ -343,7 +343,7 @@ class RunLoop:
                 **{key: state.totals[key] for key in ("no_signal_groups", "unscored_samples", "invalid_rewards")},
                 "training_seconds": state.totals["seconds"],
                 "tokens_per_second": state.totals["generated_tokens"] / max(state.totals["seconds"], 1e-9),
-                "parameters": parameter_counts(models, drawing.reward, config.lora.lora_r),
+                "parameters": parameter_counts(models, drawing, config.lora.lora_r),
             },
             "history": state.history,
             **({"completions": state.completions} if state.completions else {}),

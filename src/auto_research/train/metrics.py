@@ -72,10 +72,12 @@ def teacher_figures(run: RunContext, experience: Experience, advantages: Advanta
     """A teacher's figures over every rank's tokens (``{}`` without one; docs/distillation.md): its reverse KL per
     token (the mean of −d), the dense term's share of the advantage (Σ|λ(d − b)| / Σ|Â|), how much the baseline
     lowers the per-token variance (1 − var(d − b) / var(d)) and mean square (1 − E[(d − b)²] / E[d²]: a constant
-    offset, which var ignores, adds to the gradient's noise), and the tokens it scored."""
+    offset, which var ignores, adds to the gradient's noise), over the rows a teacher scored, and the tokens scored
+    (``teacher/<name>/tokens`` each, with several teachers)."""
     if advantages.centred is None:
         return {}
-    mask, d, centred = experience.mask, experience.streams["teacher"], advantages.centred
+    scores, d, centred = experience.scores, experience.streams["teacher"], advantages.centred
+    mask = experience.mask * scores.scored.float().unsqueeze(1)
     dense = (run.config.loss.distill_weight * centred).abs().sum()
     sums = run.world.total(torch.stack([mask.sum(), d.sum(), d.square().sum(), centred.sum(), centred.square().sum(),
                                       dense, (advantages.advantages * mask).abs().sum()]).double())
@@ -84,7 +86,9 @@ def teacher_figures(run: RunContext, experience: Experience, advantages: Advanta
     return {"teacher_reverse_kl": -d_sum / max(tokens, 1.0), "distill_share": dense / total if total else 0.0,
             "distill_variance_reduction": 1.0 - variance(c_sum, c_squares) / max(variance(d_sum, d_squares), 1e-30),
             "distill_square_reduction": 1.0 - c_squares / max(d_squares, 1e-30),
-            "teacher_tokens": int(tokens)}
+            "teacher_tokens": int(tokens),
+            **({f"teacher/{name}/tokens": count for name, count in scores.teacher_tokens.items()}
+               if len(scores.teacher_tokens) > 1 else {})}
 
 
 def drift_figures(run: RunContext, experience: Experience) -> dict:

@@ -15,7 +15,7 @@ from auto_research.algorithms.registry import get_algorithm
 from auto_research.config.fields import flag_of
 from auto_research.config.generation import RENAMED, GenerationConfig
 from auto_research.config.loss import served
-from auto_research.data.tasks import check_answers, load_task
+from auto_research.data.tasks import check_answers, check_teacher_column, load_task
 from auto_research.data.types import Task
 from auto_research.engine import run_folder
 from auto_research.engine.launch import check_world
@@ -104,13 +104,14 @@ def prepare(config: GenerationConfig, log=print, rows: list[dict] | None = None,
     model, loss, given, turns = config.policy.model, config.loss, config.rewards, config.turns
     for source, flag in ((model, "--model"), (given.reward_model, "--reward-model"),
                          (config.critic.critic_model, "--critic-model"), (loss.reference_model, "--reference-model"),
-                         (loss.teacher_model, "--teacher-model")):
+                         *((teacher, "--teacher-model") for teacher in loss.teachers.values())):
         if source is not None and not (flag == "--teacher-model" and served(source)):
             check_model_source(source, config.data.offline, flag)
     rewards = resolve_rewards(given.reward, given.reward_weights, given.reward_model, list(reward_functions),
                               given.reward_url)
     task = load_task(config.data, rows)
     check_columns(rewards, columns_of(task), task.name)
+    check_teacher_column(task, loss.teachers)
     if config.sampling.prompts_per_step > len(task.train):
         raise UserError(f"--prompts-per-step {config.sampling.prompts_per_step}: a step draws distinct prompts, and "
                         f"{task.name} has {len(task.train)} training prompts")

@@ -30,6 +30,7 @@ from auto_research.train.in_flight import InFlight, StreamedInFlight
 from auto_research.train.rollouts import Drawn, RolloutSource
 from auto_research.train.sides import RolloutSide, Schedule, Synchronous
 from auto_research.train.state import LoopState
+from auto_research.train.teachers import score_with_teachers
 
 
 class Layout(NamedTuple):
@@ -180,12 +181,15 @@ def rollout_source(run: RunContext, drawing: Drawing, sampler, model, context, r
         def reference_logprobs(rollout):
             with reference() as held:
                 return no_grad_forward(run, held, rollout, token_logprobs, temperature=sampling.temperature)
+    teachers = drawing.teachers and (lambda rollout, examples: score_with_teachers(run, drawing.teachers, rollout,
+                                                                                  examples))
     return RolloutSource(drawing.train_prompts, run.task.train, run.config.run.seed, sampling.prompts_per_step,
                          sampling.group_size, lambda picks: world.share(picks, run.config.loss.ppo_mini_batches),
                          sampler, drawing.reward, greedy,
                          reference_logprobs, sampling.max_refills if sampling.dynamic_sampling else None,
                          run.tokenizer.pad_token_id or 0,
-                         None if episodes is None else dataclasses.replace(episodes, generate=sampler.generate_ids))
+                         None if episodes is None else dataclasses.replace(episodes, generate=sampler.generate_ids),
+                         teachers or None)
 
 
 SIDES: dict[Layout, Callable[[Opening], RolloutSide]] = {

@@ -51,7 +51,7 @@ def estimate_advantages(run: RunContext, experience: Experience, baseline: float
         advantages = normalise_over_batch(advantages, mask, scores.scored, total=run.world.total)
     centred = None
     for name in (name for name in run.algorithm.dense if name in streams):
-        centred = dense_term(streams[name], mask, group_size, loss.distill_baseline)
+        centred = dense_term(streams[name], mask, group_size, loss.distill_baseline, scores.scored)
         advantages = advantages + loss.distill_weight * centred
     return Advantages(advantages, returns, inputs, centred)
 
