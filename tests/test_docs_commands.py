@@ -121,6 +121,9 @@ PLAN: dict[str, object] = {
                                                       seconds=900)),
     "python benchmarks/real_model.py --quick": Slow("as above", FirstStep(until=HOOKED_STEP,
                                                                           then=None, seconds=900)),
+    # distillation.md
+    "auto-research post-train --dataset rows.jsonl --teacher-model math=FOLDER_A --teacher-model "
+    "code=http://HOST:PORT": NotHere(TEMPLATE),
     # async.md
     "auto-research post-train --dataset arithmetic-generate --max-staleness 1": FirstStep(),
     "auto-research post-train --dataset arithmetic-generate --max-staleness 1 --rollout-mode process "
