@@ -377,3 +377,11 @@ def test_trls_beta_beside_a_teacher_is_refused_in_one_line(sums_jsonl, tmp_path)
     with pytest.raises(UserError, match="^TRL's beta: beside teacher_model_name_or_path"):
         GenerationConfig.from_trl({"teacher_model_name_or_path": "teacher", "beta": 0.5})
     assert GenerationConfig.from_trl({"teacher_model_name_or_path": "teacher"}).teacher_model == ["teacher"]
+    # DistillationConfig's other names: accepted at the values that say what is built, else refused by name.
+    assert GenerationConfig.from_trl({"teacher_model_name_or_path": "t", "lmbda": 1.0, "loss_top_k": 1,
+                                      "use_teacher_server": False}).teacher_model == ["t"]
+    with pytest.raises(UserError, match="^TRL's use_teacher_server: True: a served teacher here is auto-research "
+                                        "rollout-serve, given as --teacher-model http://HOST:PORT"):
+        GenerationConfig.from_trl({"teacher_model_name_or_path": "t", "use_teacher_server": True})
+    with pytest.raises(UserError, match="^TRL's lmbda: 0.5: distillation here is always on the student's own samples"):
+        GenerationConfig.from_trl({"teacher_model_name_or_path": "t", "lmbda": 0.5})

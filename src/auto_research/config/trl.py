@@ -268,7 +268,14 @@ NEUTRAL: dict[str, tuple] = {
     "enable_jit_checkpoint": (False,), "average_tokens_across_devices": (True,), "include_for_metrics": (ANY,),
     "torch_compile_backend": (None,), "torch_compile_mode": (None,), "optim_target_modules": (None,),
     "max_prompt_length": (None,),
+    # DistillationConfig's (TRL 1.16's and later versions')
+    "teacher_model_revision": (None,), "teacher_model_init_kwargs": (None,), "lmbda": (1.0, 1), "loss_top_k": (1,),
+    "reverse_kl_top_1_mode": ("sampled",), "loss_add_tail": (False,), "use_teacher_server": (False,),
+    "teacher_model_server_url": (None,),
 }
+
+_SERVED_TEACHER = ("a served teacher here is auto-research rollout-serve, given as --teacher-model http://HOST:PORT "
+                   "(not TRL's vLLM server)")
 
 REASONS = {
     "fsdp": "use --fsdp (FSDP2 under torchrun)", "deepspeed": "DeepSpeed is not built: use --fsdp under torchrun",
@@ -282,6 +289,13 @@ REASONS = {
     "optim": "the optimizer is torch's AdamW",
     "vllm_tensor_parallel_size": "vLLM runs one device per engine here",
     "shuffle_dataset": "each step draws its prompts at random from the seed",
+    "teacher_model_revision": "a teacher loads as --model does: give a folder holding the revision you want",
+    "teacher_model_init_kwargs": "a teacher loads in the run's compute dtype (--dtype)",
+    "lmbda": "distillation here is always on the student's own samples (lmbda 1)",
+    "loss_top_k": "only the sampled token's log-prob is used (loss_top_k 1; docs/distillation.md)",
+    "reverse_kl_top_1_mode": "only the sampled token's log-prob is used (reverse_kl_top_1_mode sampled)",
+    "loss_add_tail": "no top-k, so no tail bucket", "use_teacher_server": _SERVED_TEACHER,
+    "teacher_model_server_url": _SERVED_TEACHER,
 }
 
 
