@@ -1,5 +1,6 @@
 """The user's own code, named on the command line: ``--reward``, ``--environment``, ``--tools``,
-``--rollout-function``, ``--judge``. One loader for all of them, so each flag takes the same two forms:
+``--rollout-function``, ``--judge``, and ``AUTO_RESEARCH_ENGINES``. One loader for all of them, so each takes the
+same two forms:
 
 - ``module:name``: a module found from the working folder (put on the import path, as ``python -c`` does), or
   anywhere else on the path (an installed package, ``PYTHONPATH``);
@@ -215,6 +216,23 @@ def load_user_object(spec, flag: str, expected: str = "a function", forms: str =
     if not callable(found):
         raise UserError(f"{flag} {spec!r}: {name} is {type(found).__name__}, not callable ({expected})")
     return found
+
+
+REGISTRATIONS = "AUTO_RESEARCH_ENGINES"
+"""The environment variable naming the user's functions that register pieces of their own (rollout engines,
+``engine/samplers.register``): ``module:function`` or ``path/file.py:function``, comma-separated. A child process
+(a torchrun rank, a rollout server) inherits it, so it knows the same pieces."""
+
+
+def call_registrations(variable: str = REGISTRATIONS) -> None:
+    """Call each function ``variable`` names, with no arguments (the command line does, before it reads a
+    setting); every failure one line naming the variable."""
+    for spec in filter(None, map(str.strip, os.environ.get(variable, "").split(","))):
+        function = load_user_object(spec, variable, "a function that registers")
+        try:
+            function()
+        except Exception as error:  # noqa: BLE001 - the user's code: one line, where it raised
+            raise UserError(f"{variable} {spec!r}: {one_line(error)}{where_raised(error)}") from None
 
 
 last_traceback: str | None = None

@@ -20,6 +20,7 @@ from auto_research.config.fields import DATASETS
 from auto_research.config.generation import GenerationConfig
 from auto_research.config.options import CompareOptions, PostTrainOptions
 from auto_research.errors import TrainingInterrupted, UserError
+from auto_research.user_code import call_registrations
 
 ALGORITHMS = tuple(REGISTRY)
 LEVELS = {"candidate level": CandidateConfig}
@@ -102,6 +103,7 @@ def _main(argv: list[str] | None) -> int:
     words = sys.argv[1:] if argv is None else argv
     parser = build_parser(next((word for word in words if word in SUBCOMMANDS), None))
     try:
+        call_registrations()  # the user's own engines (AUTO_RESEARCH_ENGINES), before any setting is checked
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help()
