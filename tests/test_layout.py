@@ -275,7 +275,7 @@ def _literal_name_lists(kinds: dict[str, set[str]], skip: set[str]) -> list[str]
 
 
 def test_dataset_sampler_and_rollout_mode_names_are_listed_in_their_registries_only():
-    from auto_research.config import fields, rollout
+    from auto_research.config import fields
     from auto_research.data.registry import TASKS, task_names
     from auto_research.engine.samplers import ENGINES, ROLLOUT_MODES, SAMPLERS
 
@@ -284,9 +284,9 @@ def test_dataset_sampler_and_rollout_mode_names_are_listed_in_their_registries_o
     # The check sees a list where one is spelled (here, in the homes themselves).
     assert any(line.startswith("engine/samplers.py") for line in _literal_name_lists({"modes": set(ROLLOUT_MODES)},
                                                                                        set()))
-    # The settings' tuples are the registries' own.
+    # The settings' tuples are the registries' own (--sampler checks ENGINES itself, a registered engine too:
+    # tests/test_new_engine.py).
     assert fields.DATASETS == task_names() and fields.GENERATION_DATASETS == task_names("generation")
-    assert rollout.SAMPLERS == tuple(ENGINES)
 
 
 def test_no_module_compares_the_kl_placement_with_a_string():

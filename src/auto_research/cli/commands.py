@@ -184,10 +184,11 @@ def rollout_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(**given(args, ServeConfig)).validate()
     from auto_research.engine.machine import set_threads
     from auto_research.engine.rollout.serve import serve
+    from auto_research.engine.samplers import SAMPLERS, sampler_key
 
     set_threads(config.threads)
 
-    serve(config, log=_stderr)
+    serve(config, SAMPLERS[sampler_key(config.engine, "server")].serve, log=_stderr)
     return 0
 
 

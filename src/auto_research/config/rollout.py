@@ -12,10 +12,9 @@ from auto_research.config.fields import check_choice, check_positive_finite, set
 from auto_research.config.loss import by_algorithm
 from auto_research.engine.launch import environment_world_size, parse_cores
 from auto_research.engine.partial_bounds import MAX_IN_FLIGHT_POOL
-from auto_research.engine.samplers import ENGINES, ROLLOUT_MODES, VLLM_MEMORY_CPU, VLLM_MEMORY_GPU
+from auto_research.engine.samplers import ENGINES, ROLLOUT_MODES, VLLM_MEMORY_CPU, VLLM_MEMORY_GPU, sampler_record
 from auto_research.errors import UserError
 
-SAMPLERS = tuple(ENGINES)  # engine/samplers.py lists them
 SYNC_PATHS = ("auto", "shared-memory", "collective", "http")
 """--rollout-sync's choices (``engine/rollout/links.py``: ``LINKS``, and auto)."""
 
@@ -85,7 +84,7 @@ class RolloutSection:
                                    "raised in your code (a reward, a judge)", "run", action="store_true")
 
     def check(self) -> None:
-        check_choice("--sampler", self.sampler, SAMPLERS)
+        check_choice("--sampler", self.sampler, ENGINES)  # engine/samplers.py lists them, a registered one too
         check_choice("--rollout-mode", self.rollout_mode, ROLLOUT_MODES)
         if self.rollout_correction is not None:
             check_choice("--rollout-correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
@@ -142,7 +141,7 @@ class RolloutSection:
         if not self.max_staleness:
             raise UserError("--in-flight-updates needs --max-staleness K >= 1 (weights change while the rollout side "
                             "draws; K bounds how old a trained token may be)")
-        if self.sampler != "builtin" and self.rollout_mode != "server":
+        if self.rollout_mode == "colocate" and sampler_record(self).pool is None:
             raise UserError(f"--in-flight-updates with --sampler {self.sampler} needs --rollout-mode server (auto-research "
                             f"rollout-serve --engine {self.sampler}): its colocated engine is not wired to partial "
                             "rollouts (docs/async.md)")
@@ -163,14 +162,14 @@ class RolloutSection:
     def check_staleness(self, steps: int | None, algorithm, fsdp: bool) -> None:
         """--max-staleness K against the engine, the run's steps, its algorithm (``algorithm``: the record) and
         FSDP."""
-        from auto_research.engine.samplers import SAMPLERS as ENGINES, sampler_name, sampler_record  # noqa: PLC0415
+        from auto_research.engine.samplers import SAMPLERS, sampler_name  # noqa: PLC0415
 
         K = self.max_staleness
         self._check_in_flight(algorithm)
         if not K:
             return
         if not sampler_record(self).runs_apart:
-            apart = [name for name, record in ENGINES.items() if record.runs_apart]
+            apart = [name for name, record in SAMPLERS.items() if record.runs_apart]
             raise UserError(f"--max-staleness {K}: the {sampler_name(self)} sampler cannot run apart from the "
                             f"trainer; samplers that can: {', '.join(apart)} (or --max-staleness 0)")
         if steps is not None and K >= steps:

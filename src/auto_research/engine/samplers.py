@@ -3,8 +3,9 @@
 
 The choices are listed once, here: ``ENGINES`` (--sampler, rollout-serve --engine) and ``ROLLOUT_MODES``
 (--rollout-mode); the settings' checks and help texts are made from them. A record is one engine in one mode
-(its key ``sampler_key``: ``vllm``, ``vllm-server`` …); a new engine is its ``ENGINES`` line, its records here,
-and its module in engine/rollout/.
+(its key ``sampler_key``: ``vllm``, ``vllm-server`` …). A new engine is its records, ``register``-ed with its
+``ENGINES`` line, wherever its code lives: a function that registers them, named in ``AUTO_RESEARCH_ENGINES``
+(``user_code.call_registrations``, which the command line calls first; docs/architecture.md, "Adding an engine").
 
     record = sampler_record(config.rollout)  # builtin, vllm (colocated), vllm-server, builtin-server, ...
     record.check_settings()                  # before torch: the engine is installed
@@ -84,23 +85,47 @@ class SamplerRecord:
     """(model config, device, model name): a model the engine cannot serve is refused in one line."""
     is_the_trainer: bool = False
     """Draws with the trainer's own weights and kernels: its log-probs are π's, nothing to measure or correct."""
-    runs_apart: bool = False
-    """Can sample while the trainer trains, with weights of its own (``--max-staleness`` ≥ 1)."""
     pushes_weights: bool = False
     """Holds a copy of the weights, pushed after every optimizer step (timed as ``weight_sync_seconds``)."""
     started_by_the_user: bool = False
     """A server the user started (and restarts after it fails); every other engine is the run's own, started anew
     by ``--resume``."""
+    over_model: Callable | None = None
+    """(model, tokenizer, settings, chunk_prompts, context) → the engine drawing from that model in this process: a
+    side in flight (--max-staleness ≥ 1) draws with it from its own copy of the policy (``train/schedule.py``)."""
+    pool: Callable | None = None
+    """(model, tokenizer, group_size, settings) → its continuous batch over that model (a ``rollout/partial.Pool``),
+    for --in-flight-updates in this process; in a server, the served engine's ``rounds`` (``partial_serve.py``)."""
+    serve: Callable | None = None
+    """A server record's: (rollout-serve's settings, device, log) → the served engine, its model, tokenizer, name and
+    dtype (``rollout/serve.py``)."""
 
     @property
     def name(self) -> str:
         return sampler_key(self.engine, self.mode)
 
+    @property
+    def runs_apart(self) -> bool:
+        """Can sample while the trainer trains, with weights of its own (``--max-staleness`` ≥ 1): a server, or a
+        colocated engine that draws from a copy of the policy."""
+        return self.mode != "colocate" or self.over_model is not None
 
-def _builtin(needs: SamplerNeeds):
+
+def on_the_policy(over_model: Callable) -> Callable[[SamplerNeeds], Any]:
+    """A colocated record's ``build`` from its ``over_model``: the engine drawing from the trainer's own policy."""
+    return lambda needs: over_model(needs.policy, needs.tokenizer, needs.settings, needs.chunk_prompts, needs.context)
+
+
+def _builtin_over(model, tokenizer, settings, chunk_prompts, context):
     from auto_research.engine.rollout.builtin import BuiltinSampler  # noqa: PLC0415
 
-    return BuiltinSampler(needs.policy, needs.tokenizer, needs.settings, needs.chunk_prompts, needs.context)
+    return BuiltinSampler(model, tokenizer, settings, chunk_prompts, context)
+
+
+def _builtin_pool(model, tokenizer, group_size: int, settings):
+    from auto_research.engine.rollout.partial import builtin_pool  # noqa: PLC0415
+
+    return builtin_pool(model, tokenizer, group_size, settings)
 
 
 def _vllm(needs: SamplerNeeds):
@@ -127,14 +152,21 @@ def vllm_memory(given: float | None, device: str) -> tuple[float, str]:
     return given or VLLM_MEMORY_GPU, "device memory"
 
 
-def _server(engine: str):
+def server_record(engine: str, serve: Callable, chunked: bool = False) -> SamplerRecord:
+    """``engine`` in its own process, started by ``auto-research rollout-serve --engine ENGINE`` (``serve``); the
+    run's client pushes it the weights after every step. ``chunked``: it draws each chunk of prompts as the trainer's
+    own sampler would (the builtin engine: the same shapes on any world size)."""
+    return SamplerRecord(engine, "server", _server(engine, chunked), pushes_weights=True, started_by_the_user=True,
+                         serve=serve)
+
+
+def _server(engine: str, chunked: bool):
     def build(needs: SamplerNeeds):
         from auto_research.engine.rollout.client import ServerSampler  # noqa: PLC0415
         from auto_research.http import split_addresses  # noqa: PLC0415
 
         addresses = split_addresses(needs.rollout.rollout_server)
-        # The builtin engine draws each chunk as the trainer's own sampler would: the same shapes on any world size.
-        chunk = needs.chunk_prompts if engine == "builtin" else None
+        chunk = needs.chunk_prompts if chunked else None
 
         def connect(address: str, model):
             # In a fleet a failing server costs one retry, not three: the others draw its groups meanwhile.
@@ -178,35 +210,69 @@ def _check_servable(model_config, device: str, model_name: str) -> None:
     check_servable(model_config, device, model_name)
 
 
+def _serve_vllm(options, device: str, log):
+    """A vLLM engine over rollout-serve's model (``options``: its ``ServeConfig``), its parallelism checked before
+    the model loads."""
+    from auto_research.engine.models import resolve_dtype  # noqa: PLC0415
+    from auto_research.engine.rollout import SamplingSettings  # noqa: PLC0415
+    from auto_research.engine.rollout.serve import served_model  # noqa: PLC0415
+    from auto_research.engine.rollout.vllm import VLLMSampler, check_parallel, check_servable  # noqa: PLC0415
+
+    check_parallel(device, options.tensor_parallel_size, options.data_parallel_size)
+    model, tokenizer, name, longest = served_model(options, device, log)
+    check_servable(model.config, device, name, "rollout-serve",
+                   "serve it from a GPU, with --engine builtin, or train with --sampler builtin")
+    memory, of_what = vllm_memory(options.rollout_memory, device)
+    dtype = resolve_dtype(options.dtype, device)
+    split = ""
+    if options.tensor_parallel_size > 1:
+        split += f", tensor parallel {options.tensor_parallel_size}"
+        split += f" over CPUs {os.environ['VLLM_CPU_OMP_THREADS_BIND']}" if device == "cpu" else ""
+    if options.enable_lora:
+        split += f", LoRA adapters up to rank {options.max_lora_rank}"
+    log(f"starting a vLLM engine for {name} ({memory:g} of the {of_what}, max_model_len {longest}{split})")
+    sampler = VLLMSampler(model, tokenizer, SamplingSettings(max_new_tokens=16), memory, dtype, longest,
+                          options.seed, parallel=(options.tensor_parallel_size, options.data_parallel_size),
+                          lora_rank=options.max_lora_rank if options.enable_lora else None)
+    return sampler, model, tokenizer, name, dtype
+
+
+def _serve_builtin(options, device: str, log):
+    from auto_research.engine.rollout.serve import serve_builtin  # noqa: PLC0415 - torch
+
+    return serve_builtin(options, device, log)
+
+
 SAMPLERS: dict[str, SamplerRecord] = {}
 
 
-def register(record: SamplerRecord) -> SamplerRecord:
-    if record.engine not in ENGINES or record.mode not in ROLLOUT_MODES:
-        raise ValueError(f"sampler {record.name!r}: its engine is one of {', '.join(ENGINES)}, its mode one of "
-                         f"{', '.join(ROLLOUT_MODES)}")
-    if record.name in SAMPLERS:
+def register(record: SamplerRecord, about: str | None = None) -> SamplerRecord:
+    """``record`` under its key; ``about``: a new engine's line in ``ENGINES``. The same record again changes
+    nothing (a registering function may be called once per command, ``user_code.call_registrations``)."""
+    if (record.engine not in ENGINES and about is None) or record.mode not in ROLLOUT_MODES:
+        raise ValueError(f"sampler {record.name!r}: its engine is one of {', '.join(ENGINES)} (or given with its "
+                         f"line), its mode one of {', '.join(ROLLOUT_MODES)}")
+    if SAMPLERS.setdefault(record.name, record) != record:
         raise ValueError(f"sampler {record.name!r} is registered twice")
-    SAMPLERS[record.name] = record
+    ENGINES.setdefault(record.engine, about)
     return record
 
 
 def served_engines() -> tuple[str, ...]:
-    """The engines ``rollout-serve --engine`` serves: those with a record in server mode."""
-    return tuple(record.engine for record in SAMPLERS.values() if record.mode == "server")
+    """The engines ``rollout-serve --engine`` serves: those with a record in server mode that says how."""
+    return tuple(record.engine for record in SAMPLERS.values() if record.mode == "server" and record.serve)
 
 
-register(SamplerRecord("builtin", "colocate", _builtin, is_the_trainer=True, runs_apart=True))
+register(SamplerRecord("builtin", "colocate", on_the_policy(_builtin_over), is_the_trainer=True,
+                       over_model=_builtin_over, pool=_builtin_pool))
 register(SamplerRecord("vllm", "colocate", _vllm, _require_vllm, _check_servable, pushes_weights=True))
 # A server may live in an environment of its own: the trainer needs no vLLM.
-register(SamplerRecord("vllm", "server", _server("vllm"), runs_apart=True, pushes_weights=True,
-                       started_by_the_user=True))
+register(server_record("vllm", _serve_vllm))
 # The builtin sampler in a process of its own (auto-research rollout-serve --engine builtin): its draws are the
 # in-process sampler's, from weights pushed to it, without sharing the trainer's interpreter lock.
-register(SamplerRecord("builtin", "server", _server("builtin"), runs_apart=True, pushes_weights=True,
-                       started_by_the_user=True))
+register(server_record("builtin", _serve_builtin, chunked=True))
 # The same server, started and stopped by the run itself on cores of its own (--rollout-mode process).
-register(SamplerRecord("builtin", "process", _builtin_process, runs_apart=True, pushes_weights=True))
+register(SamplerRecord("builtin", "process", _builtin_process, pushes_weights=True))
 
 
 def sampler_name(rollout) -> str:

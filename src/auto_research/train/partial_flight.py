@@ -37,7 +37,7 @@ import torch
 
 from auto_research.engine.rollout import Rollout, eos_ids
 from auto_research.engine.partial_bounds import pool_groups
-from auto_research.engine.rollout.partial import Pool, Rounds, lanes_to_rows, supply_target
+from auto_research.engine.rollout.partial import Rounds, lanes_to_rows, supply_target
 from auto_research.engine.rollout.partial_files import Finished
 from auto_research.engine.rollout.partial_serve import KEPT_STATES
 from auto_research.train.rollouts import Drawn, RolloutSource, batch_of, draw_batch, finish
@@ -46,13 +46,12 @@ from auto_research.errors import RolloutEngineError
 
 
 class LocalRounds:
-    """The rounds in the trainer's process: a copy of the policy, loaded with each version's snapshot, decoding
-    under the trainer's autocast (``context``)."""
+    """The rounds in the trainer's process: the engine's ``pool`` over a copy of the policy (``model``), loaded with
+    each version's snapshot, decoding under the trainer's autocast (``context``)."""
 
-    def __init__(self, model, tokenizer, source: RolloutSource, settings, recompute_kv: bool, context):
+    def __init__(self, model, pool, recompute_kv: bool, context):
         self.model, self.recompute_kv, self.context = model, recompute_kv, context
-        self.rounds = Rounds(Pool(model, tokenizer, source.group_size, settings.max_new_tokens, settings.temperature,
-                                  settings.top_k, settings.top_p, eos_ids(tokenizer, model), source.pad_token_id))
+        self.rounds = Rounds(pool)
         self.loaded: int | None = None
         self.states: dict[int, tuple[dict, dict]] = {}
 

@@ -3,10 +3,10 @@ and the engine declare, not a chain of conditions.
 
     (in flight, in-flight updates, streams, pushes weights)   the side
     (no,  no,  no,  either)                                    Synchronous: sample, then train
-    (yes, no,  no,  no)                                        InFlight with a copy of the policy
+    (yes, no,  no,  no)                                        InFlight: the engine on a copy of the policy
     (yes, no,  no,  yes)                                       InFlight over an engine holding pushed weights
     (yes, no,  yes, yes)                                       StreamedInFlight: a fleet drawing across batches
-    (yes, yes, no,  no)                                        PartialInFlight, rounds in this process
+    (yes, yes, no,  no)                                        PartialInFlight, the engine's pool in this process
     (yes, yes, no,  yes)                                       PartialInFlight, rounds in a rollout server
 
 "Streams": the engine draws across batches (``Sampler.streams``, a fleet of servers) in one process, each batch
@@ -22,7 +22,7 @@ import dataclasses
 from typing import Callable, NamedTuple
 
 from auto_research.engine.logprobs import token_logprobs
-from auto_research.engine.rollout.builtin import BuiltinSampler, sample
+from auto_research.engine.rollout.builtin import sample
 from auto_research.errors import UserError
 from auto_research.train.components import Drawing, Models, RunContext, chunk_prompts, sampling_settings
 from auto_research.train.experience import no_grad_forward
@@ -85,8 +85,8 @@ def open_side(run: RunContext, models: Models, drawing: Drawing, state: LoopStat
 def _local_in_flight(o: Opening) -> InFlight:
     model, tokenizer = o.own_copies()
     config = o.run.config
-    sampler = BuiltinSampler(model, tokenizer, sampling_settings(config.sampling),
-                             chunk_prompts(config.sampling, config.optimisation), o.run.autocast)
+    sampler = o.run.engine.over_model(model, tokenizer, sampling_settings(config.sampling),
+                                      chunk_prompts(config.sampling, config.optimisation), o.run.autocast)
     return o.side_of(InFlight, o.source(sampler, model, tokenizer), model=model)
 
 
@@ -104,7 +104,8 @@ def _partial(o: Opening, local: bool):
     if local:
         model, tokenizer = o.own_copies()
         source = o.source(None, model, tokenizer)
-        rounds = LocalRounds(model.eval(), tokenizer, source, settings, rollout.recompute_kv_on_update, o.run.autocast)
+        rounds = LocalRounds(model.eval(), o.run.engine.pool(model, tokenizer, source.group_size, settings),
+                             rollout.recompute_kv_on_update, o.run.autocast)
     else:
         if not sampler.partial:
             raise UserError(f"--in-flight-updates: the rollout server at {sampler.address} cannot decode partial "

@@ -305,7 +305,7 @@ class BuiltinEngine:
         """The adapted weights as the last full push left them (``load_adapter`` merges onto these)."""
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", None) or 4096)
         self.partial_rollouts = True
-        """A rollout server over it decodes partial rollouts (``partial.builtin_rounds``; ``/partial/round``)."""
+        """A rollout server over it decodes partial rollouts (``partial.builtin_pool``; ``/partial/round``)."""
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int],
                  settings: SamplingSettings) -> tuple[list[list[int]], list[list[float]]]:

@@ -372,9 +372,8 @@ class Rounds:
         self.pool.close()
 
 
-def builtin_rounds(engine, group_size: int, settings) -> Rounds:
-    """Partial rollouts over a ``BuiltinEngine``'s model (a rollout server's ``/partial/round``), padded as the
-    trainer's rollout side pads."""
-    pad = engine.tokenizer.pad_token_id or 0
-    return Rounds(Pool(engine.model, engine.tokenizer, group_size, settings.max_new_tokens, settings.temperature,
-                       settings.top_k, settings.top_p, eos_ids(engine.tokenizer, engine.model), pad))
+def builtin_pool(model, tokenizer, group_size: int, settings) -> Pool:
+    """The builtin engine's continuous batch over ``model`` (a record's ``pool``, ``engine/samplers.py``; a rollout
+    server's ``/partial/round``), padded as the trainer's rollout side pads."""
+    return Pool(model, tokenizer, group_size, settings.max_new_tokens, settings.temperature, settings.top_k,
+                settings.top_p, eos_ids(tokenizer, model), tokenizer.pad_token_id or 0)

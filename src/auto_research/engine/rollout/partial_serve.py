@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import safetensors.torch
 
 from auto_research.engine.rollout.guard import MAX_PROMPTS, Refused, all_finite, check_generate
-from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, builtin_rounds, supply_target
+from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, Rounds, builtin_pool, supply_target
 from auto_research.engine.rollout.partial_files import BATCH_FIELDS, ROW_FIELDS
 from auto_research.engine.partial_bounds import MAX_IN_FLIGHT_POOL
 from auto_research.errors import one_line
@@ -117,8 +117,8 @@ def _session(handler, token: str, config: dict, fresh: bool) -> Session:
         _, group_size, _, settings = check_generate(
             {"prompt_ids": [[0]], "group_size": config["group_size"], "seeds": [0], "settings": config["settings"]},
             serving.served.vocab_size, engine.max_model_len, serving.limits.max_group_size)
-        rounds = engine.rounds(group_size, settings) if hasattr(engine, "rounds") else builtin_rounds(
-            engine, group_size, settings)
+        rounds = engine.rounds(group_size, settings) if hasattr(engine, "rounds") else Rounds(builtin_pool(
+            engine.model, engine.tokenizer, group_size, settings))
         close(serving)
         session = serving.partial = Session(token, config, rounds)
     elif session.failed is not None:
