@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import urlparse
 
+from auto_research.config.trl_neutral import ANY, NEUTRAL, REASONS
 from auto_research.engine.launch import environment_world_size
 from auto_research.errors import UserError
 
@@ -215,87 +216,6 @@ MAPPED: dict[str, TrlField] = {
     "dataset_name": TrlField("text", "--dataset", _same("dataset")),
     "use_bias_correction_kl": TrlField("bool", "false, or true with beta 0 (the KL term is not multiplied by the "
                                                "importance ratio here)", _same(_BIAS_CORRECTED_KL)),
-}
-
-# Fields that ask for nothing we do differently at these values (TRL's or transformers' defaults, mostly):
-# accepted there, refused elsewhere. ANY: every value (logging and launch plumbing that changes no number).
-ANY = object()
-NEUTRAL: dict[str, tuple] = {
-    "remove_unused_columns": (False,), "shuffle_dataset": (True,), "ds3_gather_for_generation": (True,),
-    "pad_to_multiple_of": ("auto", None), "disable_dropout": (True, False), "trust_remote_code": (False,),
-    "model_init_kwargs": (None,), "generation_kwargs": (None,), "chat_template_kwargs": (None,),
-    "repetition_penalty": (1.0,), "min_p": (None, 0.0), "cache_implementation": (None,),
-    "use_transformers_paged": (False,), "use_transformers_continuous_batching": (False,),
-    "transformers_continuous_batching_config": (None,), "vllm_model_impl": ("vllm",),
-    "vllm_enable_sleep_mode": (False,), "vllm_structured_outputs_regex": (None,), "vllm_max_model_length": (None,),
-    "vllm_tensor_parallel_size": (1,), "vllm_group_port": (ANY,), "vllm_server_timeout": (ANY,),
-    "vllm_importance_sampling_clip_min": (None,), "reward_clip_range": (None,), "sync_ref_model": (False,),
-    "ref_model_mixup_alpha": (ANY,), "ref_model_sync_steps": (ANY,), "num_generations_eval": (None,),
-    "router_aux_loss_coef": (None,), "cast_lm_head_to_fp32": (False,), "delta": (None,),
-    "sapo_temperature_neg": (1.05,), "sapo_temperature_pos": (1.0,), "vespo_k_pos": (2.0,),
-    "vespo_lambda_pos": (3.0,), "vespo_k_neg": (3.0,), "vespo_lambda_neg": (2.0,),
-    "multi_objective_aggregation": ("sum_then_normalize",), "top_entropy_quantile": (1.0,),
-    "use_adaptive_entropy": (False,), "entropy_coef_min": (ANY,), "entropy_coef_max": (ANY,),
-    "entropy_coef_delta": (ANY,), "entropy_target": (ANY,), "off_policy_mask_threshold": (None,),
-    "log_multimodal": (ANY,), "log_unique_prompts": (ANY,),
-    "log_completions_hub_repo": (None,), "use_liger_kernel": (False,), "liger_kernel_config": (None,),
-    "torch_empty_cache_steps": (None,), "lr_scheduler_kwargs": (None, {}),
-    "gradient_checkpointing_kwargs": (None, {}, {"use_reentrant": False}), "optim": ("adamw_torch",
-                                                                                    "adamw_torch_fused"),
-    "optim_args": (None,), "adam_beta1": (0.9,), "adam_beta2": (0.999,), "adam_epsilon": (1e-8,),
-    "label_smoothing_factor": (0.0,), "bf16_full_eval": (False,), "fp16_full_eval": (False,), "tf32": (None,),
-    "torch_compile": (False,), "use_cache": (False,), "neftune_noise_alpha": (None,), "auto_find_batch_size": (False,),
-    "logging_strategy": ("steps",), "logging_first_step": (ANY,), "log_on_each_node": (ANY,),
-    "logging_nan_inf_filter": (ANY,), "log_level": (ANY,), "log_level_replica": (ANY,), "logging_dir": (ANY,),
-    "include_num_input_tokens_seen": (ANY,), "save_strategy": ("steps",), "save_only_model": (False,),
-    "save_on_each_node": (False,), "push_to_hub": (False,), "hub_model_id": (None,),
-    "hub_private_repo": (None,), "hub_token": (ANY,), "hub_strategy": (ANY,), "hub_always_push": (ANY,), "hub_revision": (None,),
-    "trackio_space_id": (None,), "trackio_bucket_id": (None,), "trackio_static_space_id": (None,),
-    "per_device_eval_batch_size": (ANY,), "eval_delay": (0,), "eval_on_start": (False,),
-    "prediction_loss_only": (ANY,), "eval_do_concat_batches": (ANY,), "eval_use_gather_object": (ANY,),
-    "eval_accumulation_steps": (None,), "batch_eval_metrics": (False,), "load_best_model_at_end": (False,),
-    "metric_for_best_model": (None,), "greater_is_better": (None,), "ignore_data_skip": (False,),
-    "restore_callback_states_from_checkpoint": (False,), "full_determinism": (ANY,), "data_seed": (None,),
-    "use_cpu": (ANY,), "accelerator_config": (ANY,), "parallelism_config": (None,),
-    "dataloader_drop_last": (ANY,), "dataloader_num_workers": (ANY,), "dataloader_pin_memory": (ANY,),
-    "dataloader_persistent_workers": (ANY,), "dataloader_prefetch_factor": (ANY,),
-    "dataloader_multiprocessing_context": (ANY,), "dataloader_in_order": (ANY,), "label_names": (None,),
-    "train_sampling_strategy": ("random",), "length_column_name": (ANY,), "ddp_find_unused_parameters": (ANY,),
-    "ddp_bucket_cap_mb": (ANY,), "ddp_broadcast_buffers": (ANY,), "ddp_static_graph": (ANY,), "ddp_backend": (ANY,),
-    "ddp_timeout": (ANY,), "fsdp": (None, "", False), "fsdp_config": (None,), "deepspeed": (None,), "debug": ("", []),
-    "skip_memory_metrics": (ANY,), "do_train": (ANY,), "do_eval": (ANY,), "do_predict": (ANY,),
-    "resume_from_checkpoint": (None,), "local_rank": (ANY,), "overwrite_output_dir": (ANY,),
-    "enable_jit_checkpoint": (False,), "average_tokens_across_devices": (True,), "include_for_metrics": (ANY,),
-    "torch_compile_backend": (None,), "torch_compile_mode": (None,), "optim_target_modules": (None,),
-    "max_prompt_length": (None,),
-    # DistillationConfig's (TRL 1.16's and later versions')
-    "teacher_model_revision": (None,), "teacher_model_init_kwargs": (None,), "lmbda": (1.0, 1), "loss_top_k": (1,),
-    "reverse_kl_top_1_mode": ("sampled",), "loss_add_tail": (False,), "use_teacher_server": (False,),
-    "teacher_model_server_url": (None,),
-}
-
-_SERVED_TEACHER = ("a served teacher here is auto-research rollout-serve, given as --teacher-model http://HOST:PORT "
-                   "(not TRL's vLLM server)")
-
-REASONS = {
-    "fsdp": "use --fsdp (FSDP2 under torchrun)", "deepspeed": "DeepSpeed is not built: use --fsdp under torchrun",
-    "resume_from_checkpoint": "use --resume (the run folder's newest good checkpoint)",
-    "push_to_hub": "nothing is pushed to a hub: the run folder's checkpoints load with from_pretrained",
-    "max_prompt_length": "prompts are never cut here (TRL 1.16 has no such field either)",
-    "sync_ref_model": "TR-DPO's reference sync is not built", "reward_clip_range": "reward clipping is not built",
-    "model_init_kwargs": "give --dtype for the compute dtype; weights load as the checkpoint has them",
-    "trust_remote_code": "models that ship their own code are not loaded",
-    "generation_kwargs": "every sampling setting is a flag of its own (--temperature, --top-p, --top-k)",
-    "optim": "the optimizer is torch's AdamW",
-    "vllm_tensor_parallel_size": "vLLM runs one device per engine here",
-    "shuffle_dataset": "each step draws its prompts at random from the seed",
-    "teacher_model_revision": "a teacher loads as --model does: give a folder holding the revision you want",
-    "teacher_model_init_kwargs": "a teacher loads in the run's compute dtype (--dtype)",
-    "lmbda": "distillation here is always on the student's own samples (lmbda 1)",
-    "loss_top_k": "only the sampled token's log-prob is used (loss_top_k 1; docs/distillation.md)",
-    "reverse_kl_top_1_mode": "only the sampled token's log-prob is used (reverse_kl_top_1_mode sampled)",
-    "loss_add_tail": "no top-k, so no tail bucket", "use_teacher_server": _SERVED_TEACHER,
-    "teacher_model_server_url": _SERVED_TEACHER,
 }
 
 
