@@ -289,6 +289,7 @@ def test_a_run_with_a_served_teacher_trains_as_with_the_same_teacher_loaded_and_
     folder = _other_model(tmp_path / "teacher")
     model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), build_tokenizer()
     server, address = serve(model, tokenizer)
+    _FailsAfterOne.calls = 0
     broken, broken_address = serve(model, tokenizer, engine=_FailsAfterOne(model, tokenizer))
     try:
         loaded = run_rows(tmp_path, "loaded", tiny_model_dir, teacher_model=str(folder), steps=3)
@@ -372,10 +373,26 @@ def test_a_row_naming_no_teacher_of_several_is_refused_in_one_line(tiny_model_di
     assert not (tmp_path / "runs").exists()
 
 
+class _Gated(BuiltinEngine):
+    """A teacher's engine that counts its calls and, once ``gate`` (a run's checkpoints folder) holds checkpoint 2
+    or later, holds every call until ``released``: that run cannot score the batch of step 5 (drawn after step 3's
+    weights) before the test kills it, whatever the machine's speed."""
+
+    calls = 0
+    gate = None
+    released = threading.Event()
+
+    def logprobs(self, prompts, completions):
+        type(self).calls += 1
+        if self.gate is not None and any(path.name >= "step-000002" for path in self.gate.glob("step-*")):
+            self.released.wait(300)
+        return super().logprobs(prompts, completions)
+
+
 def test_a_run_in_flight_with_a_served_teacher_resumes_after_sigkill_to_the_same_rows(tiny_model_dir, tmp_path):
     """--max-staleness 1 and a served teacher: SIGKILL after checkpoint 2, then --resume, gives the uninterrupted
-    run's rows; the checkpoint holds the teachers' scores of the batch drawn ahead, so the resumed run does not ask
-    the teacher for it."""
+    run's rows; the checkpoint holds the teachers' scores of the batch drawn ahead, so the resumed run asks the
+    teacher for the later batches only (one request a batch)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -384,7 +401,7 @@ def test_a_run_in_flight_with_a_served_teacher_resumes_after_sigkill_to_the_same
 
     folder = _other_model(tmp_path / "teacher")
     model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), build_tokenizer()
-    server, address = serve(model, tokenizer)
+    server, address = serve(model, tokenizer, engine=_Gated(model, tokenizer))
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps(row) + "\n" for row in _taught_rows(40, ("t",))))
     env = {key: value for key, value in os.environ.items() if key != "AUTO_RESEARCH_API_KEY"}
@@ -401,14 +418,23 @@ def test_a_run_in_flight_with_a_served_teacher_resumes_after_sigkill_to_the_same
                                text=True, timeout=300)
         assert whole.returncode == 0, whole.stderr
         (run,) = (tmp_path / "whole").iterdir()
-        kill_after_checkpoint(args("killed"), env, tmp_path / "killed" / run.name / "checkpoints" / "step-000002")
+        _Gated.gate = tmp_path / "killed" / run.name / "checkpoints"
+        try:
+            kill_after_checkpoint(args("killed"), env, _Gated.gate / "step-000002")
+        finally:
+            _Gated.gate = None
+            _Gated.released.set()
         (checkpoint,) = sorted((tmp_path / "killed" / run.name / "checkpoints").glob("step-*"))[-1:]
         saved = load_file(str(checkpoint / "in_flight.safetensors"))
         assert any(key.endswith("/teacher_logprobs") for key in saved), sorted(saved)
         assert len((tmp_path / "killed" / run.name / "metrics.jsonl").read_text().splitlines()) < 5  # killed mid-run
+        _Gated.calls = 0
         resumed = subprocess.run([sys.executable, "-m", "auto_research", *args("killed"), "--resume"], env=env,
                                  capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, resumed.stderr
+        # Resumed after step c (2 or 3: checkpoint 4 would need step 5's batch, held above), with step c + 1's batch
+        # and its scores saved: the teacher is asked for steps c + 2 … 5 alone.
+        assert _Gated.calls == 5 - (int(checkpoint.name.removeprefix("step-")) + 1), (checkpoint.name, _Gated.calls)
     finally:
         server.shutdown()
         server.server_close()
