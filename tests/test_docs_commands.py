@@ -122,6 +122,11 @@ PLAN: dict[str, object] = {
     "python benchmarks/real_model.py --quick": Slow("as above", FirstStep(until=HOOKED_STEP,
                                                                           then=None, seconds=900)),
     # distillation.md
+    "OMP_NUM_THREADS=2 python benchmarks/distill.py --model smollm2 --teacher runs/real-model/rloo-5-steps/"
+    "rloo-sums-seed42/checkpoints/step-000005 --steps 5 --eval-every 1 --seeds 1,2 --arms rloo,opd,rloo+teacher "
+    "--teacher-share 0.9 --output runs/distill-smollm2": NotHere(
+        "needs the teacher that python benchmarks/real_model.py --quick trains first (SmolLM2 loaded, 5 steps and 2 "
+        "evaluations: minutes), then 6 SmolLM2 runs: about 27 minutes on 2 idle cores, 2026-12-06"),
     "auto-research post-train --dataset rows.jsonl --teacher-model math=FOLDER_A --teacher-model "
     "code=http://HOST:PORT": NotHere(TEMPLATE),
     # async.md
