@@ -304,10 +304,6 @@ def test_in_flight_updates_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp
     assert error("--in-flight-updates", "--max-staleness", "1", "--sampler", "vllm") == (
         "--in-flight-updates with --sampler vllm needs --rollout-mode server (auto-research rollout-serve --engine "
         "vllm): its colocated engine is not wired to partial rollouts (docs/async.md)")
-    assert error("--in-flight-updates", "--max-staleness", "1", "--rollout-mode", "server", "--rollout-server",
-                 "127.0.0.1:9,127.0.0.1:10") == (
-        "--in-flight-updates with several rollout servers is not built: one server holds the continuous batch; give "
-        "--rollout-server one HOST:PORT")
     assert error("--in-flight-updates", "--max-staleness", "1", "--algorithm", "remax").startswith(
         "--in-flight-updates with remax is not built")
     assert error("--in-flight-updates", "--max-staleness", "1", "--dynamic-sampling").startswith(

@@ -145,12 +145,6 @@ class RolloutSection:
             raise UserError(f"--in-flight-updates with --sampler {self.sampler} needs --rollout-mode server (auto-research "
                             f"rollout-serve --engine {self.sampler}): its colocated engine is not wired to partial "
                             "rollouts (docs/async.md)")
-        if self.rollout_mode == "server" and self.rollout_server is not None:
-            from auto_research.http import split_addresses  # noqa: PLC0415
-
-            if len(split_addresses(self.rollout_server)) > 1:
-                raise UserError("--in-flight-updates with several rollout servers is not built: one server holds "
-                                "the continuous batch; give --rollout-server one HOST:PORT")
         if environment_world_size() > 1 and self.rollout_mode != "server":
             raise UserError("--in-flight-updates under torchrun needs one rollout server (--rollout-mode server): in "
                             "the trainers' own processes each rank's continuous batch would finish its groups in its "

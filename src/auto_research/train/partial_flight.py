@@ -31,6 +31,7 @@ them again too at each round a checkpoint reads (``settle``, ``vllm_partial.py``
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import torch
@@ -42,7 +43,7 @@ from auto_research.engine.rollout.partial_files import Finished
 from auto_research.engine.rollout.partial_serve import KEPT_STATES
 from auto_research.train.rollouts import Drawn, RolloutSource, batch_of, draw_batch, finish
 from auto_research.train.sides import Handover, Schedule
-from auto_research.errors import RolloutEngineError
+from auto_research.errors import RolloutEngineError, UserError
 
 
 class LocalRounds:
@@ -129,6 +130,112 @@ class RemoteRounds:
             except Exception as failed:  # noqa: BLE001 - agreed: every rank stops with its line
                 error = failed
         world.agree(error, RolloutEngineError)
+
+
+class FleetRounds:
+    """The rounds over several rollout servers (``--rollout-server A,B,…``): each server holds a continuous batch of
+    its own. Server i decodes P_i of the step's P groups (P split in the servers' order, the pool likewise), and the
+    step's batch is their lanes in that order. The run's queue is dealt to the servers by need (each is kept at its
+    own ``supply_target``), so which groups a server decodes depends on the seeds and the rounds alone, never on
+    which server answers first. A server that leaves the pool takes its groups decoding with it: the run stops."""
+
+    def __init__(self, fleet, members: list[RemoteRounds]):
+        self.fleet, self.members = fleet, members
+        self.addresses = list(fleet.members)
+        self.clients = [member.sampler for member in members]
+        self.pendings = [0] * len(members)
+        """Each server's queue (groups) after the last round."""
+        self.after: dict[int, list[int]] = {}
+        """Each server's queue after round n, until a checkpoint no longer reads it."""
+
+    def load(self, version: int, snapshot) -> None:
+        """Nothing: the trainer pushed ``version`` to every server (``Fleet.load_weights``)."""
+
+    def run(self, number: int, version: int, per_step: int, pool_groups: int, oldest_allowed: int,
+            supply: list, settle: bool) -> tuple:
+        for address, client in zip(self.addresses, self.clients):
+            if self.fleet.members.get(address) is not client:
+                why = self.fleet.left.get(address, ("it was replaced",))[0]
+                raise RolloutEngineError(f"--in-flight-updates: rollout server {address} left the pool ({why}); the "
+                                         "groups it was decoding live on it alone")
+        n = min(len(self.members), per_step)  # (a server beyond the step's groups would decode none)
+        shares, pools = _split(per_step, n), _split(pool_groups, n)
+        targets = [supply_target(p, g) for p, g in zip(shares, pools)]
+        dealt = self._deal(supply, targets)
+        answers = _each([(lambda i=i: self.members[i].run(number, version, shares[i], pools[i], oldest_allowed,
+                                                         dealt[i], settle)) for i in range(n)], self.addresses)
+        self.pendings = [pending for _, _, pending in answers]
+        self.after[number] = list(self.pendings)
+        for older in [kept for kept in self.after if kept <= number - KEPT_STATES]:
+            del self.after[older]
+        lanes = [lane for answer in answers for lane in answer[0]]
+        return lanes, sum(answer[1] for answer in answers), sum(map(min, self.pendings, targets))
+
+    def _deal(self, supply: list, targets: list[int]) -> list[list]:
+        """Each server tops its queue up to its target, in the servers' order; what is left goes, one group at a
+        time, to the server furthest below its target (the first of equals)."""
+        dealt, supply = [[] for _ in targets], list(supply)
+        for i, target in enumerate(targets):
+            need = max(0, target - self.pendings[i])
+            dealt[i], supply = supply[:need], supply[need:]
+        for group in supply:
+            i = min(range(len(targets)), key=lambda j: self.pendings[j] + len(dealt[j]) - targets[j])
+            dealt[i].append(group)
+        return dealt
+
+    def state(self, number: int) -> tuple[dict, dict]:
+        states = [member.state(number) for member in self.members]
+        tensors = {f"server{i}/{name}": tensor for i, (part, _) in enumerate(states) for name, tensor in part.items()}
+        return tensors, {"servers": [plain for _, plain in states], "pendings": self.after.get(number)}
+
+    def restore(self, tensors: dict, plain: dict) -> None:
+        """(The run's settings hold the servers' addresses: a resume over others is refused before this.)"""
+        for i, (member, part) in enumerate(zip(self.members, plain["servers"])):
+            prefix = f"server{i}/"
+            member.restore({name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}, part)
+        self.pendings = list(plain["pendings"])
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` in ``parts`` shares, the first ones a unit larger (7 in 3: 3, 2, 2)."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def _each(calls: list, addresses: list[str]) -> list:
+    """Every call at once, one thread each; their answers in order, or the first failure naming its server."""
+    answers, failures = [None] * len(calls), {}
+
+    def call(i):
+        try:
+            answers[i] = calls[i]()
+        except Exception as error:  # noqa: BLE001 - raised below, in the caller's thread
+            failures[i] = error
+
+    threads = [threading.Thread(target=call, args=(i,), name=f"round-{addresses[i]}", daemon=True)
+               for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i in sorted(failures):
+        error = failures[i]
+        raise error if isinstance(error, RolloutEngineError) else RolloutEngineError(
+            f"--rollout-server {addresses[i]}: {type(error).__name__}: {error}") from error
+    return answers
+
+
+def remote_rounds(sampler, source: RolloutSource, settings, recompute_kv: bool):
+    """The rounds in one rollout server (``RemoteRounds``), or in each of a fleet's (``FleetRounds``)."""
+    from auto_research.engine.rollout.fleet import Fleet  # noqa: PLC0415
+
+    clients = list(sampler.members.values()) if isinstance(sampler, Fleet) else [sampler]
+    for client in clients:
+        if not client.partial:
+            raise UserError(f"--in-flight-updates: the rollout server at {client.address} cannot decode partial "
+                            "rollouts (it needs auto-research rollout-serve --engine builtin or vllm, of this "
+                            "version or later, without --enable-lora)")
+    members = [RemoteRounds(client, source, settings, recompute_kv) for client in clients]
+    return FleetRounds(sampler, members) if isinstance(sampler, Fleet) else members[0]
 
 
 class PartialInFlight(Handover):

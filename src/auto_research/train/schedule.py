@@ -7,7 +7,8 @@ and the engine declare, not a chain of conditions.
     (yes, no,  no,  yes)                                       InFlight over an engine holding pushed weights
     (yes, no,  yes, yes)                                       StreamedInFlight: a fleet drawing across batches
     (yes, yes, no,  no)                                        PartialInFlight, the engine's pool in this process
-    (yes, yes, no,  yes)                                       PartialInFlight, rounds in a rollout server
+    (yes, yes, no,  yes)                                       PartialInFlight, rounds in a rollout server (each
+                                                               server of a fleet: rounds of its own)
 
 "Streams": the engine draws across batches (``Sampler.streams``, a fleet of servers) in one process, each batch
 drawn once (no multi-turn episodes, refills or greedy baseline, which draw again mid-batch), and its K + 2 copies of
@@ -23,7 +24,6 @@ from typing import Callable, NamedTuple
 
 from auto_research.engine.logprobs import token_logprobs
 from auto_research.engine.rollout.builtin import sample
-from auto_research.errors import UserError
 from auto_research.train.components import Drawing, Models, RunContext, chunk_prompts, sampling_settings
 from auto_research.train.experience import no_grad_forward
 from auto_research.train.in_flight import InFlight, StreamedInFlight
@@ -97,7 +97,7 @@ def _streamed(o: Opening) -> StreamedInFlight:
 
 
 def _partial(o: Opening, local: bool):
-    from auto_research.train.partial_flight import LocalRounds, PartialInFlight, RemoteRounds  # noqa: PLC0415
+    from auto_research.train.partial_flight import LocalRounds, PartialInFlight, remote_rounds  # noqa: PLC0415
 
     config, sampler, rollout = o.run.config, o.drawing.sampler, o.run.config.rollout
     settings = sampling_settings(config.sampling)
@@ -107,12 +107,8 @@ def _partial(o: Opening, local: bool):
         rounds = LocalRounds(model.eval(), o.run.engine.pool(model, tokenizer, source.group_size, settings),
                              rollout.recompute_kv_on_update, o.run.autocast)
     else:
-        if not sampler.partial:
-            raise UserError(f"--in-flight-updates: the rollout server at {sampler.address} cannot decode partial "
-                            "rollouts (it needs one rollout server, auto-research rollout-serve --engine builtin "
-                            "or vllm, of this version or later, without --enable-lora)")
         source, tokenizer = o.source(sampler), copy.deepcopy(o.run.tokenizer)
-        rounds = RemoteRounds(sampler, source, settings, rollout.recompute_kv_on_update)
+        rounds = remote_rounds(sampler, source, settings, rollout.recompute_kv_on_update)
     return o.side_of(PartialInFlight, source, engine=rounds, tokenizer=tokenizer, remote=None if local else sampler,
                      state=o.side, pool=rollout.in_flight_pool, checkpoint_every=config.run.checkpoint_every)
 
