@@ -73,7 +73,8 @@ class FirstStep:
     """A regex the command's section matches: where its page states the command's cost."""
     until: str = BEFORE_STEP
     then: str | None = INTERRUPTED
-    needs: str | None = None
+    needs: str | tuple[str, ...] | None = None
+    """The server (or servers) it needs, each a command of PLAN's that ``Serves``."""
     seconds: int = 240
 
 
@@ -101,6 +102,7 @@ HUB = "downloads a model from the Hugging Face hub (nothing in the tests comes f
 GPUS = "needs GPUs"
 SUITE = "is the test suite, or one of its files (run by the suite itself)"
 SERVER_8000 = "auto-research rollout-serve --engine builtin --port 8000 &"
+SERVER_8001, SERVER_8002 = (f"auto-research rollout-serve --engine builtin --port {port} &" for port in (8001, 8002))
 PAPER = "SmolLM2 loaded, 200 held-out prompts evaluated, a step of 16 samples"
 TURNS = "SmolLM2 loaded, one step of 32 trajectories of up to 4 turns: 1-4 minutes on one core, 2026-12-06"
 
@@ -150,6 +152,10 @@ PLAN: dict[str, object] = {
     "auto-research rollout-serve --engine vllm --model M --port 8000 &": NotHere(TEMPLATE),
     "auto-research post-train --model M --sampler vllm --rollout-mode server --rollout-server 127.0.0.1:8000 "
     "--max-staleness 2 --in-flight-updates": NotHere(TEMPLATE),
+    SERVER_8001: Serves(),
+    SERVER_8002: Serves(),
+    "auto-research post-train --dataset arithmetic-generate --max-staleness 2 --in-flight-updates --rollout-mode "
+    "server --rollout-server 127.0.0.1:8001,127.0.0.1:8002": FirstStep(needs=(SERVER_8001, SERVER_8002)),
     # benchmarks.md
     "python -m pytest -q tests/test_reproduction.py": NotHere(SUITE),
     "python benchmarks/warm_start.py": FirstStep(until=r"^supervised fine-tuning: \d+/", then=None),
@@ -516,11 +522,11 @@ def run_expecting(text: str, expect, work: Path, environment: dict) -> None:
             running.stop(30)
         assert "Traceback" not in "\n".join(running.lines), running.output()
         return
-    server = None
+    servers = []
     try:
-        if expect.needs:
-            server = Running(expect.needs, work, environment)
-            assert server.wait_for(PLAN[expect.needs].until, PLAN[expect.needs].seconds), server.output()
+        for needed in (expect.needs,) if isinstance(expect.needs, str) else expect.needs or ():
+            servers.append(Running(needed, work, environment))
+            assert servers[-1].wait_for(PLAN[needed].until, PLAN[needed].seconds), servers[-1].output()
         running = Running(text, work, environment)
         reached = running.wait_for(expect.until, expect.seconds)
         if not reached:
@@ -534,7 +540,7 @@ def run_expecting(text: str, expect, work: Path, environment: dict) -> None:
             assert running.seen(expect.then), running.output()
         assert "Traceback" not in "\n".join(running.lines), running.output()
     finally:
-        if server is not None:
+        for server in servers:
             server.stop(30)
 
 
