@@ -21,8 +21,8 @@ from auto_research.engine.distributed import World
 from auto_research.engine.logprobs import token_logprobs
 from auto_research.engine.rollout import Rollout
 from auto_research.errors import UserError
-from auto_research.train.experience import Experience, Scores, teacher_signal
-from auto_research.train.teachers import score_with_teachers
+from auto_research.train.experience import Experience, Scores
+from auto_research.train.signals.teacher import score_with_teachers, teacher_signal
 from auto_research.train.update import estimate_advantages
 from conftest import run_cli
 
@@ -61,7 +61,7 @@ TEACHER = torch.tensor([1.5, -1.0, 0.1])
 
 def _taught_gradient(draw, baseline: str = "none", penalty: float | None = None) -> torch.Tensor:
     """∇θ of the opd record's loss on one group of one-token completions ``draw`` of the student (logits THETA), by
-    the code under test: the teacher's d (experience.teacher_signal, through the log-prob function the trainer
+    the code under test: the teacher's d (signals.teacher.teacher_signal, through the log-prob function the trainer
     calls), its baseline and the record's advantage (update.estimate_advantages, estimators.dense_term), the
     record's policy loss; averaged over the group. ``penalty``: that one value in place of every token's d."""
     K = len(draw)
@@ -75,7 +75,7 @@ def _taught_gradient(draw, baseline: str = "none", penalty: float | None = None)
     logprobs = token_logprobs(student, rollout.sequences, rollout.prompt_mask, rollout.completion_mask)
     old, zero = logprobs.detach(), torch.zeros(K, 1)
     taught = score_with_teachers(c, {"teacher": _Toy(TEACHER)}, rollout, [None] * K)
-    scores = Scores(torch.zeros(K), torch.ones(K, dtype=torch.bool), teacher=taught.logprobs)
+    scores = Scores(torch.zeros(K), torch.ones(K, dtype=torch.bool), streams={"teacher": taught.values})
     d = teacher_signal(c, c, rollout, scores, old, None) if penalty is None else torch.full((K, 1), penalty)
     experience = Experience(rollout, scores, old, zero, {"task": zero, "kl": zero, "teacher": d})
     advantages = estimate_advantages(c, experience).advantages
@@ -132,8 +132,8 @@ def test_a_teacher_that_is_the_current_policy_changes_no_bit_of_the_gradient():
     plain = _Fixed(config, policy, reference, tokenizer, rollout, golden["rewards"]).gradient()
     taught = GenerationConfig(**{**config.to_json(), "teacher_model": "itself", "kl_in": "reward"}).filled()
     fixed = _Fixed(taught.validate(), policy, reference, tokenizer, rollout, golden["rewards"])
-    teach = lambda teacher: replace(fixed.scores, teacher=score_with_teachers(  # noqa: E731
-        fixed.run, {"teacher": teacher}, rollout, [None] * 3).logprobs)
+    teach = lambda teacher: replace(fixed.scores, streams={"teacher": score_with_teachers(  # noqa: E731
+        fixed.run, {"teacher": teacher}, rollout, [None] * 3).values})
     fixed.scores = teach(policy)
     grads = fixed.gradient()
     assert all(torch.equal(grads[name], plain[name]) for name in plain)
@@ -285,15 +285,16 @@ def test_a_reference_model_with_lora_is_refused_before_torch(tiny_model_dir, sum
 
 
 def test_the_teachers_figures_by_hand():
-    from auto_research.train.metrics import teacher_figures
+    from auto_research.train.metrics import outside_figures
 
     def figures(d, advantages=None, scored=(True,) * 4, tokens=None):
         d, mask, scored = torch.tensor(d), torch.ones(4, 2), torch.tensor(scored)
         centred = dense_term(d, mask, 2, "loo", scored)
         experience = SimpleNamespace(mask=mask, streams={"teacher": d * scored.unsqueeze(1)},
-                                     scores=SimpleNamespace(scored=scored, teacher_tokens=tokens or {}))
+                                     scores=SimpleNamespace(scored=scored, counts={
+                                         f"teacher/{name}/tokens": count for name, count in (tokens or {}).items()}))
         given = SimpleNamespace(centred=centred, advantages=centred if advantages is None else advantages)
-        return teacher_figures(SimpleNamespace(config=GenerationConfig(distill_weight=1.0), world=World()),
+        return outside_figures(SimpleNamespace(config=GenerationConfig(distill_weight=1.0), world=World()),
                                experience, given)
 
     # Two groups of K = 2 whose d is a prompt-level offset (−2 and 0): the LOO baseline takes all of it. d's mean is

@@ -68,7 +68,7 @@ def _rows(rollout):
 
 
 def _local(model, rollout, group_size):
-    """The trainer's teacher log-probs (``experience.teacher_signal``: ``token_logprobs`` at temperature 1, no
+    """The trainer's teacher log-probs (``signals.teacher.teacher_signal``: ``token_logprobs`` at temperature 1, no
     gradient) of each row's completion tokens."""
     with torch.no_grad():
         values = token_logprobs(model, rollout.sequences, rollout.prompt_mask, rollout.completion_mask, 1.0,
@@ -426,7 +426,7 @@ def test_a_run_in_flight_with_a_served_teacher_resumes_after_sigkill_to_the_same
             _Gated.released.set()
         (checkpoint,) = sorted((tmp_path / "killed" / run.name / "checkpoints").glob("step-*"))[-1:]
         saved = load_file(str(checkpoint / "in_flight.safetensors"))
-        assert any(key.endswith("/teacher_logprobs") for key in saved), sorted(saved)
+        assert any(key.endswith("/outside/teacher") for key in saved), sorted(saved)
         assert len((tmp_path / "killed" / run.name / "metrics.jsonl").read_text().splitlines()) < 5  # killed mid-run
         _Gated.calls = 0
         resumed = subprocess.run([sys.executable, "-m", "auto_research", *args("killed"), "--resume"], env=env,

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.utils.checkpoint
 
-from auto_research.algorithms.registry import Algorithm, get_algorithm, kl_in_loss, kl_shapes_reward
+from auto_research.algorithms.registry import Algorithm, get_algorithm
 from auto_research.config.generation import GenerationConfig
 from auto_research.config.loss import LossSection, served
 from auto_research.config.sampling import OptimisationSection, SamplingSection
@@ -32,11 +32,11 @@ from auto_research.engine.packaged import cache_dir
 from auto_research.engine.models import (context_length, format_prompt, load_critic, load_policy, load_tokenizer,
                                          resolve_device, resolve_dtype)
 from auto_research.engine.rollout import Sampler, SamplingSettings
-from auto_research.engine.rollout.teacher import ServedTeacher
 from auto_research.engine.samplers import SamplerNeeds, SamplerRecord, sampler_record
 from auto_research.errors import UserError
 from auto_research.rewards.combine import CombinedReward, build_reward
 from auto_research.train.prepare import Prepared
+from auto_research.train.signals import OUTSIDE, Loading
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,8 @@ class Drawing:
     episodes: object | None = None
     """Multi-turn trajectories with --environment/--tools (envs.rollout.EpisodeRunner), or --rollout-function's
     (envs.custom.FunctionRunner), else None."""
-    teachers: dict = field(default_factory=dict)
-    """--teacher-model's teachers by name, each a model frozen in the compute dtype or the client of the server that
-    scores for it (``teachers.py`` scores each batch with them); empty without one."""
+    outside: dict = field(default_factory=dict)
+    """Stream name → what its signal from outside scores with (``signals``: --teacher-model's teachers by name)."""
 
 
 def autocast_for(device: str, compute_dtype: torch.dtype):
@@ -233,7 +232,9 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
         record.check_model(getattr(policy, "get_base_model", lambda: policy)().config, device, model_name)
     recompute(policy, config.optimisation)
     policy, reference = _reference(config.loss, config.lora, offline, task, policy, model_name, device, compute_dtype)
-    teachers = _teachers(config.loss, offline, device, compute_dtype, world, tokenizer, log)
+    loading = Loading(offline, device, compute_dtype, world, tokenizer, log)
+    outside = {name: held for name, signal in OUTSIDE.items()
+               if (held := signal.build(getattr(config, signal.section), loading))}
     rewards = config.rewards
     critic = (_load_critic(config.critic.critic_model, rewards.reward_model, config.optimisation, offline, model_name,
                            device, len(tokenizer)) if algorithm.needs_critic else None)
@@ -259,7 +260,7 @@ def build_components(prepared: Prepared, model_name: str, world: World, log=prin
     return (RunContext(config, world, device, compute_dtype, algorithm, task, tokenizer, model_name, record,
                        prepared.python_rewards),
             Models(policy, train_policy, optimizer, reference, critic, train_critic, critic_optimizer, offloaded),
-            Drawing(sampler, reward, prepared.judge, train_prompts, eval_prompts, episodes, teachers))
+            Drawing(sampler, reward, prepared.judge, train_prompts, eval_prompts, episodes, outside))
 
 
 def _start(policy: PolicySection, seed: int, world: World) -> tuple[str, torch.dtype]:
@@ -302,24 +303,6 @@ def _check_tokenizers(loss: LossSection, offline: bool, model_name: str, log) ->
                     f"{len(theirs)} tokens, the policy's {len(ours)}" if len(theirs) != len(ours) else
                     f"{differ[0]!r} is id {theirs[differ[0]]} there, {ours[differ[0]]} in the policy's")
                                 + "; it must score the policy's own token ids")
-
-
-def _teachers(loss: LossSection, offline: bool, device: str, compute_dtype, world: World, tokenizer, log) -> dict:
-    """--teacher-model's teachers by name: each frozen in the compute dtype and wrapped for several processes as the
-    reference is (its tokenizer is the policy's: ``_check_tokenizers``), or, http://HOST:PORT, the client of the
-    rollout server that scores for it (``teacher.ServedTeacher``, which checks the server's vocabulary)."""
-    teachers = {}
-    if loss.teachers and not (kl_shapes_reward(loss.kl_in) or kl_in_loss(loss.kl_in)):
-        log(f"--teacher-model {', '.join(loss.teachers.values())}: the reference KL is off (--kl-in none; --kl-in "
-            "reward or loss puts it back), the teacher's term takes its place")
-    for name, source in loss.teachers.items():
-        if served(source):
-            teachers[name] = ServedTeacher(source, tokenizer)
-            continue
-        teachers[name] = load_policy(source, device, compute_dtype, offline,
-                                     flag="--teacher-model")[0].eval().requires_grad_(False)
-        world.wrap(teachers[name], trains=False)
-    return teachers
 
 
 def _load_critic(critic_model: str | None, reward_model: str | None, optimisation: OptimisationSection,
@@ -422,6 +405,6 @@ def parameter_counts(models: Models, drawing: Drawing, lora_r: int) -> dict:
     reference = None if lora_r else models.reference
     held = {"policy": count(models.policy), "critic": count(models.critic), "reference": count(reference),
             "reward_model": count(reward_model.model if reward_model is not None else None),
-            **{("teacher" if name == "teacher" else f"teacher/{name}"): count(teacher)
-               for name, teacher in drawing.teachers.items() if isinstance(teacher, torch.nn.Module)}}
+            **{label: count(model) for name, held in drawing.outside.items()
+               for label, model in OUTSIDE[name].held(held).items()}}
     return {**held, "trainable": trainable(models.policy) + trainable(models.critic), "total": sum(held.values())}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from auto_research.engine.rollout import Rollout
 from auto_research.rewards.combine import Scored
 from auto_research.train.rollouts import Drawn, RolloutSource, batch_of
-from auto_research.train.teachers import TeacherScores
+from auto_research.train.signals import RowScores
 
 
 _TENSORS = ("sequences", "prompt_mask", "completion_mask", "sampler_logprobs", "sampler_entropy", "policy_versions",
@@ -23,8 +23,8 @@ def to_files(batches: list[Drawn]) -> tuple[dict, list]:
                 tensors[f"{index}/{name}"] = value.detach().clone().contiguous()
         if drawn.reference_logprobs is not None:
             tensors[f"{index}/reference_logprobs"] = drawn.reference_logprobs.detach().clone().contiguous()
-        if drawn.teacher is not None:  # the teachers' scores: a resumed run asks no teacher again
-            tensors[f"{index}/teacher_logprobs"] = drawn.teacher.logprobs.detach().clone().contiguous()
+        for name, outside in drawn.outside.items():  # a resumed run asks no teacher (nothing outside) again
+            tensors[f"{index}/outside/{name}"] = outside.values.detach().clone().contiguous()
         plain.append({"step": drawn.step, "indices": drawn.batch.indices, "seeds": drawn.batch.seeds,
                       "completions": drawn.rollout.completions, "group_size": drawn.rollout.group_size,
                       "trained_distribution": drawn.rollout.trained_distribution, "rewards": drawn.rewards,
@@ -33,8 +33,8 @@ def to_files(batches: list[Drawn]) -> tuple[dict, list]:
                       "greedy_rewards": drawn.greedy_rewards, "failure": drawn.failure,
                       "numpy_after": drawn.numpy_after, "seconds": drawn.seconds, "counts": drawn.counts,
                       "episodes": drawn.rollout.episodes,
-                      "teacher": None if drawn.teacher is None else {"failures": drawn.teacher.failures,
-                                                                     "tokens": drawn.teacher.tokens}})
+                      "outside": {name: {"failures": outside.failures, "counts": outside.counts}
+                                  for name, outside in drawn.outside.items()}})
     return tensors, plain
 
 
@@ -51,7 +51,6 @@ def from_files(source: RolloutSource, tensors: dict, plain: list) -> list[Drawn]
         batches.append(Drawn(saved["step"], batch_of(source, saved["indices"], saved["seeds"]), rollout,
                              rewards, saved["greedy_rewards"], saved["failure"], saved["numpy_after"],
                              saved["seconds"], tensors.get(f"{index}/reference_logprobs"), saved.get("counts"),
-                             None if saved.get("teacher") is None else TeacherScores(
-                                 tensors[f"{index}/teacher_logprobs"], saved["teacher"]["failures"],
-                                 saved["teacher"]["tokens"])))
+                             {name: RowScores(tensors[f"{index}/outside/{name}"], kept["failures"], kept["counts"])
+                              for name, kept in saved.get("outside", {}).items()}))
     return batches

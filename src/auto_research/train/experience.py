@@ -55,17 +55,16 @@ class Scores:
     """{why a completion is unscored: how many}, over every rank (a plain None is not listed)."""
     functions: dict = field(default_factory=dict)
     """Each reward function's ``reward/<name>`` (the mean) and ``reward/<name>.std`` (``rollouts.function_figures``)."""
-    teacher: torch.Tensor | None = None
-    """(B, T) the teachers' log-probs of the completion tokens (``teachers.py``; 0 on an unscored row), or None."""
-    teacher_tokens: dict = field(default_factory=dict)
-    """{teacher: completion tokens it scored}, over every rank."""
+    streams: dict = field(default_factory=dict)
+    """Stream name → (B, T) its values from outside (``signals``: a teacher's log-probs; 0 on an unscored row)."""
+    counts: dict = field(default_factory=dict)
+    """Their counts for the step's row ({metric name: count}), over every rank."""
 
     def to(self, device) -> "Scores":
         """The per-completion tensors on ``device`` (the rewards are computed on the CPU)."""
         greedy = None if self.greedy_rewards is None else self.greedy_rewards.to(device)
-        teacher = None if self.teacher is None else self.teacher.to(device)
         return replace(self, rewards=self.rewards.to(device), scored=self.scored.to(device), greedy_rewards=greedy,
-                       teacher=teacher)
+                       streams={name: values.to(device) for name, values in self.streams.items()})
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,7 @@ def build_experience(run: RunContext, models: Models, rollout: Rollout, scores: 
     else:
         old_logprobs, entropy = no_grad_forward(run, models.policy, rollout, token_logprobs, temperature=temperature,
                                                 with_entropy=True)
-    streams = {name: stream for name, source in SIGNAL_SOURCES.items()
+    streams = {name: stream for name, source in signal_sources().items()
                if (stream := source(run, models, rollout, scores, old_logprobs, reference_logprobs)) is not None}
     values = no_grad_forward(run, critic, rollout, completion_values) * mask if critic is not None else None
     weights = drift = None
@@ -183,17 +182,16 @@ def reference_kl(run, models, rollout: Rollout, scores: Scores, old_logprobs, re
     return kl_per_token(old_logprobs, reference_logprobs, run.config.loss.kl_estimator) * rollout.trained_mask.float()
 
 
-def teacher_signal(run: RunContext, models: Models, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs):
-    """d_t = log π_T(y_t) − log π_old(y_t) at each sampled token of a row its teacher scored (no gradient; the
-    teachers' log-probs came with the batch, ``teachers.py``); None without --teacher-model."""
-    if scores.teacher is None:
-        return None
-    return (scores.teacher - old_logprobs) * rollout.trained_mask.float() * scores.scored.float().unsqueeze(1)
-
-
-SIGNAL_SOURCES: dict[str, Callable] = {"task": task_reward, "kl": reference_kl, "teacher": teacher_signal}
+SIGNAL_SOURCES: dict[str, Callable] = {"task": task_reward, "kl": reference_kl}
 """A stream's name → its source: (the run's context, its models, rollout, scores, log π_old, log π_ref or None) → the
 (B, T) stream, or None where the run has none. A source reads its settings from the run's sections (the loss's)."""
+
+
+def signal_sources() -> dict[str, Callable]:
+    """``SIGNAL_SOURCES`` and those of the signals from outside (``signals.OUTSIDE``: a teacher's)."""
+    from auto_research.train.signals import OUTSIDE  # noqa: PLC0415 - its modules read this one
+
+    return {**SIGNAL_SOURCES, **{name: outside.signal for name, outside in OUTSIDE.items()}}
 
 
 def corrected(engine, max_staleness: int) -> bool:

@@ -61,34 +61,21 @@ def step_metrics(run: RunContext, optimizer, step: int, experience: Experience, 
         "unscored_samples": int((~scored).sum()),
         "invalid_rewards": scores.invalid,
         **critic,
-        **teacher_figures(run, experience, advantages),
+        **outside_figures(run, experience, advantages),
         "learning_rate": optimizer.param_groups[0]["lr"],
         "tokens_per_second": generated / elapsed,
         "step_seconds": elapsed,
     }
 
 
-def teacher_figures(run: RunContext, experience: Experience, advantages: Advantages) -> dict:
-    """A teacher's figures over every rank's tokens (``{}`` without one; docs/distillation.md): its reverse KL per
-    token (the mean of −d), the dense term's share of the advantage (Σ|λ(d − b)| / Σ|Â|), how much the baseline
-    lowers the per-token variance (1 − var(d − b) / var(d)) and mean square (1 − E[(d − b)²] / E[d²]: a constant
-    offset, which var ignores, adds to the gradient's noise), over the rows a teacher scored, and the tokens scored
-    (``teacher/<name>/tokens`` each, with several teachers)."""
-    if advantages.centred is None:
-        return {}
-    scores, d, centred = experience.scores, experience.streams["teacher"], advantages.centred
-    mask = experience.mask * scores.scored.float().unsqueeze(1)
-    dense = (run.config.loss.distill_weight * centred).abs().sum()
-    sums = run.world.total(torch.stack([mask.sum(), d.sum(), d.square().sum(), centred.sum(), centred.square().sum(),
-                                      dense, (advantages.advantages * mask).abs().sum()]).double())
-    tokens, d_sum, d_squares, c_sum, c_squares, dense, total = sums.tolist()
-    variance = lambda summed, squares: squares / max(tokens, 1.0) - (summed / max(tokens, 1.0)) ** 2  # noqa: E731
-    return {"teacher_reverse_kl": -d_sum / max(tokens, 1.0), "distill_share": dense / total if total else 0.0,
-            "distill_variance_reduction": 1.0 - variance(c_sum, c_squares) / max(variance(d_sum, d_squares), 1e-30),
-            "distill_square_reduction": 1.0 - c_squares / max(d_squares, 1e-30),
-            "teacher_tokens": int(tokens),
-            **({f"teacher/{name}/tokens": count for name, count in scores.teacher_tokens.items()}
-               if len(scores.teacher_tokens) > 1 else {})}
+def outside_figures(run: RunContext, experience: Experience, advantages: Advantages) -> dict:
+    """The figures of the signals from outside (``signals``: a teacher's), and their counts."""
+    from auto_research.train.signals import OUTSIDE  # noqa: PLC0415
+
+    figures = {}
+    for outside in OUTSIDE.values():
+        figures.update(outside.figures(run, experience, advantages))
+    return {**figures, **experience.scores.counts}
 
 
 def drift_figures(run: RunContext, experience: Experience) -> dict:

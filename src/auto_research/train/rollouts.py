@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -31,7 +31,6 @@ from auto_research.errors import RewardError
 from auto_research.rewards.combine import Scored, checked, invalid_count, reward_problem
 from auto_research.train.dynamic import REFILL_SEED_OFFSET, fill, has_signal, refill_index
 from auto_research.train.experience import Batch, Scores
-from auto_research.train.teachers import TeacherScores
 
 
 def drawing_version(step: int, max_staleness: int) -> int:
@@ -63,8 +62,8 @@ class RolloutSource:
     pad_token_id: int = 0
     episodes: object | None = None
     """Multi-turn trajectories (envs.rollout.EpisodeRunner over this source's sampler), or None: one completion."""
-    teacher: Callable[[Rollout, list], TeacherScores] | None = None
-    """The teachers' log-probs of a sampled batch given its rows (``teachers.score_with_teachers``), or None."""
+    scorers: dict = field(default_factory=dict)
+    """Stream name → (rollout, its rows' examples) → ``RowScores``: what asks outside once a batch (``signals``)."""
 
 
 @dataclass(frozen=True)
@@ -89,8 +88,8 @@ class Drawn:
     counts: dict | None = None
     """This rank's groups sampled, those without signal among them, refills and those trained without signal
     (dynamic sampling; ``signal_counts`` without it)."""
-    teacher: TeacherScores | None = None
-    """The teachers' log-probs of the batch (``RolloutSource.teacher``), or None."""
+    outside: dict = field(default_factory=dict)
+    """Stream name → the batch's ``RowScores`` (``RolloutSource.scorers``)."""
 
 
 def draw_batch(source: RolloutSource, rng: np.random.Generator, step: int) -> Batch:
@@ -142,10 +141,10 @@ def finish(source: RolloutSource, step: int, version: int, batch: Batch, rollout
         reference = None
     elif reference is None:
         reference = source.reference(rollout)
-    teacher = source.teacher(rollout, batch.examples) if source.teacher is not None else None  # (every rank: FSDP)
+    outside = {name: scorer(rollout, batch.examples) for name, scorer in source.scorers.items()}  # (every rank)
     seconds = {**seconds, "score": time.perf_counter() - sampled}
     return Drawn(step, batch, rollout, rewards, greedy_rewards, failure, numpy_after, seconds, reference, counts,
-                 teacher)
+                 outside)
 
 
 def sample_batch(source: RolloutSource, batch: Batch) -> Rollout:
@@ -228,12 +227,12 @@ def agreed_scores(world, drawn: Drawn, step: int, group_size: int) -> Scores:
     says why (each cause and how many it struck). With the rewards, every reward function's own mean and
     standard deviation (``function_figures``) and the invalid values' count."""
     world.agree(RewardError(drawn.failure) if drawn.failure is not None else None, RewardError)
-    values, teacher = drawn.rewards, drawn.teacher
+    values = drawn.rewards
     scored = torch.tensor([value is not None for value in values])
     here = list(getattr(values, "causes", None) or [None] * len(values))
-    if teacher is not None:  # a row its teacher could not score is unscored too, with the teacher's cause
-        here = [cause if not ok else failure for cause, ok, failure in zip(here, scored.tolist(), teacher.failures)]
-        scored = scored & teacher.scored
+    for outside in drawn.outside.values():  # a row a stream from outside could not score is unscored, with its cause
+        here = [cause if not ok else failure for cause, ok, failure in zip(here, scored.tolist(), outside.failures)]
+        scored = scored & outside.scored
     rewards = torch.tensor([0.0 if value is None else value for value in values])
     unscored, total, invalid = (int(x) for x in world.total(torch.tensor(
         [int((~scored).sum()), len(values), invalid_count(values)])))
@@ -250,11 +249,12 @@ def agreed_scores(world, drawn: Drawn, step: int, group_size: int) -> Scores:
     if drawn.greedy_rewards is not None:
         greedy_rewards = torch.tensor([0.0 if v is None else v for v in drawn.greedy_rewards]).repeat_interleave(
             group_size)
-    tokens = {} if teacher is None else dict(zip(teacher.tokens, (int(x) for x in world.total(
-        torch.tensor(list(teacher.tokens.values()))))))
+    counts = {name: count for outside in drawn.outside.values() for name, count in outside.counts.items()}
+    if counts:  # (the same names on every rank: the same signals)
+        counts = dict(zip(counts, (int(x) for x in world.total(torch.tensor(list(counts.values()))))))
     return Scores(rewards, scored, greedy_rewards, unscored, total, invalid, causes,
-                  function_figures(world, getattr(values, "parts", {})), None if teacher is None else teacher.logprobs,
-                  tokens)
+                  function_figures(world, getattr(values, "parts", {})),
+                  {name: outside.values for name, outside in drawn.outside.items()}, counts)
 
 
 def unscored_reasons(causes: dict, unscored: int, total: int, noun: str) -> str:

@@ -30,7 +30,7 @@ from auto_research.train.in_flight import InFlight, StreamedInFlight
 from auto_research.train.rollouts import Drawn, RolloutSource
 from auto_research.train.sides import RolloutSide, Schedule, Synchronous
 from auto_research.train.state import LoopState
-from auto_research.train.teachers import score_with_teachers
+from auto_research.train.signals import OUTSIDE
 
 
 class Layout(NamedTuple):
@@ -178,15 +178,16 @@ def rollout_source(run: RunContext, drawing: Drawing, sampler, model, context, r
         def reference_logprobs(rollout):
             with reference() as held:
                 return no_grad_forward(run, held, rollout, token_logprobs, temperature=sampling.temperature)
-    teachers = drawing.teachers and (lambda rollout, examples: score_with_teachers(run, drawing.teachers, rollout,
-                                                                                  examples))
+    scorers = {name: (lambda rollout, examples, held=held, score=OUTSIDE[name].score: score(run, held, rollout,
+                                                                                          examples))
+               for name, held in drawing.outside.items()}
     return RolloutSource(drawing.train_prompts, run.task.train, run.config.run.seed, sampling.prompts_per_step,
                          sampling.group_size, lambda picks: world.share(picks, run.config.loss.ppo_mini_batches),
                          sampler, drawing.reward, greedy,
                          reference_logprobs, sampling.max_refills if sampling.dynamic_sampling else None,
                          run.tokenizer.pad_token_id or 0,
                          None if episodes is None else dataclasses.replace(episodes, generate=sampler.generate_ids),
-                         teachers or None)
+                         scorers)
 
 
 SIDES: dict[Layout, Callable[[Opening], RolloutSide]] = {
