@@ -434,8 +434,8 @@ def test_in_flight_updates_against_a_server_that_cannot_decode_partial_rollouts_
                  "--output-dir", str(tmp_path), "--no-progress"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1] == (f"auto-research: error: --in-flight-updates: the rollout server at {address} cannot decode "
-                         "partial rollouts (it needs one rollout server, auto-research rollout-serve --engine builtin "
-                         "or vllm, of this version or later, without --enable-lora)")
+                         "partial rollouts (it needs auto-research rollout-serve --engine builtin or vllm, of this "
+                         "version or later, without --enable-lora)")
     assert not lease_held(address)  # the run gave the lease back
 
 

@@ -310,7 +310,7 @@ def test_in_flight_updates_refusals_are_one_line(tiny_model_dir, sums_jsonl, tmp
         "--in-flight-updates with --dynamic-sampling is not built")
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it, checked before any process group starts
     assert error("--in-flight-updates", "--max-staleness", "1").startswith(
-        "--in-flight-updates under torchrun needs one rollout server (--rollout-mode server)")
+        "--in-flight-updates under torchrun needs rollout servers (--rollout-mode server)")
     assert not tmp_path.joinpath("rloo-sums-seed42").exists()
 
 

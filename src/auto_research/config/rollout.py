@@ -146,7 +146,7 @@ class RolloutSection:
                             f"rollout-serve --engine {self.sampler}): its colocated engine is not wired to partial "
                             "rollouts (docs/async.md)")
         if environment_world_size() > 1 and self.rollout_mode != "server":
-            raise UserError("--in-flight-updates under torchrun needs one rollout server (--rollout-mode server): in "
+            raise UserError("--in-flight-updates under torchrun needs rollout servers (--rollout-mode server): in "
                             "the trainers' own processes each rank's continuous batch would finish its groups in its "
                             "own order, so the run's rows would depend on how many processes ran it")
         if algorithm.needs_greedy:
