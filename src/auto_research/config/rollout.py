@@ -64,13 +64,13 @@ class RolloutSection:
                                     "trains (step s is drawn by weights version max(0, s − 1 − K)); 0 = sample, then "
                                     "train (docs/async.md)", "sampling", type=int)
     in_flight_updates: bool = setting(False, "with --max-staleness K >= 1, the builtin sampler (in this process, a "
-                                              "rollout process or one rollout server) or one vLLM rollout server "
-                                              "decodes a continuous "
-                                              "batch and takes new weights between two decode steps: a group not "
-                                              "finished when its step is due goes on under the next weights (partial "
-                                              "rollouts), each token keeps the version that drew it and is corrected "
-                                              "against it; a token older than K versions sends its group back to be "
-                                              "drawn again (docs/async.md)", "sampling", action="store_true")
+                                              "rollout process or rollout servers) or vLLM rollout servers decode "
+                                              "a continuous batch and take new weights between two decode steps: a "
+                                              "group not finished when its step is due goes on under the next "
+                                              "weights (partial rollouts), each token keeps the version that drew "
+                                              "it and is corrected against it; a token older than K versions sends "
+                                              "its group back to be drawn again (docs/async.md)", "sampling",
+                                      action="store_true")
     in_flight_pool: float = setting(1.0, "with --in-flight-updates, decode F times the step's groups at once (1 to 4; "
                                          "1: the batch's rows): each step takes the groups that finish first, so "
                                          "the rows a long completion holds are not the batch's, at the cost of a "
