@@ -120,7 +120,7 @@ def add_trl_flags(parser: argparse.ArgumentParser) -> None:
                      if spelling not in taken]
         if not spellings:
             continue
-        kind = trl.MAPPED[name].kind if name in trl.MAPPED else "any"
+        kind = trl.kind_of(name)
         nargs = "+" if kind in ("floats", "texts") else "?" if kind == "bool" else None
         shown = f"TRL's {name}: {trl.MAPPED[name].ours}" if name in trl.MAPPED else argparse.SUPPRESS
         options = {"nargs": nargs, "const": "true"} if nargs == "?" else {"nargs": nargs} if nargs else {}
