@@ -1,15 +1,6 @@
-"""A reward served elsewhere (``--reward-url http://HOST:PORT/PATH``): a sandbox that runs code, a reward
-model on another machine (OpenRLHF's remote reward URL, verl's sandbox).
-
-One JSON POST per batch of completions::
-
-    {"prompts": [...], "completions": [...], "columns": {"answer": [...], ...}}
-
-answered by a JSON list of one number or null per completion (or ``{"rewards": [...]}``). A request that
-times out, is refused, is dropped or gets a 5xx answer is retried with exponential backoff; one that keeps
-failing, a 4xx, or a malformed answer is a ``RewardError`` (one line; the run keeps its last good
-checkpoint and exits with status 2). A batch larger than ``batch_size`` completions is sent as several
-requests, at most ``concurrency`` in flight at once.
+"""A reward served elsewhere (``--reward-url http://HOST:PORT/PATH``; the protocol: docs/generation-level.md).
+One JSON POST per ``batch_size`` completions, at most ``concurrency`` in flight, retried with backoff; one that
+keeps failing, a 4xx, or a malformed answer is a ``RewardError``.
 """
 
 from __future__ import annotations
