@@ -28,10 +28,6 @@ ARITHMETIC_EVALUATION = 500
 ARITHMETIC_DEMONSTRATIONS = 350
 
 
-def arithmetic_prompt(a: int, b: int) -> str:
-    return f"{a}+{b}="
-
-
 def arithmetic_answer(a: int, b: int) -> str:
     """The sum written least-significant digit first, as column addition produces it: a left-to-right model then
     writes each digit from two input digits and a carry, which a tiny model can learn."""
@@ -44,7 +40,7 @@ def arithmetic_task() -> Task:
     pairs = np.array([(a, b) for a in range(100) for b in range(100)])
     np.random.default_rng(ARITHMETIC_SPLIT_SEED).shuffle(pairs)
     examples = [
-        Example(arithmetic_prompt(a, b), arithmetic_answer(a, b), arithmetic_answer(a, b), {"a": int(a), "b": int(b)})
+        Example(f"{a}+{b}=", arithmetic_answer(a, b), arithmetic_answer(a, b), {"a": int(a), "b": int(b)})
         for a, b in pairs.tolist()
     ]
     held_out = examples[:ARITHMETIC_EVALUATION]
@@ -70,10 +66,6 @@ def preference_task(name: str = "preference-generate") -> Task:
 CALCULATOR_ANNOTATION = re.compile(r"<<[^>]*>>")
 
 
-def gsm8k_prompt(question: str) -> str:
-    return f"Question: {question.strip()}\nAnswer:"
-
-
 def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int | None, evaluation_examples: int | None) -> Task:
     directory = ensure_gsm8k(dataset_dir, offline)
 
@@ -86,7 +78,8 @@ def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int | None, evaluat
             gold = str(int(row.gold)) if row.gold.is_integer() else repr(row.gold)
             # The official solutions end with "#### <number>"; calculator annotations are dropped.
             solution = " " + CALCULATOR_ANNOTATION.sub("", row.answer).strip()
-            out.append(Example(gsm8k_prompt(row.question), gold, solution, {"question": row.question, "answer": row.answer}))
+            out.append(Example(f"Question: {row.question.strip()}\nAnswer:", gold, solution,
+                               {"question": row.question, "answer": row.answer}))
         return out
 
     train = examples(read_gsm8k(directory / "train.jsonl", maximum_examples))

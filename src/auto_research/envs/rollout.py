@@ -177,9 +177,7 @@ def episode_rewards(reward: Callable, prompts: list[str], rollout: Rollout, exam
     scored = reward(prompts, replies, examples, rollout.token_lists()) if scores_replies else [None] * len(replies)
     rewards = []
     for row, value in zip(rollout.episodes, scored):
-        if row["failed"] is not None or (scores_replies and value is None):
-            rewards.append(None)
-        elif row["environment_reward"] is None and value is None:
+        if row["failed"] is not None or (value is None and (scores_replies or row["environment_reward"] is None)):
             rewards.append(None)
         else:
             rewards.append((row["environment_reward"] or 0.0) + (value or 0.0))
