@@ -76,7 +76,6 @@ SUBCOMMANDS = {
     "vllm-serve": Subcommand("the same as rollout-serve (its first name)", _serve,
                              commands.rollout_serve),
 }
-"""The one table of subcommands: each one's help, flags and function."""
 
 
 def build_parser(command: str | None = None) -> Parser:

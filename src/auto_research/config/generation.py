@@ -32,9 +32,7 @@ SECTIONS = {"run": RunSection, "data": DataSection, "policy": PolicySection, "re
             "sampling": SamplingSection, "loss": LossSection, "critic": CriticSection, "rollout": RolloutSection,
             "turns": TurnsSection, "optimisation": OptimisationSection, "lora": LoraSection,
             "logging": LoggingSection}
-"""The sections of a run's settings, by the attribute that holds each (``config.sampling``)."""
-OWNER = {item.name: section for section, cls in SECTIONS.items() for item in fields(cls)}
-"""A flat setting's name → the section that holds it."""
+OWNER = {item.name: section for section, cls in SECTIONS.items() for item in fields(cls)}  # flat name → section
 RENAMED = {"vllm_mode": "rollout_mode", "vllm_server": "rollout_server", "vllm_memory": "rollout_memory"}
 """Settings named after vLLM until the builtin engine could serve too: their old names still set them."""
 

@@ -32,9 +32,7 @@ def gsm8k_dir(dataset_dir: str | os.PathLike) -> Path:
 def parse_gold(answer: str) -> float | None:
     """The number after ``####`` in a GSM8K answer, commas removed; None when absent."""
     match = GOLD_PATTERN.search(answer)
-    if match is None:
-        return None
-    return float(match.group(1).replace(",", ""))
+    return None if match is None else float(match.group(1).replace(",", ""))
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,7 @@ class EnvironmentFactory:
     spec: str = "environment"
     trl: bool = False
     """TRL's shape: made with no argument, tools are its public methods, ``reset(**row)`` appends."""
-    timeout: float = 0.0
-    """--env-timeout: the most seconds making an environment, and each call into it, may take (0: no limit)."""
+    timeout: float = 0.0  # --env-timeout, for making an environment and each call into it (0: no limit)
 
     @classmethod
     def load(cls, spec, sample_row: dict | None = None, timeout: float = 0.0) -> "EnvironmentFactory":

@@ -32,8 +32,7 @@ class RolloutContext:
     seeds: tuple[int, ...]
     """One per row: ``turn_seed(prompt's seed, k, 0)`` for trajectory k of its group (a later turn's:
     ``turn_seed(seed, 0, turn)``). Drawing from these alone makes a trajectory independent of batching."""
-    settings: SamplingSettings
-    """The run's sampling settings (--max-new-tokens bounds each draw, --temperature, --top-p, --top-k)."""
+    settings: SamplingSettings  # the run's: --max-new-tokens bounds each draw
     max_tokens: int
     """The most tokens after the prompt (--max-trajectory-tokens, or its default)."""
     generate: Callable[[list[list[int]], list[int]], tuple[list[list[int]], list[list[float]]]]
@@ -55,8 +54,7 @@ def load_rollout_function(spec) -> tuple[str, Callable]:
 class FunctionRunner(Runner):
     """The run's rollouts from a rollout function, as ``EpisodeRunner``'s from an environment."""
 
-    generate: Generate
-    """``generate(prompt_ids, seeds, settings)``: the run's sampler's ``generate_ids``."""
+    generate: Generate  # the run's sampler's generate_ids
     tokenizer: object
     function: Callable
     name: str

@@ -100,11 +100,8 @@ class EpisodeRunner(Runner):
     pad: int = 0
     scores_replies: bool = True
     """Whether the reward functions score the final reply (else the environment's rewards alone count)."""
-    tool_timeout: float = 0.0
-    """--tool-timeout: the most seconds a tool call may take (0: no limit); --env-timeout is the factory's."""
-
-    concurrency: int = CONCURRENCY
-    """--env-concurrency: calls of different trajectories made at once (under a limit; ``deadline.each``)."""
+    tool_timeout: float = 0.0  # --tool-timeout; --env-timeout is the factory's
+    concurrency: int = CONCURRENCY  # --env-concurrency
     observation_tokens: int | None = None
     """The most tokens of what answers one reply (None: the trajectory's room alone bounds it)."""
 

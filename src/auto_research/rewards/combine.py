@@ -125,9 +125,8 @@ def _keywords(function: Callable) -> set[str] | None:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):
         return None
-    if any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters):
-        return None
-    return {parameter.name for parameter in parameters}
+    takes_any = any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters)
+    return None if takes_any else {parameter.name for parameter in parameters}
 
 
 def _settle(pending: dict[int, object]) -> dict[int, object]:
