@@ -106,12 +106,10 @@ def gold_names() -> dict[str, str]:
 
 register(TaskRecord(
     name="arithmetic-smoke", level="candidate", about="embedded", tag="arithmetic",
-    loader="auto_research.candidate.trainer:arithmetic_data",
-))
+    loader="auto_research.candidate.trainer:arithmetic_data"))
 register(TaskRecord(
     name="gsm8k-candidate", level="candidate", about="GSM8K files", tag="gsm8k",
-    loader="auto_research.candidate.trainer:gsm8k_data",
-))
+    loader="auto_research.candidate.trainer:gsm8k_data"))
 
 # arithmetic-generate's presets were chosen so that its CPU demo learns within minutes (see README, "CPU demo").
 ARITHMETIC_PRESETS = dict(steps=600, learning_rate=3e-4, prompts_per_step=32, temperature=1.5, max_new_tokens=6,
@@ -121,23 +119,19 @@ PREFERENCE_PRESETS = {**ARITHMETIC_PRESETS, "steps": 300, "eval_every": 50}
 
 register(TaskRecord(
     name="arithmetic-generate", level="generation", about="two-number addition, embedded", embedded_model=True,
-    presets=ARITHMETIC_PRESETS, loader="auto_research.data.tasks:load_arithmetic",
-))
+    presets=ARITHMETIC_PRESETS, loader="auto_research.data.tasks:load_arithmetic"))
 register(TaskRecord(
     name="gsm8k-generate", level="generation", about="GSM8K questions, the final number checked",
     presets=dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0, max_new_tokens=256,
                  evaluation_examples=128, warmup_steps=10),
-    loader="auto_research.data.tasks:load_gsm8k",
-))
+    loader="auto_research.data.tasks:load_gsm8k"))
 register(TaskRecord(
     name="preference-generate", level="generation", about="arithmetic prompts, a hidden gold preference",
     embedded_model=True, presets=PREFERENCE_PRESETS, loader="auto_research.data.tasks:load_preference",
     gold="auto_research.rewards.gold:gold_scores", gold_name="length",
-    gold_about="a preference for 4-character answers",
-))
+    gold_about="a preference for 4-character answers"))
 register(TaskRecord(
     name="preference-arithmetic", level="generation", about="arithmetic prompts, the arithmetic partial credit as gold",
     embedded_model=True, presets=PREFERENCE_PRESETS, loader="auto_research.data.tasks:load_preference",
     gold="auto_research.rewards.gold:arithmetic_gold", gold_name="arithmetic",
-    gold_about="the arithmetic partial credit",
-))
+    gold_about="the arithmetic partial credit"))

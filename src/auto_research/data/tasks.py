@@ -39,10 +39,8 @@ def arithmetic_task() -> Task:
     demonstrations a warm start may see, the other 9,150 RL's prompts."""
     pairs = np.array([(a, b) for a in range(100) for b in range(100)])
     np.random.default_rng(ARITHMETIC_SPLIT_SEED).shuffle(pairs)
-    examples = [
-        Example(f"{a}+{b}=", arithmetic_answer(a, b), arithmetic_answer(a, b), {"a": int(a), "b": int(b)})
-        for a, b in pairs.tolist()
-    ]
+    examples = [Example(f"{a}+{b}=", arithmetic_answer(a, b), arithmetic_answer(a, b), {"a": int(a), "b": int(b)})
+                for a, b in pairs.tolist()]
     held_out = examples[:ARITHMETIC_EVALUATION]
     demonstrations = examples[ARITHMETIC_EVALUATION : ARITHMETIC_EVALUATION + ARITHMETIC_DEMONSTRATIONS]
     train = examples[ARITHMETIC_EVALUATION + ARITHMETIC_DEMONSTRATIONS :]
