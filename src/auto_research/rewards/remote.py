@@ -13,17 +13,13 @@ from auto_research.errors import RewardError, UserError
 from auto_research.http import RequestFailed, request
 
 
-def check_url(url: str) -> str:
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise UserError(f"--reward-url {url!r}: expected http://HOST:PORT/PATH")
-    return url
-
-
 class RemoteReward:
     def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5,
                  concurrency: int = 4, batch_size: int = 256):
-        self.url, self.timeout, self.retries, self.backoff = check_url(url), timeout, retries, backoff
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise UserError(f"--reward-url {url!r}: expected http://HOST:PORT/PATH")
+        self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
         self.concurrency, self.batch_size = concurrency, batch_size
 
     def __call__(self, prompts, completions, examples) -> list[float | None]:
