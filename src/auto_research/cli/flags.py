@@ -41,21 +41,12 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser
             for subparser in action.choices.values()]
 
 
-def _default_of(item):
-    if item.default is not MISSING:
-        return item.default
-    if item.default_factory is not MISSING:
-        value = item.default_factory()
-        return value if not isinstance(value, list) or value else None
-    return None
-
-
 def _describe(item) -> str | None:
-    text = item.metadata.get("default_text")
-    if text:
-        return text
-    default = _default_of(item)
-    return None if default is None or isinstance(default, bool) else str(default)
+    """What --help says of a field's default: its ``default_text``, else the default (none: None, a switch's, [])."""
+    if item.metadata.get("default_text"):
+        return item.metadata["default_text"]
+    default = item.default_factory() if item.default_factory is not MISSING else item.default
+    return None if default is MISSING or default is None or default == [] or isinstance(default, bool) else str(default)
 
 
 def flagged_fields(cls, exclude=()) -> list:
