@@ -1,8 +1,5 @@
-"""The ``auto-research`` command line: parse, build a config, call a recipe, print.
-
-No training logic lives here, and nothing heavy is imported at module level, so that
-``auto-research --help`` stays fast and candidate-level runs never import torch or transformers.
-Every flag is made from a config dataclass (cli/flags.py).
+"""The ``auto-research`` command line: parse, build a config, call a recipe, print. Nothing heavy is imported at
+module level, so ``--help`` stays fast and candidate-level runs never import torch or transformers.
 """
 
 from __future__ import annotations
@@ -58,10 +55,8 @@ def _serve(parser) -> None:
 
 class Subcommand(NamedTuple):
     help: str
-    flags: Callable
-    """Adds the command's flags to its parser."""
-    run: Callable
-    """The parsed arguments → the exit status (cli/commands.py)."""
+    flags: Callable  # adds the command's flags to its parser
+    run: Callable  # the parsed arguments → the exit status (cli/commands.py)
 
 
 SUBCOMMANDS = {
@@ -81,7 +76,6 @@ SUBCOMMANDS = {
     "vllm-serve": Subcommand("the same as rollout-serve (its first name)", _serve,
                              commands.rollout_serve),
 }
-"""The one table of subcommands: each one's help, flags and function."""
 
 
 def build_parser(command: str | None = None) -> Parser:

@@ -1,8 +1,7 @@
-"""Each subcommand: its flags (and ``--config``) into a config, the recipe called, the outcome printed (the table of
-subcommands, with their help and flags, is ``cli.SUBCOMMANDS``).
+"""Each subcommand: its flags (and ``--config``) into a config, the recipe called, the outcome printed.
 
-Recipes (and what one command alone needs) are imported inside each command, after its settings are
-checked: they import NumPy, torch or matplotlib, which ``--help`` and a mistyped flag must not wait for.
+Recipes are imported inside each command, after its settings are checked: they import NumPy, torch or
+matplotlib, which ``--help`` and a mistyped flag must not wait for.
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ def _stderr(text: str) -> None:
 
 
 def _levels(args, classes, several_runs: bool = False) -> tuple[dict, str]:
-    """The run's settings from --config and the flags, under our names or TRL's (``config/trl.py``).
-    ``several_runs`` (compare): K is each run's own (--group-size, algorithm:K), so a setting of K and TRL's batch,
-    which is counted in completions of one K, are refused."""
+    """The run's settings from --config and the flags, under our names or TRL's. ``several_runs`` (compare): K is
+    each run's own, so a setting of K and TRL's batch (counted in completions of one K) are refused."""
     from auto_research.config import trl
 
     load_config_file(args, classes, trl_names=True)
@@ -130,11 +128,17 @@ def compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def sft(args: argparse.Namespace) -> int:
-    from auto_research.config.recipes import SFTConfig
+def _recipe_config(args: argparse.Namespace, name: str):
+    """The command's settings (``config/recipes.py``'s class ``name``) from --config and the flags, validated."""
+    from auto_research.config import recipes
 
-    load_config_file(args, [SFTConfig])
-    config = SFTConfig(**given(args, SFTConfig)).validate()
+    cls = getattr(recipes, name)
+    load_config_file(args, [cls])
+    return cls(**given(args, cls)).validate()
+
+
+def sft(args: argparse.Namespace) -> int:
+    config = _recipe_config(args, "SFTConfig")
     from auto_research.recipes import sft as recipe
 
     result = recipe.run(config)
@@ -147,10 +151,7 @@ def sft(args: argparse.Namespace) -> int:
 
 
 def reward_model(args: argparse.Namespace) -> int:
-    from auto_research.config.recipes import RewardModelConfig
-
-    load_config_file(args, [RewardModelConfig])
-    config = RewardModelConfig(**given(args, RewardModelConfig)).validate()
+    config = _recipe_config(args, "RewardModelConfig")
     from auto_research.recipes import reward_model as recipe
 
     metrics = recipe.run(config)
@@ -161,10 +162,7 @@ def reward_model(args: argparse.Namespace) -> int:
 
 
 def rlhf(args: argparse.Namespace) -> int:
-    from auto_research.config.recipes import RLHFConfig
-
-    load_config_file(args, [RLHFConfig])
-    config = RLHFConfig(**given(args, RLHFConfig)).validate()
+    config = _recipe_config(args, "RLHFConfig")
     from auto_research.recipes import rlhf as recipe
 
     result = recipe.run(config, log=_stderr)
@@ -175,27 +173,21 @@ def rlhf(args: argparse.Namespace) -> int:
 
 
 def rollout_serve(args: argparse.Namespace) -> int:
-    from auto_research.config.recipes import ServeConfig
     from auto_research.orphans import stop_with_trainer
 
     stop_with_trainer()  # a trainer's own rollout process (--rollout-mode process) ends with it, from its start
-
-    load_config_file(args, [ServeConfig])
-    config = ServeConfig(**given(args, ServeConfig)).validate()
+    config = _recipe_config(args, "ServeConfig")
     from auto_research.engine.machine import set_threads
     from auto_research.engine.rollout.serve import serve
     from auto_research.engine.samplers import SAMPLERS, sampler_key
 
     set_threads(config.threads)
-
     serve(config, SAMPLERS[sampler_key(config.engine, "server")].serve, log=_stderr)
     return 0
 
 
 def data(args: argparse.Namespace) -> int:
-    from auto_research.config.recipes import DataConfig
-
-    config = DataConfig(**given(args, DataConfig)).validate()
+    config = _recipe_config(args, "DataConfig")  # data has no --config: the flags alone
     from auto_research.data.gsm8k import ensure_gsm8k, gsm8k_dir
 
     directory = gsm8k_dir(config.dataset_dir)

@@ -1,9 +1,7 @@
-"""Command-line flags made from the config dataclasses: a field's name, default and help are written once, in
-its ``setting(...)``; this turns them into argparse flags and back into settings.
+"""Command-line flags made from the config dataclasses' ``setting(...)`` fields, and back into settings.
 
-Every flag defaults to None here: given or not is what matters (an unset one takes the dataset's preset,
-the level's default, or the value from ``--config``; a candidate-level run refuses a generation-only flag
-that was given). Flags given on the command line win over the file's.
+Every flag defaults to None here: given or not is what matters (an unset one takes the preset, the level's
+default or ``--config``'s value). Flags given on the command line win over the file's.
 """
 
 from __future__ import annotations
@@ -43,21 +41,12 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser
             for subparser in action.choices.values()]
 
 
-def _default_of(item):
-    if item.default is not MISSING:
-        return item.default
-    if item.default_factory is not MISSING:
-        value = item.default_factory()
-        return value if not isinstance(value, list) or value else None
-    return None
-
-
 def _describe(item) -> str | None:
-    text = item.metadata.get("default_text")
-    if text:
-        return text
-    default = _default_of(item)
-    return None if default is None or isinstance(default, bool) else str(default)
+    """What --help says of a field's default: its ``default_text``, else the default (none: None, a switch's, [])."""
+    if item.metadata.get("default_text"):
+        return item.metadata["default_text"]
+    default = item.default_factory() if item.default_factory is not MISSING else item.default
+    return None if default is MISSING or default is None or default == [] or isinstance(default, bool) else str(default)
 
 
 def flagged_fields(cls, exclude=()) -> list:
@@ -66,12 +55,9 @@ def flagged_fields(cls, exclude=()) -> list:
 
 def add_flags(parser: argparse.ArgumentParser, cls, exclude=(), grouped: bool = False, levels: dict | None = None,
               defaults: dict | None = None) -> None:
-    """One flag per field of ``cls`` made by ``setting``, in its section's group when ``grouped``.
-
-    ``levels`` ({"candidate level": CandidateConfig, …}) names the other dataclasses a shared field's
-    default comes from, so that the help says each level's default where they differ; ``defaults`` names
-    the command's own default of a field (post-train's dataset).
-    """
+    """One flag per field of ``cls`` made by ``setting``, in its section's group when ``grouped``. ``levels``
+    ({"candidate level": CandidateConfig}) lets the help say each level's default where they differ; ``defaults``:
+    the command's own default of a field (post-train's dataset)."""
     groups = {key: parser.add_argument_group(title) for key, title in SECTIONS.items()} if grouped else {}
     for item in flagged_fields(cls, exclude):
         meta = item.metadata
@@ -108,8 +94,7 @@ TRL_DEST = "trl:"
 
 def add_trl_flags(parser: argparse.ArgumentParser) -> None:
     """TRL's names as flags, ``--num-generations`` and ``--num_generations`` alike (transformers' parser takes
-    both); where the dashed name is already ours with the same meaning (``--beta``), only the underscored one.
-    The names with a setting of ours show in --help; those accepted only at a value that changes nothing do not."""
+    both), less the spellings already ours (``--beta``); the neutral ones are left out of --help."""
     from auto_research.config import trl
 
     taken = set(parser._option_string_actions)
@@ -120,7 +105,7 @@ def add_trl_flags(parser: argparse.ArgumentParser) -> None:
                      if spelling not in taken]
         if not spellings:
             continue
-        kind = trl.MAPPED[name].kind if name in trl.MAPPED else "any"
+        kind = trl.kind_of(name)
         nargs = "+" if kind in ("floats", "texts") else "?" if kind == "bool" else None
         shown = f"TRL's {name}: {trl.MAPPED[name].ours}" if name in trl.MAPPED else argparse.SUPPRESS
         options = {"nargs": nargs, "const": "true"} if nargs == "?" else {"nargs": nargs} if nargs else {}
@@ -135,9 +120,8 @@ def add_trl_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def trl_given(args: argparse.Namespace, cls) -> tuple[dict, dict]:
-    """The TRL-named flags given: (ours, TRL's). A name that is also a setting of ``cls`` (``--log_completions``,
-    ``--warmup_steps``) is ours when its text reads as ours (``--log_completions 4``), else TRL's
-    (``--log_completions false``, ``--warmup_steps 0.25``), as a config file's key is."""
+    """The TRL-named flags given: (ours, TRL's). A name that is also ours is ours when its text reads as ours
+    (``--log_completions 4``), else TRL's (``--log_completions false``), as a config file's key is."""
     from auto_research.config import trl
 
     found = {key[len(TRL_DEST):]: value for key, value in vars(args).items()
@@ -166,8 +150,8 @@ def _as_ours(item, words: list[str]):
 
 
 def refuse_flag(parser: argparse.ArgumentParser, flag: str, message: str) -> None:
-    """``flag`` (a flag that is gone) out of --help, and refused in one line, ``message``, wherever it is given
-    (argparse would otherwise read it as an abbreviation of a longer flag, ``--api-key`` of ``--api-key-file``)."""
+    """``flag`` refused in one line, ``message``, and out of --help (argparse would otherwise read it as an
+    abbreviation of a longer flag, ``--api-key`` of ``--api-key-file``)."""
 
     class Refuse(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
@@ -183,8 +167,7 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
 
 def given(args: argparse.Namespace, cls, exclude=(), trl_names: bool = False) -> dict:
     """The settings of ``cls`` given on the command line (or in ``--config``): field name → value. With
-    ``trl_names``, TRL's names too (``config/trl.py``): the command line's win over the file's, and within one of
-    them, a TRL name and ours that set one setting differently are refused."""
+    ``trl_names``, TRL's names too; a TRL name and ours that set one setting differently are refused."""
     from_file = getattr(args, "_from_file", {})
     settings = {item.name: from_file[item.name] for item in flagged_fields(cls, exclude) if item.name in from_file}
     from_flags = {item.name: getattr(args, item.name) for item in flagged_fields(cls, exclude)
@@ -206,8 +189,7 @@ def given(args: argparse.Namespace, cls, exclude=(), trl_names: bool = False) ->
 
 
 def load_config_file(args: argparse.Namespace, classes, trl_names: bool = False) -> None:
-    """Read ``--config`` (if given) into ``args`` for ``given`` to merge under the command line's flags (with
-    ``trl_names``, TRL's keys too)."""
+    """Read ``--config`` (if given) into ``args`` for ``given`` to merge under the command line's flags."""
     args._from_file = {}
     if getattr(args, "config", None):
         from auto_research.config.files import read_config_file  # a run without --config never needs it

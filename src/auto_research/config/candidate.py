@@ -52,10 +52,8 @@ class CandidateConfig:
         check_candidate_dataset(self.dataset)
         check_group_size(algorithm, self.group_size)
         if not 2 <= self.group_size <= 6:
-            raise UserError(
-                f"--group-size {self.group_size} is outside 2..6: the candidate level samples K of 6 "
-                "candidates without replacement"
-            )
+            raise UserError(f"--group-size {self.group_size} is outside 2..6: the candidate level samples K of 6 "
+                            "candidates without replacement")
         if self.maximum_examples < 8:
             raise UserError(f"--maximum-examples {self.maximum_examples} is below the minimum of 8")
         if self.steps <= 0:

@@ -1,7 +1,5 @@
-"""The multi-turn section of a generation-level run (docs/environments.md): an environment made per trajectory,
-tools the model may call, the most turns a trajectory takes, or a rollout function running the user's own loop.
-Checked without importing the user's code (that is ``train/prepare.py``'s, on a dataset row, before any model is
-loaded)."""
+"""The multi-turn section of a generation-level run (docs/environments.md), checked without importing the user's
+code (``train/prepare.py`` does that, on a dataset row, before any model is loaded)."""
 
 from __future__ import annotations
 
@@ -99,9 +97,8 @@ class TurnsSection:
             raise UserError(f"--env-concurrency must be >= 1 (1: one call at a time), got {self.env_concurrency}")
 
     def check_loops(self, algorithm, environment: bool = False, rollout_function: bool = False) -> None:
-        """A rollout function is its own loop, without --environment or --tools; none of them runs with an
-        algorithm (its record) whose baseline is one greedy completion. ``environment`` and ``rollout_function``:
-        an environment (or tools) and a rollout function given from Python, as the flags."""
+        """A rollout function is its own loop, without --environment or --tools; none of them runs with an algorithm
+        whose baseline is one greedy completion. ``environment``, ``rollout_function``: given from Python."""
         own = bool(self.rollout_function or rollout_function)
         talks = bool(self.environment or self.tools or environment)
         if own and talks:

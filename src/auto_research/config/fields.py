@@ -1,6 +1,5 @@
-"""What every config dataclass is made of: fields that are also command-line flags, the checks they
-share (written once), and the checks of a dataset's name (the names are the task registry's, data/registry.py).
-Light: no NumPy, no torch, so ``--help`` is fast.
+"""What every config dataclass is made of: fields that are also flags, the checks they share, and the checks of
+a dataset's name (data/registry.py's). Light: no NumPy, no torch, so ``--help`` is fast.
 """
 
 from __future__ import annotations
@@ -15,15 +14,12 @@ from auto_research.data.registry import task_names, task_record
 from auto_research.data.rows import DATA_FILE_KINDS, HUB_DATASET, IN_MEMORY, data_file_kinds
 from auto_research.errors import UserError
 
-# The built-in tasks' names, made from their records (data/registry.py), for the settings that name them.
 CANDIDATE_DATASETS = task_names("candidate")
 PREFERENCE_DATASETS = task_names("generation", "preference")
 GENERATION_DATASETS = task_names("generation")
 EMBEDDED_MODEL_DATASETS = task_names("generation", "embedded_model")
 DATASETS = CANDIDATE_DATASETS + GENERATION_DATASETS
 
-# The data files a --dataset may name (data/rows.py lists them, beside the reader); ``hf:owner/name`` is a hub
-# dataset (online).
 DATA_FILE_SUFFIXES = tuple(DATA_FILE_KINDS)
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
@@ -53,9 +49,8 @@ def setting(default, help: str, section: str | None = "common", flag: str | None
             **argparse_options):
     """A config field that is also a command-line flag: its name, default and help are written once, here.
 
-    ``section`` groups the flag in --help (None: no flag); ``flag`` overrides the flag derived from the
-    field's name; ``default_text`` says what an unset (None) default means; ``argparse_options`` (type,
-    action, aliases, required, choices) go to argparse. Mutable defaults are given as a zero-argument function.
+    ``section`` groups the flag in --help (None: no flag); ``default_text`` says what an unset (None) default
+    means; ``argparse_options`` go to argparse. Mutable defaults are given as a zero-argument function.
     """
     metadata = {"help": help, "section": section, "flag": flag, "default_text": default_text,
                 "options": argparse_options}
@@ -70,8 +65,7 @@ def default_dataset_dir() -> Path:
 
 
 def setting_fields(cls) -> list:
-    """The settings of a config class: its fields, or, for a run's settings in sections, every section's
-    (``GenerationConfig.flat_fields``)."""
+    """The settings of a config class: its fields, or every section's (``GenerationConfig.flat_fields``)."""
     from dataclasses import fields  # noqa: PLC0415
 
     return cls.flat_fields() if hasattr(cls, "flat_fields") else list(fields(cls))

@@ -1,11 +1,6 @@
-"""Settings in a file (``--config run.yaml``, or JSON): any field by its flag name, checked like a flag.
-
-A key is a flag without its dashes (``learning-rate``, ``ppo-epochs``); a flag that switches something
-off (``--no-chat-template``) is written as its setting (``chat-template: false``); underscores may stand for
-dashes. A key no command takes is refused with the nearest one it does take, a value of the wrong type
-with what was expected, and a file that is not YAML with the line and column of the mistake. A key given
-twice in one mapping (YAML and JSON parsers keep the last silently), or two spellings of one setting
-(``learning_rate`` and ``learning-rate``), is refused naming both lines; so is a file that is not UTF-8.
+"""Settings in a file (``--config run.yaml``, or JSON): any field by its flag name without dashes, checked like
+a flag; a switch-off flag (``--no-chat-template``) is written as its setting (``chat-template: false``). A key given
+twice in one mapping (YAML and JSON parsers keep the last silently) is refused naming both lines.
 """
 
 from __future__ import annotations
@@ -13,9 +8,9 @@ from __future__ import annotations
 import difflib
 import json
 import re
-
 from pathlib import Path
 
+from auto_research.config import trl
 from auto_research.config.fields import flag_of, setting_fields
 from auto_research.errors import UserError
 from auto_research.files import atomic_write_json, atomic_write_text
@@ -197,9 +192,7 @@ def _lines(first: int | None, second: int | None) -> str:
 def read_config_file(path: str | Path, classes, trl_names: bool = False) -> dict:
     """The file's settings as field name → value, for the dataclasses ``classes`` (a command's settings).
 
-    With ``trl_names``, a key that is TRL's name for one of ours (``num_generations``, ``config/trl.py``) sets
-    ours, exactly; a TRL field we have no equivalent for is refused in one line, and so is a TRL key that sets a
-    setting the file also sets differently under our name. A key spelled as both ours and TRL's (``beta``) is
+    With ``trl_names``, TRL's keys too (``config/trl.py``). A key spelled as both ours and TRL's (``beta``) is
     ours, unless its value only makes sense as TRL's (``warmup_steps: 0.1``, ``report_to: [wandb]``)."""
     path = Path(path)
     where = f"--config {path}"
@@ -210,8 +203,8 @@ def read_config_file(path: str | Path, classes, trl_names: bool = False) -> dict
         key = str(raw_key).replace("_", "-")
         item = known.get(key)
         trl_name = key.replace("-", "_")
-        if item is None and not (trl_names and _is_trl(trl_name)):
-            names = list(known) + ([name.replace("_", "-") for name in _trl_names()] if trl_names else [])
+        if item is None and not (trl_names and trl.is_trl_name(trl_name)):
+            names = list(known) + ([name.replace("_", "-") for name in trl.trl_names()] if trl_names else [])
             nearest = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {nearest[0]}?" if nearest else ""
             raise UserError(f"{where}: unknown key {raw_key!r}{hint}")
@@ -225,7 +218,7 @@ def read_config_file(path: str | Path, classes, trl_names: bool = False) -> dict
     settings, trl_settings = {}, {}
     for name, (raw_key, key, item) in given_as.items():
         value = payload[raw_key]
-        if trl_names and _is_trl(key.replace("-", "_")) and not takes(item, value):
+        if trl_names and trl.is_trl_name(key.replace("-", "_")) and not takes(item, value):
             trl_settings[key.replace("-", "_")] = value  # ours by name, TRL's by value (warmup_steps: 0.1)
         else:
             settings[name] = _check_type(where, key, value, item)
@@ -235,22 +228,8 @@ def read_config_file(path: str | Path, classes, trl_names: bool = False) -> dict
     return {**settings, **_from_trl(where, trl_settings, settings, known)} if trl_settings else settings
 
 
-def _is_trl(name: str) -> bool:
-    from auto_research.config import trl
-
-    return trl.is_trl_name(name)
-
-
-def _trl_names() -> list[str]:
-    from auto_research.config import trl
-
-    return trl.trl_names()
-
-
 def _from_trl(where: str, trl_settings: dict, settings: dict, known: dict) -> dict:
     """A file's TRL keys as our settings, each type-checked as ours; a clash with the file's own keys refused."""
-    from auto_research.config import trl
-
     try:
         translated = trl.translate(trl_settings)
     except UserError as error:
@@ -291,10 +270,9 @@ def resolved_settings(config) -> dict:
 
 
 def write_resolved_config(path: str | Path, config, python_rewards=()) -> Path:
-    """The run's settings after the dataset's presets filled the unset ones, as YAML: ``--config <run>/config.yaml``
-    runs the same again (flags given beside it win). ``python_rewards``: the rewards given from Python, (name, the
-    spec that imports it or None), after the command's: each named by its spec, or, where it has none (a lambda, a
-    script's function), as ``from-python:NAME`` under a comment, which a rerun refuses until it is passed again."""
+    """The run's filled settings as YAML: ``--config <run>/config.yaml`` runs the same again. ``python_rewards``:
+    (name, the spec that imports it or None); one without a spec is written ``from-python:NAME``, which a rerun
+    refuses until it is passed again."""
     import yaml  # noqa: PLC0415
 
     from auto_research.rewards.loading import FROM_PYTHON  # noqa: PLC0415

@@ -1,15 +1,7 @@
-"""One generation-level run's settings: RL on a causal LM (the paper's setting), in sections, validated once.
-
-``GenerationConfig`` is composed of frozen sections (``SECTIONS``: the run, its data, the policy's model and
-devices, rewards, sampling, the loss, the critic, the rollout side, multi-turn rollouts, optimisation, LoRA,
-logging), each owning its fields' defaults, help and checks; a function is given the section it reads
-(``config.sampling``), not the whole run. The rules that join sections are ``check_across``'s, each naming the
-sections it reads. Users keep the flat names: the command line's flags, a config file's keys and
-``GenerationConfig(temperature=0.7, ...)`` set the field of that name in its section, and ``config.temperature``
-reads it.
-
-``validate`` raises ``UserError`` with one line that says what was wrong and what is allowed; it runs before any
-data is read or any output is written, and imports neither NumPy nor torch.
+"""One generation-level run's settings, in frozen sections (``SECTIONS``) that own their fields and checks; the
+rules that join sections are ``check_across``'s. Users keep the flat names: ``GenerationConfig(temperature=0.7)``
+sets, and ``config.temperature`` reads, the field of that name in its section. ``validate`` imports neither
+NumPy nor torch.
 """
 
 from __future__ import annotations
@@ -40,9 +32,7 @@ SECTIONS = {"run": RunSection, "data": DataSection, "policy": PolicySection, "re
             "sampling": SamplingSection, "loss": LossSection, "critic": CriticSection, "rollout": RolloutSection,
             "turns": TurnsSection, "optimisation": OptimisationSection, "lora": LoraSection,
             "logging": LoggingSection}
-"""The sections of a run's settings, by the attribute that holds each (``config.sampling``)."""
-OWNER = {item.name: section for section, cls in SECTIONS.items() for item in fields(cls)}
-"""A flat setting's name → the section that holds it."""
+OWNER = {item.name: section for section, cls in SECTIONS.items() for item in fields(cls)}  # flat name → section
 RENAMED = {"vllm_mode": "rollout_mode", "vllm_server": "rollout_server", "vllm_memory": "rollout_memory"}
 """Settings named after vLLM until the builtin engine could serve too: their old names still set them."""
 
@@ -51,10 +41,8 @@ RENAMED = {"vllm_mode": "rollout_mode", "vllm_server": "rollout_server", "vllm_m
 class GenerationConfig:
     """One generation-level run: RL on a causal LM (the paper's setting), in sections.
 
-    ``GenerationConfig(**settings)`` takes flat names (``temperature=0.7``) and whole sections
-    (``sampling=SamplingSection(...)``, flat names set over them); ``dataclasses.replace(config, temperature=1.0)``
-    works the same way. None means "the dataset's preset" (``GENERATION_PRESETS``) or "the algorithm's own",
-    filled by ``filled()``.
+    Takes flat names and whole sections (``sampling=SamplingSection(...)``, flat names set over them), as
+    ``dataclasses.replace`` does. None means the dataset's preset or the algorithm's own, filled by ``filled()``.
     """
 
     run: RunSection
@@ -89,8 +77,7 @@ class GenerationConfig:
 
     @staticmethod
     def flat_fields() -> list:
-        """Every setting's field, section by section: the flags, the config-file keys and metadata.json's settings
-        are made from these."""
+        """Every setting's field, section by section (the flags and config-file keys are made from these)."""
         return [item for cls in SECTIONS.values() for item in fields(cls)]
 
     @staticmethod
@@ -127,27 +114,23 @@ class GenerationConfig:
         return self.turns.engine_tokens(self.sampling.max_new_tokens, multi_turn)
 
     def resolved_user_code(self) -> dict:
-        """The settings that name user code (rewards, judge, environment, tools, rollout function), each in the form
-        that finds it from any working folder (a module of the working folder as its absolute file): what a run
-        records, so that it resumes from anywhere."""
+        """The settings that name user code, each in the form that finds it from any working folder, so that a
+        run resumes from anywhere."""
         from auto_research.user_code import USER_CODE_SETTINGS, resolved_settings  # noqa: PLC0415
 
         return resolved_settings({key: getattr(self, key) for key in USER_CODE_SETTINGS})
 
     @classmethod
     def from_trl(cls, settings: dict, base: "GenerationConfig | None" = None) -> "GenerationConfig":
-        """A config from TRL's names (an ``RLOOConfig``'s or ``GRPOConfig``'s fields as a dict, ``config.to_dict()``
-        included) or ours, over ``base``: the same table as the flags and config files (``config/trl.py``,
-        docs/trl.md); a TRL field we have no equivalent for is refused in one line."""
+        """A config from TRL's names (an ``RLOOConfig``'s ``to_dict()``) or ours, over ``base``: the same table as
+        the flags and config files (``config/trl.py``)."""
         base = base or cls()
         return replace(base, **_keywords(settings, base))
 
     def filled(self) -> "GenerationConfig":
-        """A copy with the dataset's presets in place of unset (None) settings, and the algorithm record's defaults
-        (KL placement and estimator, aggregation, clip range, std, correction, overlong buffer); user code named
-        as it is found from any folder (``user_code.resolved_spec``). The settings it computed from --steps rather
-        than took from the user (a preset's or --warmup-ratio's warmup) are named in the copy's ``from_steps``, so
-        that ``--resume --steps`` keeps the run's own (train/prepare.py); a copy made by ``replace`` names none."""
+        """A copy with the dataset's presets and the algorithm record's defaults in place of unset (None) settings.
+        The settings computed from --steps (a preset's or --warmup-ratio's warmup) are named in the copy's
+        ``from_steps``, so that ``--resume --steps`` keeps the run's own; a copy made by ``replace`` names none."""
         preset = GENERATION_PRESETS[self.dataset if self.dataset in GENERATION_PRESETS else "jsonl"]
         filled = replace(self, **{key: value for key, value in preset.items() if getattr(self, key) is None})
         filled = replace(filled, **filled.resolved_user_code())
@@ -157,17 +140,15 @@ class GenerationConfig:
         return filled
 
     def validate(self) -> "GenerationConfig":
-        """Every check that needs neither torch nor the data: runs before anything heavy is imported. Each section
-        checks itself, then ``check_across`` joins them."""
+        """Every check that needs neither torch nor the data: each section's, then ``check_across``."""
         for section in SECTIONS:
             getattr(self, section).check()
         check_across(self)
         return self
 
     def reported_settings(self, critic: bool) -> dict:
-        """What metrics.json (and report.md) reports of the settings beside a run's figures: its length, and the
-        sections that shape its updates (sampling, loss, optimisation, and the critic's when it has one), flat, as
-        the flags name them, less the loss settings the algorithm's record leaves unused (``_unused_settings``)."""
+        """The settings metrics.json reports beside a run's figures: its length and the sections that shape its
+        updates, flat, less the loss settings the algorithm leaves unused."""
         sections = ("sampling", "loss", "optimisation", *(("critic",) if critic else ()))
         unused = _unused_settings(get_algorithm(self.run.algorithm), self.policy_loss_in_use)
         return json_ready({"steps": self.run.steps, **{item.name: getattr(getattr(self, section), item.name)
@@ -181,8 +162,8 @@ class GenerationConfig:
 
 
 def _keywords(settings: dict, base: GenerationConfig) -> dict:
-    """Python keywords, ours or TRL's, as our settings: ``config/trl.py``'s one table (``trl.keywords``), as
-    ``post_train(**settings)`` and ``from_trl`` read them; ``base`` gives the defaults TRL's batch is counted in."""
+    """Python keywords, ours or TRL's, as our settings (``trl.keywords``); ``base`` gives the defaults TRL's batch
+    is counted in."""
     from auto_research.config import trl
     from auto_research.config.files import takes
 
@@ -191,8 +172,8 @@ def _keywords(settings: dict, base: GenerationConfig) -> dict:
 
 
 def _with_trl_names(flat: dict, sections: dict) -> dict:
-    """``GenerationConfig(num_generations=4)``: a keyword that is TRL's name for one of ours is translated (as
-    ``post_train`` translates it); a name that is neither ours nor TRL's is a TypeError, as for any class."""
+    """``GenerationConfig(num_generations=4)``: TRL's names translated; a name neither ours nor TRL's is a
+    TypeError, as for any class."""
     from auto_research.config.trl import is_trl_name
 
     unknown = [name for name in flat if name not in OWNER and not is_trl_name(name)]
@@ -202,9 +183,7 @@ def _with_trl_names(flat: dict, sections: dict) -> dict:
 
 
 def _unused_settings(algorithm, policy_loss: str) -> set[str]:
-    """The loss settings a run of ``algorithm`` (its record) with ``policy_loss`` does not read: the whitening, but
-    for the algorithms that whiten (for which the z-score is refused instead); the group std, but for the GRPO
-    family's; the clip range of a loss without a ratio (RLOO's vanilla)."""
+    """The loss settings a run of ``algorithm`` (its record) with ``policy_loss`` does not read."""
     unused = {"normalize_advantages"} if algorithm.whiten else {"whiten_advantages"}
     if algorithm.std is None:
         unused.add("std")
@@ -214,8 +193,7 @@ def _unused_settings(algorithm, policy_loss: str) -> set[str]:
 
 
 def _schedule_defaults(given: GenerationConfig, filled: GenerationConfig) -> dict:
-    """The evaluations' cadence and the warmup, from the steps: a tenth of them (at least 1) between evaluations;
-    --warmup-ratio's share, or a preset's warmup capped at a tenth of the steps."""
+    """The evaluations' cadence and the warmup, from the steps (a preset's warmup capped at a tenth of them)."""
     values = {}
     if filled.eval_every is None:
         values["eval_every"] = max(1, filled.steps // 10)
@@ -253,8 +231,7 @@ def _first(*values):
 
 
 def check_across(config: GenerationConfig) -> None:
-    """The rules that read more than one section, each naming those it joins; a section's own rules are its
-    ``check``."""
+    """The rules that read more than one section, each naming those it joins."""
     algorithm = get_algorithm(config.run.algorithm)
     _check_data_and_model(config.data, config.policy, config.rewards)
     _check_algorithm(algorithm, config)
@@ -285,8 +262,7 @@ def _check_in_flight(config: GenerationConfig) -> None:
 
 
 def _check_data_and_model(data: DataSection, policy: PolicySection, rewards: RewardSection) -> None:
-    """data × policy: a model for any dataset without an embedded one; data × rewards: a preference dataset's
-    reward."""
+    """data × policy, rewards: a model without an embedded one, a preference dataset's reward."""
     if policy.model is None and data.dataset not in EMBEDDED_MODEL_DATASETS:
         raise UserError(f"--model is required for {data.dataset} (only {' and '.join(EMBEDDED_MODEL_DATASETS)} have "
                         "an embedded model; give a local folder or hub id, or an 'auto-research sft' output)")

@@ -1,6 +1,5 @@
-"""The loss and critic sections of a generation-level run: each choice from its one list in
-``algorithms/registry.py``, each range, and the knobs an algorithm cannot take (``check_with``, which joins the
-loss to the algorithm's record). Light: no torch."""
+"""The loss and critic sections of a generation-level run: each choice from its list in ``algorithms/registry.py``,
+and the knobs an algorithm cannot take (``check_with``). Light: no torch."""
 
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ TEACHER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def teacher_entries(given) -> dict[str, str]:
-    """--teacher-model's teachers by name: one bare source (named ``teacher``), or ``name=source`` entries, each row
-    then naming its teacher in a ``teacher`` column (a source is a folder, hub id, packaged name or http://HOST:PORT;
-    a text before ``=`` holding ``/`` or ``:`` is part of a bare source)."""
+    """--teacher-model's teachers by name: one bare source (named ``teacher``), or ``name=source`` entries (a text
+    before ``=`` holding ``/`` or ``:`` is part of a bare source)."""
     entries = [given] if isinstance(given, str) else list(given or ())
     named = {}
     for entry in entries:
@@ -58,9 +56,8 @@ def having(attribute: str) -> str:
 
 @dataclass(frozen=True)
 class LossSection:
-    """The policy loss: β and where the KL goes, the surrogate and its clip range, how terms are aggregated, the
-    advantages' normalisation, DAPO's overlong handling, the entropy bonus, the updates a batch serves. None means
-    the algorithm's own (``GenerationConfig.filled``)."""
+    """The policy loss, the KL, the advantages and the updates a batch serves. None means the algorithm's own
+    (``GenerationConfig.filled``)."""
 
     beta: float = setting(0.05, "β: weight of the KL penalty to the frozen reference", type=float)
     kl_estimator: str | None = setting(None, f"{', '.join(KL_ESTIMATORS)} (default: the algorithm's, "

@@ -1,6 +1,5 @@
-"""The sampling and optimisation sections of a generation-level run: what a step draws (K completions of each of
-its prompts, how) and how the policy's weights move. None means the dataset's preset (``GenerationConfig.filled``).
-Light: no torch."""
+"""The sampling and optimisation sections of a generation-level run. None means the dataset's preset
+(``GenerationConfig.filled``). Light: no torch."""
 
 from __future__ import annotations
 
@@ -73,8 +72,7 @@ class SamplingSection:
 
 @dataclass(frozen=True)
 class OptimisationSection:
-    """How the weights move (AdamW, the learning-rate schedule, the gradient's clip) and what a step's memory holds
-    (micro-batches, recomputed layers, the reference out of memory)."""
+    """How the weights move (AdamW, schedule, clip) and what a step's memory holds."""
 
     learning_rate: float | None = setting(None, "AdamW step size", default_text="per dataset", type=float)
     lr_schedule: str = setting("constant", "after the linear warmup: constant, linear (to zero at the last step) or "

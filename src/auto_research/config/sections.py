@@ -1,7 +1,5 @@
-"""The sections of a generation-level run's settings that need no algorithm knowledge to check: the run itself,
-its data, the policy's model and where it computes, its rewards, LoRA and logging. Each section is a frozen
-dataclass that owns its fields (flags, defaults, help: ``fields.setting``) and its own checks (``check``); the
-rules that join sections live in ``generation.check_across``. Light: no NumPy, no torch.
+"""The sections of a generation-level run that need no algorithm knowledge to check: the run itself, its data,
+the policy, its rewards, LoRA and logging (``generation.check_across`` joins them). Light: no NumPy, no torch.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from auto_research.rewards.verifiers import VERIFIERS
 
 @dataclass(frozen=True)
 class RunSection:
-    """What the run is and where it goes: the algorithm, seed and length, the run folder, evaluations and
-    checkpoints."""
+    """What the run is and where it goes: algorithm, seed, length, run folder, evaluations and checkpoints."""
 
     algorithm: str = setting("rloo", f"one of {', '.join(REGISTRY)}")
     seed: int = setting(42, "random seed", type=int)
@@ -193,8 +190,7 @@ class LoggingSection:
 
     @property
     def shows_progress(self) -> bool:
-        """Progress lines are shown (what the run is doing, a line every --log-every steps): unless --no-progress,
-        and with it when --log-every is given (TRL's disable_tqdm with logging_steps)."""
+        """Unless --no-progress, and with it when --log-every is given (TRL's disable_tqdm with logging_steps)."""
         return self.progress or self.log_every is not None
 
     def check(self) -> None:

@@ -1,22 +1,14 @@
-"""TRL's names for this project's settings (docs/trl.md has the whole table).
+"""TRL's names for this project's settings (docs/trl.md has the whole table and says where our defaults differ).
 
-Every field of TRL 1.16's ``RLOOConfig`` and ``GRPOConfig`` (and of the transformers ``TrainingArguments`` they
-extend) whose meaning one of ours has is accepted under TRL's name: as a flag (``--num-generations`` or
-``--num_generations``), a config-file key (``num_generations``) and a Python keyword (``GenerationConfig.from_trl``,
-``post_train(**settings)``); so are the script arguments a ``trl … --config`` file carries beside them
-(``model_name_or_path``, ``dataset_name``). ``translate`` turns TRL's settings into ours, exactly; a TRL field we
-have no equivalent for is refused in one line that says so, never dropped. A field whose value asks for nothing we would
-do differently (``sync_ref_model: false``, ``optim: adamw_torch``) is accepted at that value only, so that a TRL
-config file moves here unchanged. Our defaults stay ours: where TRL's differ (β for GRPO, the batch, the completion
-length, gradient checkpointing), a setting TRL's config leaves out takes our default, and docs/trl.md says so.
+Every field of TRL 1.16's ``RLOOConfig`` and ``GRPOConfig`` (and ``TrainingArguments``) that one of ours means is
+accepted under TRL's name, as a flag, a config-file key and a Python keyword; ``translate`` turns them into ours
+exactly. A field we have no equivalent for is refused in one line, never dropped; one whose value asks for nothing
+different (``optim: adamw_torch``) is accepted at that value only (``trl_neutral.py``).
 
-The batch: TRL counts completions, ``per_device_train_batch_size`` × ``gradient_accumulation_steps`` × processes
-an optimizer step; we count prompts (groups of K completions) a step, split over the processes. So
-per_device_train_batch_size is our ``micro_batch_size`` (completions per forward/backward on each process) and
-the product over K is ``prompts_per_step``, refused when K does not divide it (``finish``: K is known only once
-every source of settings is merged).
-
-Light: no torch, no transformers.
+The batch: TRL counts completions an optimizer step (per_device_train_batch_size × gradient_accumulation_steps ×
+processes); we count prompts a step. So per_device_train_batch_size is our ``micro_batch_size`` and the product
+over K is ``prompts_per_step``, refused when K does not divide it (``finish``: K is known only once every source
+of settings is merged). Light: no torch, no transformers.
 """
 
 from __future__ import annotations
@@ -69,10 +61,6 @@ def _choice(name: str, table: dict, refused: dict | None = None) -> Callable[[An
     return convert
 
 
-def _max_steps(value) -> dict:
-    return {} if value is None or value < 0 else {"steps": value}
-
-
 def _warmup_steps(value) -> dict:
     """transformers 5: an integer is a step count, a float in [0, 1) a share of the steps."""
     if isinstance(value, float) and 0 <= value < 1:
@@ -104,14 +92,6 @@ def _server_url(value) -> dict:
     return {"rollout_server": f"{parsed.hostname}:{parsed.port}"}
 
 
-def _tool_iterations(value) -> dict:
-    return {} if value is None else {"max_turns": int(value) + 1}
-
-
-def _log_completions(value) -> dict:
-    return {} if value else {"log_completions": 0}
-
-
 _LOSS_TYPES = {"grpo": {"loss_aggregation": "sequence-mean-token-mean"}, "dr_grpo": {"loss_aggregation": "constant"},
                "dapo": {"loss_aggregation": "token-mean"},
                "cispo": {"policy_loss": "cispo", "loss_aggregation": "token-mean"}}
@@ -137,7 +117,8 @@ MAPPED: dict[str, TrlField] = {
     "steps_per_generation": TrlField("int", "one generation per optimizer step: must equal "
                                             "gradient_accumulation_steps", _same(_STEPS_PER_GENERATION)),
     "max_completion_length": TrlField("int", "--max-new-tokens", _same("max_new_tokens")),
-    "max_steps": TrlField("int", "--steps (-1: unset)", _max_steps),
+    "max_steps": TrlField("int", "--steps (-1: unset)",
+                          lambda value: {} if value is None or value < 0 else {"steps": value}),
     "num_train_epochs": TrlField("float", "ignored when max_steps is given, as in transformers; else refused",
                                  _same(_EPOCHS)),
     # the loss
@@ -181,7 +162,8 @@ MAPPED: dict[str, TrlField] = {
     "vllm_importance_sampling_clip_max": TrlField("float", "--rollout-correction-cap",
                                                   _same("rollout_correction_cap")),
     "vllm_importance_sampling_cap": TrlField("float", "--rollout-correction-cap", _same("rollout_correction_cap")),
-    "max_tool_calling_iterations": TrlField("int", "--max-turns (iterations + 1)", _tool_iterations),
+    "max_tool_calling_iterations": TrlField("int", "--max-turns (iterations + 1)",
+                                            lambda value: {} if value is None else {"max_turns": int(value) + 1}),
     # optimisation
     "learning_rate": TrlField("float", "--learning-rate", _same("learning_rate")),
     "lr_scheduler_type": TrlField("text", "--lr-schedule", _choice("lr_scheduler_type", _SCHEDULES)),
@@ -208,7 +190,8 @@ MAPPED: dict[str, TrlField] = {
     "eval_strategy": TrlField("text", "steps: --eval-every eval_steps; no: --eval-every 0 (before and after only)",
                               _choice("eval_strategy", {"steps": {}, "no": {"eval_every": 0}},
                                       {"epoch": "has no equivalent here (steps draw fresh prompts, not epochs)"})),
-    "log_completions": TrlField("bool", "false: --log-completions 0", _log_completions),
+    "log_completions": TrlField("bool", "false: --log-completions 0",
+                                lambda value: {} if value else {"log_completions": 0}),
     "num_completions_to_print": TrlField("int", "--log-completions", _same("log_completions")),
     "disable_tqdm": TrlField("bool", "--no-progress", lambda value: {"progress": not value}),
     # TRL's script arguments (``trl grpo --config recipe.yaml`` files carry them beside the trainer's)
@@ -219,7 +202,7 @@ MAPPED: dict[str, TrlField] = {
 }
 
 
-def _kind_of(name: str) -> str:
+def kind_of(name: str) -> str:
     return MAPPED[name].kind if name in MAPPED else "any"
 
 
@@ -237,8 +220,7 @@ def _neutral(name: str, value) -> dict:
 
 
 def translate(trl: dict) -> dict:
-    """TRL's settings (name → value) → ours, with the batch, the server address and the epochs left for ``finish``.
-    One line for a field without an equivalent, and for two TRL fields that set one of ours differently."""
+    """TRL's settings (name → value) → ours, with what waits for ``finish`` under names starting with "_"."""
     ours: dict = {}
     for name, value in trl.items():
         if name in MAPPED and value is None:
@@ -263,10 +245,8 @@ def has_batch(settings: dict) -> bool:
 
 
 def finish(settings: dict, defaults) -> dict:
-    """Resolve what waited for every source: TRL's batch into --prompts-per-step (K from the settings, else
-    ``defaults.group_size``), its server host and port into --rollout-server, its epochs (ignored beside max_steps,
-    as in transformers), its bias-corrected KL (nothing to correct at β = 0). ``defaults``: our settings' defaults
-    (a ``GenerationConfig``, or the class). Returns our settings only."""
+    """Our settings only, with what waited for every source resolved (TRL's batch, server address, epochs,
+    schedule, bias-corrected KL). ``defaults``: our settings' defaults (a ``GenerationConfig``, or the class)."""
     settings = dict(settings)
     pending = {key: settings.pop(key) for key in list(settings) if key.startswith("_")}
     if pending.get(_BIAS_CORRECTED_KL) and settings.get("beta", defaults.beta) > 0:
@@ -315,11 +295,8 @@ def _batch(settings: dict, pending: dict, group_size: int) -> None:
 
 
 def keywords(settings: dict, fits: Callable[[str, Any], bool | None], defaults) -> dict:
-    """Python keywords (``post_train(**settings)``, ``GenerationConfig.from_trl``): our settings as they are
-    (``fits(name, value)``: whether our field ``name`` takes that value, None when we have no such field), the rest
-    by TRL's names, translated; ours and TRL's setting one field differently, or an unknown name, are refused. A
-    name both have (``report_to``) is ours when the value fits ours, else TRL's (``report_to=["wandb"]``).
-    ``defaults``: as for ``finish``."""
+    """Python keywords, ours or TRL's, as our settings. ``fits(name, value)``: whether our field takes the value
+    (None: no such field); a name both have (``report_to``) is ours when the value fits ours, else TRL's."""
     ours = {name: value for name, value in settings.items()
             if fits(name, value) or (fits(name, value) is not None and not is_trl_name(name))}
     translated = translate({name: value for name, value in settings.items() if name not in ours})
@@ -332,7 +309,7 @@ def keywords(settings: dict, fits: Callable[[str, Any], bool | None], defaults) 
 
 def parse_flag(name: str, words: list[str]):
     """A TRL flag's words (argparse's nargs) → its value, read as TRL's command line reads it."""
-    kind = _kind_of(name)
+    kind = kind_of(name)
     if kind in ("floats", "texts"):
         parts = [part for word in words for part in word.split(",") if part.strip()]
         return [_number(name, part, float) for part in parts] if kind == "floats" else parts

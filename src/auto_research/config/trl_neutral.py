@@ -3,8 +3,7 @@ mostly): accepted at those, refused by name at any other, with why (``trl.py`` r
 
 from __future__ import annotations
 
-# Fields that ask for nothing we do differently at these values (TRL's or transformers' defaults, mostly):
-# accepted there, refused elsewhere. ANY: every value (logging and launch plumbing that changes no number).
+# ANY: every value (logging and launch plumbing that changes no number).
 ANY = object()
 NEUTRAL: dict[str, tuple] = {
     "remove_unused_columns": (False,), "shuffle_dataset": (True,), "ds3_gather_for_generation": (True,),

@@ -1,10 +1,5 @@
-"""Datasets: GSM8K (official JSONL files), read from disk or downloaded once.
-
-Files live at ``<dataset-dir>/gsm8k/{train,test}.jsonl``. The dataset directory
-defaults to the environment variable ``AUTO_RESEARCH_DATA`` when set, else
-``data``. When the files are missing and the run is online they are downloaded
-from OpenAI's repository, checked against their published sha256, and written
-atomically; with ``--offline`` a missing file is a one-line error.
+"""GSM8K's official JSONL files at ``<dataset-dir>/gsm8k/{train,test}.jsonl``, read from disk or, when missing
+and online, downloaded once, checked against their published sha256 and written atomically.
 """
 
 from __future__ import annotations
@@ -30,10 +25,6 @@ GSM8K_SHA256 = {
 GOLD_PATTERN = re.compile(r"####\s*(-?[\d,]+(?:\.\d+)?)")
 
 
-def default_dataset_dir() -> Path:
-    return Path(os.environ.get("AUTO_RESEARCH_DATA") or "data")
-
-
 def gsm8k_dir(dataset_dir: str | os.PathLike) -> Path:
     return Path(dataset_dir) / "gsm8k"
 
@@ -41,9 +32,7 @@ def gsm8k_dir(dataset_dir: str | os.PathLike) -> Path:
 def parse_gold(answer: str) -> float | None:
     """The number after ``####`` in a GSM8K answer, commas removed; None when absent."""
     match = GOLD_PATTERN.search(answer)
-    if match is None:
-        return None
-    return float(match.group(1).replace(",", ""))
+    return None if match is None else float(match.group(1).replace(",", ""))
 
 
 @dataclass(frozen=True)
@@ -55,14 +44,8 @@ class Problem:
 
 
 def read_gsm8k(path: str | os.PathLike, limit: int | None = None) -> list[Problem]:
-    """The first ``limit`` problems of a GSM8K JSONL file, in file order.
-
-    A row whose answer has no ``####`` number keeps its place with ``gold=None``
-    (the candidate protocol skips it but counts it). A line that is not JSON,
-    or whose ``question``/``answer`` is missing or not text, is a UserError that
-    names the file and line; so is a file with no row that has a gold number.
-    Blank lines are ignored.
-    """
+    """The first ``limit`` problems of a GSM8K JSONL file, in file order. A row whose answer has no ``####``
+    number keeps its place with ``gold=None`` (the candidate protocol skips it but counts it)."""
     problems: list[Problem] = []
     if limit is not None and limit <= 0:
         return problems
@@ -82,22 +65,18 @@ def ensure_gsm8k(dataset_dir: str | os.PathLike, offline: bool, base_url: str | 
     directory = gsm8k_dir(dataset_dir)
     missing = [name for name in GSM8K_SHA256 if not (directory / name).is_file()]
     if missing and offline:
-        raise UserError(
-            f"GSM8K not found: {directory / missing[0]} does not exist (offline). Run "
-            f"'auto-research data gsm8k --dataset-dir {dataset_dir}' once online, or point "
-            "--dataset-dir or AUTO_RESEARCH_DATA at a folder holding gsm8k/train.jsonl and gsm8k/test.jsonl"
-        )
+        raise UserError(f"GSM8K not found: {directory / missing[0]} does not exist (offline). Run "
+                        f"'auto-research data gsm8k --dataset-dir {dataset_dir}' once online, or point "
+                        "--dataset-dir or AUTO_RESEARCH_DATA at a folder holding gsm8k/train.jsonl and "
+                        "gsm8k/test.jsonl")
     for name in missing:
         download_gsm8k_file(name, directory, base_url)
     return directory
 
 
 def download_gsm8k_file(name: str, directory: Path, base_url: str | None = None) -> Path:
-    """Download one official file, check its sha256, then move it into place.
-
-    The bytes go to a temporary file beside the target; only a complete file
-    whose checksum matches is renamed into place, so nothing partial is kept.
-    """
+    """Download one official file to a temporary file beside the target; only a complete file whose sha256
+    matches is renamed into place, so nothing partial is kept."""
     # Only here: the network modules load ssl, and tqdm is not free either; reading the files needs neither.
     import http.client
     import urllib.error
@@ -126,22 +105,17 @@ def download_gsm8k_file(name: str, directory: Path, base_url: str | None = None)
                     received += len(chunk)
                     bar.update(len(chunk))
             if total is not None and received != total:
-                raise UserError(
-                    f"download of {url} broke off after {received} of {total} bytes; nothing was kept, try again"
-                )
+                raise UserError(f"download of {url} broke off after {received} of {total} bytes; nothing was kept, "
+                                "try again")
         if digest.hexdigest() != GSM8K_SHA256[name]:
-            raise UserError(
-                f"download of {url} has sha256 {digest.hexdigest()}, expected {GSM8K_SHA256[name]}; "
-                "nothing was kept"
-            )
+            raise UserError(f"download of {url} has sha256 {digest.hexdigest()}, expected {GSM8K_SHA256[name]}; "
+                            "nothing was kept")
         os.replace(temporary, target)
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as error:
         Path(temporary).unlink(missing_ok=True)
         reason = getattr(error, "reason", None) or error
-        raise UserError(
-            f"download of {url} failed after {received} bytes ({reason}); nothing was kept. "
-            "Try again, or use --offline with --dataset-dir pointing at a copy"
-        ) from None
+        raise UserError(f"download of {url} failed after {received} bytes ({reason}); nothing was kept. "
+                        "Try again, or use --offline with --dataset-dir pointing at a copy") from None
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise

@@ -1,14 +1,8 @@
-"""One record per built-in task, for both levels: everything the settings and the loaders need to know of it.
+"""One record per built-in task, for both levels: every list of dataset names (help texts, checks, presets,
+``load_task``) is made from these, so a new task is one record here and its loader.
 
-A record says at which level the task runs (candidate: groups of 6 candidate answers, docs/candidate-protocol.md;
-generation: prompts for a causal LM), how it is loaded, the defaults it gives the settings left unset, whether it
-has an embedded model, and its hidden gold scorer (a preference task: optimised against a learned reward model,
-judged by the gold it never sees). Every list of dataset names (the flags' help texts and checks, the presets,
-``load_task``) is made from these records, so a new task is one record here and its loader.
-
-This module imports neither NumPy nor torch: ``--help`` and the settings' checks read the records before anything
-heavy is loaded. A loader (and a gold scorer) is a function, or ``"module:function"``, imported only when the task
-is loaded.
+No NumPy, no torch: ``--help`` and the settings' checks read the records. A loader (and a gold scorer) is a
+function, or ``"module:function"``, imported only when the task is loaded.
 """
 
 from __future__ import annotations
@@ -31,12 +25,10 @@ def resolve(target: Callable | str) -> Callable:
 @dataclass(frozen=True)
 class TaskRecord:
     name: str
-    level: str
-    """One of ``LEVELS``."""
+    level: str  # one of LEVELS
     loader: Callable | str
     """(record, settings) → the task: a ``data.types.Task`` at the generation level, a ``candidate.trainer.
-    CandidateData`` at the candidate level. ``settings`` holds what the loader reads of the run (``dataset_dir``,
-    ``offline``, ``maximum_examples``, ``evaluation_examples``, the candidate level's ``seed``)."""
+    CandidateData`` at the candidate level; ``settings``: the run's (its data section at the generation level)."""
     about: str
     """A few words for the help texts and docs."""
     presets: dict[str, Any] = field(default_factory=dict)
@@ -45,8 +37,7 @@ class TaskRecord:
     """Runs without --model: the embedded tiny model, warm-started on the task (generation level)."""
     gold: Callable | str | None = None
     """The hidden gold scorer (prompts, completions, examples) → floats: evaluated, never trained on. A task with one
-    is a preference task: RL runs against a learned reward model (--reward-model) that pairs labelled by the gold
-    trained, as ``auto-research rlhf`` does."""
+    is a preference task: RL runs against a reward model learned from pairs the gold labelled."""
     gold_name: str | None = None
     """The preference task's name for ``auto-research rlhf --gold``."""
     gold_about: str = ""
@@ -80,8 +71,7 @@ def register(record: TaskRecord) -> TaskRecord:
 
 
 def task_names(level: str | None = None, having: str | None = None) -> tuple[str, ...]:
-    """The registered tasks' names, in registry order: those of one level, and those whose field ``having`` is
-    true (``task_names("generation", "preference")``)."""
+    """The registered tasks' names, in order: of one level, whose field ``having`` is true when given."""
     return tuple(name for name, record in TASKS.items()
                  if level in (None, record.level) and (having is None or getattr(record, having)))
 
@@ -103,8 +93,7 @@ DATA_FILE_PRESETS = dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temp
 
 
 def generation_presets() -> dict[str, dict]:
-    """Per-dataset defaults for the settings a run leaves unset: each generation task's, and ``jsonl``: a data
-    file's (any format), or rows in memory."""
+    """Per-dataset defaults for the settings a run leaves unset; ``jsonl``: a data file's or rows in memory."""
     return {**{name: dict(TASKS[name].presets) for name in task_names("generation")}, "jsonl": dict(DATA_FILE_PRESETS)}
 
 
@@ -117,12 +106,10 @@ def gold_names() -> dict[str, str]:
 
 register(TaskRecord(
     name="arithmetic-smoke", level="candidate", about="embedded", tag="arithmetic",
-    loader="auto_research.candidate.trainer:arithmetic_data",
-))
+    loader="auto_research.candidate.trainer:arithmetic_data"))
 register(TaskRecord(
     name="gsm8k-candidate", level="candidate", about="GSM8K files", tag="gsm8k",
-    loader="auto_research.candidate.trainer:gsm8k_data",
-))
+    loader="auto_research.candidate.trainer:gsm8k_data"))
 
 # arithmetic-generate's presets were chosen so that its CPU demo learns within minutes (see README, "CPU demo").
 ARITHMETIC_PRESETS = dict(steps=600, learning_rate=3e-4, prompts_per_step=32, temperature=1.5, max_new_tokens=6,
@@ -132,23 +119,19 @@ PREFERENCE_PRESETS = {**ARITHMETIC_PRESETS, "steps": 300, "eval_every": 50}
 
 register(TaskRecord(
     name="arithmetic-generate", level="generation", about="two-number addition, embedded", embedded_model=True,
-    presets=ARITHMETIC_PRESETS, loader="auto_research.data.tasks:load_arithmetic",
-))
+    presets=ARITHMETIC_PRESETS, loader="auto_research.data.tasks:load_arithmetic"))
 register(TaskRecord(
     name="gsm8k-generate", level="generation", about="GSM8K questions, the final number checked",
     presets=dict(steps=300, learning_rate=1e-6, prompts_per_step=8, temperature=1.0, max_new_tokens=256,
                  evaluation_examples=128, warmup_steps=10),
-    loader="auto_research.data.tasks:load_gsm8k",
-))
+    loader="auto_research.data.tasks:load_gsm8k"))
 register(TaskRecord(
     name="preference-generate", level="generation", about="arithmetic prompts, a hidden gold preference",
     embedded_model=True, presets=PREFERENCE_PRESETS, loader="auto_research.data.tasks:load_preference",
     gold="auto_research.rewards.gold:gold_scores", gold_name="length",
-    gold_about="a preference for 4-character answers",
-))
+    gold_about="a preference for 4-character answers"))
 register(TaskRecord(
     name="preference-arithmetic", level="generation", about="arithmetic prompts, the arithmetic partial credit as gold",
     embedded_model=True, presets=PREFERENCE_PRESETS, loader="auto_research.data.tasks:load_preference",
     gold="auto_research.rewards.gold:arithmetic_gold", gold_name="arithmetic",
-    gold_about="the arithmetic partial credit",
-))
+    gold_about="the arithmetic partial credit"))

@@ -1,8 +1,5 @@
-"""Reading rows: the one home for turning files into dicts, with one-line errors that name the line.
-
-JSON Lines are read here line by line (so a bad row is named by its line number); every other
-format (.json, .parquet, .csv, ``save_to_disk`` folders, hub datasets) goes through Hugging Face
-``datasets``.
+"""Reading rows into dicts, with one-line errors: JSON Lines line by line here (so a bad row is named by its line
+number), every other format through Hugging Face ``datasets``.
 """
 
 from __future__ import annotations
@@ -29,11 +26,7 @@ def data_file_kinds() -> str:
 
 
 def iter_jsonl(path: str | os.PathLike):
-    """(line number, object) for each non-blank line of a JSONL file.
-
-    A missing file, a line that is not UTF-8 or not JSON, or a line that is not
-    a JSON object is a UserError naming the file (and line).
-    """
+    """(line number, object) for each non-blank line of a JSONL file; a bad line is a UserError naming it."""
     path = Path(path)
     try:
         stream = path.open("rb")
@@ -73,8 +66,7 @@ def missing_field(path, number: int, row: dict, name: str, hint: str = "") -> Us
 
 
 def text_field(path, number: int, row: dict, name: str, hint: str = "") -> str:
-    """``row[name]`` as text; a missing field or one that is not a JSON string is a UserError naming the line
-    (and, for a missing one, ``hint``: how to name another field)."""
+    """``row[name]`` as text, else a UserError naming the line (``hint``: how to name another field)."""
     if name not in row:
         raise missing_field(path, number, row, name, hint)
     value = row[name]

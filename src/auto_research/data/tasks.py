@@ -1,10 +1,5 @@
-"""Generation-level tasks: prompts, answers for the verifier, and demonstrations.
-
-- the built-in tasks, loaded by their records' loaders (data/registry.py): ``arithmetic-generate``, procedural
-  two-number addition, embedded (no download); ``gsm8k-generate``, GSM8K questions, the verifier checks the final
-  number; ``preference-generate`` and ``preference-arithmetic``, arithmetic prompts with a hidden gold scorer.
-- a local JSONL file: ``--dataset PATH.jsonl --prompt-field F --answer-field G``; .json, .parquet,
-  .csv files, ``save_to_disk`` folders and ``hf:owner/name`` hub datasets through Hugging Face datasets.
+"""Generation-level tasks (prompts, answers for the verifier, demonstrations): the built-in ones, loaded by their
+records' loaders (data/registry.py), and the user's rows (a data file, a hub dataset, rows in memory).
 """
 
 from __future__ import annotations
@@ -33,49 +28,30 @@ ARITHMETIC_EVALUATION = 500
 ARITHMETIC_DEMONSTRATIONS = 350
 
 
-def arithmetic_prompt(a: int, b: int) -> str:
-    return f"{a}+{b}="
-
-
 def arithmetic_answer(a: int, b: int) -> str:
-    """The sum written least-significant digit first, as column addition produces it.
-
-    Reversed digits let a left-to-right model write each digit from two input
-    digits and a carry, which a tiny model can learn; exact match is on this text.
-    """
+    """The sum written least-significant digit first, as column addition produces it: a left-to-right model then
+    writes each digit from two input digits and a carry, which a tiny model can learn."""
     return str(a + b)[::-1]
 
 
 def arithmetic_task() -> Task:
-    """All 10,000 sums a + b with 0 ≤ a, b ≤ 99, split once by a fixed seed.
-
-    500 are held out for evaluation, 350 are the only demonstrations a warm
-    start may see, and RL draws its prompts from the other 9,150.
-    """
+    """All 10,000 sums a + b with 0 ≤ a, b ≤ 99, split once by a fixed seed: 500 held out, 350 the only
+    demonstrations a warm start may see, the other 9,150 RL's prompts."""
     pairs = np.array([(a, b) for a in range(100) for b in range(100)])
     np.random.default_rng(ARITHMETIC_SPLIT_SEED).shuffle(pairs)
-    examples = [
-        Example(arithmetic_prompt(a, b), arithmetic_answer(a, b), arithmetic_answer(a, b), {"a": int(a), "b": int(b)})
-        for a, b in pairs.tolist()
-    ]
+    examples = [Example(f"{a}+{b}=", arithmetic_answer(a, b), arithmetic_answer(a, b), {"a": int(a), "b": int(b)})
+                for a, b in pairs.tolist()]
     held_out = examples[:ARITHMETIC_EVALUATION]
     demonstrations = examples[ARITHMETIC_EVALUATION : ARITHMETIC_EVALUATION + ARITHMETIC_DEMONSTRATIONS]
     train = examples[ARITHMETIC_EVALUATION + ARITHMETIC_DEMONSTRATIONS :]
-    return Task(
-        "arithmetic-generate",
-        train,
-        held_out,
-        demonstrations,
-        verifier="arithmetic",
-        source=f"embedded arithmetic (split seed {ARITHMETIC_SPLIT_SEED}): {len(train)} RL prompts, "
-        f"{len(demonstrations)} demonstrations, {len(held_out)} held out",
-    )
+    return Task("arithmetic-generate", train, held_out, demonstrations, verifier="arithmetic",
+                source=f"embedded arithmetic (split seed {ARITHMETIC_SPLIT_SEED}): {len(train)} RL prompts, "
+                       f"{len(demonstrations)} demonstrations, {len(held_out)} held out")
 
 
 def preference_task(name: str = "preference-generate") -> Task:
-    """A preference task (preference-generate, gold: 4-character answers; preference-arithmetic, gold: the arithmetic
-    partial credit): arithmetic prompts, a learned reward, and a hidden gold judge (its record's gold scorer,
-    rewards/gold.py). It starts from arithmetic-generate's warm-started model (``base``)."""
+    """A preference task: arithmetic prompts, a learned reward, and a hidden gold judge (its record's gold scorer).
+    It starts from arithmetic-generate's warm-started model (``base``)."""
     record = task_record(name, "generation")
     task = arithmetic_task()
     scorer = record.gold_scorer()
@@ -83,14 +59,9 @@ def preference_task(name: str = "preference-generate") -> Task:
                    source=task.source + f"; gold: {record.gold_about}, hidden from the learner")
 
 
-
 # --- GSM8K -------------------------------------------------------------------------
 
 CALCULATOR_ANNOTATION = re.compile(r"<<[^>]*>>")
-
-
-def gsm8k_prompt(question: str) -> str:
-    return f"Question: {question.strip()}\nAnswer:"
 
 
 def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int | None, evaluation_examples: int | None) -> Task:
@@ -105,19 +76,14 @@ def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int | None, evaluat
             gold = str(int(row.gold)) if row.gold.is_integer() else repr(row.gold)
             # The official solutions end with "#### <number>"; calculator annotations are dropped.
             solution = " " + CALCULATOR_ANNOTATION.sub("", row.answer).strip()
-            out.append(Example(gsm8k_prompt(row.question), gold, solution, {"question": row.question, "answer": row.answer}))
+            out.append(Example(f"Question: {row.question.strip()}\nAnswer:", gold, solution,
+                               {"question": row.question, "answer": row.answer}))
         return out
 
     train = examples(read_gsm8k(directory / "train.jsonl", maximum_examples))
     evaluation = examples(read_gsm8k(directory / "test.jsonl", evaluation_examples))
-    return Task(
-        "gsm8k-generate",
-        train,
-        evaluation,
-        train,
-        verifier="gsm8k",
-        source=f"GSM8K {directory.resolve()} (train first {len(train)}, test first {len(evaluation)})",
-    )
+    return Task("gsm8k-generate", train, evaluation, train, verifier="gsm8k",
+                source=f"GSM8K {directory.resolve()} (train first {len(train)}, test first {len(evaluation)})")
 
 
 # --- a user's JSONL ---------------------------------------------------------------------
@@ -128,8 +94,7 @@ DEFAULT_HELD_OUT = 128
 
 PROMPT_FIELDS = ("prompt", "messages")
 """Where a row's prompt is found when --prompt-field names none, the first that the first row has: TRL's prompt
-column (text, or a conversation), else a ``messages`` conversation (TRL's conversational language-modeling
-format, whose prompt is the conversation up to its last user turn: ``conversation_prompt``)."""
+column (text, or a conversation), else a ``messages`` conversation (``conversation_prompt``)."""
 ANSWER_FIELD = "answer"
 NO_ANSWERS = "none"
 """--answer-field none: the rows have no answers (reward-only data); the user's rewards score completions alone."""
@@ -148,12 +113,8 @@ def _answer_text(path, number: int, row: dict, name: str, hint: str) -> str:
 
 def conversation_prompt(path, number: int, messages: tuple[dict, ...]) -> tuple[tuple[dict, ...], str | None]:
     """A ``messages`` conversation's prompt and reply: the messages up to its last user turn, and the assistant
-    turn that follows it (None when there is none), a demonstration for ``sft``.
-
-    TRL reads a ``messages`` column as a whole conversation to train on (its language-modeling format) and prompts
-    its RL trainers with a ``prompt`` column that ends where the model's turn begins (a final user turn gets the
-    generation prompt: ``trl.data_utils.apply_chat_template``). The same meaning here: the model writes the turn
-    after the last user message, and whatever the data holds from there on is the reference reply, not prompt."""
+    turn that follows it (None when there is none), a demonstration for ``sft``. As in TRL, the model writes the
+    turn after the last user message; what the data holds from there on is the reference reply, not prompt."""
     last_user = max((index for index, message in enumerate(messages) if message["role"] == "user"), default=None)
     if last_user is None:
         raise UserError(f"{path}:{number}: field 'messages' has no user message; its prompt is the conversation up "
@@ -213,14 +174,9 @@ def jsonl_task(path, prompt_field: str | None, answer_field: str | None, evaluat
 def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str | None, answer_field: str | None,
               evaluation_examples: int | None = None, solution_field: str | None = None,
               verifier: str | None = None) -> Task:
-    """(number, dict) rows → a task; the last ``evaluation_examples`` rows are held out.
-
-    Prompts are JSON strings or conversations (lists of {role, content} messages); solutions strings; answers may
-    be strings or numbers. Anything else (null, a list, an object) is refused with its row number rather than
-    turned into text such as "None". ``where`` names the rows in messages. A field left None is found in the first
-    row (``PROMPT_FIELDS``; the answer in ``answer`` when it has one); rows without answers (``answer_field``
-    "none", or no ``answer`` in the first row) make a task whose ``verifier`` is None.
-    """
+    """(number, dict) rows → a task; the last ``evaluation_examples`` rows are held out. A value of the wrong
+    type (null, a list) is refused with its row number rather than turned into text such as "None". Rows without
+    answers (``answer_field`` "none", or no ``answer`` in the first row) make a task whose ``verifier`` is None."""
     rows, fields = [], None
     for number, row in numbered_rows:
         if not isinstance(row, dict):
@@ -246,10 +202,8 @@ def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str | 
 
 def check_answers(task: Task, rewards: list, reward_model: str | None, scored_elsewhere: bool,
                   task_reward: bool = True) -> None:
-    """Rows without answers run when nothing needs an answer: the user's rewards, a reward model or a reward URL
-    score the completions (or an environment or rollout function its episodes), or the algorithm takes no task
-    reward (``task_reward`` False: opd, whose signal is a teacher's). A built-in verifier reward, named or the
-    default, would compare completions with answers there are none of: refused in one line."""
+    """Rows without answers run when nothing needs an answer (``scored_elsewhere``: an environment or rollout
+    function; ``task_reward`` False: opd); a built-in verifier reward, named or the default, is refused."""
     if task.verifier is not None:
         return
     needing = [name for name, _, user in rewards if not user and name in BUILT_IN and name not in SCORES_ALONE]
@@ -299,12 +253,9 @@ def load_gsm8k(record: TaskRecord, settings) -> Task:
 
 
 def load_task(data, rows: list[dict] | None = None) -> Task:
-    """The configured generation-level task, with --maximum-examples and --evaluation-examples applied; ``data``:
-    the run's data section (``DataSection``), which a task record's loader is given too.
-
-    ``rows`` are the dicts of an in-memory dataset (the Python API: ``data.dataset`` is
-    ``memory:<name>``). Asking for more prompts than the dataset has is refused, never silently capped.
-    """
+    """The run's generation-level task (``data``: its ``DataSection``), with --maximum-examples and
+    --evaluation-examples applied: more than the dataset has is refused, never capped. ``rows``: an in-memory
+    dataset's dicts (``memory:<name>``)."""
     record, dataset = task_record(data.dataset, "generation"), data.dataset
     fields = (data.prompt_field, data.answer_field, data.evaluation_examples)
     if record is not None:

@@ -1,21 +1,8 @@
 """Environments: a rollout that talks to the world for several turns, trained on the model's own tokens only.
 
-Our protocol (the names are the ones users' code is written against)::
-
-    def make_env(row):            # called once per trajectory with the dataset row (a dict)
-        return GuessTheNumber(row["secret"])
-
-    class GuessTheNumber:
-        def reset(self) -> str | None:           # the first user message, or None for the row's prompt
-        def step(self, text: str) -> tuple[str | None, float | None, bool]:
-            ...                                   # (observation sent back, reward, done)
-
-TRL's shape runs unchanged (TRL 1.16 ``GRPOTrainer(environment_factory=...)``): the factory takes no argument,
-the object's public methods are its tools, ``reset(**row)`` returns None or text appended to the last user
-message, and an optional ``get_reward()`` scores the finished rollout. Which shape an object has is read from
-the object itself (a ``step`` method makes it ours), as TRL-style reward functions are told apart today.
-
-``Episode`` wraps either shape behind one interface for the rollout loop (``envs.trajectory``).
+Ours (``make_env(row)`` → an object with ``reset()`` and ``step(text)`` → (observation, reward, done)) and TRL's
+shape (a factory without arguments, public methods as tools, ``reset(**row)``, ``get_reward()``) are described in
+docs/environments.md; a ``step`` method makes an object ours. ``Episode`` wraps either behind one interface.
 """
 
 from __future__ import annotations
@@ -55,13 +42,12 @@ class EnvironmentFactory:
     spec: str = "environment"
     trl: bool = False
     """TRL's shape: made with no argument, tools are its public methods, ``reset(**row)`` appends."""
-    timeout: float = 0.0
-    """--env-timeout: the most seconds making an environment, and each call into it, may take (0: no limit)."""
+    timeout: float = 0.0  # --env-timeout, for making an environment and each call into it (0: no limit)
 
     @classmethod
     def load(cls, spec, sample_row: dict | None = None, timeout: float = 0.0) -> "EnvironmentFactory":
-        """``spec`` (``module:factory`` or ``path/file.py:factory``, or a factory from Python), checked now on
-        ``sample_row``: the factory is found and makes, from a dataset row, an object of either shape."""
+        """``spec`` (``module:factory``, ``path/file.py:factory``, or a factory from Python), checked now on
+        ``sample_row``."""
         if isinstance(spec, str):
             factory = load_user_object(spec, "--environment", "a factory: make_env(row) -> environment")
         else:
@@ -112,8 +98,8 @@ def reward_value(value, where: str) -> float:
 
 @dataclass
 class Episode:
-    """One trajectory's environment behind one interface, whatever its shape. Every call into the environment
-    is bounded by ``timeout`` (``deadline.bounded``), a tool's by ``tool_timeout``."""
+    """One trajectory's environment behind one interface, whatever its shape; its calls bounded by ``timeout``, a
+    tool's by ``tool_timeout``."""
 
     environment: object | None
     row: dict
@@ -131,8 +117,7 @@ class Episode:
 
     @property
     def threaded(self) -> bool:
-        """Whether its calls run on threads other than the caller's (under a limit): then several episodes' calls
-        may run at once (``deadline.each``)."""
+        """Whether its calls run on other threads (under a limit), so several episodes' calls may run at once."""
         return self.worker is not None or bool(self.tool_timeout)
 
     def _call(self, call: Callable, what: str):

@@ -1,16 +1,7 @@
-"""Bring your own loop (``--rollout-function module:fn``): the user's function draws from the run's sampler through
-``context.generate`` and returns, for each trajectory, its token ids, the sampler's log-probs, a loss mask and a
-reward; they become the trainer's ``Rollout`` as an environment's trajectories do (``trajectory_rollout``), so
-rewards, metrics, checkpoints of batches in flight and resuming work unchanged.
-
-    def my_rollouts(rows, context):     # rows: one per trajectory, each prompt's row K times, in group order
-        prompts = [context.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in rows]
-        ids, logprobs = context.generate(prompts, list(context.seeds))
-        return [{"prompt_ids": p, "completion_ids": c, "logprobs": l, "loss_mask": [1] * len(c),
-                 "reward": float(...)} for p, c, l in zip(prompts, ids, logprobs)]
-
-A malformed return, or a function that raises, stops the run in one line naming the function, the row and the
-key: a ``RewardError``, so the run keeps its last good step, as for a reward function that fails.
+"""Bring your own loop (``--rollout-function module:fn``, docs/environments.md): the user's function draws through
+``context.generate`` and returns each trajectory's ids, log-probs, loss mask and reward, which become the trainer's
+``Rollout`` as an environment's trajectories do. A malformed return, or a raise, is a ``RewardError`` naming the
+function, the row and the key, so the run keeps its last good step.
 """
 
 from __future__ import annotations
@@ -39,18 +30,14 @@ class RolloutContext:
     group_size: int
     """K: rows g·K … g·K + K − 1 are prompt g's (its row repeated)."""
     seeds: tuple[int, ...]
-    """One per row: ``turn_seed(prompt's seed, k, 0)`` for trajectory k of its group, as an environment's first
-    turn draws from; a later turn's is ``turn_seed(seed, 0, turn)``. Drawing from these alone makes a trajectory
-    independent of batching, and a resumed run exact."""
-    settings: SamplingSettings
-    """The run's sampling settings (--max-new-tokens bounds each draw, --temperature, --top-p, --top-k)."""
+    """One per row: ``turn_seed(prompt's seed, k, 0)`` for trajectory k of its group (a later turn's:
+    ``turn_seed(seed, 0, turn)``). Drawing from these alone makes a trajectory independent of batching."""
+    settings: SamplingSettings  # the run's: --max-new-tokens bounds each draw
     max_tokens: int
-    """The most tokens after the prompt (--max-trajectory-tokens; default --max-new-tokens × --max-turns plus
-    --max-observation-tokens × (--max-turns − 1))."""
+    """The most tokens after the prompt (--max-trajectory-tokens, or its default)."""
     generate: Callable[[list[list[int]], list[int]], tuple[list[list[int]], list[list[float]]]]
-    """``generate(prompt_ids, seeds)``: one completion per prompt of token ids, from its seed (its ids up to and
-    including EOS) and the sampler's log-prob of each token; from the run's sampler (builtin, vLLM, a rollout
-    server), and greedy (log-probs 0) in the held-out evaluation."""
+    """``generate(prompt_ids, seeds)``: one completion's ids (up to and including EOS) and log-probs per prompt,
+    from the run's sampler; greedy (log-probs 0) in the held-out evaluation."""
 
 
 def load_rollout_function(spec) -> tuple[str, Callable]:
@@ -65,12 +52,9 @@ def load_rollout_function(spec) -> tuple[str, Callable]:
 
 @dataclass
 class FunctionRunner(Runner):
-    """The run's rollouts from a rollout function (``greedy``: the function on each example's row once,
-    ``context.generate`` decoding greedily); ``scores_replies`` as ``EpisodeRunner``'s, so the rollout side and the
-    held-out evaluation take either."""
+    """The run's rollouts from a rollout function, as ``EpisodeRunner``'s from an environment."""
 
-    generate: Generate
-    """``generate(prompt_ids, seeds, settings)``: the run's sampler's ``generate_ids``."""
+    generate: Generate  # the run's sampler's generate_ids
     tokenizer: object
     function: Callable
     name: str
@@ -179,8 +163,8 @@ LOGPROB_ROUNDING = 1e-4
 
 
 def _check_probabilities(where: str, ids: list[int], logprobs: list[float]) -> None:
-    """A log-probability above 0 (beyond rounding) is no probability: it would weight the sample's correction by
-    exp(log π − log μ) ≈ 0, so the run would learn nothing, silently. Refused, naming the token."""
+    """A log-probability above 0 (beyond rounding) would weight the sample's correction by exp(log π − log μ) ≈ 0,
+    so the run would learn nothing, silently: refused, naming the token."""
     for position, value in enumerate(logprobs):
         if value > LOGPROB_ROUNDING:
             raise RewardError(f"{where}: 'logprobs' is {value:g} at position {position} (token {ids[position]}), "
@@ -190,9 +174,8 @@ def _check_probabilities(where: str, ids: list[int], logprobs: list[float]) -> N
 
 def function_runner(prepared, tokenizer, policy, sampler, settings: SamplingSettings, trajectory_tokens: int,
                     scores_replies: bool) -> FunctionRunner:
-    """The run's ``FunctionRunner`` over ``sampler.generate_ids``, its trajectories at most ``trajectory_tokens``
-    after the prompt; the reward functions score each row's text only when the user gave them
-    (``scores_replies``: ``--reward``, ``--reward-model``, ``--reward-url`` or from Python)."""
+    """The run's ``FunctionRunner`` over ``sampler.generate_ids``; ``scores_replies``: the user gave rewards, which
+    then score each row's text too."""
     from auto_research.engine.models import context_length  # noqa: PLC0415
     from auto_research.engine.rollout import eos_ids  # noqa: PLC0415
 

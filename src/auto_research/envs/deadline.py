@@ -1,26 +1,15 @@
-"""Calls into the user's environment and tools, bounded in time (``--env-timeout``, ``--tool-timeout``).
+"""Calls into the user's environment and tools, bounded in time (``--env-timeout``, ``--tool-timeout``;
+docs/environments.md).
 
-Python cannot stop a thread. A bounded call runs in a daemon thread of its own while the caller waits for it up
-to the limit; one that runs past the limit is abandoned: the caller gets ``EnvironmentTimeout`` or
-``ToolTimeout`` (that sample's failure; the run goes on), and the thread is left running until the call returns,
-or until the process ends (a daemon thread does not keep it alive). Nothing of that sample, its environment
-object included, is used again. So a hung call leaks one thread: at most ``MAX_ABANDONED`` of them may be running
-at once, past which the run stops with one line (``StuckCalls``) rather than pile up a thread per sample.
+Python cannot stop a thread: a call past its limit is abandoned (its sample fails) and its daemon thread left
+running, so at most ``MAX_ABANDONED`` may run at once before the run stops (``StuckCalls``). After a stop request
+a call past its limit gives up the step (``Stopped``): a hung environment delays the stop by one limit, not one
+per sample. Different trajectories' calls run at once (``each``), and a first wave that all hang stops the run
+(``Hung``).
 
-Once the run is asked to stop (Ctrl-C, SIGTERM: ``request_stop``), a call that runs past its limit stops the step
-(``Stopped``, the run keeping its last good checkpoint) instead of failing its sample and going on to the next
-sample's call: a hung environment delays the stop by one limit, not by one limit per sample.
-
-The calls of different trajectories run at once, at most ``--env-concurrency`` of them (``each``): a step's (or the
-held-out evaluation's) rows wait one limit for a hung environment, not one limit per row. When every call of the
-first ``--env-concurrency`` to end ran past its limit and none answered, the environment hangs: the run stops in
-one line (``Hung``) at that limit rather than wait a limit for each of the rest.
-
-A thread rather than a process: an environment object lives in the trainer's process (it is made from a row and
-talked to turn by turn), and TRL-shaped environments hand their bound methods over as tools; neither could be
-moved to another process without pickling the user's objects. One thread per trajectory (``Worker``), not one per
-call: every call of a trajectory's environment, its making and its tools' included, runs on the same thread, as
-objects bound to their thread need (an SQLite connection, Playwright's sync API, an asyncio loop).
+A thread, not a process: the environment object and a TRL environment's bound methods live in the trainer's
+process and could not be moved without pickling the user's objects. One thread per trajectory (``Worker``), not
+per call, as objects bound to their thread need (an SQLite connection, Playwright's sync API, an asyncio loop).
 """
 
 from __future__ import annotations
@@ -85,8 +74,8 @@ def clear_stop() -> None:
 
 
 class Worker:
-    """One trajectory's thread: its calls run there, one after another (``bounded(..., worker=...)``). Once a call
-    runs past its limit the worker is abandoned with it, and the trajectory is not called again."""
+    """One trajectory's thread: its calls run there, one after another. Once a call runs past its limit the worker
+    is abandoned with it, and the trajectory is not called again."""
 
     def __init__(self, name: str = "environment"):
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -115,8 +104,8 @@ class Worker:
 
 
 def bounded(call: Callable, seconds: float, timeout: type[CallTimeout], what: str, worker: Worker | None = None):
-    """``call()``'s value (or its exception), waiting at most ``seconds`` (0: no limit), run on ``worker``'s thread
-    (a trajectory's: its calls share one thread), else on a thread of its own (without a limit, in this one)."""
+    """``call()``'s value (or its exception), waiting at most ``seconds`` (0: no limit), on ``worker``'s thread, else
+    on a thread of its own (without a limit, in this one)."""
     if not seconds and worker is None:
         return call()
     runner = worker or Worker(what)
@@ -152,12 +141,10 @@ def abandoned() -> int:
 
 
 def each(calls: list[Callable], bound: int) -> list[tuple[bool, object]]:
-    """Every call's outcome, (True, its value) or (False, its exception), in the calls' order; at most ``bound``
-    calls running at once, each in a daemon thread of its own that waits on the call (a call bounded in time runs
-    on its trajectory's ``Worker``), started in order. A ``UserError`` or ``RewardError`` of any call (``Stopped``,
-    ``StuckCalls``) is raised at once, the calls not yet started never made; so is ``Hung`` when the first
-    min(``bound``, len(calls)) calls to end, two or more, all ran past their limits (``CallTimeout``) and none
-    answered. ``bound`` 1, or a single call: made in this thread, one after another."""
+    """Every call's outcome, (True, its value) or (False, its exception), in order; at most ``bound`` running at
+    once, each in a daemon thread, started in order. A ``UserError`` or ``RewardError`` is raised at once, the
+    calls not yet started never made; so is ``Hung`` when the first min(``bound``, len(calls)) calls to end, two or
+    more, all timed out. ``bound`` 1, or a single call: made in this thread, one after another."""
     if bound <= 1 or len(calls) <= 1:
         return [_outcome(call) for call in calls]
     outcomes: list = [None] * len(calls)

@@ -1,12 +1,6 @@
 """Multi-turn rollouts as the trainer's ``Rollout``: K trajectories per prompt, each talking to its own
-environment (and tools) for up to --max-turns turns, through any sampler that generates from token ids.
-
-    runner = EpisodeRunner(sampler.generate_ids, tokenizer, factory, tools, settings, max_turns, max_tokens, eos)
-    rollout = runner.sample(examples, K, seeds)   # sequences = prompt + every turn; loss_mask on the model's tokens
-
-A row's completion span (``completion_mask``) is the whole trajectory after the prompt; its ``loss_mask`` is 1 on
-the model's own tokens only, and its sampler log-probs are the sampler's on those tokens (0 elsewhere). The
-table text of a row is the whole conversation; the reward functions score the final reply (``episodes[i]``).
+environment (and tools), through any sampler that generates from token ids. A row's completion span is the whole
+trajectory after the prompt; its ``loss_mask`` is 1 on the model's own tokens only.
 """
 
 from __future__ import annotations
@@ -29,9 +23,7 @@ from auto_research.errors import UserError
 
 def load_environment(environment, tools, sample_row: dict, timeout: float = 0.0
                      ) -> tuple[EnvironmentFactory | None, dict[str, Callable]]:
-    """``--environment`` and ``--tools`` (specs, or from Python a factory and functions), checked now: the factory
-    is found and makes, from a dataset row, an object of either shape (within ``timeout`` seconds, --env-timeout);
-    each tool has a schema."""
+    """``--environment`` and ``--tools`` (specs, or from Python a factory and functions), checked now."""
     factory = None if environment is None else EnvironmentFactory.load(environment, sample_row, timeout)
     loaded: dict[str, Callable] = {}
     for item in ([tools] if isinstance(tools, str) else list(tools or ())):
@@ -46,9 +38,8 @@ def load_environment(environment, tools, sample_row: dict, timeout: float = 0.0
 def runner_for(turns, sampling, algorithm, factory: EnvironmentFactory | None, tools: dict[str, Callable], tokenizer,
                eos: list[int], sampler, model_name: str, sample_row: dict, scores_replies: bool
                ) -> "EpisodeRunner | None":
-    """The run's multi-turn runner over ``sampler.generate_ids``, or None without an environment or tools
-    (``turns`` and ``sampling``: the run's sections; ``algorithm``: its record); a chat template that would hide
-    the tools is refused here, before any work."""
+    """The run's multi-turn runner, or None without an environment or tools; a chat template that would hide the
+    tools is refused here, before any work."""
     from auto_research.envs.tools import check_template_takes_tools  # noqa: PLC0415
 
     if factory is None and not tools:
@@ -83,16 +74,14 @@ class _Unmade(Episode):
 
 
 class Runner:
-    """What both runners (``EpisodeRunner``, ``custom.FunctionRunner``) do with their ``trajectories``: the
-    rollout side's ``sample``, and the held-out evaluation's ``greedy``."""
+    """What both runners do with their ``trajectories``: the rollout side's ``sample``, the evaluation's ``greedy``."""
 
     def sample(self, examples: list[Example], group_size: int, seeds: list[int]) -> Rollout:
         return trajectory_rollout(self.tokenizer, self.trajectories(examples, group_size, seeds), group_size,
                                   self.pad)
 
     def greedy(self, model, examples: list[Example]) -> Rollout:
-        """One greedy trajectory per example from ``model`` (``greedy_generate``: group size 1), whatever the
-        run's sampler."""
+        """One greedy trajectory per example from ``model``, whatever the run's sampler."""
         return replace(self, generate=greedy_generate(model, self.tokenizer)).sample(examples, 1, [0] * len(examples))
 
 
@@ -111,17 +100,13 @@ class EpisodeRunner(Runner):
     pad: int = 0
     scores_replies: bool = True
     """Whether the reward functions score the final reply (else the environment's rewards alone count)."""
-    tool_timeout: float = 0.0
-    """--tool-timeout: the most seconds a tool call may take (0: no limit); --env-timeout is the factory's."""
-
-    concurrency: int = CONCURRENCY
-    """--env-concurrency: calls of different trajectories made at once (under a limit; ``deadline.each``)."""
+    tool_timeout: float = 0.0  # --tool-timeout; --env-timeout is the factory's
+    concurrency: int = CONCURRENCY  # --env-concurrency
     observation_tokens: int | None = None
     """The most tokens of what answers one reply (None: the trajectory's room alone bounds it)."""
 
     def episodes(self, rows: list[dict]) -> list[Episode]:
-        """One episode per row, their environments made ``concurrency`` at a time; a factory that raised (or
-        hung) on a row leaves that sample unscored."""
+        """One episode per row, made ``concurrency`` at a time; a factory that failed leaves its sample unscored."""
         if self.factory is None:
             return [Episode(None, row, dict(self.tools), tool_timeout=self.tool_timeout) for row in rows]
         factory = self.factory
@@ -142,8 +127,7 @@ class EpisodeRunner(Runner):
 
 
 def greedy_generate(model, tokenizer) -> Generate:
-    """A ``generate`` that decodes greedily from ``model`` (log-probs 0), whatever the run's sampler: the held-out
-    evaluation's, for an environment's trajectories and a rollout function's alike."""
+    """A ``generate`` that decodes greedily from ``model`` (log-probs 0): the held-out evaluation's."""
     from auto_research.engine.rollout.builtin import sample  # noqa: PLC0415
 
     def generate(prompt_ids, seeds, settings):
@@ -154,8 +138,8 @@ def greedy_generate(model, tokenizer) -> Generate:
 
 
 def trajectory_rollout(tokenizer, trajectories: list[Trajectory], group_size: int, pad: int) -> Rollout:
-    """The Rollout of finished trajectories: prompts left-padded, each trajectory's ids right-padded; a row's text is
-    its ids decoded (special tokens kept), or the trajectory's own ``text`` when it has one."""
+    """The Rollout of finished trajectories: prompts left-padded, ids right-padded; a row's text is its ids decoded
+    (special tokens kept), or the trajectory's own ``text``."""
     rows = len(trajectories)
     width = max(1, max(len(t.ids) for t in trajectories))
     prompt, prompt_mask = left_padded([t.prompt_ids for t in trajectories], pad)
@@ -190,9 +174,7 @@ def episode_rewards(reward: Callable, prompts: list[str], rollout: Rollout, exam
     scored = reward(prompts, replies, examples, rollout.token_lists()) if scores_replies else [None] * len(replies)
     rewards = []
     for row, value in zip(rollout.episodes, scored):
-        if row["failed"] is not None or (scores_replies and value is None):
-            rewards.append(None)
-        elif row["environment_reward"] is None and value is None:
+        if row["failed"] is not None or (value is None and (scores_replies or row["environment_reward"] is None)):
             rewards.append(None)
         else:
             rewards.append((row["environment_reward"] or 0.0) + (value or 0.0))
@@ -200,9 +182,7 @@ def episode_rewards(reward: Callable, prompts: list[str], rollout: Rollout, exam
 
 
 def episode_figures(world, rollout: Rollout) -> dict:
-    """turns_mean, tool_calls_mean, tool_errors (a count) and truncated_fraction over every rank's trajectories,
-    and the environment's failures (counted in the unscored samples too), of which env_timeouts and
-    tool_timeouts ran past --env-timeout and --tool-timeout."""
+    """The trajectories' figures over every rank: turns, tool calls and errors, truncations, failures, timeouts."""
     rows = rollout.episodes or []
     sums = world.total(torch.tensor([float(len(rows)), float(sum(r["turns"] for r in rows)),
                                      float(sum(r["tool_calls"] for r in rows)),
@@ -219,9 +199,8 @@ def episode_figures(world, rollout: Rollout) -> dict:
 
 
 def environment_failures(rollout: Rollout) -> str | None:
-    """Why a step's samples are unscored when the environment failed on them: how many, and the first one's
-    error in the environment's own words (its exception's type and text); or, when it failed on none and every
-    trajectory was cut off before its environment ended it, the flags that cut them, to raise. None otherwise."""
+    """Why a step's samples are unscored: the environment's failures (the first in its own words), or, when every
+    trajectory was cut off, the flags that cut them, to raise. None otherwise."""
     rows = rollout.episodes or ()
     failures = [row["failed"] for row in rows if row.get("failed") is not None]
     if failures:

@@ -1,10 +1,6 @@
-"""Tools: plain Python functions the model may call.
-
-A tool's type hints and docstring (Google style: a description, then ``Args:``) give the JSON schema passed
-to the chat template's ``tools=`` (transformers' ``get_json_schema``, so that every template that takes
-tools reads it). A call is parsed from the model's reply in the tool-call format its template teaches,
-and answered as a ``tool`` message; a tool that raises answers with its error, which the model sees, and so do
-arguments that do not fit the schema (checked before the call, which is then not made).
+"""Tools: plain Python functions the model may call. A tool's type hints and docstring give the JSON schema passed
+to the chat template's ``tools=`` (transformers' ``get_json_schema``); a call is parsed from the model's reply in
+the format its template teaches, and answered as a ``tool`` message (an error too, which the model sees).
 """
 
 from __future__ import annotations
@@ -132,8 +128,7 @@ def _is(value, kind: str) -> bool:
 
 
 def value_problem(value, schema: dict, where: str) -> str | None:
-    """What is wrong with ``value`` for a parameter's schema (from the tool's type hints), or None: its type,
-    its enum, a list's items (recursively)."""
+    """What is wrong with ``value`` for a parameter's schema (its type, enum, a list's items), or None."""
     kinds = schema.get("type")
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
     if value is None and schema.get("nullable"):
@@ -173,9 +168,8 @@ def arguments_problem(arguments: dict, schema: dict) -> str | None:
 def answer(call: ToolCall, tools: dict[str, Callable], schemas: dict[str, dict] | None = None,
            timeout: float = 0.0, worker=None) -> tuple[str, bool]:
     """The tool's answer as text, and whether it was an error (an unknown tool, arguments that do not fit its
-    schema, a raise): the model sees it. A call whose arguments do not fit is not made. One that runs past
-    ``timeout`` seconds raises ``ToolTimeout`` (its sample fails). ``worker``: the trajectory's thread, where the
-    call runs (``deadline.Worker``)."""
+    schema, so the call is not made, or a raise). One past ``timeout`` seconds raises ``ToolTimeout`` (its sample
+    fails); ``worker``: the trajectory's thread, where the call runs."""
     function = tools.get(call.name)
     if function is None:
         return f"error: no tool named {call.name!r} (tools: {', '.join(sorted(tools)) or 'none'})", True

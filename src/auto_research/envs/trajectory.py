@@ -1,18 +1,10 @@
 """A multi-turn rollout, token-in/token-out: the model's replies and the environment's messages appended to one
-list of token ids, never re-tokenized.
+list of token ids, never re-tokenized (re-applying the chat template can give other ids than the model drew,
+which broke PPO's convergence in verl #3720, #3960). The model's tokens go in as drawn (loss mask 1); a message
+goes in as the text the template adds for it, tokenized on its own (loss mask 0), cut to fit first (``fit``).
 
-Re-applying the chat template to a whole conversation and tokenizing it again can give other ids than the
-model drew (a merge across a turn's boundary, a template that rewrites earlier turns); verl reports that this
-broke PPO's convergence (verl #3720, #3960). So each trajectory's ids are built once, by appending:
-
-- the model's tokens exactly as the sampler drew them (loss mask 1, the sampler's log-probs);
-- the environment's or a tool's message as the *text the template adds* for it (the rest of the assistant
-  turn after the model's own end-of-turn token, the new message, the next generation prompt), tokenized on its
-  own (loss mask 0, log-prob 0), the message cut to the trajectory's room first (``fit``).
-
-Every trajectory of a batch advances one turn at a time; each turn draws one completion per live trajectory
-from its own seed (the prompt's seed, the trajectory's index in its group and the turn), so which batch or
-process runs a trajectory changes nothing.
+Each turn draws one completion per live trajectory from its own seed (``turn_seed``), so which batch or process
+runs a trajectory changes nothing.
 """
 
 from __future__ import annotations
@@ -50,24 +42,21 @@ class Conversation:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=generation_prompt,
                                                   tokenize=False)
 
-    def _ids(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
     def content_ids(self, text: str) -> list[int]:
-        """A message's text alone as ids (to cut it by tokens)."""
-        return self._ids(text)
+        """A text alone as ids (no special tokens added)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         if not self.templated:
-            return self._ids("\n".join(message["content"] for message in messages))
-        return self._ids(self._render(messages, True))
+            return self.content_ids("\n".join(message["content"] for message in messages))
+        return self.content_ids(self._render(messages, True))
 
     def continuation(self, history: list[dict], new: list[dict], ended: bool) -> list[int]:
         """The ids that follow the model's last reply (``history[-1]``) when ``new`` messages answer it: the
         template's closing of that reply (less the end-of-turn token the model already drew, when it drew one),
         the new messages and the next generation prompt."""
         if not self.templated:
-            return self._ids("\n" + "\n".join(message["content"] for message in new) + "\n")
+            return self.content_ids("\n" + "\n".join(message["content"] for message in new) + "\n")
         before, after = self._render(history, False), self._render(history + new, True)
         if not after.startswith(before):
             raise UserError("the chat template renders earlier turns differently once a message is added, so a "
@@ -77,7 +66,7 @@ class Conversation:
         if ended:
             drawn = self.tokenizer.decode(list(self.eos[:1]))
             closing = closing[len(drawn):] if closing.startswith(drawn) else closing
-        return self._ids(closing + after[len(before):])
+        return self.content_ids(closing + after[len(before):])
 
 
 @dataclass
@@ -114,11 +103,9 @@ class Trajectory:
 def run_episodes(generate: Generate, conversation: Conversation, episodes: list[Episode], prompts: list[str],
                  seeds: list[int], settings, max_turns: int, max_tokens: int, concurrency: int = CONCURRENCY,
                  observation_tokens: int | None = None) -> list[Trajectory]:
-    """Each episode's trajectory, all advanced together one turn at a time. ``seeds[i]`` is episode i's own seed
-    (``turn_seed`` of its prompt's); ``max_tokens`` bounds what follows the prompt, ``observation_tokens`` (None:
-    no bound of its own) what answers one reply. The episodes' calls of each phase (their resets, their answers to
-    a turn's replies, their final rewards) run ``concurrency`` at a time (``deadline.each``) when they run on
-    threads of their own (under a limit), else in this thread, one after another; tokenizing stays here."""
+    """Each episode's trajectory, all advanced together one turn at a time. ``max_tokens`` bounds what follows the
+    prompt, ``observation_tokens`` (None: no bound of its own) what answers one reply. Each phase's calls (resets,
+    answers, final rewards) run ``concurrency`` at a time when under a limit; tokenizing stays in this thread."""
     form = call_format(conversation.tokenizer)
     bound = concurrency if any(episode.threaded for episode in episodes) else 1
     firsts = each([partial(episode.first_message, prompt) for episode, prompt in zip(episodes, prompts)], bound)
@@ -156,8 +143,8 @@ def _fail(trajectory: Trajectory, error: Exception) -> None:
 
 
 def _started(conversation: Conversation, prompt: str, outcome: tuple[bool, object]) -> Trajectory:
-    """A trajectory from its first message (the environment's reset: ``outcome``, ``deadline.each``'s) as its
-    prompt; an environment that failed there leaves the row's prompt and an unscored sample."""
+    """A trajectory from its first message (``outcome`` of the reset); a failed reset leaves the row's prompt and an
+    unscored sample."""
     made, first = outcome
     messages = [{"role": "user", "content": first if made else prompt}]
     trajectory = Trajectory(conversation.prompt_ids(messages), messages=messages)
@@ -168,8 +155,8 @@ def _started(conversation: Conversation, prompt: str, outcome: tuple[bool, objec
 
 def _reply(trajectory: Trajectory, conversation: Conversation, tokens: list[int], logprobs: list[float],
            max_tokens: int) -> tuple[str, bool] | None:
-    """The model's reply appended: its text and whether it ended (its end-of-turn token drawn), for what answers
-    it; None when the trajectory's tokens ran out on it (cut, truncated)."""
+    """The model's reply appended: its text and whether it drew its end-of-turn token; None when the trajectory's
+    tokens ran out on it (truncated)."""
     room = max_tokens - len(trajectory.ids)
     tokens, logprobs = tokens[:room], logprobs[:room]
     trajectory.append(tokens, logprobs)
@@ -185,9 +172,8 @@ def _reply(trajectory: Trajectory, conversation: Conversation, tokens: list[int]
 
 def _follow(trajectory: Trajectory, conversation: Conversation, new: list[dict], ended: bool, last_turn: bool,
             max_tokens: int, observation_tokens: int | None, max_turns: int) -> None:
-    """What answers the model's reply (tool results, or the environment's observation; ``_answers``) appended as
-    the next turn's start, cut to fit; the trajectory ends when nothing answers (the environment is done), at the
-    last turn, or when even the template's own tokens do not fit."""
+    """What answers the model's reply appended, cut to fit; the trajectory ends when nothing answers, at the last
+    turn, or when even the template's own tokens do not fit."""
     if not new:  # the environment is done, or a tools-only (or TRL-shaped) episode's reply called no tool
         trajectory.live = False
         return
@@ -213,8 +199,8 @@ def _truncate(trajectory: Trajectory, limit: str) -> None:
 
 def _answers(trajectory: Trajectory, episode: Episode, conversation: Conversation, form: str, text: str
              ) -> list[dict]:
-    """What answers the model's reply: each tool call's answer as a ``tool`` message (an error the model sees
-    for a bad one), counted; else the environment's observation (ours); none when the episode ends there."""
+    """What answers the model's reply: each tool call's answer as a ``tool`` message (counted), else the
+    environment's observation; none when the episode ends there."""
     calls, broken = parse_calls(text, form) if episode.tools else ([], 0)
     if not (calls or broken):
         if not episode.steps:
@@ -243,10 +229,8 @@ MIN_CHARACTERS = 256
 def fit(conversation: Conversation, history: list[dict], new: list[dict], ended: bool, room: int
         ) -> tuple[list[int], list[dict]] | None:
     """The ids that answer the model's last reply, within ``room`` tokens with one left for the model's next
-    turn, and the messages as cut to fit; None when even the template's own tokens do not fit. Each message is
-    cut to ``CHARACTERS_PER_TOKEN`` × room characters (at least ``MIN_CHARACTERS``) before anything is
-    tokenized; then, when the ids are still too many, the messages lose their last tokens, the last message's
-    first."""
+    turn, and the messages as cut to fit (by characters first, then the last message's last tokens first); None
+    when even the template's own tokens do not fit."""
     limit = max(CHARACTERS_PER_TOKEN * room, MIN_CHARACTERS)
     new = [{**message, "content": str(message["content"])[:limit]} for message in new]
     following = conversation.continuation(history, new, ended)

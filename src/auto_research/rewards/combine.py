@@ -1,11 +1,8 @@
 """The run's reward: a weighted sum of its components, checked value by value.
 
-Every reward is called on a whole batch as ``reward(prompts, completions, examples)`` and returns one
-float, or None, per completion. None means "cannot score this one": the sample is left out of its
-group's baseline. A sample that any component cannot score is left out. So is one given a value that is not a
-finite number within ±``MAX_REWARD`` (NaN, ±inf, 1e308), by any source: a reward function, the reward model,
-a reward server or an environment (``checked``); that value is counted (``invalid_rewards``) and its cause kept,
-so that a step where every sample fails says which reward gave what.
+Every reward is called on a whole batch as ``reward(prompts, completions, examples)`` and returns one float, or
+None ("cannot score this one": left out of its group's baseline), per completion. A value that is not a finite
+number within ±``MAX_REWARD``, from any source, is left out too (``checked``), counted and its cause kept.
 """
 
 from __future__ import annotations
@@ -26,10 +23,8 @@ from auto_research.user_code import where_raised
 
 
 MAX_REWARD = 1e6
-"""The largest reward magnitude scored. Baselines, standard deviations and the loss take differences and squares
-of rewards in float32 (at most 3.4e38): a reward of 1e308 is inf there, and one of 1e20 squares to inf. A bound
-of a million keeps every figure finite and is far beyond any reward scale in use (a reward of 2e6 is a bug far
-more often than a scale)."""
+"""The largest reward magnitude scored: baselines, stds and the loss square rewards in float32 (at most 3.4e38),
+so 1e20 would be inf there. A million keeps every figure finite, far beyond any reward scale in use."""
 
 
 def reward_problem(value) -> str | None:
@@ -41,10 +36,8 @@ def reward_problem(value) -> str | None:
 
 
 class Scored(list):
-    """A batch's rewards, one float or None per completion (what every reward returns: a list), and how they came
-    to be: ``parts``, {a component's metric name: its own value for each completion, None where it gave none or an
-    invalid one}; ``causes``, for each completion, why it is unscored when it is not for a plain None ("reward
-    'f' returned nan"), else None."""
+    """A batch's rewards, one float or None per completion, with ``parts`` ({a component's metric name: its own
+    values}) and ``causes`` (why each is unscored when not for a plain None: "reward 'f' returned nan")."""
 
     def __init__(self, values=(), parts: dict | None = None, causes: list | None = None):
         super().__init__(values)
@@ -64,9 +57,8 @@ class Scored(list):
 
 
 def checked(values, source: str = "the reward", parts: dict | None = None, causes: list | None = None) -> Scored:
-    """``values`` as ``Scored``: each a float, or None where it was None or invalid (``reward_problem``; a weighted
-    sum that overflowed, an environment's NaN). An invalid value's cause is the one given in ``causes`` (or that
-    ``values`` holds, when it is ``Scored``), else "``source`` returned nan"; so are the parts."""
+    """``values`` as ``Scored``: each a float, or None where it was None or invalid (``reward_problem``). An invalid
+    value's cause is the one given (or that ``values`` holds), else "``source`` returned nan"."""
     parts = getattr(values, "parts", None) if parts is None else parts
     causes = getattr(values, "causes", None) if causes is None else causes
     causes = [None] * len(values) if causes is None else list(causes)
@@ -85,9 +77,8 @@ def invalid_count(scored) -> int:
 
 
 def metric_names(components: list[tuple[str, Callable]]) -> list[str]:
-    """Each component's name in the metrics (``reward/<name>`` and ``reward/<name>.std``): a function's
-    ``__name__`` (a built-in's own name; a lambda's, the name it was given), a reward model's last path part,
-    ``reward_url`` for --reward-url; the second and later components of one name get _2, _3 …"""
+    """Each component's name in the metrics (``reward/<name>``): a function's ``__name__``, a reward model's last
+    path part, ``reward_url``; the second and later components of one name get _2, _3 …"""
     labels = []
     for name, function in components:
         if name.startswith("reward-model:"):
@@ -103,11 +94,9 @@ def metric_names(components: list[tuple[str, Callable]]) -> list[str]:
 
 
 def with_row_fields(function: Callable) -> Callable:
-    """A user callable in the convention its signature says (``loading.calling_convention``): ours receives the
-    dataset rows as dicts (with ``prompt`` and ``answer`` added); TRL's, keywords: ``prompts``, ``completions``,
-    ``completion_ids`` and each column of the rows as a list (for conversational rows, prompts and completions
-    as message lists, as TRL passes them). An ``async def`` reward returns its coroutine, awaited with the
-    others' by ``CombinedReward``."""
+    """A user callable in the convention its signature says (``loading.calling_convention``): ours gets the rows as
+    dicts; TRL's, keywords, each column a list (conversational rows' prompts and completions as message lists, as
+    TRL passes them). An ``async def`` reward returns its coroutine, awaited by ``CombinedReward``."""
     convention = calling_convention(getattr(function, "__name__", "reward"), function)
     accepted = _keywords(function)
 
@@ -136,9 +125,8 @@ def _keywords(function: Callable) -> set[str] | None:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):
         return None
-    if any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters):
-        return None
-    return {parameter.name for parameter in parameters}
+    takes_any = any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters)
+    return None if takes_any else {parameter.name for parameter in parameters}
 
 
 def _settle(pending: dict[int, object]) -> dict[int, object]:
@@ -151,12 +139,8 @@ def _settle(pending: dict[int, object]) -> dict[int, object]:
 
 @dataclass
 class CombinedReward:
-    """Weighted sum of reward components; None when any component gives None or an invalid value
-    (``reward_problem``), that value's cause kept (``Scored``), and each component's own values.
-
-    A component that raises, or returns anything but a list (or tuple, NumPy array, tensor) of one number or
-    None per completion, is a RewardError naming it.
-    """
+    """Weighted sum of reward components; None when any component gives None or an invalid value. A component
+    that raises, or returns anything but one number or None per completion, is a RewardError naming it."""
 
     components: list[tuple[str, Callable, float]]
     names: list[str] | None = None

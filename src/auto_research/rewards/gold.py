@@ -1,10 +1,5 @@
-"""Hidden gold scorers and judges: what a preference task is really scored by (never trained on; each task's
-record names its scorer, data/registry.py), and the held-out win rate against the starting policy.
-
-``preference-generate``'s gold scorer is an annotator who likes answers of ``GOLD_LENGTH`` (4)
-characters, 1 − |length − 4| / 4 (at least 0): a property a tiny reward model can learn, and one it
-learns the wrong way outside the data (recipes/preferences.py). ``preference-arithmetic``'s is the
-arithmetic partial credit, which a tiny proxy learns poorly, so over-optimisation shows.
+"""Hidden gold scorers and judges: what a preference task is really scored by (never trained on), and the
+held-out win rate against the starting policy.
 """
 
 from __future__ import annotations
@@ -17,14 +12,14 @@ GOLD_LENGTH = 4
 
 
 def gold_scores(prompts, completions, examples) -> list[float]:
-    """The hidden gold scorer: 1 − |characters − GOLD_LENGTH| / GOLD_LENGTH, at least 0."""
+    """preference-generate's gold: 1 − |characters − GOLD_LENGTH| / GOLD_LENGTH, at least 0: a property a tiny
+    reward model can learn, and learns the wrong way outside the data (recipes/preferences.py)."""
     return [max(0.0, 1.0 - abs(len(text.strip()) - GOLD_LENGTH) / GOLD_LENGTH) for text in completions]
 
 
 def arithmetic_gold(prompts, completions, examples) -> list[float]:
-    """preference-arithmetic's gold scorer: the arithmetic partial credit (verifiers.arithmetic_reward).
-    Hard for a tiny reward model to learn from pairs, so its proxy is easily fooled: the task on which
-    over-optimisation shows (the gold reward falls while the proxy climbs)."""
+    """preference-arithmetic's gold: the arithmetic partial credit, which a tiny reward model learns poorly from
+    pairs, so over-optimisation shows (the gold reward falls while the proxy climbs)."""
     return arithmetic_reward(prompts, completions, examples)
 
 
@@ -35,9 +30,6 @@ def judge_of(scorer):
         return 1.0 if a > b else 0.0 if a < b else 0.5
 
     return judge
-
-
-gold_judge = judge_of(gold_scores)
 
 
 def load_judge(spec: str, task):

@@ -1,6 +1,5 @@
-"""Finding the run's reward functions, once: built-ins by name, user functions (``module:function`` or
-``path/file.py:function``, through ``user_code.load_user_object``), functions passed in from Python. Light (no
-torch), so that a mistyped reward fails before any model loads."""
+"""Finding the run's reward functions, once: built-ins by name, user functions, functions passed in from Python.
+Light (no torch), so that a mistyped reward fails before any model loads."""
 
 from __future__ import annotations
 
@@ -26,10 +25,8 @@ def load_reward(spec: str) -> Callable:
 def resolve_rewards(specs: list[str], weights: list[float] | None, reward_model: str | None,
                     functions: list[tuple[str, Callable]] = (), reward_url: str | None = None
                     ) -> list[tuple[str, Callable, bool]]:
-    """The run's named reward components, found before any model is loaded: ``(name, function,
-    is_user_function)``, user callables imported here once and kept. The reward model comes after them
-    and is only named here; with no reward at all, the task's verifier serves (``combine.build_reward``).
-    The weights must count the components exactly."""
+    """The run's named reward components, ``(name, function, is_user_function)``, found before any model is
+    loaded. The reward model comes after them and is only named here; the weights must count them all."""
     passed = {name for name, _ in functions}
     for spec in specs:
         if spec.startswith(FROM_PYTHON) and spec[len(FROM_PYTHON):] not in passed:
@@ -60,16 +57,10 @@ POSITIONAL, TRL = "positional", "trl"
 
 
 def calling_convention(name: str, function: Callable) -> str:
-    """How a user reward is called, from its signature (a one-line UserError when neither fits):
-
-    - ``trl``: TRL's keywords, ``reward(prompts=…, completions=…, completion_ids=…, **columns)``, each dataset
-      column a list; chosen when the function takes ``**kwargs`` or keyword-only parameters, or names a
-      parameter ``completions`` anywhere but second of three (``def reward(completions, answer, **kwargs)``);
-    - ``positional``: ours, ``reward(prompts, completions, rows)``, three positional parameters (any names,
-      the second not ``completions`` only if none is), rows as dicts.
-
-    Three positional parameters whose third is ``completion_ids`` could be either: refused, as is any other
-    shape (``*args`` alone, one or two parameters without ``completions``)."""
+    """How a user reward is called, from its signature: ``trl`` (keywords, each column a list) when it takes
+    ``**kwargs`` or keyword-only parameters, or names ``completions`` anywhere but second of three; ``positional``
+    (``reward(prompts, completions, rows)``) for three positional parameters; any other shape, and three whose
+    third is ``completion_ids`` (either could be meant), a one-line UserError."""
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
@@ -96,9 +87,8 @@ PASSED = ("prompts", "completions", "completion_ids")
 
 
 def check_columns(rewards: list[tuple[str, Callable, bool]], columns: set[str], dataset: str) -> None:
-    """A reward called TRL's way whose parameter without a default names no column of the data would fail at its
-    first call, after the model loaded and the evaluation before training ran: one line now instead. ``columns``:
-    those of the data's rows (any row's), as the reward receives them (``answer`` included, ``prompt`` not)."""
+    """A TRL-style reward whose parameter without a default names no column of the data (``columns``, ``answer``
+    included) would fail at its first call, after the model loaded: one line now instead."""
     for name, function, user in rewards:
         if not user or calling_convention(name, function) != TRL:
             continue

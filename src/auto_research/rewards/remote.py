@@ -1,15 +1,6 @@
-"""A reward served elsewhere (``--reward-url http://HOST:PORT/PATH``): a sandbox that runs code, a reward
-model on another machine (OpenRLHF's remote reward URL, verl's sandbox).
-
-One JSON POST per batch of completions::
-
-    {"prompts": [...], "completions": [...], "columns": {"answer": [...], ...}}
-
-answered by a JSON list of one number or null per completion (or ``{"rewards": [...]}``). A request that
-times out, is refused, is dropped or gets a 5xx answer is retried with exponential backoff; one that keeps
-failing, a 4xx, or a malformed answer is a ``RewardError`` (one line; the run keeps its last good
-checkpoint and exits with status 2). A batch larger than ``batch_size`` completions is sent as several
-requests, at most ``concurrency`` in flight at once.
+"""A reward served elsewhere (``--reward-url http://HOST:PORT/PATH``; the protocol: docs/generation-level.md).
+One JSON POST per ``batch_size`` completions, at most ``concurrency`` in flight, retried with backoff; one that
+keeps failing, a 4xx, or a malformed answer is a ``RewardError``.
 """
 
 from __future__ import annotations
@@ -22,17 +13,13 @@ from auto_research.errors import RewardError, UserError
 from auto_research.http import RequestFailed, request
 
 
-def check_url(url: str) -> str:
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise UserError(f"--reward-url {url!r}: expected http://HOST:PORT/PATH")
-    return url
-
-
 class RemoteReward:
     def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5,
                  concurrency: int = 4, batch_size: int = 256):
-        self.url, self.timeout, self.retries, self.backoff = check_url(url), timeout, retries, backoff
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise UserError(f"--reward-url {url!r}: expected http://HOST:PORT/PATH")
+        self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
         self.concurrency, self.batch_size = concurrency, batch_size
 
     def __call__(self, prompts, completions, examples) -> list[float | None]:

@@ -26,13 +26,8 @@ def score_texts(model, tokenizer, texts: list[str], device, batch_size: int = 16
 
 
 class RewardModel:
-    """A sequence-classification model scoring ``prompt + completion`` text.
-
-    It keeps its own tokenizer: the text is decoded from the policy's tokens and
-    re-encoded, so policy and reward model need not share a vocabulary. The
-    score is the head's single logit (a head of another width is refused), by the
-    same function reward-model training used (``score_texts``).
-    """
+    """A sequence-classification model scoring ``prompt + completion`` text with its own tokenizer (so policy and
+    reward model need not share a vocabulary): the head's single logit, as reward-model training scored it."""
 
     def __init__(self, path: str, device, offline: bool, batch_size: int = 16):
         check_model_source(path, offline, "--reward-model")

@@ -1,8 +1,4 @@
-"""Built-in verifiers: exact-match correctness (the accuracy every level reports) and the rewards built on it.
-
-Every reward is called on a whole batch as ``reward(prompts, completions, examples)`` and returns one
-float per completion.
-"""
+"""Built-in verifiers: exact-match correctness (the accuracy every level reports) and the rewards built on it."""
 
 from __future__ import annotations
 
@@ -58,11 +54,8 @@ aside: a reply that wraps the right number in words is wrong)."""
 
 
 def arithmetic_reward(prompts, completions, examples) -> list[float]:
-    """½ · exact match + ½ · fraction of digit positions that are right (partial credit).
-
-    Exact match alone gives a group no signal whenever all K samples are wrong;
-    per-digit credit lets a sample with the right units digit beat one without.
-    """
+    """½ · exact match + ½ · fraction of digit positions that are right: exact match alone gives a group no signal
+    whenever all K samples are wrong; per-digit credit lets a right units digit beat a wrong one."""
     rewards = []
     for completion, example in zip(completions, examples):
         text, gold = completion.strip(), example.answer
