@@ -70,10 +70,8 @@ def _runner(factory, concurrency):
     def generate(prompt_ids, seeds, settings):
         return [list(reply) for _ in prompt_ids], [[-0.5] * len(reply) for _ in prompt_ids]
 
-    runner = EpisodeRunner(generate, tokenizer, factory, {}, SamplingSettings(8), 3, 100, (tokenizer.eos_token_id,),
-                           tokenizer.pad_token_id)
-    runner.concurrency = concurrency  # --env-concurrency
-    return runner
+    return EpisodeRunner(generate, tokenizer, factory, {}, SamplingSettings(8), 3, 100, (tokenizer.eos_token_id,),
+                         tokenizer.pad_token_id, concurrency=concurrency)  # --env-concurrency
 
 
 EXAMPLES = [Example(f"{i}+1=", str(i + 1)) for i in range(4)]

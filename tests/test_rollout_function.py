@@ -134,7 +134,7 @@ def _scripted(trainer: Trainer):
         return returned
 
     trainer.drawing.sampler.generate_ids = generate
-    trainer.drawing.episodes.function = recorded
+    object.__setattr__(trainer.drawing.episodes, "function", recorded)  # (a frozen runner: the test's own patch)
     drawn = produce(trainer.source(), trainer.state.rng, 1, 0)
     return drawn, example, calls, seed
 

@@ -50,7 +50,7 @@ def load_rollout_function(spec) -> tuple[str, Callable]:
     return getattr(spec, "__name__", "rollout_function"), spec
 
 
-@dataclass
+@dataclass(frozen=True)
 class FunctionRunner(Runner):
     """The run's rollouts from a rollout function, as ``EpisodeRunner``'s from an environment."""
 

@@ -85,7 +85,7 @@ class Runner:
         return replace(self, generate=greedy_generate(model, self.tokenizer)).sample(examples, 1, [0] * len(examples))
 
 
-@dataclass
+@dataclass(frozen=True)
 class EpisodeRunner(Runner):
     generate: Generate
     """``generate(prompt_ids, seeds, settings)``: one completion (ids, log-probs) per prompt (``generate_ids``)."""
