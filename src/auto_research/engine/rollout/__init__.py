@@ -1,14 +1,7 @@
-"""Rollout: the Sampler seam. A sampler turns prompts into K completions each, from given seeds, and carries
-its own log-probabilities of the tokens it drew; it is handed the policy's new weights after every
-optimizer step.
-
-    rollout = sampler.sample(prompts, K, seeds)      # ids, masks, texts, the sampler's log-probs
-    ...                                              # score, experience, advantages, update
-    sampler.load_weights(policy)                     # a no-op for the builtin loop
-
-The builtin loop (``builtin.py``) samples from the training model itself. Another engine (vLLM, an
-asynchronous producer) implements the same two methods and returns the same ``Rollout``; ``remote.py`` holds
-what every such engine needs (the weights to push, the Rollout of its token ids and log-probs).
+"""Rollout: the Sampler seam. A sampler turns prompts into K completions each, from given seeds, with its own
+log-probabilities of the tokens it drew (``sample``); it is handed the policy's new weights after every optimizer
+step (``load_weights``). The builtin loop (``builtin.py``) samples from the training model itself; another engine
+(vLLM, a rollout server) returns the same ``Rollout``, with what it needs in ``remote.py``.
 """
 
 from __future__ import annotations
@@ -94,13 +87,9 @@ class Rollout:
         return tokens, [row[: len(ids)] for row, ids in zip(self.sampler_logprobs.tolist(), tokens)]
 
     def rows(self, start: int, stop: int, trim: bool = False) -> "Rollout":
-        """Rows start … stop − 1 (a micro-batch of whole groups).
-
-        With ``trim``, without the prompt columns that are left padding in every one of these rows
-        and the completion columns after the longest of their completions: the forward then costs
-        what the micro-batch holds, not what the longest row of the whole batch needs. Log-probs
-        and values of the kept positions are unchanged (positions come from the attention mask).
-        """
+        """Rows start … stop − 1 (a micro-batch of whole groups). ``trim``: without the columns that are padding in
+        every one of these rows, so the forward costs what the micro-batch holds (positions come from the attention
+        mask, so the kept positions' log-probs and values are unchanged)."""
         sequences, prompt_mask, completion_mask = (self.sequences[start:stop], self.prompt_mask[start:stop],
                                                    self.completion_mask[start:stop])
         per_token = {name: None if getattr(self, name) is None else getattr(self, name)[start:stop]
@@ -177,11 +166,8 @@ def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
-    """1 on every completion token up to and including the first EOS, 0 after it.
-
-    Padding appended after a finished row comes after its EOS, so it is excluded too, whether or not
-    the pad token equals EOS.
-    """
+    """1 on every completion token up to and including the first EOS, 0 after it (padding too, even when the pad
+    token is EOS)."""
     is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
     for token in eos_token_ids:
         is_eos |= completion_ids == token

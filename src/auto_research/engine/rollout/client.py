@@ -1,12 +1,7 @@
-"""The trainer's side of ``--rollout-mode server`` (the protocol: ``server.py``; the engine behind it vLLM or the
-builtin sampler): rank 0 holds the server's lease for the run's life and pushes the policy's weights after every
-optimizer step, through the server's shared-memory buffer when it sees it (same host, ``transfer.py``), else over
-HTTP; every rank samples its own prompts, carrying the lease so that the server draws them before any other
-client's.
-
-The lease is claimed with the run's secret (``run_secret``): random, made when the run first claims a lease and
-kept in its run folder (mode 0600). ``--resume`` reads it back and so takes over the lease its SIGKILLed process
-left, at once; no other client can, whatever host, PID and folder it names."""
+"""The trainer's side of ``--rollout-mode server`` (the protocol: ``server.py``): rank 0 holds the server's lease for
+the run's life and pushes the policy's weights after every optimizer step (``links.py``); every rank samples its own
+prompts, carrying the lease so that the server draws them first. The lease is claimed with the run's secret
+(``run_secret``, kept in its run folder): ``--resume`` so takes over the lease its SIGKILLed process left, at once."""
 
 from __future__ import annotations
 
@@ -56,11 +51,9 @@ def run_secret(run_dir) -> str:
 
 
 class ServerSampler:
-    """The Sampler seam over a rollout server (see the module docstring). Rank 0 holds the server's lease for the
-    run's life (renewed by its pushes and a heartbeat) and releases it in ``close``. ``chunk_prompts``: prompts
-    per request (the builtin engine's batches then have the shapes of the trainer's own sampler on any number of
-    ranks); ``engine``: the server's engine, for the line that says how to start one; ``api_key``: the server's key
-    (default: ``AUTO_RESEARCH_API_KEY``)."""
+    """The Sampler seam over a rollout server. ``chunk_prompts``: prompts per request (the builtin engine's batches
+    then have the trainer's own shapes on any number of ranks); ``engine``: for the line that says how to start one;
+    ``api_key`` (default: ``AUTO_RESEARCH_API_KEY``)."""
 
     streams = False
 

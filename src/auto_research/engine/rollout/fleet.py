@@ -1,37 +1,19 @@
 """Several rollout servers behind one trainer (``--rollout-server h1:p1,h2:p2`` or a file of addresses): the
 step's groups spread over them, the weights pushed to each, a server that fails left behind and its groups drawn
-again by the others (docs/scaling-out.md).
+again by the others (docs/scaling-out.md). Each member is a ``ServerSampler`` (``client.py``) with its own lease,
+weight path and check that every answer came from the weights this run pushed to it. What the fleet adds:
 
-    fleet = Fleet(lambda address, model: ServerSampler(model, ..., address, ...), addresses, policy, world, log,
-                  chunk_prompts)
-    fleet.sample(prompts, group_size, seeds)     # each unit of groups to an idle server, the answers in order
-    fleet.load_weights(policy)                   # to every server in the pool, concurrently; rejoins first
+- **Units and routing.** A unit is whole groups (``chunk_prompts`` for the builtin engine, else a share of the
+  batch), taken by the next idle server; a group's draw depends only on its seeds, never on which server drew it.
+  A multi-turn history that extends one this fleet drew goes back to the server that drew it (its caches).
+- **A failing server** (a failed request, an answer from another life or version, or ``SILENT_BEATS`` silent
+  heartbeats) leaves the pool with one log line, and its units are drawn again by the others with the same seeds.
+- **Rejoining.** At each push the addresses that left are asked again (at most every ``REJOIN_SECONDS``); one that
+  answers joins once it holds this run's lease and the current weights. With no server left: ``RolloutEngineError``.
+- **Across batches** (``stream``, ``fleet_stream.py``): each server holds a version of its own.
 
-Each member is a ``ServerSampler`` (``client.py``): its own lease, its own shared buffer or HTTP, its own check
-that every answer came from the weights this run pushed to it. What the fleet adds:
-
-- **Units and routing.** A request carries whole groups (a prompt and its K completions): ``chunk_prompts`` of
-  them for the builtin engine (the shapes of the trainer's own sampler), a share of the batch for vLLM. A server
-  takes the next unit when it has none in flight, so each unit goes to a server with the fewest in flight. A
-  group's draw depends only on its seeds (per-prompt generators), never on which server drew it or how many there
-  are. The turns of a multi-turn trajectory stay on the server that drew its first turn (its KV cache and prefix
-  cache are there): a history that extends one this fleet drew goes back to the same server.
-- **A failing server.** A request that fails after its retries, an answer from another life or weights version of
-  the server, or (rank 0) ``SILENT_BEATS`` heartbeats without an answer: the server leaves the pool with one line
-  in the log, and its units are drawn again by the others with the same seeds, so the batch is the one the run
-  would have drawn without the fault. A failed draw is never scored: it is drawn again or the run stops.
-- **Rejoining.** At each push the addresses that left are asked again (at most every ``REJOIN_SECONDS``); one
-  that answers joins only after it holds this run's lease and the current weights (a new ``ServerSampler``).
-- **No server left.** ``RolloutEngineError`` naming each server's failure: the run stops with the last good
-  checkpoint, as with one server.
-- **Across batches** (``stream``: --max-staleness K ≥ 1 in one process): each server holds a version of its own and
-  moves on to the next batch's units as soon as none of its version is left to draw (``fleet_stream.py``), so no
-  server idles until the batch's slowest unit is drawn. ``sample`` and ``load_weights`` above draw a batch with one
-  version on every server (K = 0, torchrun, multi-turn episodes, refills).
-
-Under torchrun every rank holds a fleet of its own and draws its own prompts; the pushes (collective: FSDP's
-gathers, the ranks' agreement) go to the servers every rank still has, one after the other, and a rejoin is
-rank 0's decision, shared with all.
+Under torchrun every rank holds a fleet of its own; the pushes go to the servers every rank still has, one after
+the other, and a rejoin is rank 0's decision, shared with all.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""What a rollout server accepts, checked before anything touches its engine: the lease that makes one trainer
-the only writer of its weights, the shape and size of a ``/generate`` or ``/logprobs`` request, and every tensor of
-a weight push.
+"""What a rollout server accepts, checked before anything touches its engine: the lease, the shape and size of a
+``/generate`` or ``/logprobs`` request, and every tensor of a weight push. Every check raises ``Refused(status,
+message)``: the server answers one JSON line ``{"error": message}`` and its engine and weights stay as they were.
 
-Every check raises ``Refused(status, message)``: the server answers it as one JSON line
-``{"error": message}`` with that 4xx status, and its engine and weights stay as they were.
-
-The lease (one trainer per server). Two trainers sampling from one server would each train on samples drawn by
-the other's weights (seen: a per-token mismatch of 9.7 nats at one step, silently trained on). So the first
-trainer to connect takes a lease and holds it for its run's life; its weight pushes and a heartbeat renew it.
-Another trainer's claim is refused until the holder releases it (at its run's end) or stops renewing it for
-``seconds`` (a holder SIGKILLed, or its machine lost). A claim carries the run's secret, a random string the
-trainer keeps in its run folder (mode 0600, ``client.run_secret``); the server keeps only its SHA-256. A claim
-with the holder's own secret takes the live lease over at once: that is ``--resume`` after a crash (the run
-folder's lock, ``locks.FolderLock``, already guarantees the earlier process is gone). Nothing else does: the
-host, PID and run folder a claim names are the client's own word, so they describe the holder and prove
-nothing. Who holds the lease (PID, run folder) is shown only where every client had to give the API key; a
-server without one shows the holder's host alone (its own log names the rest).
+The lease (docs/vllm.md): two trainers on one server would each train on samples drawn by the other's weights
+(seen: a per-token mismatch of 9.7 nats at one step, silently trained on). A claim with the holder's own run secret
+(the server keeps its SHA-256) takes a live lease over, for ``--resume``; the host, PID and run folder a claim names
+are the client's own word, so they describe the holder and prove nothing, and are shown only behind an API key.
 """
 
 from __future__ import annotations

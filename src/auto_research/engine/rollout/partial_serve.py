@@ -1,32 +1,19 @@
 """Partial rollouts in a rollout server (--in-flight-updates with --rollout-mode server or process; docs/async.md):
 the continuous batch (the builtin engine's ``partial.Rounds`` over a ``Pool``, or vLLM's ``vllm_partial.VLLMRounds``)
-lives in the server, and the lease holder drives it a round at a time. Weights are pushed between rounds as ever, so a new version reaches the rows in
-flight between two of their decode steps, their KV cache kept or recomputed.
+lives in the server, and the lease holder drives it a round at a time, pushing weights between rounds as ever.
 
-- ``POST /partial/round`` with the lease and ``{"round", "version", "weights_version", "per_step", "oldest_allowed",
-  "recompute_kv", "group_size", "settings", "supply"}`` and optionally ``"pool_groups"`` (the groups decoding at once:
-  ``per_step`` to ``MAX_IN_FLIGHT_POOL`` · ``per_step``, default ``per_step``) and ``"settle"`` (a checkpoint will
-  read this round: ``partial.Rounds.run``): ``supply`` is ``[[[index, seed], prompt ids, seed], ...]``, appended to
-  the queue of groups to draw (the trainer keeps it at three steps' worth); ``version`` names, in the trainer's
-  numbering, the weights the server holds (``weights_version``, its own push count, must match them). The server puts
-  back the groups holding a token older than ``oldest_allowed``, decodes until ``per_step`` groups are done →
-  ``{"lanes": [{"key", "order", "prompt_ids", "tokens", "logprobs", "entropies", "versions"}], "requeued", "pending",
-  "weights_version", "instance"}``. Rounds come in order (``round`` is the last one's + 1, else 409). Under torchrun
-  every rank sends each round (the same request: the whole step's groups): the first runs it, the others get its
-  answer, and each rank trains its own slice of the groups. A round sent again with another request is a 409.
-- ``POST /partial/state`` with the lease and ``{"round"}`` → the state as that round left it (kept for the last
-  ``KEPT_STATES`` rounds): a safetensors body, its plain values as JSON in the metadata's ``"plain"``. A
-  checkpoint saves it; ``POST /partial/restore`` with the lease and that body puts it back for ``--resume``,
-  checked first by the rules of the rounds it replaces (``partial_restore``): a state file is what a user restores
-  from, and a round's refusals (NaN log-probs, a version beyond the round's, more groups than rounds hold, tensors
-  no round saves, a body larger than its settings allow) hold for it too, the lease's rounds left as they were.
+- ``POST /partial/round`` with the lease and the fields ``ROUND_FIELDS`` (``OPTIONAL_FIELDS`` optionally): ``supply``
+  (``[[[index, seed], prompt ids, seed], ...]``) is appended to the queue, the groups holding a token older than
+  ``oldest_allowed`` go back to it, and the server decodes until ``per_step`` groups are done → ``{"lanes",
+  "requeued", "pending", "weights_version", "instance"}``. Rounds come in order (409 otherwise); under torchrun
+  every rank sends each round, the first runs it and the others get its answer (another request is a 409).
+- ``POST /partial/state`` → the state a kept round (the last ``KEPT_STATES``) left, as safetensors with its plain
+  values as JSON in the metadata's ``"plain"``; ``POST /partial/restore`` puts such a body back for ``--resume``,
+  checked first by the rules of the rounds it replaces (a state file is what a user restores from).
 
-The state belongs to the lease that made it, and goes when the lease is released or lapses (vLLM's requests
-aborted): another lease (a new run, or the same run resumed with its secret) starts from an empty one, at any
-round, or from what it restores. While a vLLM engine holds a session's requests, other clients' ``/generate`` is a
-409 (vLLM's ``generate`` would step them to their end), checked in the engine's turn. A round the engine fails
-is a 500, and the session's rounds are given up: that round sent again, or a later one, is a 409 naming the failure
-(a run resumes from its checkpoint; a round 1 starts afresh).
+The state belongs to the lease that made it and goes when the lease does (vLLM's requests aborted). While a vLLM
+engine holds a session's requests, other clients' ``/generate`` is a 409 (vLLM's ``generate`` would step them to their
+end). A round the engine fails is a 500 and gives up the session's rounds: any later round is a 409 naming it.
 """
 
 from __future__ import annotations
@@ -56,6 +43,7 @@ RULES = "the state breaks a round's rules: "
 ROUND_FIELDS = ("round", "version", "weights_version", "per_step", "oldest_allowed", "recompute_kv", "group_size",
                 "settings", "supply")
 OPTIONAL_FIELDS = ("pool_groups", "settle")
+
 
 @dataclass
 class Session:

@@ -1,21 +1,14 @@
 """Where the two sides of a collective weight sync (``pushes.py``) find each other: a key-value store the trainer
-hosts and the server reaches, in place of torch's TCPStore.
+hosts and the server reaches, in place of torch's TCPStore, which listened on every interface and asked nothing of
+whoever connected (a stranger read its key count, set keys of its own and held a blocking wait). This store:
 
-A TCPStore listened on every interface whatever address it was given, and asked nothing of whoever connected: a
-process that was not the trainer read its key count, set and read back keys of its own, and held a blocking wait.
-This store:
+- listens on one address, the trainer's on the way to the server, as gloo's own listeners do (``gloo_device``);
+- asks each connection a challenge first, an HMAC-SHA256 under ``link_key`` (from the lease, which only the trainer
+  and the server hold, and the group's name); one that does not answer within ``AUTH_SECONDS`` is closed having read
+  nothing else, and at most ``MAX_WAITING`` answer at once. The server challenges the trainer in turn.
 
-- listens on one address, the trainer's on the way to the server (``pushes.local_address``: the loopback for a
-  server on this host), as gloo's own listeners do (``gloo_device``);
-- asks each connection a challenge first: an HMAC-SHA256 of 32 random bytes under ``link_key``, which each side
-  derives from the lease (that only the trainer and the server hold) and the group's name. A connection that does
-  not answer it within ``AUTH_SECONDS`` is closed, having read nothing but the challenge; at most ``MAX_WAITING``
-  wait to answer at once (any more are closed at once). The server checks the trainer's answer to a challenge of
-  its own in turn, so it joins no one else's group.
-
-After the challenge, a request is an operation byte and its parts (each a 4-byte length and its bytes), and an
-answer a status byte (0: done; 1: failed, its part the reason) and its parts; the trainer's side keeps the keys in a
-``torch.distributed.HashStore``, which its own rank uses directly.
+Then a request is an operation byte and its parts (each a 4-byte length and its bytes), an answer a status byte
+(0: done; 1: failed, its part the reason) and its parts; the keys live in a ``HashStore`` the trainer's rank uses.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""vLLM as the rollout engine, colocated: one ``vllm.LLM`` in each training process, on its device.
+"""vLLM as the rollout engine, colocated: one ``vllm.LLM`` in each training process, on its device (docs/vllm.md).
 
-    sampler = VLLMSampler(policy, tokenizer, settings, memory=0.3, dtype=torch.float32, max_model_len=...)
-    rollout = sampler.sample(prompts, K, seeds)   # n = K per prompt, a seed per prompt, vLLM's log-probs
-    sampler.load_weights(policy)                  # after every optimizer step: the weights, then a fresh cache
-
-The engine is built from the policy's config and tokenizer alone (``load_format="dummy"``) and then given
-the policy's weights, so whatever the trainer holds (the embedded model, a resumed checkpoint, a merged
-LoRA) is what vLLM samples from, with nothing written to disk. Every sampling setting is passed
-explicitly and the checkpoint's ``generation_config`` is ignored (``generation_config="vllm"``). The
-log-probs vLLM returns are ``processed_logprobs``: those of the distribution it drew from, after
-temperature, top-k and top-p, which is what an importance weight π_trainer / μ_sampler needs.
-
-vLLM is imported only here, only when ``--sampler vllm`` is asked for. Its known-harmless lines (start-up
-warnings, a line per weight sync) are kept off stderr (engine/quiet.py), and its INFO lines below its
-logging level, unless ``verbose`` (``--verbose``, or VLLM_LOGGING_LEVEL set to INFO or DEBUG).
+The engine is built from the policy's config and tokenizer alone (``load_format="dummy"``) and then given the
+policy's weights, so it samples from whatever the trainer holds, with nothing written to disk. Every sampling
+setting is explicit (``generation_config="vllm"``), and the log-probs are ``processed_logprobs``: those of the
+distribution drawn from (after temperature, top-k, top-p), as an importance weight π_trainer / μ_sampler needs.
+vLLM is imported only here; its known-harmless lines are kept off stderr (engine/quiet.py) unless ``verbose``.
 """
 
 from __future__ import annotations
@@ -144,10 +135,9 @@ class VLLMSampler:
         """vLLM's (tensor, data) parallel sizes: above 1, its workers are processes of their own."""
         self.max_adapter_rank, self.adapter, self._adapters = lora_rank, None, None
         self._adapter_ids = itertools.count(1)
-        """vLLM's ids of the adapters pushed, each new (its LoRA cache knows an adapter by its id)."""
-        """With ``lora_rank`` (rollout-serve --enable-lora): vLLM applies a pushed LoRA adapter itself
-        (``load_adapter``) of rank up to this; ``adapter`` is the one it draws with (a LoRARequest), None after a
-        full push."""
+        """vLLM's ids of the adapters pushed, each new (its LoRA cache knows an adapter by its id). With ``lora_rank``
+        (--enable-lora) vLLM applies a pushed adapter itself; ``adapter`` is the one it draws with, None after a full
+        push."""
         with harmless_lines_hidden(not self.verbose):
             self.llm = self._engine(model, memory, dtype, max_model_len, seed)
         self.weight_sync_seconds = 0.0
@@ -235,11 +225,9 @@ class VLLMSampler:
         return self.max_model_len - 1
 
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
-        """Each completion token's log-prob at temperature 1 given all before it (a served teacher's scores):
-        vLLM's prompt log-probs over prompt + completion, one token drawn. ``prompt_logprobs=0`` gives each
-        position's actual token alone; vLLM takes prompt log-probs from the raw logits' log-softmax in any
-        ``logprobs_mode`` (no temperature, top-k or top-p: gpu_model_runner's ``_get_prompt_logprobs_dict``), and
-        skips the prefix cache for such a request (``SamplingParams``: a cached prefix would have none)."""
+        """Each completion token's log-prob at temperature 1 given all before it (a served teacher's scores): vLLM's
+        prompt log-probs over prompt + completion, taken from the raw logits' log-softmax in any ``logprobs_mode``
+        (gpu_model_runner's ``_get_prompt_logprobs_dict``); such a request skips the prefix cache."""
         from vllm import SamplingParams  # noqa: PLC0415
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
