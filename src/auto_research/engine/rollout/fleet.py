@@ -86,11 +86,6 @@ class Fleet:
         reasons = "; ".join(f"{address}: {self.left[address][0]}" for address in self.addresses if address in self.left)
         return RolloutEngineError(f"--rollout-server: every rollout server of this run has left the pool ({reasons})")
 
-    def _rejoin(self, model) -> None:
-        """The servers that left and answer again join the pool with the current weights (``reconnect``)."""
-        for address, member in self.reconnect(model):
-            self.members[address] = member
-
     def reconnect(self, model) -> list[tuple[str, object]]:
         """Rank 0 asks the addresses that left, at most every ``REJOIN_SECONDS`` each; the ranks agree on those that
         answered, and each is connected by a new client: this run's lease, then ``model``'s weights (its first
@@ -137,8 +132,8 @@ class Fleet:
                                for address in pool}, concurrently=not self.world.distributed)
         for address, why in failures.items():
             self._leave(address, why)
-        if self.left:
-            self._rejoin(model)
+        if self.left:  # the servers that left and answer again rejoin with the current weights
+            self.members.update(self.reconnect(model))
         if not self.members:
             raise self._none_left()
         self.weight_sync_seconds = time.perf_counter() - started
