@@ -84,8 +84,7 @@ class ServerSampler:
         """Rank 0's way for the weights to the server (``links.py``: its shared buffer, a group with it, HTTP)."""
         self.device = next(model.parameters()).device
         self.tied = tied_weights(model)
-        """Weights the policy ties (``remote.tied_weights``): a group with the server, or its shared buffer, takes
-        them once."""
+        """Weights the policy ties (``remote.tied_weights``): a group or a shared buffer takes them once."""
         self.world.agree(self._claim(run_dir, sync, shared, health.get("collective")) if world.main else None)
         self.lease = self.world.gather_objects(self.lease)[0]
         self.weight_sync_seconds, self.pushed_bytes = 0.0, 0
@@ -100,8 +99,7 @@ class ServerSampler:
         self.load_weights(model)
 
     def _claim(self, run_dir, sync: str, shared: bool, collective) -> UserError | None:
-        """Rank 0 takes the server's lease, chooses the weights' path from what both ends declare
-        (``links.choose_link``) and starts its heartbeat; the refusal, for every rank to raise."""
+        """Rank 0 takes the lease, chooses the weights' path and starts its heartbeat; the refusal, for every rank."""
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "run": str(Path(run_dir).resolve())}
         try:
             claim = {"holder": holder, "secret": run_secret(run_dir)}
@@ -120,9 +118,8 @@ class ServerSampler:
         return None
 
     def _heartbeat(self) -> None:
-        """Renew the lease a few times per its lapse time (every ``HEARTBEAT_SECONDS`` at most), whatever the step is
-        doing; a lost lease shows at the next push (refused), so this thread only keeps trying, and counts the
-        renewals in a row that got no answer (``answering``: a fleet stops waiting on a server that stopped)."""
+        """Renew the lease a few times per its lapse time, whatever the step is doing (a lost lease shows at the next
+        push), counting the renewals in a row that got no answer (``answering``)."""
         while not self._stop.wait(min(self.lease_seconds / 4, HEARTBEAT_SECONDS)):
             try:
                 request(self.base + "/lease/renew", b"{}", "application/json", HEARTBEAT_SECONDS, 0, 0.5,
@@ -138,8 +135,7 @@ class ServerSampler:
         return self.unanswered < SILENT_BEATS
 
     def abandon(self) -> str | None:
-        """Leave the server without a word to it (it failed or stopped answering): the heartbeat stops, the lease
-        lapses on its own, the shared buffer's map is closed. Returns the lease it held (``give_back``)."""
+        """Leave the server without a word (it failed or stopped answering), the lease left to lapse; returns it."""
         self._stop.set()
         if self.link is not None:
             self.link.close()
@@ -147,16 +143,14 @@ class ServerSampler:
         return lease
 
     def give_back(self, lease: str | None) -> None:
-        """At the run's end, the lease of a server ``abandon`` left: it may only have been slow (a heartbeat lost
-        under load), and would otherwise be held for a dead trainer until it lapses. One try, 5 s at most."""
+        """At the run's end, the lease of a server ``abandon`` left (it may only have been slow), in one try of 5 s."""
         if lease and self.world.main:
             with contextlib.suppress(RequestFailed):
                 request(self.base + "/lease/release", b"{}", "application/json", 5, 0, 0.5,
                         {**self.headers, "X-Lease": lease})
 
     def close(self) -> None:
-        """The run is over: stop the heartbeat and give the lease back (a server that is gone by now needs none),
-        then leave it as ``abandon`` does."""
+        """The run is over: give the lease back (where the server still answers), then leave as ``abandon`` does."""
         self._stop.set()
         if self.lease is not None and self.world.main:
             with contextlib.suppress(UserError):
@@ -189,8 +183,7 @@ class ServerSampler:
     # --- partial rollouts (--in-flight-updates; partial_serve.py) ---------------------------------------------------
 
     def partial_round(self, body: dict) -> dict:
-        """One round of the server's continuous batch, on the weights this run pushed last. A round sent again
-        (a retry, or another rank's copy under torchrun) is answered with what it drew the first time."""
+        """One round of the server's continuous batch, on the weights this run pushed last."""
         answer = self._call("/partial/round", json.dumps({**body, "weights_version": self.version}).encode())
         self._check_drawn_by_this_run(answer)
         return answer
@@ -218,8 +211,8 @@ class ServerSampler:
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int]
                  ) -> tuple[list[list[int]], list[list[float]]]:
-        """``group_size`` completions of each prompt (token ids in, token ids out) and their log-probs, in
-        requests of ``chunk_prompts`` prompts, each split further to fit the server's bound on a request."""
+        """``group_size`` completions of each prompt and their log-probs, in requests of ``chunk_prompts`` prompts,
+        each split further to fit the server's bound."""
         s, chunk = self.settings, self.chunk_prompts or len(prompt_ids)
         completions, logprobs = [], []
         parts = [(begin + start, begin + end) for begin in range(0, len(prompt_ids), chunk)
@@ -237,8 +230,8 @@ class ServerSampler:
         return completions, logprobs
 
     def _check_drawn_by_this_run(self, answer: dict) -> None:
-        """A server restarted since the last push (a supervisor, an operator) would sample from its initial weights
-        and a trainer would train on another policy's samples: refused by the server's instance and version."""
+        """A server restarted since the last push would sample from its initial weights (another policy's samples):
+        refused by the server's instance and version."""
         if answer.get("instance") != self.instance:
             raise RolloutEngineError(f"--rollout-server {self.address} restarted since this run pushed its weights "
                                      "(its samples would come from another policy)")
@@ -249,15 +242,13 @@ class ServerSampler:
 
     def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
                      ) -> tuple[list[list[int]], list[list[float]]]:
-        """One completion per prompt of token ids, as the server drew them (``envs.trajectory.run_episodes``),
-        with the run's own settings (``settings`` is the same object)."""
+        """One completion per prompt of token ids (``envs.trajectory``), with the run's settings (the same object)."""
         return self.generate([[int(token) for token in ids] for ids in prompt_ids], 1, seeds)
 
     def load_weights(self, model) -> None:
         """The policy's weights into the server. A LoRA policy and a server that merges adapters (the builtin
-        engine): the base weights once, then only the adapter (``links.AdapterLink``: a few percent of the bytes);
-        otherwise the merged weights, every time. Nobody samples before the server has them, and a failed push
-        stops every rank."""
+        engine): the base weights once, then only the adapter (a few percent of the bytes); otherwise the merged
+        weights. A failed push stops every rank."""
         started = time.perf_counter()
         factors = adapter_factors(model) if self.adapters else None  # every rank: FSDP2 gathers
         self.pushed_bytes = 0
@@ -270,9 +261,8 @@ class ServerSampler:
         self.weight_sync_seconds = time.perf_counter() - started
 
     def _push(self, link, named) -> int:
-        """Every rank walks the tensors (FSDP2 gathers one parameter at a time, in the same order on each); rank 0
-        sends them through ``link`` under its lease; every rank learns whether they went in. The bytes of tensors
-        sent (rank 0's count)."""
+        """Every rank walks the tensors (FSDP2 gathers them one at a time), rank 0 sends them through ``link``, every
+        rank learns whether they went in. The bytes sent (rank 0's count)."""
         sent, link = 0, link if self.world.main else None
         failure = None if link is None else _attempt(link.begin)
         for name, tensor in named:

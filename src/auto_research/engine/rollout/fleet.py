@@ -87,9 +87,8 @@ class Fleet:
         return RolloutEngineError(f"--rollout-server: every rollout server of this run has left the pool ({reasons})")
 
     def reconnect(self, model) -> list[tuple[str, object]]:
-        """Rank 0 asks the addresses that left, at most every ``REJOIN_SECONDS`` each; the ranks agree on those that
-        answered, and each is connected by a new client: this run's lease, then ``model``'s weights (its first
-        push). The new clients by address, for the caller to put in the pool."""
+        """Rank 0 asks the addresses that left (at most every ``REJOIN_SECONDS``); each that answered is connected by
+        a new client, taking this run's lease and ``model``'s weights. The new clients by address, for the pool."""
         now = time.monotonic()
         with self.lock:
             due = [address for address, (_, asked) in self.left.items() if now - asked >= REJOIN_SECONDS]
@@ -115,17 +114,15 @@ class Fleet:
         return joined
 
     def stream(self, version: int, policy):
-        """Draws across batches from here on (``fleet_stream.Stream``): the servers hold ``version``, ``policy``'s
-        weights now."""
+        """Draws across batches from here on (``fleet_stream.Stream``); the servers hold ``version`` now."""
         self.streaming = Stream(self, version, policy)
         return self.streaming
 
     # --- weights -----------------------------------------------------------------------------------------------
 
     def load_weights(self, model) -> None:
-        """The weights to every server of the pool: concurrently in one process, one server after another under
-        torchrun (each push is collective); a server whose push fails leaves the pool. Then the servers that left
-        are asked to rejoin."""
+        """The weights to every server of the pool (concurrently in one process, in turn under torchrun, where each
+        push is collective); a server whose push fails leaves the pool."""
         started = time.perf_counter()
         pool = self._agreed_pool()
         failures = _push_each({address: (lambda member=self.members[address]: member.load_weights(model))
@@ -163,9 +160,8 @@ class Fleet:
 
     def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
                      ) -> tuple[list[list[int]], list[list[float]]]:
-        """One completion per history (``envs.trajectory``): a history that extends one this fleet drew goes to
-        the same server, all such in one unit; new ones go in units of equal prompts (a group's first turns
-        together, on one server)."""
+        """One completion per history (``envs.trajectory``): one that extends a history this fleet drew goes to the
+        same server; new ones go in units of equal prompts (a group's first turns together)."""
         histories = [[int(token) for token in ids] for ids in prompt_ids]
         homes = [self._home(ids) for ids in histories]
         families: dict[tuple, list[int]] = {}
@@ -179,8 +175,7 @@ class Fleet:
         return completions, logprobs
 
     def units(self, prompts: int) -> list[list[int]]:
-        """A batch's prompts (their positions) in units: the builtin engine's chunks, else shares of the batch (two
-        units per server)."""
+        """A batch's prompt positions in units: the builtin engine's chunks, else two units per server."""
         size = self.chunk_prompts or max(1, math.ceil(prompts / (2 * len(self.addresses))))
         return [list(range(start, min(start + size, prompts))) for start in range(0, prompts, size)]
 
@@ -202,10 +197,9 @@ class Fleet:
 
     def _draw(self, units: list[list[int]], affinity: list, draw: Callable, per_row: int
               ) -> tuple[list[list[int]], list[list[float]], list[str]]:
-        """Each unit (its rows) drawn by a server of the pool, one unit in flight per server; a unit whose server
-        failed is drawn again by another. ``affinity``: the server a unit should go to while that server is in the
-        pool; ``per_row``: completions a row's answer holds, in the rows' order. The completions and log-probs in
-        the rows' order, and the server that drew each row."""
+        """Each unit drawn by a server of the pool, one in flight per server, a failed one again by another
+        (``affinity``: the server a unit should go to; ``per_row``: completions a row's answer holds). The completions
+        and log-probs in the rows' order, and the server that drew each row."""
         rows = sum(len(unit) for unit in units)
         todo, answers, in_flight = list(range(len(units))), {}, {}
         done: queue.Queue = queue.Queue()
@@ -257,8 +251,7 @@ class Fleet:
 
 
 def _next_unit(todo: list[int], affinity: list, address: str, members: dict) -> int | None:
-    """The next unit for an idle server: one that should go to it, else one that should go nowhere in particular
-    (or to a server that has left)."""
+    """The next unit for an idle server: one that should go to it, else one bound to no server in the pool."""
     for index in todo:
         if affinity[index] == address:
             return index
@@ -279,9 +272,8 @@ def _run(done: queue.Queue, index: int, address: str, draw: Callable, member, ro
 
 
 def _push_each(pushes: dict[str, Callable], concurrently: bool) -> dict[str, str]:
-    """Run each push, in a thread of its own when ``concurrently`` (else one after another, in this thread); the
-    failures by address (a server's). Any other error (a tensor the run cannot send, a bug) is raised here, as a
-    push in this thread would."""
+    """Run each push (each in a thread of its own when ``concurrently``); the servers' failures by address. Any
+    other error (a tensor the run cannot send, a bug) is raised here, as a push in this thread would."""
     failures: dict[str, str] = {}
     raised: list[BaseException] = []
 

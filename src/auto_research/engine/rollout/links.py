@@ -1,14 +1,8 @@
 """How a trainer's weights reach a rollout server: one class a path (``WeightLink``), each opened from what the two
-ends declare (the server's offer: its shared buffer, the groups it can join; the trainer's device and tied weights),
-in a small registry (``LINKS``). A new transport is a class and its line there.
-
-    link = choose_link(client, sync, offer)   # --rollout-sync: auto, or the path insisted on
-    link.begin(); link.send(name, tensor) ...; failure = link.finish(failure)
-
-- ``SharedLink``: the server's buffer in this host's shared memory, written in place (``transfer.py``);
-- ``CollectiveLink``: a torch.distributed group of two with the server (``pushes.py`` is the server's side);
-- ``HttpLink``: checked safetensors parts over HTTP, between any two hosts;
-- ``AdapterLink``: a LoRA run's adapter alone, merged by the server onto its base weights.
+ends declare (``Offer``; the trainer's device and tied weights), in a registry (``LINKS``): a new transport is a
+class and its line there. ``SharedLink``: this host's shared memory (``transfer.py``); ``CollectiveLink``: a
+torch.distributed group of two (``pushes.py``, the server's side); ``HttpLink``: safetensors parts over HTTP;
+``AdapterLink``: a LoRA run's adapter alone.
 """
 
 from __future__ import annotations
@@ -153,9 +147,8 @@ class SharedLink(SharedWriter):
 
 @contextlib.contextmanager
 def _one_thread(device: torch.device):
-    """A copy into a staging buffer on one of this process's threads (on the CPU): gloo sends the last bucket from
-    a thread of its own meanwhile, and two threads copying starved it (a SmolLM2 push on 2 cores: 0.25–0.30 s with
-    both, 0.20–0.24 s with one)."""
+    """A copy into a staging buffer on one thread (on the CPU): gloo sends the last bucket from a thread of its own
+    meanwhile, and two copying threads starved it (a SmolLM2 push on 2 cores: 0.25–0.30 s, against 0.20–0.24 s)."""
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads == 1:
         yield
@@ -168,10 +161,10 @@ def _one_thread(device: torch.device):
 
 
 class CollectiveLink:
-    """A group of two (``backend``: gloo or NCCL) with one rollout server: ``call(path, body)`` is the client's
-    request under its lease. ``begin`` starts a push's request, ``send`` broadcasts each tensor in the server's
-    order (from ``device``: the trainer's GPU under NCCL), ``finish`` waits for its answer (the server's refusal). ``tied`` ({name: the earlier name}, ``remote.tied_weights``): weights the model ties, sent once
-    where the server takes that (an older one sends no ``tied`` back, and gets every name)."""
+    """A group of two (``backend``: gloo or NCCL) with one rollout server, ``call`` being the client's request under
+    its lease: ``begin`` starts a push's request, ``send`` broadcasts each tensor in the server's order (from
+    ``device`` under NCCL), ``finish`` waits for its answer. ``tied``: weights the model ties, sent once where the
+    server takes that."""
 
     def __init__(self, call, host: str, port: int, names: list[str] | None = None, backend: str = "gloo",
                  device: torch.device | str = "cpu", tied: dict | None = None, lease: str = ""):

@@ -52,8 +52,7 @@ def _broadcast_options():
 
 
 def backends(device: torch.device | str) -> list[str]:
-    """The groups this side can form with its weights on ``device``, the fastest first: NCCL for CUDA tensors
-    when this torch has it, gloo (any tensor, sent from the CPU) when this torch has it."""
+    """The groups this side can form with its weights on ``device``, the fastest first (NCCL for CUDA tensors)."""
     if not dist.is_available():
         return []
     fast = ["nccl"] if torch.device(device).type == "cuda" and dist.is_nccl_available() else []
@@ -66,8 +65,7 @@ def offered_backends(collective) -> list[str]:
 
 
 def choose_backend(ours: list[str], theirs) -> str | None:
-    """The first of ``ours`` (fastest first) that the server offers too (``offered_backends``); None when they
-    share none."""
+    """The first of ``ours`` (fastest first) that the server offers too; None when they share none."""
     offered = offered_backends(theirs)
     return next((backend for backend in ours if backend in offered), None)
 
@@ -110,8 +108,7 @@ def _device(backend: str, device) -> torch.device:
 
 
 def takes_adapters(sampler) -> bool:
-    """Whether ``sampler`` applies a pushed LoRA adapter itself: the builtin engine always, vLLM when started with
-    --enable-lora (``takes_adapters``)."""
+    """Whether ``sampler`` applies a pushed LoRA adapter itself (the builtin engine; vLLM with --enable-lora)."""
     return bool(getattr(sampler, "takes_adapters", hasattr(sampler, "load_adapter")))
 
 
@@ -144,10 +141,8 @@ def adapter_push(handler, limit: int):
 
 @dataclass
 class Link:
-    """The server's side of a group with the lease holder: the device a push is received on, its buckets
-    (``layout``), the weights the trainer sends once for two names (``tied``: {name: the earlier name}), and two
-    sets of receive buffers. An engine that adopts received tensors (``adopt_named``) serves from one set while
-    the next push lands in the other; ``adopted`` is the set it serves from (None: its own memory)."""
+    """The server's side of a group with the lease holder, with two sets of receive buffers: an engine that adopts
+    received tensors serves from one (``adopted``; None: its own memory) while the next push lands in the other."""
 
     store: object
     group: object

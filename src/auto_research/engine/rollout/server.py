@@ -51,10 +51,8 @@ SLICE_TOKENS = 2**14
 group alone when it asks more): between two slices the lease holder's waiting requests go first."""
 LARGE_BODY_BYTES = 2**20
 LARGE_BODIES = 4
-"""Bodies over LARGE_BODY_BYTES (up to /generate's 64 MiB) that clients without the lease may have read and held at
-once: connections are not bounded (a flood of slow ones blocks nobody), the memory their bodies take is. One
-beyond waits for a slot up to --read-timeout, then gets 503. The holder's bodies (its weight pushes) are never
-held up."""
+"""Bodies over LARGE_BODY_BYTES that clients without the lease may hold at once: connections are not bounded, the
+memory their bodies take is. One more waits up to --read-timeout for a slot, then gets 503; the holder's never do."""
 
 
 # --- the server ---------------------------------------------------------------------------------------
@@ -86,13 +84,11 @@ class Serving:
     turns: Turns
     say: object
     instance: str = ""
-    """This server's life (random): a trainer that sees another one knows the server restarted without its
-    weights."""
+    """This server's life (random): another one tells a trainer the server restarted without its weights."""
     large: threading.BoundedSemaphore | None = None
     """Slots for the bodies over ``LARGE_BODY_BYTES`` of clients without the lease, read and held at once."""
     links: dict = field(default_factory=dict)
-    """The lease holder's group (gloo or NCCL), by lease (``pushes.collective_join``): one ``pushes.Link`` at a
-    time."""
+    """The lease holder's group, by lease: one ``pushes.Link`` at a time (``pushes.collective_join``)."""
     partial: object = None
     """The lease holder's partial rollouts (``partial_serve.Session``), once it ran a round or restored one."""
 
@@ -173,9 +169,8 @@ class Handler(BaseHTTPRequestHandler):
         raise Refused(status, message)
 
     def _body(self, limit: int, head=None) -> bytes:
-        """The body, ``limit`` bytes at most. ``head(read, length)``, when given, reads the body's first bytes
-        (``read(count)``) and may refuse the body from them: the rest is then read and dropped, never held, so that
-        a client still sending gets the refusal, and the connection closes."""
+        """The body, ``limit`` bytes at most. ``head(read, length)`` may refuse it from its first bytes: the rest is
+        then read and dropped, never held, so that a client still sending gets the refusal."""
         length = self.headers.get("Content-Length")
         if length is None:
             self._refuse(411, "a request body needs a Content-Length")
@@ -216,8 +211,7 @@ class Handler(BaseHTTPRequestHandler):
         self._holding_large = True
 
     def _drain(self, limit: int) -> None:
-        """Read and drop the body (at most ``limit`` bytes): a refusal then reaches a client that is still sending,
-        and nothing of the body is held."""
+        """Read and drop the body (at most ``limit`` bytes), so that a refusal reaches a client still sending."""
         length = self.headers.get("Content-Length", "")
         self._drop(min(int(length), limit) if is_decimal(length) and len(length) <= 18 else 0)
 
@@ -296,8 +290,8 @@ class Handler(BaseHTTPRequestHandler):
                      "instance": serving.instance}
 
     def _in_turns(self, tokens: int, parts: list, work) -> tuple[list, int]:
-        """``work(start, end)`` of each part (the whole request at once for the lease holder), each in a turn of
-        the engine; their answers, and the one weights version they all came from."""
+        """``work(start, end)`` of each part (the whole request for the lease holder), each in a turn of the engine;
+        their answers, and the one weights version they came from."""
         serving = self.serving
         first = serving.leases.holds(self.headers.get("X-Lease"))
         answers, version = [], None
@@ -345,8 +339,7 @@ class Handler(BaseHTTPRequestHandler):
         return self.load_checked(weights) if last else (200, {"received": self.serving.intake.received()})
 
     def holder_body(self, limit: int, head=None) -> bytes:
-        """The lease holder's body (``limit`` bytes at most; ``head`` as ``_body``'s); another client's is read,
-        dropped and refused."""
+        """The lease holder's body (as ``_body``); another client's is read, dropped and refused."""
         try:  # the lease first: a push of any other client is never held in memory
             self.serving.leases.check(self.headers.get("X-Lease"))
         except Refused:
@@ -362,14 +355,13 @@ class Handler(BaseHTTPRequestHandler):
             return self.load_checked(self.serving.intake.take_shared(token, body))
 
     def load_checked(self, weights: dict, adopt: bool = False):
-        """Every checked tensor into the engine, in place (``loaded``). ``adopt``: the engine serves the tensors
-        themselves (``adopt_named``: memory nobody writes while it is served, ``pushes.collective_push``)."""
+        """Every checked tensor into the engine, in place; ``adopt``: the engine serves the tensors themselves
+        (``adopt_named``, ``pushes.collective_push``)."""
         sampler = self.serving.sampler
         return self.loaded(lambda: (sampler.adopt_named if adopt else sampler.load_named)(iter(weights.items())))
 
     def loaded(self, load):
-        """``load()`` puts new weights into the engine in the holder's turn (only it pushes); only then does the
-        version move → the answer, ``{"weights_version", "seconds"}``."""
+        """``load()`` puts new weights into the engine in the holder's turn; only then does the version move."""
         started, turns = time.perf_counter(), self.serving.turns
         with turns.turn(first=True):
             load()
@@ -390,8 +382,8 @@ def _check_no_partial_rollouts(serving) -> None:
 
 def make_server(sampler, served: Served, host: str, port: int, limits: Limits = Limits(), log=None,
                 clock=time.monotonic):
-    """An HTTP server in front of one engine (a ``VLLMSampler`` or ``BuiltinEngine``: ``generate``,
-    ``load_named`` and ``max_model_len``); see ``Handler``. ``clock`` times the leases (tests move it by hand)."""
+    """An HTTP server in front of one engine (``generate``, ``load_named``, ``max_model_len``: a ``VLLMSampler`` or
+    ``BuiltinEngine``). ``clock`` times the leases (tests move it by hand)."""
     serving = Serving(sampler, served, limits, Leases(limits.lease_seconds, clock, reveal=limits.api_key is not None),
                       Intake(served.spec, limits.shared_folder), Turns(limits.max_server_tokens),
                       log or (lambda line: None), secrets.token_hex(8), threading.BoundedSemaphore(limits.large_bodies))

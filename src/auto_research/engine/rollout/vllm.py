@@ -42,10 +42,9 @@ def check_servable(config, device: str, model_name: str, where: str = "--sampler
 
 
 def check_parallel(device: str, tensor: int, data: int, where: str = "rollout-serve") -> None:
-    """vLLM's parallelism against this host, in one line before any model loads: on GPUs, tensor × data GPUs must
-    be visible; on the CPU, each tensor-parallel worker takes a group of this process's cores (bound here through
-    ``VLLM_CPU_OMP_THREADS_BIND`` unless the user set it: vLLM-CPU otherwise wants a NUMA node per worker), with
-    torch.compile off in its workers (see below)."""
+    """vLLM's parallelism against this host, before any model loads: on GPUs, tensor × data GPUs visible; on the
+    CPU, a group of this process's cores per tensor-parallel worker (``VLLM_CPU_OMP_THREADS_BIND`` unless set:
+    vLLM-CPU otherwise wants a NUMA node per worker), torch.compile off (see below)."""
     if tensor == 1 and data == 1:
         return
     if device.startswith("cuda"):
@@ -220,8 +219,7 @@ class VLLMSampler:
 
     @property
     def longest_scored(self) -> int:
-        """The longest row (prompt + completion) ``logprobs`` scores: vLLM draws a token after it, within
-        max_model_len."""
+        """The longest row ``logprobs`` scores: vLLM draws a token after it, within max_model_len."""
         return self.max_model_len - 1
 
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
@@ -248,8 +246,7 @@ class VLLMSampler:
         return sample_by_ids(self, prompts, group_size, seeds)
 
     def load_weights(self, model) -> None:
-        """The policy's current weights into the engine, in place, then its prefix cache emptied (cached
-        prompt KV was computed with the old weights)."""
+        """The policy's current weights into the engine, in place, then a fresh prefix cache."""
         started = time.perf_counter()
         self.load_named(pushed_weights(model, self.dtype))
         self.weight_sync_seconds = time.perf_counter() - started
@@ -270,13 +267,12 @@ class VLLMSampler:
 
     @property
     def partial_rollouts(self) -> bool:
-        """A rollout server over it decodes partial rollouts (``rounds``), unless it applies LoRA adapters (one
-        pushed while requests decode would change under them)."""
+        """A rollout server over it decodes partial rollouts, unless it applies LoRA adapters (one pushed while
+        requests decode would change under them)."""
         return self.max_adapter_rank is None
 
     def rounds(self, group_size: int, settings: SamplingSettings):
-        """Partial rollouts on this engine (``partial.Rounds`` over a ``vllm_partial.VLLMPool``; a rollout server's
-        ``/partial/round``)."""
+        """Partial rollouts on this engine (``partial.Rounds`` over a ``vllm_partial.VLLMPool``)."""
         from auto_research.engine.rollout.partial import Rounds  # noqa: PLC0415
         from auto_research.engine.rollout.vllm_partial import VLLMPool  # noqa: PLC0415
 
@@ -288,10 +284,9 @@ class VLLMSampler:
         return self.max_adapter_rank is not None
 
     def load_adapter(self, factors: dict) -> None:
-        """A LoRA adapter (``{weight: (A, B, scaling)}``, checked by the server) for vLLM to apply over the base
-        weights of the last full push, unmerged: written as a PEFT adapter (each B times its scaling, every rank
-        padded with zeros to the largest, so one ``r`` and ``lora_alpha`` = r fit all) under a new id, and loaded at
-        once, so an adapter vLLM cannot apply fails its push rather than the next draw."""
+        """A LoRA adapter (``{weight: (A, B, scaling)}``) for vLLM to apply unmerged: written as a PEFT adapter (B
+        times its scaling, ranks zero-padded to the largest so that one ``r`` = ``lora_alpha`` fits all) under a new
+        id, and loaded at once, so that an adapter vLLM cannot apply fails its push rather than the next draw."""
         from safetensors.torch import save_file  # noqa: PLC0415
         from vllm.lora.request import LoRARequest  # noqa: PLC0415
 
