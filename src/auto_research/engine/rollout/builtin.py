@@ -238,34 +238,22 @@ class BuiltinSampler:
         self.chunk_prompts, self.context = chunk_prompts, context
 
     def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
-        chunk = self.chunk_prompts or len(prompts)
-        settings = self.settings
-        with self.context(), self._packed(chunk * group_size):
-            parts = [sample(self.model, self.tokenizer, prompts[start: start + chunk], group_size,
-                            settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
-                            seeds=seeds[start: start + chunk]) for start in range(0, len(prompts), chunk)]
-        return concatenate(parts, self.tokenizer.pad_token_id)
+        return concatenate(self._chunks(prompts, group_size, seeds, self.settings), self.tokenizer.pad_token_id)
 
     def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
                      ) -> tuple[list[list[int]], list[list[float]]]:
         """One completion per prompt given as token ids (a multi-turn history, never re-tokenized): its ids up to
         and including its EOS, and the sampler's log-prob of each (``envs.trajectory.run_episodes``)."""
-        s = settings or self.settings
-        chunk = self.chunk_prompts or len(prompt_ids)
-        completions, logprobs = [], []
-        with self.context(), self._packed(chunk):
-            for start in range(0, len(prompt_ids), chunk):
-                tokens, values = sample(self.model, self.tokenizer, prompt_ids[start: start + chunk], 1,
-                                        s.max_new_tokens, s.temperature, s.top_p, s.top_k,
-                                        seeds=seeds[start: start + chunk]).drawn()
-                completions, logprobs = completions + tokens, logprobs + values
-        return completions, logprobs
+        drawn = [part.drawn() for part in self._chunks(prompt_ids, 1, seeds, settings or self.settings)]
+        return [row for tokens, _ in drawn for row in tokens], [row for _, values in drawn for row in values]
 
-    @contextlib.contextmanager
-    def _packed(self, rows: int):
-        """The weights packed once for all of a call's chunks (``engine/packed.py``), not once a chunk."""
-        with torch.no_grad(), packed_linears(self.model, rows):
-            yield
+    def _chunks(self, prompts: list, group_size: int, seeds: list[int], s: SamplingSettings) -> list[Rollout]:
+        """The Rollout of each chunk of ``chunk_prompts`` prompts, the weights packed once for them all."""
+        chunk = self.chunk_prompts or len(prompts)
+        with self.context(), torch.no_grad(), packed_linears(self.model, chunk * group_size):
+            return [sample(self.model, self.tokenizer, prompts[start: start + chunk], group_size, s.max_new_tokens,
+                           s.temperature, s.top_p, s.top_k, seeds=seeds[start: start + chunk])
+                    for start in range(0, len(prompts), chunk)]
 
     def load_weights(self, model) -> None:
         pass
