@@ -58,8 +58,7 @@ class Rollout:
     span versions, ``policy_versions`` is then each row's oldest); None: every token has its row's version."""
 
     def to(self, device) -> "Rollout":
-        """Every tensor of the rollout on ``device`` (a remote or multi-turn sampler returns CPU tensors; the trainer
-        computes on its own device)."""
+        """Every tensor of the rollout on ``device`` (a remote or multi-turn sampler returns CPU tensors)."""
         moved = {field: value.to(device) for field, value in vars(self).items() if isinstance(value, torch.Tensor)}
         return replace(self, **moved)
 
@@ -119,8 +118,7 @@ class Sampler(Protocol):
     streams: bool
     """Draws across batches (``stream(version, policy)``, ``fleet_stream.Stream``): a fleet of servers."""
     partial: bool
-    """Decodes partial rollouts in rounds (``partial_round``, ``partial_state``, ``partial_restore``): a rollout
-    server of this version that can (``partial_serve.py``)."""
+    """Decodes partial rollouts in rounds (``partial_round``, ``partial_state``, ``partial_restore``)."""
     pushed_bytes: int | None
     """The bytes of tensors its last weight push sent; None: it is given no weights that way."""
 
@@ -136,8 +134,8 @@ class Sampler(Protocol):
 
 
 def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
-    """One rollout from several sampled separately: prompts left-padded, completions right-padded
-    to the widest (padding is masked out, and positions come from the masks, so nothing changes)."""
+    """One rollout from several sampled separately: prompts left-padded, completions right-padded to the widest
+    (masked out, and positions come from the masks, so nothing changes)."""
     if len(rollouts) == 1:
         return rollouts[0]
     prompt_width = max(r.prompt_length for r in rollouts)
@@ -189,8 +187,8 @@ def left_padded(rows: list[list[int]], pad: int, device="cpu") -> tuple[torch.Te
 
 
 def prompt_seed(seed: int, step: int, index: int) -> int:
-    """The sampling seed of one prompt at one step: from the run's seed, the step and the prompt's
-    dataset index, never from a process's random stream, so 1 or N processes draw the same samples."""
+    """The sampling seed of one prompt at one step, from the run's seed, the step and the prompt's dataset index
+    (never a process's random stream: 1 or N processes draw the same samples)."""
     return int(np.random.SeedSequence([seed, step, index]).generate_state(1, np.uint64)[0] >> 1)
 
 

@@ -29,8 +29,7 @@ from auto_research.errors import RolloutEngineError, UserError
 
 @dataclass(frozen=True)
 class Offer:
-    """What the server declares for this lease: its shared buffer (None: none this client may use) and the groups
-    it can join (``/health``'s ``collective``); where it is."""
+    """What the server declares for this lease (its shared buffer, the groups it can join), and where it is."""
 
     shared: dict | None
     collective: object
@@ -55,8 +54,7 @@ class WeightLink(Protocol):
 
 
 def _attempt(call, *args) -> UserError | None:
-    """``call(*args)``'s failure as a value (a push goes on walking the weights: every rank takes part in each
-    gather), None when it went through."""
+    """``call(*args)``'s failure as a value (a push goes on walking the weights for every rank's gathers), or None."""
     try:
         call(*args)
     except UserError as error:
@@ -65,8 +63,8 @@ def _attempt(call, *args) -> UserError | None:
 
 
 class HttpLink:
-    """The weights in safetensors parts of up to ``PART_BYTES`` (``/weights?part=i&last=0|1``), each checked by the
-    server; a tied weight is sent as a copy of its own (safetensors keeps one name per storage)."""
+    """The weights in safetensors parts of up to ``PART_BYTES``; a tied weight is sent as a copy of its own
+    (safetensors keeps one name per storage)."""
 
     transfer = "HTTP"
 
@@ -104,8 +102,7 @@ class HttpLink:
 
 
 class AdapterLink(HttpLink):
-    """A LoRA run's adapter factors alone (``remote.adapter_factors``: a few percent of the bytes), in one request
-    under the lease (``/weights/adapter``)."""
+    """A LoRA run's adapter factors alone (``remote.adapter_factors``), in one request (``/weights/adapter``)."""
 
     def send(self, name: str, tensor: torch.Tensor) -> None:
         self.batch[name] = tensor
@@ -115,8 +112,7 @@ class AdapterLink(HttpLink):
 
 
 class SharedLink(SharedWriter):
-    """The server's shared buffer, mapped (same host, same user): each tensor copied into its slot, then the
-    slots' checksums posted (``/weights/shared``)."""
+    """The server's shared buffer, mapped: each tensor copied into its slot, then the checksums posted."""
 
     transfer = "shared memory"
 
@@ -211,8 +207,7 @@ class CollectiveLink:
 
     @classmethod
     def open(cls, client, offer: Offer, insist: bool):
-        """A group with a server on another host (or one insisted on), of a backend both ends take (NCCL when both
-        sides' weights are on GPUs, else gloo)."""
+        """A group with a server on another host (or one insisted on), of a backend both ends take."""
         if offer.loopback and not insist:
             return None
         ours = backends(client.device)
@@ -320,13 +315,12 @@ class CollectiveLink:
 LINKS = {"shared-memory": SharedLink, "collective": CollectiveLink, "http": HttpLink}
 """--rollout-sync's paths (``config/rollout.py``), each a class that opens from the two ends' declarations."""
 AUTO = ("shared-memory", "collective", "http")
-"""--rollout-sync auto: the first of these both ends can form (a shared buffer this process can map, a group with
-a server on another host, HTTP)."""
+"""--rollout-sync auto: the first of these both ends can form."""
 
 
 def choose_link(client, sync: str, offer: Offer) -> WeightLink:
-    """--rollout-sync ``auto`` takes the first link of ``AUTO`` that opens; another path is insisted on (a
-    UserError when the two ends cannot form it)."""
+    """--rollout-sync ``auto`` takes the first link of ``AUTO`` that opens; another path is insisted on (else a
+    UserError)."""
     for name in AUTO if sync == "auto" else (sync,):
         link = LINKS[name].open(client, offer, insist=sync != "auto")
         if link is not None:

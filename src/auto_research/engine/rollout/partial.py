@@ -25,8 +25,7 @@ from auto_research.errors import UserError
 
 
 class Pool:
-    """Lanes in flight (``admit``, ``tick``, ``swap``, ``drop``), decoded by the caller's model with whatever weights
-    it holds, whose version the caller names."""
+    """Lanes in flight, decoded by the caller's model with whatever weights it holds, whose version the caller names."""
 
     def __init__(self, model, tokenizer, group_size: int, max_new_tokens: int, temperature: float, top_k: int,
                  top_p: float, eos: list[int], pad: int, version: int = 0):
@@ -61,8 +60,7 @@ class Pool:
 
     @torch.no_grad()
     def admit_many(self, groups: list[tuple[object, list[int], int]]) -> None:
-        """Several prompts' groups (key, prompt ids, seed), prefilled in one forward (left-padded, as ``sample``
-        prefills a batch: each row's draws are its own)."""
+        """Several prompts' groups (key, prompt ids, seed), prefilled in one left-padded forward, as ``sample``'s."""
         if not groups:
             return
         ids, attention = encode_prompts(self.tokenizer, [list(prompt) for _, prompt, _ in groups], self.device)
@@ -116,8 +114,7 @@ class Pool:
         self._decoding(self.batch["row"] >= 0)
 
     def _decoding(self, keep: torch.Tensor) -> None:
-        """Only the batch's rows where ``keep`` holds go on decoding (their KV cache kept, the others' dropped);
-        columns that are padding in every row left go."""
+        """Only the batch's rows where ``keep`` holds go on decoding; columns that are padding in all of them go."""
         if bool(keep.all()):
             return
         positions = keep.nonzero().squeeze(1)
@@ -295,7 +292,8 @@ class Rounds:
         stale = {id(lane) for lane in self.finished if int(lane.versions[lane.versions >= 0].min()) < oldest_allowed}
         dropped = {key for key, oldest in self.pool.oldest_versions() if oldest < oldest_allowed}
         again = [(lane.key, list(lane.prompt_ids), lane.key[1]) for lane in self.finished if id(lane) in stale] + [
-            (lane["key"], list(lane["prompt_ids"]), lane["key"][1]) for lane in self.pool.lanes if lane["key"] in dropped]
+            (lane["key"], list(lane["prompt_ids"]), lane["key"][1]) for lane in self.pool.lanes
+            if lane["key"] in dropped]
         self.finished = [lane for lane in self.finished if id(lane) not in stale]  # (a key's seed is its own)
         self.pool.drop(lambda key: key not in dropped)
         self.requeued += len(again)
@@ -321,8 +319,7 @@ class Rounds:
         self.pool.admit_many(admitted)
 
     def to_files(self) -> tuple[dict, dict]:
-        """The rounds' state as tensors (copies) and plain values (the pool's, the queue, the count). A pool that
-        cannot save its groups in flight (vLLM's) hands them back as ``"unfinished"``: first in the queue."""
+        """The rounds' state as tensors (copies) and plain values; a pool's ``"unfinished"`` go first in the queue."""
         tensors, plain = self.pool.to_files(self.finished)
         unfinished = plain.pop("unfinished", [])
         plain.update(pending=unfinished + [[list(key), list(ids), seed] for key, ids, seed in self.pending],
@@ -330,16 +327,15 @@ class Rounds:
         return tensors, plain
 
     def restore(self, tensors: dict, plain: dict) -> None:
-        """``to_files``' values back; ``ValueError`` naming what does not fit these rounds (the pool's own checks
-        too), before anything is changed."""
+        """``to_files``' values back; ``ValueError`` naming what does not fit, before anything is changed."""
         for index, lane in enumerate(plain["finished"]):
             shape = tensors[f"finished/{index}/tokens"].shape
             entropies = tensors.get(f"finished/{index}/entropies")  # (none from vLLM)
             if len(shape) != 2 or shape[0] != self.pool.K or any(
                     tensors[f"finished/{index}/{name}"].shape != shape for name in ("logprobs", "versions")) or (
                     entropies is not None and entropies.shape != shape):
-                raise ValueError(f"finished group {index} is not {self.pool.K} rows of tokens, log-probs, versions (and "
-                                 "entropies)")
+                raise ValueError(f"finished group {index} is not {self.pool.K} rows of tokens, log-probs, versions "
+                                 "(and entropies)")
         for item in plain["pending"]:
             key, ids, seed = item
             if not (isinstance(key, list) and len(key) == 2 and isinstance(ids, list) and key[1] == seed
@@ -356,7 +352,6 @@ class Rounds:
 
 
 def builtin_pool(model, tokenizer, group_size: int, settings) -> Pool:
-    """The builtin engine's continuous batch over ``model`` (a record's ``pool``, ``engine/samplers.py``; a rollout
-    server's ``/partial/round``), padded as the trainer's rollout side pads."""
+    """The builtin engine's continuous batch over ``model``, padded as the trainer's rollout side pads."""
     return Pool(model, tokenizer, group_size, settings.max_new_tokens, settings.temperature, settings.top_k,
                 settings.top_p, eos_ids(tokenizer, model), tokenizer.pad_token_id or 0)

@@ -38,8 +38,7 @@ OPERATIONS = {b"S": "set", b"G": "get", b"A": "add", b"C": "check", b"W": "wait"
 
 
 def link_key(lease: str, group: str) -> bytes:
-    """The secret both sides answer challenges with: derived from the lease (the trainer's, which the server
-    checked) and the group's name (new for each link), so no other link's answer works for this one."""
+    """The secret both sides answer challenges with, from the lease and the group's name (new for each link)."""
     return hmac.new(str(lease).encode(), b"auto-research collective store\0" + group.encode(), hashlib.sha256).digest()
 
 
@@ -87,8 +86,8 @@ def gloo_device(address: str):
 
 
 class StoreHost:
-    """The trainer's side: the keys (``store``, a HashStore its own rank uses), served on ``address`` (``port``) to
-    connections that answer the challenge under ``key``. ``refused`` counts the connections closed unanswered."""
+    """The trainer's side: the keys (``store``), served on ``address`` to connections that answer the challenge under
+    ``key``; ``refused`` counts the connections closed unanswered."""
 
     def __init__(self, address: str, key: bytes, seconds: float):
         self.key, self.seconds = key, seconds
@@ -192,8 +191,8 @@ class StoreHost:
 
 
 class RemoteStore(dist.Store):
-    """The server's side: the trainer's ``StoreHost`` at ``host:port``, reached from this host's ``address`` on the
-    way there, once both answered each other's challenge under ``key`` (``ConnectionError`` otherwise)."""
+    """The server's side: the trainer's ``StoreHost`` at ``host:port``, once both answered each other's challenge
+    under ``key`` (``ConnectionError`` otherwise)."""
 
     def __init__(self, host: str, port: int, key: bytes, seconds: float):
         super().__init__()

@@ -55,9 +55,6 @@ LARGE_BODIES = 4
 memory their bodies take is. One more waits up to --read-timeout for a slot, then gets 503; the holder's never do."""
 
 
-# --- the server ---------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Limits:
     api_key: str | None = None
@@ -101,7 +98,8 @@ class Handler(BaseHTTPRequestHandler):
     PUSHES = {"/weights/adapter": lambda handler: adapter_push(handler, PART_BYTES + 2**20),
               "/weights/collective": collective_join, "/weights/collective/push": collective_push}
     """Paths answered by ``pushes.py``'s functions, given the handler."""
-    PARTIAL = {"/partial/round": "partial_round", "/partial/state": "partial_state", "/partial/restore": "partial_restore"}
+    PARTIAL = {"/partial/round": "partial_round", "/partial/state": "partial_state",
+               "/partial/restore": "partial_restore"}
     """Paths answered by ``partial_serve.py``'s functions of these names."""
 
     def setup(self):

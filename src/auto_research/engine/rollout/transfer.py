@@ -86,8 +86,7 @@ def sweep(folder: Path = SHARED_FOLDER) -> list[Path]:
 
 
 def with_ties(tensors: dict, tied: dict, spec: dict) -> dict:
-    """Every served weight in the spec's order, a tied one (``guard.check_ties``) as its source's very tensor: what
-    a push that sent it once loads (here, and over a group: ``pushes.collective_push``)."""
+    """Every served weight in the spec's order, a tied one as its source's very tensor (a push that sent it once)."""
     return {name: tensors[tied.get(name, name)] for name in spec}
 
 
@@ -143,8 +142,7 @@ class SharedBuffer:
         return with_ties(self.views, tied, self.spec) if tied else self.views
 
     def _verify(self, names: list, checksums) -> None:
-        """Every slot holds what the trainer wrote there (its checksum), or ``Refused(400)`` naming the first that
-        does not."""
+        """Every slot holds what the trainer wrote there (its checksum), else ``Refused(400)``."""
         if (not isinstance(checksums, list) or len(checksums) != len(names)
                 or not all(isinstance(value, str) for value in checksums)):
             raise Refused(400, 'a shared push carries "checksums": one per name, each slot\'s as the trainer wrote it')
@@ -230,8 +228,8 @@ class SharedWriter:
     """The trainer's side: the server's file mapped, each tensor copied into its slot."""
 
     def __init__(self, offer: dict, tied: dict | None = None):
-        """Raises OSError or ValueError where the file is not the server's (the caller then uses HTTP). ``tied``
-        ({name: the earlier name}, ``remote.tied_weights``): weights not written, where the server takes that."""
+        """OSError or ValueError where the file is not the server's (HTTP then). ``tied``: weights not written, where
+        the server takes that."""
         descriptor = os.open(offer["path"], os.O_RDWR)
         try:
             size = os.fstat(descriptor).st_size
@@ -247,8 +245,8 @@ class SharedWriter:
         self.views, self.names, self.checksums = _views(self.buffer, offer["slots"]), [], []
         self.tied = dict(tied or {}) if offer.get("ties") else {}
         self.lock, self.closed = threading.Lock(), False
-        """A push on one thread and ``close`` on another (a fleet's server left by its heartbeat, the run closed):
-        a view written after its map closed would crash the process."""
+        """A push on one thread and ``close`` on another (a fleet's server left): a view written after its map closed
+        would crash the process."""
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         with self.lock:
