@@ -211,8 +211,7 @@ class ServerSampler:
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int]
                  ) -> tuple[list[list[int]], list[list[float]]]:
-        """``group_size`` completions of each prompt and their log-probs, in requests of ``chunk_prompts`` prompts,
-        each split further to fit the server's bound."""
+        """``group_size`` completions of each prompt and their log-probs, in requests that fit the server's bound."""
         s, chunk = self.settings, self.chunk_prompts or len(prompt_ids)
         completions, logprobs = [], []
         parts = [(begin + start, begin + end) for begin in range(0, len(prompt_ids), chunk)

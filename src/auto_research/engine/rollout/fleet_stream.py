@@ -86,8 +86,7 @@ class Stream:
         self.spare: list[torch.nn.Module] = []
         self.tickets, self.stopping, self.pushed_bytes, self.failure = 0, False, 0, None
         self.submitted = version
-        """The version of the last batch queued: batches come in version order, so an older copy no unit needs is
-        needed no more."""
+        """The last batch's version: batches come in version order, so an older copy no unit needs is done with."""
         for address, member in list(fleet.members.items()):
             self._start(address, member)
         self.publish(version, policy)

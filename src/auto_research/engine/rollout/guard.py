@@ -260,8 +260,7 @@ def check_size(prompts: list, group_size: int, new_tokens: int, bound: int) -> i
 
 
 def slices(prompts: list, group_size: int, new_tokens: int, bound: int) -> list[tuple[int, int]]:
-    """``[(start, end), ...]``: runs of whole prompts (a group shares one seed) asking at most ``bound`` tokens each,
-    or one prompt alone."""
+    """``[(start, end), ...]``: runs of whole prompts (a group shares one seed) of at most ``bound`` tokens, or one."""
     parts, start, size = [], 0, 0
     for index, ids in enumerate(prompts):
         cost = request_tokens([ids], group_size, new_tokens)
@@ -372,8 +371,7 @@ def weight_spec(named) -> dict:
 
 
 class Turns:
-    """The engine, one request (or slice) at a time, the lease holder's first; and the bounded tokens that other
-    clients' requests hold."""
+    """The engine, one request (or slice) at a time, the lease holder's first; other clients' tokens, bounded."""
 
     def __init__(self, bound: int):
         self.bound, self.others = bound, 0

@@ -319,8 +319,7 @@ AUTO = ("shared-memory", "collective", "http")
 
 
 def choose_link(client, sync: str, offer: Offer) -> WeightLink:
-    """--rollout-sync ``auto`` takes the first link of ``AUTO`` that opens; another path is insisted on (else a
-    UserError)."""
+    """--rollout-sync ``auto``: the first link of ``AUTO`` that opens; another path is insisted on (else UserError)."""
     for name in AUTO if sync == "auto" else (sync,):
         link = LINKS[name].open(client, offer, insist=sync != "auto")
         if link is not None:

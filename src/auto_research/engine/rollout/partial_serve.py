@@ -357,8 +357,7 @@ def _known_tensor(name: str, layers: int, finished: int) -> bool:
 
 
 def _check_tensors(tensors: dict, plain: dict, version: int, vocab_size: int) -> None:
-    """A restored state's tensors by the rules of the rounds that saved them, or ``Refused(400)`` naming the first
-    that fails (each rule's line below)."""
+    """A restored state's tensors by the rules of the rounds that saved them, or ``Refused(400)`` naming a fault."""
     import torch  # noqa: PLC0415
 
     layers = plain.get("layers", 0)

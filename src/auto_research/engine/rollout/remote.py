@@ -85,8 +85,7 @@ def adapter_factors(model) -> dict[str, torch.Tensor] | None:
 
 
 def sample_by_ids(engine, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
-    """A Sampler's ``sample`` for an engine with ``generate(prompt_ids, group_size, seeds)``, ``tokenizer``, ``eos``
-    and ``pad``."""
+    """A Sampler's ``sample`` over an engine's ``generate(prompt_ids, group_size, seeds)``, ``tokenizer``, ``eos``."""
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     prompt_ids = engine.tokenizer(prompts, add_special_tokens=False)["input_ids"]

@@ -228,8 +228,7 @@ class SharedWriter:
     """The trainer's side: the server's file mapped, each tensor copied into its slot."""
 
     def __init__(self, offer: dict, tied: dict | None = None):
-        """OSError or ValueError where the file is not the server's (HTTP then). ``tied``: weights not written, where
-        the server takes that."""
+        """OSError or ValueError where the file is not the server's (HTTP then). ``tied``: weights not written."""
         descriptor = os.open(offer["path"], os.O_RDWR)
         try:
             size = os.fstat(descriptor).st_size
