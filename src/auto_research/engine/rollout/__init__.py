@@ -1,14 +1,7 @@
-"""Rollout: the Sampler seam. A sampler turns prompts into K completions each, from given seeds, and carries
-its own log-probabilities of the tokens it drew; it is handed the policy's new weights after every
-optimizer step.
-
-    rollout = sampler.sample(prompts, K, seeds)      # ids, masks, texts, the sampler's log-probs
-    ...                                              # score, experience, advantages, update
-    sampler.load_weights(policy)                     # a no-op for the builtin loop
-
-The builtin loop (``builtin.py``) samples from the training model itself. Another engine (vLLM, an
-asynchronous producer) implements the same two methods and returns the same ``Rollout``; ``remote.py`` holds
-what every such engine needs (the weights to push, the Rollout of its token ids and log-probs).
+"""Rollout: the Sampler seam. A sampler turns prompts into K completions each, from given seeds, with its own
+log-probabilities of the tokens it drew (``sample``); it is handed the policy's new weights after every optimizer
+step (``load_weights``). The builtin loop (``builtin.py``) samples from the training model itself; another engine
+(vLLM, a rollout server) returns the same ``Rollout``, with what it needs in ``remote.py``.
 """
 
 from __future__ import annotations
@@ -65,8 +58,7 @@ class Rollout:
     span versions, ``policy_versions`` is then each row's oldest); None: every token has its row's version."""
 
     def to(self, device) -> "Rollout":
-        """Every tensor of the rollout on ``device`` (a remote or multi-turn sampler returns CPU tensors; the trainer
-        computes on its own device)."""
+        """Every tensor of the rollout on ``device`` (a remote or multi-turn sampler returns CPU tensors)."""
         moved = {field: value.to(device) for field, value in vars(self).items() if isinstance(value, torch.Tensor)}
         return replace(self, **moved)
 
@@ -94,13 +86,9 @@ class Rollout:
         return tokens, [row[: len(ids)] for row, ids in zip(self.sampler_logprobs.tolist(), tokens)]
 
     def rows(self, start: int, stop: int, trim: bool = False) -> "Rollout":
-        """Rows start … stop − 1 (a micro-batch of whole groups).
-
-        With ``trim``, without the prompt columns that are left padding in every one of these rows
-        and the completion columns after the longest of their completions: the forward then costs
-        what the micro-batch holds, not what the longest row of the whole batch needs. Log-probs
-        and values of the kept positions are unchanged (positions come from the attention mask).
-        """
+        """Rows start … stop − 1 (a micro-batch of whole groups). ``trim``: without the columns that are padding in
+        every one of these rows, so the forward costs what the micro-batch holds (positions come from the attention
+        mask, so the kept positions' log-probs and values are unchanged)."""
         sequences, prompt_mask, completion_mask = (self.sequences[start:stop], self.prompt_mask[start:stop],
                                                    self.completion_mask[start:stop])
         per_token = {name: None if getattr(self, name) is None else getattr(self, name)[start:stop]
@@ -130,8 +118,7 @@ class Sampler(Protocol):
     streams: bool
     """Draws across batches (``stream(version, policy)``, ``fleet_stream.Stream``): a fleet of servers."""
     partial: bool
-    """Decodes partial rollouts in rounds (``partial_round``, ``partial_state``, ``partial_restore``): a rollout
-    server of this version that can (``partial_serve.py``)."""
+    """Decodes partial rollouts in rounds (``partial_round``, ``partial_state``, ``partial_restore``)."""
     pushed_bytes: int | None
     """The bytes of tensors its last weight push sent; None: it is given no weights that way."""
 
@@ -147,8 +134,8 @@ class Sampler(Protocol):
 
 
 def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
-    """One rollout from several sampled separately: prompts left-padded, completions right-padded
-    to the widest (padding is masked out, and positions come from the masks, so nothing changes)."""
+    """One rollout from several sampled separately: prompts left-padded, completions right-padded to the widest
+    (masked out, and positions come from the masks, so nothing changes)."""
     if len(rollouts) == 1:
         return rollouts[0]
     prompt_width = max(r.prompt_length for r in rollouts)
@@ -177,11 +164,8 @@ def concatenate(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
-    """1 on every completion token up to and including the first EOS, 0 after it.
-
-    Padding appended after a finished row comes after its EOS, so it is excluded too, whether or not
-    the pad token equals EOS.
-    """
+    """1 on every completion token up to and including the first EOS, 0 after it (padding too, even when the pad
+    token is EOS)."""
     is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
     for token in eos_token_ids:
         is_eos |= completion_ids == token
@@ -203,8 +187,8 @@ def left_padded(rows: list[list[int]], pad: int, device="cpu") -> tuple[torch.Te
 
 
 def prompt_seed(seed: int, step: int, index: int) -> int:
-    """The sampling seed of one prompt at one step: from the run's seed, the step and the prompt's
-    dataset index, never from a process's random stream, so 1 or N processes draw the same samples."""
+    """The sampling seed of one prompt at one step, from the run's seed, the step and the prompt's dataset index
+    (never a process's random stream: 1 or N processes draw the same samples)."""
     return int(np.random.SeedSequence([seed, step, index]).generate_state(1, np.uint64)[0] >> 1)
 
 

@@ -1,6 +1,5 @@
 """What a rollout server accepts of a LoRA adapter push (``POST /weights/adapter``), checked before anything touches
-its engine: each factor against the served weight it adapts, and the change the adapter makes to it. Refusals are
-``guard.Refused(400)``; the engine's weights stay as they were."""
+its engine: each factor against the served weight it adapts, and the change it makes (else ``guard.Refused(400)``)."""
 
 from __future__ import annotations
 
@@ -14,10 +13,8 @@ Finite factors can make a product that is not (A = B = 1e20, or a scaling of 1e3
 
 
 def check_adapter(factors: dict, spec: dict) -> dict:
-    """An adapter push's tensors (``<weight>::A`` (r, in), ``<weight>::B`` (out, r), ``<weight>::scaling`` one
-    float64 value; ``remote.adapter_factors``) checked against the served model's spec: ``{weight: (A, B,
-    scaling)}``, or ``Refused(400)`` naming the first that fails. Only float32 factors of float32 weights (the
-    builtin engine's)."""
+    """An adapter push's tensors (``remote.adapter_factors``) checked against the served model's spec: ``{weight: (A,
+    B, scaling)}``, or ``Refused(400)`` naming the first that fails. Float32 factors of float32 weights only."""
     weights: dict = {}
     for key in factors:
         weight, _, part = key.rpartition("::")

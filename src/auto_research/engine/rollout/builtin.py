@@ -23,23 +23,17 @@ from auto_research.engine.rollout import (Rollout, SamplingSettings, completion_
 
 
 def encode_prompts(tokenizer, prompts: list[str] | list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts as texts (tokenized here, no special tokens added) or as token ids (taken as they are, never
-    re-tokenized), left-padded into (ids, attention mask).
-
-    Texts are tokenized without padding and padded here: a fast tokenizer keeps the padding it was last asked for
-    on the object, so asking it to pad raced another thread's unpadded call on the same tokenizer (a run's
-    sampler thread against the held-out evaluation: rows of unequal length, or pads inside the sampler's prompts)."""
+    """Prompts as texts (tokenized, no special tokens added) or token ids (as they are), left-padded into (ids,
+    attention mask). Padded here, not by the tokenizer: a fast tokenizer keeps its padding setting on the object, so
+    asking it to pad raced another thread's unpadded call (the sampler against the held-out evaluation)."""
     if prompts and isinstance(prompts[0], str):
         prompts = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     return left_padded(prompts, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, device)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Top-k, then nucleus filtering (−inf outside), as Hugging Face's warpers order them.
-
-    Nucleus keeps the smallest set of most probable tokens whose probability reaches ``top_p``
-    (at least one token).
-    """
+    """Top-k, then nucleus filtering (−inf outside), as Hugging Face's warpers order them; nucleus keeps the
+    smallest set of most probable tokens whose probability reaches ``top_p`` (at least one)."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -55,12 +49,8 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 
 def draw(logits: torch.Tensor, uniforms: torch.Tensor, probabilities: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse-CDF sampling: row b takes the first token whose cumulative probability exceeds u_b.
-
-    Exact for the softmax of ``logits`` (or the ``probabilities`` given, that softmax computed already),
-    and a row's draw depends on its own uniform only, so batch composition cannot change which token a
-    prompt gets.
-    """
+    """Inverse-CDF sampling: row b takes the first token whose cumulative probability (the softmax of ``logits``, or
+    ``probabilities`` given) exceeds u_b; a row's draw depends on its own uniform only, whatever its batch."""
     cumulative = (logits.softmax(-1) if probabilities is None else probabilities).cumsum(-1)
     target = uniforms.unsqueeze(-1) * cumulative[..., -1:]
     index = torch.searchsorted(cumulative, target, right=True).squeeze(-1)
@@ -69,9 +59,8 @@ def draw(logits: torch.Tensor, uniforms: torch.Tensor, probabilities: torch.Tens
 
 def next_token(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int, top_p: float):
     """Each row's next token (logits/temperature → top-k → top-p → ``draw``), its log-prob under the distribution
-    it was drawn from and that distribution's entropy. Temperature 0 is greedy decoding: the argmax, with its
-    log-prob and the entropy of the temperature-1 distribution, unfiltered (vLLM's ``processed_logprobs`` for a
-    greedy request): finite, where logits / 0 would be NaN."""
+    drawn from, and that distribution's entropy. Temperature 0: the argmax, with the unfiltered temperature-1
+    distribution's log-prob and entropy (as vLLM's greedy ``processed_logprobs``; logits / 0 would be NaN)."""
     if temperature == 0:
         probabilities = logits.double().softmax(-1)
         token = logits.argmax(-1)
@@ -124,13 +113,10 @@ def sample(
     seeds: list[int] | None = None,
     drop_finished: bool = True,
 ) -> Rollout:
-    """K samples for each prompt (or one greedy completion each when ``greedy``: no log-probs), with the sampler's
-    log-probabilities of the drawn tokens and the entropy of each token's distribution (``next_token``;
-    ``temperature`` 0: K greedy completions, with temperature 1's log-probs). Prompts are texts or
-    token ids (``encode_prompts``). Each prompt is prefilled once and its KV cache shared by its K samples.
-    Without ``seeds`` the uniforms come from torch's global generator. With ``drop_finished`` (the default) a
-    row that has ended leaves the decode batch and its KV cache at once (``droppable``), so the forward's work
-    follows the rows still decoding; each row's draws are those of the full batch (``tests/test_sampler.py``)."""
+    """K samples for each prompt (one greedy completion each when ``greedy``: no log-probs), with the log-prob and
+    entropy of each drawn token (``next_token``). Each prompt is prefilled once, its KV cache shared by its K samples;
+    without ``seeds`` the uniforms come from torch's global generator. ``drop_finished``: an ended row leaves the
+    batch and its KV cache at once (``droppable``), its draws unchanged (``tests/test_sampler.py``)."""
     batch = _batch(model, tokenizer, prompts, 1 if greedy else group_size, max_new_tokens, greedy, seeds)
     was_training = model.training
     model.eval()
@@ -148,8 +134,8 @@ def sample(
 
 @dataclass(frozen=True)
 class _Batch:
-    """A call's prompts ready to decode: each prompt once (the prefill's input), its rows (the prompt repeated
-    ``repeats`` times, one per sample), the rows' uniforms (None when greedy), the end and padding ids."""
+    """A call's prompts once (the prefill's input) and as rows (repeated for each sample), the rows' uniforms (None
+    when greedy), the end and padding ids."""
 
     prompt_ids: torch.Tensor
     prompt_attention: torch.Tensor
@@ -162,8 +148,7 @@ class _Batch:
 
 
 def _batch(model, tokenizer, prompts, repeats: int, max_new_tokens: int, greedy: bool, seeds) -> _Batch:
-    """The prompts encoded on the model's device and repeated for their samples, with every uniform the decode
-    will draw at (one per row and token, drawn before the first forward)."""
+    """The prompts encoded on the model's device, with every uniform the decode draws at (drawn before it starts)."""
     device = next(model.parameters()).device
     prompt_ids, prompt_attention = encode_prompts(tokenizer, prompts, device)
     input_ids = prompt_ids.repeat_interleave(repeats, dim=0)
@@ -188,9 +173,8 @@ def _uniforms(seeds: list[int] | None, prompts: int, rows: int, repeats: int, ma
 
 def _decode(model, batch: _Batch, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
             drop_finished: bool):
-    """The decoding loop: prefill, then one token a row a forward until every row has ended or the budget is
-    spent. Returns the completion ids, the log-probs and the entropies (None when greedy), cut to the steps
-    taken. A row that has ended is fed padding, or leaves the batch and its KV cache when the cache allows it."""
+    """Prefill, then one token a row a forward until every row has ended or the budget is spent: the completion ids,
+    log-probs and entropies (None when greedy), cut to the steps taken."""
     rows, device = batch.input_ids.shape[0], batch.input_ids.device
     uniforms, eos, pad, greedy = batch.uniforms, batch.eos, batch.pad, batch.uniforms is None
     # transformers 5.2x renamed past_key_values to cache; older models keep the old name.
@@ -232,8 +216,7 @@ def _decode(model, batch: _Batch, max_new_tokens: int, temperature: float, top_k
 
 def _rollout(tokenizer, batch: _Batch, completion_ids: torch.Tensor, logprobs: torch.Tensor | None,
              entropies: torch.Tensor | None, unfiltered: bool) -> Rollout:
-    """The decoded rows as a ``Rollout``: prompt and completion side by side, the completion mask through the first
-    end token, the texts (padding after it), the log-probs and entropies zeroed where masked."""
+    """The decoded rows as a ``Rollout``, log-probs and entropies zeroed where masked."""
     sequences = torch.cat([batch.input_ids, completion_ids], dim=1)
     mask = completion_mask(completion_ids, batch.eos.tolist())
     texts = tokenizer.batch_decode(completion_ids * mask + batch.pad * (1 - mask), skip_special_tokens=True)
@@ -243,9 +226,8 @@ def _rollout(tokenizer, batch: _Batch, completion_ids: torch.Tensor, logprobs: t
 
 
 class BuiltinSampler:
-    """Samples from the training model itself (``sample`` above), in chunks of ``chunk_prompts`` prompts
-    so that shapes are the same on 1 or N processes; ``context`` is entered around the sampling (bf16
-    autocast, FSDP's whole parameters). ``load_weights`` has nothing to do: there is no second copy."""
+    """Samples from the training model itself, in chunks of ``chunk_prompts`` prompts (the same shapes on 1 or N
+    processes), inside ``context`` (bf16 autocast, FSDP's whole parameters). There is no second copy to load."""
 
     streams = partial = False
     pushed_bytes = None
@@ -256,34 +238,22 @@ class BuiltinSampler:
         self.chunk_prompts, self.context = chunk_prompts, context
 
     def sample(self, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
-        chunk = self.chunk_prompts or len(prompts)
-        settings = self.settings
-        with self.context(), self._packed(chunk * group_size):
-            parts = [sample(self.model, self.tokenizer, prompts[start: start + chunk], group_size,
-                            settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
-                            seeds=seeds[start: start + chunk]) for start in range(0, len(prompts), chunk)]
-        return concatenate(parts, self.tokenizer.pad_token_id)
+        return concatenate(self._chunks(prompts, group_size, seeds, self.settings), self.tokenizer.pad_token_id)
 
     def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
                      ) -> tuple[list[list[int]], list[list[float]]]:
         """One completion per prompt given as token ids (a multi-turn history, never re-tokenized): its ids up to
         and including its EOS, and the sampler's log-prob of each (``envs.trajectory.run_episodes``)."""
-        s = settings or self.settings
-        chunk = self.chunk_prompts or len(prompt_ids)
-        completions, logprobs = [], []
-        with self.context(), self._packed(chunk):
-            for start in range(0, len(prompt_ids), chunk):
-                tokens, values = sample(self.model, self.tokenizer, prompt_ids[start: start + chunk], 1,
-                                        s.max_new_tokens, s.temperature, s.top_p, s.top_k,
-                                        seeds=seeds[start: start + chunk]).drawn()
-                completions, logprobs = completions + tokens, logprobs + values
-        return completions, logprobs
+        drawn = [part.drawn() for part in self._chunks(prompt_ids, 1, seeds, settings or self.settings)]
+        return [row for tokens, _ in drawn for row in tokens], [row for _, values in drawn for row in values]
 
-    @contextlib.contextmanager
-    def _packed(self, rows: int):
-        """The weights packed once for all of a call's chunks (``engine/packed.py``), not once a chunk."""
-        with torch.no_grad(), packed_linears(self.model, rows):
-            yield
+    def _chunks(self, prompts: list, group_size: int, seeds: list[int], s: SamplingSettings) -> list[Rollout]:
+        """The Rollout of each chunk of ``chunk_prompts`` prompts, the weights packed once for them all."""
+        chunk = self.chunk_prompts or len(prompts)
+        with self.context(), torch.no_grad(), packed_linears(self.model, chunk * group_size):
+            return [sample(self.model, self.tokenizer, prompts[start: start + chunk], group_size, s.max_new_tokens,
+                           s.temperature, s.top_p, s.top_k, seeds=seeds[start: start + chunk])
+                    for start in range(0, len(prompts), chunk)]
 
     def load_weights(self, model) -> None:
         pass
@@ -293,10 +263,8 @@ class BuiltinSampler:
 
 
 class BuiltinEngine:
-    """The builtin sampler as a rollout server's engine (``auto-research rollout-serve --engine builtin``): a
-    model of its own in a process of its own, so a CPU-only run samples while it trains without sharing Python's
-    global interpreter lock with the trainer. It draws exactly what ``sample`` draws in the trainer's process
-    (the same per-prompt seeds, the same kernels), from the weights last pushed to it."""
+    """The builtin sampler as a rollout server's engine (``rollout-serve --engine builtin``): a model in a process of
+    its own (no interpreter lock shared with the trainer) drawing exactly what ``sample`` draws in the trainer's."""
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model.requires_grad_(False).eval(), tokenizer
@@ -309,8 +277,7 @@ class BuiltinEngine:
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int],
                  settings: SamplingSettings) -> tuple[list[list[int]], list[list[float]]]:
-        """Each prompt's ``group_size`` completions (token ids through the first end-of-sequence token) and the
-        log-probs of their tokens under the processed distribution (temperature, top-k, top-p)."""
+        """Each prompt's ``group_size`` completions (token ids through the first EOS) and their tokens' log-probs."""
         return sample(self.model, self.tokenizer, prompt_ids, group_size, settings.max_new_tokens,
                       settings.temperature, settings.top_p, settings.top_k, seeds=seeds).drawn()
 
@@ -321,9 +288,8 @@ class BuiltinEngine:
 
     @torch.no_grad()
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
-        """Each completion token's log-prob at temperature 1 given all before it (a served teacher's scores): the
-        trainer's own ``token_logprobs`` over ``[left-padded prompt | right-padded completion]`` rows, consecutive
-        rows of one prompt sharing its forward as a group of the trainer's batch does."""
+        """Each completion token's log-prob at temperature 1 given all before it (a served teacher's scores), by the
+        trainer's own ``token_logprobs``, consecutive rows of one prompt sharing its forward as a group does."""
         device, pad = next(self.model.parameters()).device, self.tokenizer.pad_token_id or 0
         prompts, prompt_mask = left_padded(prompt_ids, pad, device)
         completions, completion_mask = (tensor.flip(1) for tensor in left_padded([ids[::-1] for ids in completion_ids],
@@ -335,16 +301,14 @@ class BuiltinEngine:
 
     @torch.no_grad()
     def load_named(self, weights) -> None:
-        """Pushed tensors (checked against this model's names, shapes and dtypes by the server) copied in place.
-        A full push sets new base weights: adapters pushed later merge onto these."""
+        """Pushed tensors (checked by the server) copied in place: new base weights for later adapters."""
         for parameter, tensor, _ in self._targets(weights):
             parameter.copy_(tensor)
 
     @torch.no_grad()
     def adopt_named(self, weights) -> None:
-        """Pushed tensors (checked as ``load_named``'s) served as they are, without a copy: the server received
-        them into memory it does not write while they are served (``pushes.collective_push``). A tensor already
-        taken by another of this model's weights (a tie the trainer has and this model has not) is copied."""
+        """Pushed tensors served as they are, without a copy (memory the server does not write while they are served:
+        ``pushes.collective_push``); one taken already by another weight (a tie this model lacks) is copied."""
         for parameter, tensor, taken in self._targets(weights):
             if taken:
                 parameter.copy_(tensor)
@@ -352,8 +316,8 @@ class BuiltinEngine:
                 parameter.data = tensor
 
     def _targets(self, weights):
-        """A full push's (parameter, tensor, taken by another parameter already) pairs, new base weights set (no
-        adapter merged yet): a tensor sent once for two names this model ties goes to their one parameter once."""
+        """A full push's (parameter, tensor, taken by another parameter already), new base weights set; a tensor sent
+        once for two names this model ties goes to their one parameter once."""
         self.bases, owners = {}, {}
         for name, tensor in weights:
             parameter = self.parameters[name]
@@ -366,9 +330,8 @@ class BuiltinEngine:
 
     @torch.no_grad()
     def load_adapter(self, factors: dict) -> None:
-        """A LoRA adapter (``{weight: (A, B, scaling)}``, checked by the server) merged as PEFT merges: each
-        adapted weight becomes its base + (B @ A) · scaling; the base is the weight as the last full push left it,
-        kept (one copy of each adapted weight) at the first adapter after that push."""
+        """A LoRA adapter (``{weight: (A, B, scaling)}``) merged as PEFT merges: base + (B @ A) · scaling, the base
+        being the weight as the last full push left it (copied at the first adapter after that push)."""
         for name, (A, B, scaling) in factors.items():
             weight = self.parameters[name]
             base = self.bases.setdefault(name, weight.detach().clone())

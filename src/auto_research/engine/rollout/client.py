@@ -1,12 +1,7 @@
-"""The trainer's side of ``--rollout-mode server`` (the protocol: ``server.py``; the engine behind it vLLM or the
-builtin sampler): rank 0 holds the server's lease for the run's life and pushes the policy's weights after every
-optimizer step, through the server's shared-memory buffer when it sees it (same host, ``transfer.py``), else over
-HTTP; every rank samples its own prompts, carrying the lease so that the server draws them before any other
-client's.
-
-The lease is claimed with the run's secret (``run_secret``): random, made when the run first claims a lease and
-kept in its run folder (mode 0600). ``--resume`` reads it back and so takes over the lease its SIGKILLed process
-left, at once; no other client can, whatever host, PID and folder it names."""
+"""The trainer's side of ``--rollout-mode server`` (the protocol: ``server.py``): rank 0 holds the server's lease for
+the run's life and pushes the policy's weights after every optimizer step (``links.py``); every rank samples its own
+prompts, carrying the lease so that the server draws them first. The lease is claimed with the run's secret
+(``run_secret``, kept in its run folder): ``--resume`` so takes over the lease its SIGKILLed process left, at once."""
 
 from __future__ import annotations
 
@@ -56,11 +51,9 @@ def run_secret(run_dir) -> str:
 
 
 class ServerSampler:
-    """The Sampler seam over a rollout server (see the module docstring). Rank 0 holds the server's lease for the
-    run's life (renewed by its pushes and a heartbeat) and releases it in ``close``. ``chunk_prompts``: prompts
-    per request (the builtin engine's batches then have the shapes of the trainer's own sampler on any number of
-    ranks); ``engine``: the server's engine, for the line that says how to start one; ``api_key``: the server's key
-    (default: ``AUTO_RESEARCH_API_KEY``)."""
+    """The Sampler seam over a rollout server. ``chunk_prompts``: prompts per request (the builtin engine's batches
+    then have the trainer's own shapes on any number of ranks); ``engine``: for the line that says how to start one;
+    ``api_key`` (default: ``AUTO_RESEARCH_API_KEY``)."""
 
     streams = False
 
@@ -91,8 +84,7 @@ class ServerSampler:
         """Rank 0's way for the weights to the server (``links.py``: its shared buffer, a group with it, HTTP)."""
         self.device = next(model.parameters()).device
         self.tied = tied_weights(model)
-        """Weights the policy ties (``remote.tied_weights``): a group with the server, or its shared buffer, takes
-        them once."""
+        """Weights the policy ties (``remote.tied_weights``): a group or a shared buffer takes them once."""
         self.world.agree(self._claim(run_dir, sync, shared, health.get("collective")) if world.main else None)
         self.lease = self.world.gather_objects(self.lease)[0]
         self.weight_sync_seconds, self.pushed_bytes = 0.0, 0
@@ -107,8 +99,7 @@ class ServerSampler:
         self.load_weights(model)
 
     def _claim(self, run_dir, sync: str, shared: bool, collective) -> UserError | None:
-        """Rank 0 takes the server's lease, chooses the weights' path from what both ends declare
-        (``links.choose_link``) and starts its heartbeat; the refusal, for every rank to raise."""
+        """Rank 0 takes the lease, chooses the weights' path and starts its heartbeat; the refusal, for every rank."""
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "run": str(Path(run_dir).resolve())}
         try:
             claim = {"holder": holder, "secret": run_secret(run_dir)}
@@ -127,9 +118,8 @@ class ServerSampler:
         return None
 
     def _heartbeat(self) -> None:
-        """Renew the lease a few times per its lapse time (every ``HEARTBEAT_SECONDS`` at most), whatever the step is
-        doing; a lost lease shows at the next push (refused), so this thread only keeps trying, and counts the
-        renewals in a row that got no answer (``answering``: a fleet stops waiting on a server that stopped)."""
+        """Renew the lease a few times per its lapse time, whatever the step is doing (a lost lease shows at the next
+        push), counting the renewals in a row that got no answer (``answering``)."""
         while not self._stop.wait(min(self.lease_seconds / 4, HEARTBEAT_SECONDS)):
             try:
                 request(self.base + "/lease/renew", b"{}", "application/json", HEARTBEAT_SECONDS, 0, 0.5,
@@ -145,8 +135,7 @@ class ServerSampler:
         return self.unanswered < SILENT_BEATS
 
     def abandon(self) -> str | None:
-        """Leave the server without a word to it (it failed or stopped answering): the heartbeat stops, the lease
-        lapses on its own, the shared buffer's map is closed. Returns the lease it held (``give_back``)."""
+        """Leave the server without a word (it failed or stopped answering), the lease left to lapse; returns it."""
         self._stop.set()
         if self.link is not None:
             self.link.close()
@@ -154,16 +143,14 @@ class ServerSampler:
         return lease
 
     def give_back(self, lease: str | None) -> None:
-        """At the run's end, the lease of a server ``abandon`` left: it may only have been slow (a heartbeat lost
-        under load), and would otherwise be held for a dead trainer until it lapses. One try, 5 s at most."""
+        """At the run's end, the lease of a server ``abandon`` left (it may only have been slow), in one try of 5 s."""
         if lease and self.world.main:
             with contextlib.suppress(RequestFailed):
                 request(self.base + "/lease/release", b"{}", "application/json", 5, 0, 0.5,
                         {**self.headers, "X-Lease": lease})
 
     def close(self) -> None:
-        """The run is over: stop the heartbeat and give the lease back (a server that is gone by now needs none),
-        then leave it as ``abandon`` does."""
+        """The run is over: give the lease back (where the server still answers), then leave as ``abandon`` does."""
         self._stop.set()
         if self.lease is not None and self.world.main:
             with contextlib.suppress(UserError):
@@ -196,8 +183,7 @@ class ServerSampler:
     # --- partial rollouts (--in-flight-updates; partial_serve.py) ---------------------------------------------------
 
     def partial_round(self, body: dict) -> dict:
-        """One round of the server's continuous batch, on the weights this run pushed last. A round sent again
-        (a retry, or another rank's copy under torchrun) is answered with what it drew the first time."""
+        """One round of the server's continuous batch, on the weights this run pushed last."""
         answer = self._call("/partial/round", json.dumps({**body, "weights_version": self.version}).encode())
         self._check_drawn_by_this_run(answer)
         return answer
@@ -225,8 +211,7 @@ class ServerSampler:
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int]
                  ) -> tuple[list[list[int]], list[list[float]]]:
-        """``group_size`` completions of each prompt (token ids in, token ids out) and their log-probs, in
-        requests of ``chunk_prompts`` prompts, each split further to fit the server's bound on a request."""
+        """``group_size`` completions of each prompt and their log-probs, in requests that fit the server's bound."""
         s, chunk = self.settings, self.chunk_prompts or len(prompt_ids)
         completions, logprobs = [], []
         parts = [(begin + start, begin + end) for begin in range(0, len(prompt_ids), chunk)
@@ -244,8 +229,8 @@ class ServerSampler:
         return completions, logprobs
 
     def _check_drawn_by_this_run(self, answer: dict) -> None:
-        """A server restarted since the last push (a supervisor, an operator) would sample from its initial weights
-        and a trainer would train on another policy's samples: refused by the server's instance and version."""
+        """A server restarted since the last push would sample from its initial weights (another policy's samples):
+        refused by the server's instance and version."""
         if answer.get("instance") != self.instance:
             raise RolloutEngineError(f"--rollout-server {self.address} restarted since this run pushed its weights "
                                      "(its samples would come from another policy)")
@@ -256,15 +241,13 @@ class ServerSampler:
 
     def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
                      ) -> tuple[list[list[int]], list[list[float]]]:
-        """One completion per prompt of token ids, as the server drew them (``envs.trajectory.run_episodes``),
-        with the run's own settings (``settings`` is the same object)."""
+        """One completion per prompt of token ids (``envs.trajectory``), with the run's settings (the same object)."""
         return self.generate([[int(token) for token in ids] for ids in prompt_ids], 1, seeds)
 
     def load_weights(self, model) -> None:
         """The policy's weights into the server. A LoRA policy and a server that merges adapters (the builtin
-        engine): the base weights once, then only the adapter (``links.AdapterLink``: a few percent of the bytes);
-        otherwise the merged weights, every time. Nobody samples before the server has them, and a failed push
-        stops every rank."""
+        engine): the base weights once, then only the adapter (a few percent of the bytes); otherwise the merged
+        weights. A failed push stops every rank."""
         started = time.perf_counter()
         factors = adapter_factors(model) if self.adapters else None  # every rank: FSDP2 gathers
         self.pushed_bytes = 0
@@ -277,9 +260,8 @@ class ServerSampler:
         self.weight_sync_seconds = time.perf_counter() - started
 
     def _push(self, link, named) -> int:
-        """Every rank walks the tensors (FSDP2 gathers one parameter at a time, in the same order on each); rank 0
-        sends them through ``link`` under its lease; every rank learns whether they went in. The bytes of tensors
-        sent (rank 0's count)."""
+        """Every rank walks the tensors (FSDP2 gathers them one at a time), rank 0 sends them through ``link``, every
+        rank learns whether they went in. The bytes sent (rank 0's count)."""
         sent, link = 0, link if self.world.main else None
         failure = None if link is None else _attempt(link.begin)
         for name, tensor in named:

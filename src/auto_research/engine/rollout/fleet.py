@@ -1,37 +1,19 @@
 """Several rollout servers behind one trainer (``--rollout-server h1:p1,h2:p2`` or a file of addresses): the
 step's groups spread over them, the weights pushed to each, a server that fails left behind and its groups drawn
-again by the others (docs/scaling-out.md).
+again by the others (docs/scaling-out.md). Each member is a ``ServerSampler`` (``client.py``) with its own lease,
+weight path and check that every answer came from the weights this run pushed to it. What the fleet adds:
 
-    fleet = Fleet(lambda address, model: ServerSampler(model, ..., address, ...), addresses, policy, world, log,
-                  chunk_prompts)
-    fleet.sample(prompts, group_size, seeds)     # each unit of groups to an idle server, the answers in order
-    fleet.load_weights(policy)                   # to every server in the pool, concurrently; rejoins first
+- **Units and routing.** A unit is whole groups (``chunk_prompts`` for the builtin engine, else a share of the
+  batch), taken by the next idle server; a group's draw depends only on its seeds, never on which server drew it.
+  A multi-turn history that extends one this fleet drew goes back to the server that drew it (its caches).
+- **A failing server** (a failed request, an answer from another life or version, or ``SILENT_BEATS`` silent
+  heartbeats) leaves the pool with one log line, and its units are drawn again by the others with the same seeds.
+- **Rejoining.** At each push the addresses that left are asked again (at most every ``REJOIN_SECONDS``); one that
+  answers joins once it holds this run's lease and the current weights. With no server left: ``RolloutEngineError``.
+- **Across batches** (``stream``, ``fleet_stream.py``): each server holds a version of its own.
 
-Each member is a ``ServerSampler`` (``client.py``): its own lease, its own shared buffer or HTTP, its own check
-that every answer came from the weights this run pushed to it. What the fleet adds:
-
-- **Units and routing.** A request carries whole groups (a prompt and its K completions): ``chunk_prompts`` of
-  them for the builtin engine (the shapes of the trainer's own sampler), a share of the batch for vLLM. A server
-  takes the next unit when it has none in flight, so each unit goes to a server with the fewest in flight. A
-  group's draw depends only on its seeds (per-prompt generators), never on which server drew it or how many there
-  are. The turns of a multi-turn trajectory stay on the server that drew its first turn (its KV cache and prefix
-  cache are there): a history that extends one this fleet drew goes back to the same server.
-- **A failing server.** A request that fails after its retries, an answer from another life or weights version of
-  the server, or (rank 0) ``SILENT_BEATS`` heartbeats without an answer: the server leaves the pool with one line
-  in the log, and its units are drawn again by the others with the same seeds, so the batch is the one the run
-  would have drawn without the fault. A failed draw is never scored: it is drawn again or the run stops.
-- **Rejoining.** At each push the addresses that left are asked again (at most every ``REJOIN_SECONDS``); one
-  that answers joins only after it holds this run's lease and the current weights (a new ``ServerSampler``).
-- **No server left.** ``RolloutEngineError`` naming each server's failure: the run stops with the last good
-  checkpoint, as with one server.
-- **Across batches** (``stream``: --max-staleness K ≥ 1 in one process): each server holds a version of its own and
-  moves on to the next batch's units as soon as none of its version is left to draw (``fleet_stream.py``), so no
-  server idles until the batch's slowest unit is drawn. ``sample`` and ``load_weights`` above draw a batch with one
-  version on every server (K = 0, torchrun, multi-turn episodes, refills).
-
-Under torchrun every rank holds a fleet of its own and draws its own prompts; the pushes (collective: FSDP's
-gathers, the ranks' agreement) go to the servers every rank still has, one after the other, and a rejoin is
-rank 0's decision, shared with all.
+Under torchrun every rank holds a fleet of its own; the pushes go to the servers every rank still has, one after
+the other, and a rejoin is rank 0's decision, shared with all.
 """
 
 from __future__ import annotations
@@ -104,15 +86,9 @@ class Fleet:
         reasons = "; ".join(f"{address}: {self.left[address][0]}" for address in self.addresses if address in self.left)
         return RolloutEngineError(f"--rollout-server: every rollout server of this run has left the pool ({reasons})")
 
-    def _rejoin(self, model) -> None:
-        """The servers that left and answer again join the pool with the current weights (``reconnect``)."""
-        for address, member in self.reconnect(model):
-            self.members[address] = member
-
     def reconnect(self, model) -> list[tuple[str, object]]:
-        """Rank 0 asks the addresses that left, at most every ``REJOIN_SECONDS`` each; the ranks agree on those that
-        answered, and each is connected by a new client: this run's lease, then ``model``'s weights (its first
-        push). The new clients by address, for the caller to put in the pool."""
+        """Rank 0 asks the addresses that left (at most every ``REJOIN_SECONDS``); each that answered is connected by
+        a new client, taking this run's lease and ``model``'s weights. The new clients by address, for the pool."""
         now = time.monotonic()
         with self.lock:
             due = [address for address, (_, asked) in self.left.items() if now - asked >= REJOIN_SECONDS]
@@ -138,25 +114,23 @@ class Fleet:
         return joined
 
     def stream(self, version: int, policy):
-        """Draws across batches from here on (``fleet_stream.Stream``): the servers hold ``version``, ``policy``'s
-        weights now."""
+        """Draws across batches from here on (``fleet_stream.Stream``); the servers hold ``version`` now."""
         self.streaming = Stream(self, version, policy)
         return self.streaming
 
     # --- weights -----------------------------------------------------------------------------------------------
 
     def load_weights(self, model) -> None:
-        """The weights to every server of the pool: concurrently in one process, one server after another under
-        torchrun (each push is collective); a server whose push fails leaves the pool. Then the servers that left
-        are asked to rejoin."""
+        """The weights to every server of the pool (concurrently in one process, in turn under torchrun, where each
+        push is collective); a server whose push fails leaves the pool."""
         started = time.perf_counter()
         pool = self._agreed_pool()
         failures = _push_each({address: (lambda member=self.members[address]: member.load_weights(model))
                                for address in pool}, concurrently=not self.world.distributed)
         for address, why in failures.items():
             self._leave(address, why)
-        if self.left:
-            self._rejoin(model)
+        if self.left:  # the servers that left and answer again rejoin with the current weights
+            self.members.update(self.reconnect(model))
         if not self.members:
             raise self._none_left()
         self.weight_sync_seconds = time.perf_counter() - started
@@ -186,9 +160,8 @@ class Fleet:
 
     def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], settings: SamplingSettings | None = None
                      ) -> tuple[list[list[int]], list[list[float]]]:
-        """One completion per history (``envs.trajectory``): a history that extends one this fleet drew goes to
-        the same server, all such in one unit; new ones go in units of equal prompts (a group's first turns
-        together, on one server)."""
+        """One completion per history (``envs.trajectory``): one that extends a history this fleet drew goes to the
+        same server; new ones go in units of equal prompts (a group's first turns together)."""
         histories = [[int(token) for token in ids] for ids in prompt_ids]
         homes = [self._home(ids) for ids in histories]
         families: dict[tuple, list[int]] = {}
@@ -202,8 +175,7 @@ class Fleet:
         return completions, logprobs
 
     def units(self, prompts: int) -> list[list[int]]:
-        """A batch's prompts (their positions) in units: the builtin engine's chunks, else shares of the batch (two
-        units per server)."""
+        """A batch's prompt positions in units: the builtin engine's chunks, else two units per server."""
         size = self.chunk_prompts or max(1, math.ceil(prompts / (2 * len(self.addresses))))
         return [list(range(start, min(start + size, prompts))) for start in range(0, prompts, size)]
 
@@ -225,10 +197,9 @@ class Fleet:
 
     def _draw(self, units: list[list[int]], affinity: list, draw: Callable, per_row: int
               ) -> tuple[list[list[int]], list[list[float]], list[str]]:
-        """Each unit (its rows) drawn by a server of the pool, one unit in flight per server; a unit whose server
-        failed is drawn again by another. ``affinity``: the server a unit should go to while that server is in the
-        pool; ``per_row``: completions a row's answer holds, in the rows' order. The completions and log-probs in
-        the rows' order, and the server that drew each row."""
+        """Each unit drawn by a server of the pool, one in flight per server, a failed one again by another
+        (``affinity``: the server a unit should go to; ``per_row``: completions a row's answer holds). The completions
+        and log-probs in the rows' order, and the server that drew each row."""
         rows = sum(len(unit) for unit in units)
         todo, answers, in_flight = list(range(len(units))), {}, {}
         done: queue.Queue = queue.Queue()
@@ -280,8 +251,7 @@ class Fleet:
 
 
 def _next_unit(todo: list[int], affinity: list, address: str, members: dict) -> int | None:
-    """The next unit for an idle server: one that should go to it, else one that should go nowhere in particular
-    (or to a server that has left)."""
+    """The next unit for an idle server: one that should go to it, else one bound to no server in the pool."""
     for index in todo:
         if affinity[index] == address:
             return index
@@ -302,9 +272,8 @@ def _run(done: queue.Queue, index: int, address: str, draw: Callable, member, ro
 
 
 def _push_each(pushes: dict[str, Callable], concurrently: bool) -> dict[str, str]:
-    """Run each push, in a thread of its own when ``concurrently`` (else one after another, in this thread); the
-    failures by address (a server's). Any other error (a tensor the run cannot send, a bug) is raised here, as a
-    push in this thread would."""
+    """Run each push (each in a thread of its own when ``concurrently``); the servers' failures by address. Any
+    other error (a tensor the run cannot send, a bug) is raised here, as a push in this thread would."""
     failures: dict[str, str] = {}
     raised: list[BaseException] = []
 

@@ -1,22 +1,15 @@
-"""A fleet's draws across batches (--max-staleness K ≥ 1 in one process): no server waits for the batch's slowest.
-
-With one version of the weights on every server, a batch's units end unevenly (lengths have a long tail): a server
-that finished its share idles until the slowest has finished and the next version has reached every server. Here
-each server holds a version of its own and takes the queued units in the order of the versions they need:
+"""A fleet's draws across batches (--max-staleness K ≥ 1 in one process): no server waits for the batch's slowest
+(lengths have a long tail). Each server holds a version of its own and takes the queued unit of the oldest version,
+its thread pushing that version's copy first when it holds another:
 
     stream = fleet.stream(version, policy)                  # every server holds ``version`` (pushed as it joined)
     stream.publish(version + 1, policy)                     # a copy of the weights: no push, the trainer goes on
     ticket = stream.sample(prompts, K, seeds, version)      # a batch's units, for servers holding ``version``
     rollout = ticket.rollout()                              # waits; the Rollout, rows in order
 
-A server takes the unit of the oldest version in the queue. When it holds another version, that version's copy is
-pushed to it first, in its own thread: pushes to different servers overlap each other and the draws. So a server
-moves on to version v + 1 as soon as no unit of v is left in the queue, while the others finish theirs. Each unit
-is drawn by the weights of its own version, whichever server draws it: the draws are those of the whole-batch path
-(``Fleet.generate``). A unit whose server fails (its request, its push, or its heartbeat) goes back to the front of
-the queue and is drawn again with the same seeds; when every server left has moved on, its version's copy is pushed
-back to one. A copy is dropped once a newer version's batch is queued and no unit of its own is queued or drawn: at
-most K + 2 are held, each the policy's parameters' size, in host memory.
+Each unit is drawn by its own version's weights, whichever server draws it: the draws are ``Fleet.generate``'s. A
+unit whose server fails goes back to the front of the queue, drawn again with the same seeds. A copy is dropped
+once a newer version's batch is queued and no unit needs it: at most K + 2 are held, in host memory.
 """
 
 from __future__ import annotations
@@ -65,8 +58,7 @@ class Ticket:
     error: BaseException | None = None
 
     def rollout(self, first: int = 0, last: int | None = None):
-        """Wait for every unit up to the one holding prompt ``last`` − 1 (every unit: None; watching the servers'
-        heartbeats), then the Rollout of prompts ``first`` … ``last`` − 1, rows in order."""
+        """Wait for the units holding prompts up to ``last`` − 1 (None: all), then their Rollout from ``first``."""
         last = len(self.prompt_ids) if last is None else last
         units = sum(1 for unit in self.units if unit[0] < last)
         completions, logprobs = self.stream._wait(self, units)
@@ -94,8 +86,7 @@ class Stream:
         self.spare: list[torch.nn.Module] = []
         self.tickets, self.stopping, self.pushed_bytes, self.failure = 0, False, 0, None
         self.submitted = version
-        """The version of the last batch queued: batches come in the order of their versions, so an older copy that
-        no unit needs is needed no more (a newer one may be published before its batch is queued)."""
+        """The last batch's version: batches come in version order, so an older copy no unit needs is done with."""
         for address, member in list(fleet.members.items()):
             self._start(address, member)
         self.publish(version, policy)
@@ -103,8 +94,7 @@ class Stream:
     # --- the trainer's side -------------------------------------------------------------------------------------
 
     def publish(self, version: int, policy) -> None:
-        """A copy of ``version``'s weights, for the servers that will need it; then the servers that left and
-        answer again join with them (``Fleet.reconnect``)."""
+        """A copy of ``version``'s weights for the servers that will need it; servers that left rejoin with them."""
         with self.condition:
             target = self.spare.pop() if self.spare else None
         if target is None:
@@ -167,9 +157,8 @@ class Stream:
         threading.Thread(target=self._serve, args=(address, member), name=f"stream-{address}", daemon=True).start()
 
     def _serve(self, address: str, member) -> None:
-        """Take the oldest unit, bring this server to its version, draw it; until this client of the server leaves
-        the pool (a rejoined server has a new client, and a thread of its own) or the run closes. A thread that
-        stops on anything unforeseen puts its unit back and takes its server out of the pool."""
+        """Take the oldest unit, bring this server to its version, draw it; until this client leaves the pool (a
+        rejoined server has a new one) or the run closes. A thread stopped by anything else requeues its unit."""
         unit = None
         try:
             while (unit := self._take(address, member)) is not None:
@@ -215,8 +204,8 @@ class Stream:
 
     @staticmethod
     def _draw(member, unit: _Unit) -> tuple:
-        """(answer, None, bytes pushed), or the server's failure as a line, or a fault that is not the server's (a
-        push that cannot be made: out of memory, a bug) as the exception, for every batch to raise."""
+        """(answer, None, bytes pushed); else the server's failure as a line, or a push's fault that is not the
+        server's (out of memory, a bug) as the exception, for every batch to raise."""
         pushed = 0
         try:
             if unit.weights is not None:
@@ -270,9 +259,8 @@ class Stream:
 
 
 def _copy_in_host_memory(policy: torch.nn.Module) -> torch.nn.Module:
-    """A frozen copy of ``policy`` whose parameters live in host memory, made without a passing copy on the
-    policy's device (a GPU's memory is the trainer's). Its parameters are what a push reads; every path takes them
-    from the host (the shared buffer, HTTP, a group's broadcast, which moves each to its device)."""
+    """A frozen copy of ``policy`` in host memory, made without a passing copy on the policy's device (a GPU's
+    memory is the trainer's); every push path takes its tensors from the host."""
     memo = {id(parameter): torch.nn.Parameter(parameter.detach().to("cpu", copy=True), requires_grad=False)
             for parameter in policy.parameters()}
     return copy.deepcopy(policy, memo).requires_grad_(False)

@@ -1,21 +1,11 @@
-"""What a rollout server accepts, checked before anything touches its engine: the lease that makes one trainer
-the only writer of its weights, the shape and size of a ``/generate`` or ``/logprobs`` request, and every tensor of
-a weight push.
+"""What a rollout server accepts, checked before anything touches its engine: the lease, the shape and size of a
+``/generate`` or ``/logprobs`` request, and every tensor of a weight push. Every check raises ``Refused(status,
+message)``: the server answers one JSON line ``{"error": message}`` and its engine and weights stay as they were.
 
-Every check raises ``Refused(status, message)``: the server answers it as one JSON line
-``{"error": message}`` with that 4xx status, and its engine and weights stay as they were.
-
-The lease (one trainer per server). Two trainers sampling from one server would each train on samples drawn by
-the other's weights (seen: a per-token mismatch of 9.7 nats at one step, silently trained on). So the first
-trainer to connect takes a lease and holds it for its run's life; its weight pushes and a heartbeat renew it.
-Another trainer's claim is refused until the holder releases it (at its run's end) or stops renewing it for
-``seconds`` (a holder SIGKILLed, or its machine lost). A claim carries the run's secret, a random string the
-trainer keeps in its run folder (mode 0600, ``client.run_secret``); the server keeps only its SHA-256. A claim
-with the holder's own secret takes the live lease over at once: that is ``--resume`` after a crash (the run
-folder's lock, ``locks.FolderLock``, already guarantees the earlier process is gone). Nothing else does: the
-host, PID and run folder a claim names are the client's own word, so they describe the holder and prove
-nothing. Who holds the lease (PID, run folder) is shown only where every client had to give the API key; a
-server without one shows the holder's host alone (its own log names the rest).
+The lease (docs/vllm.md): two trainers on one server would each train on samples drawn by the other's weights
+(seen: a per-token mismatch of 9.7 nats at one step, silently trained on). A claim with the holder's own run secret
+(the server keeps its SHA-256) takes a live lease over, for ``--resume``; the host, PID and run folder a claim names
+are the client's own word, so they describe the holder and prove nothing, and are shown only behind an API key.
 """
 
 from __future__ import annotations
@@ -39,11 +29,9 @@ MAX_PROMPTS = 4096
 GENERATE_BYTES = 64 * 2**20
 """Largest ``/generate`` body."""
 MAX_REQUEST_TOKENS = 2**20
-"""Tokens one ``/generate`` may ask the engine for: Σ over its prompts of group size × (prompt + max new tokens)
-(``--max-request-tokens``; the trainer splits its requests to fit)."""
+"""Tokens one ``/generate`` may ask for (``request_tokens``, ``--max-request-tokens``; the trainer splits to fit)."""
 MAX_SERVER_TOKENS = 2**22
-"""Tokens the requests of clients without the lease may hold at once, waiting or drawn (``--max-server-tokens``);
-the lease holder's requests always go in."""
+"""Tokens the requests of clients without the lease may hold at once (``--max-server-tokens``)."""
 SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k")
 HOLDER = (("host", str, "text"), ("pid", int, "an integer"), ("run", str, "text"))
 """A lease claim's holder: each field, its type, and the type's name in a refusal."""
@@ -62,8 +50,7 @@ class Refused(Exception):
 
 
 def describe(holder: dict, reveal: bool = True) -> str:
-    """The holder as a refusal or a log line names it: its host, PID and run folder, or (``reveal`` false: a server
-    without an API key, where anyone may ask) its host alone."""
+    """The holder as a refusal or a log line names it; without ``reveal`` (no API key) its host alone."""
     if not reveal:
         return f"host {holder.get('host')}"
     return f"host {holder.get('host')}, PID {holder.get('pid')}, run folder {holder.get('run')}"
@@ -94,8 +81,7 @@ def _digest(secret: str) -> str:
 
 @dataclass
 class Leases:
-    """At most one lease at a time; ``clock`` is injectable so that expiry is tested without waiting. ``reveal``:
-    whether refusals and ``status`` name the holder's PID and run folder (only behind an API key)."""
+    """At most one lease at a time; ``clock`` is injectable so that expiry is tested without waiting."""
 
     seconds: float
     clock: object = time.monotonic
@@ -111,8 +97,7 @@ class Leases:
         return self.token is not None and self.clock() - self.renewed < self.seconds
 
     def claim(self, holder: dict, secret: str) -> str:
-        """A new token for ``holder`` (checked by ``check_claim``), or ``Refused(409)`` naming the live holder
-        when ``secret`` is not the one it claimed with."""
+        """A new token for ``holder``, or ``Refused(409)`` while another ``secret`` holds it live."""
         digest = _digest(secret)
         with self._lock:
             if self._live() and not hmac.compare_digest(digest, self.digest):
@@ -182,8 +167,7 @@ def _number(value, name: str, low: float, high: float, low_open: bool = False) -
 
 
 def check_generate(request, vocab_size: int, max_model_len: int, max_group_size: int = MAX_GROUP_SIZE):
-    """``(prompt_ids, group_size, seeds, settings)`` of a well-formed request, or ``Refused(400)`` naming the
-    first field that is not."""
+    """``(prompt_ids, group_size, seeds, settings)`` of a well-formed request, or ``Refused(400)`` naming a fault."""
     if not isinstance(request, dict):
         raise Refused(400, "the body must be a JSON object")
     expected = ("prompt_ids", "group_size", "seeds", "settings")
@@ -238,9 +222,8 @@ def _token_ids(ids, name: str, vocab_size: int) -> None:
 
 
 def check_logprobs(request, vocab_size: int, longest: int, bound: int) -> tuple[list, list, int]:
-    """``(prompt_ids, completion_ids, tokens)`` of a well-formed ``POST /logprobs`` (``tokens``: Σ over its rows of
-    prompt + completion), or ``Refused`` naming the first fault: 400 for its form or a row over ``longest`` tokens
-    (the engine's ``longest_scored``), 413 for over ``bound`` tokens."""
+    """``(prompt_ids, completion_ids, tokens)`` of a well-formed ``POST /logprobs``, or ``Refused``: 400 for its form
+    or a row over ``longest`` tokens, 413 for over ``bound`` tokens in all."""
     if not isinstance(request, dict) or set(request) != {"prompt_ids", "completion_ids"}:
         raise Refused(400, 'a /logprobs request is {"prompt_ids": [[id, ...], ...], "completion_ids": [[id, ...], '
                            '...]}: a prompt and a completion a row, nothing else')
@@ -262,8 +245,7 @@ def check_logprobs(request, vocab_size: int, longest: int, bound: int) -> tuple[
 
 
 def request_tokens(prompts: list, group_size: int, new_tokens: int) -> int:
-    """What a ``/generate`` asks of the engine, in tokens: Σ over its prompts of group size × (prompt + max new
-    tokens), every completion at its longest (a temperature of 100 reaches it)."""
+    """What a ``/generate`` asks of the engine: Σ over its prompts of group size × (prompt + max new tokens)."""
     return group_size * sum(len(ids) + new_tokens for ids in prompts)
 
 
@@ -278,8 +260,7 @@ def check_size(prompts: list, group_size: int, new_tokens: int, bound: int) -> i
 
 
 def slices(prompts: list, group_size: int, new_tokens: int, bound: int) -> list[tuple[int, int]]:
-    """``[(start, end), ...]``: consecutive runs of whole prompts asking at most ``bound`` tokens each (a prompt
-    that asks more alone is a run of its own). A prompt's group stays whole: its completions share one seed."""
+    """``[(start, end), ...]``: runs of whole prompts (a group shares one seed) of at most ``bound`` tokens, or one."""
     parts, start, size = [], 0, 0
     for index, ids in enumerate(prompts):
         cost = request_tokens([ids], group_size, new_tokens)
@@ -295,9 +276,8 @@ def slices(prompts: list, group_size: int, new_tokens: int, bound: int) -> list[
 
 @dataclass
 class WeightPush:
-    """One trainer's push in progress: parts checked one by one, applied only once every expected tensor is in.
-
-    ``spec`` maps each checkpoint name the engine loads to its (shape, dtype name)."""
+    """One trainer's push in progress: parts checked one by one against ``spec`` ({name: (shape, dtype name)}),
+    applied only once every expected tensor is in."""
 
     spec: dict
     token: str
@@ -365,8 +345,8 @@ def all_finite(tensor) -> bool:
 
 
 def check_ties(tied, spec: dict) -> dict:
-    """A push's ``tied`` ({name: the earlier name it repeats}, ``remote.tied_weights``: sent once) against the spec:
-    both served, one shape and dtype, the source sent and earlier. Raises Refused (group joins, shared pushes)."""
+    """A push's ``tied`` ({name: the earlier name it repeats}, sent once): both served, one shape and dtype, the
+    source sent and earlier; else Refused."""
     if not isinstance(tied, dict):
         raise Refused(400, "\"tied\" must map names to the earlier names they repeat")
     order = {name: index for index, name in enumerate(spec)}
@@ -391,8 +371,7 @@ def weight_spec(named) -> dict:
 
 
 class Turns:
-    """The engine, one request (or slice) at a time, the lease holder's first; and the tokens that the requests
-    of other clients hold, waiting or drawn, bounded (the holder's always go in)."""
+    """The engine, one request (or slice) at a time, the lease holder's first; other clients' tokens, bounded."""
 
     def __init__(self, bound: int):
         self.bound, self.others = bound, 0
@@ -420,8 +399,7 @@ class Turns:
 
     @contextlib.contextmanager
     def admitted(self, tokens: int, first: bool):
-        """Count ``tokens`` in hand while inside, or ``Refused(429)`` when another client's request would go over
-        the bound."""
+        """Count ``tokens`` in hand while inside, or ``Refused(429)`` when another client's would go over the bound."""
         with self._changed:
             if not first and self.others + tokens > self.bound:
                 raise Refused(429, f"the server has {self.others} tokens of other clients' requests in hand; {tokens} "

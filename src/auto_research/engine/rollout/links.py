@@ -1,14 +1,8 @@
 """How a trainer's weights reach a rollout server: one class a path (``WeightLink``), each opened from what the two
-ends declare (the server's offer: its shared buffer, the groups it can join; the trainer's device and tied weights),
-in a small registry (``LINKS``). A new transport is a class and its line there.
-
-    link = choose_link(client, sync, offer)   # --rollout-sync: auto, or the path insisted on
-    link.begin(); link.send(name, tensor) ...; failure = link.finish(failure)
-
-- ``SharedLink``: the server's buffer in this host's shared memory, written in place (``transfer.py``);
-- ``CollectiveLink``: a torch.distributed group of two with the server (``pushes.py`` is the server's side);
-- ``HttpLink``: checked safetensors parts over HTTP, between any two hosts;
-- ``AdapterLink``: a LoRA run's adapter alone, merged by the server onto its base weights.
+ends declare (``Offer``; the trainer's device and tied weights), in a registry (``LINKS``): a new transport is a
+class and its line there. ``SharedLink``: this host's shared memory (``transfer.py``); ``CollectiveLink``: a
+torch.distributed group of two (``pushes.py``, the server's side); ``HttpLink``: safetensors parts over HTTP;
+``AdapterLink``: a LoRA run's adapter alone.
 """
 
 from __future__ import annotations
@@ -35,8 +29,7 @@ from auto_research.errors import RolloutEngineError, UserError
 
 @dataclass(frozen=True)
 class Offer:
-    """What the server declares for this lease: its shared buffer (None: none this client may use) and the groups
-    it can join (``/health``'s ``collective``); where it is."""
+    """What the server declares for this lease (its shared buffer, the groups it can join), and where it is."""
 
     shared: dict | None
     collective: object
@@ -61,8 +54,7 @@ class WeightLink(Protocol):
 
 
 def _attempt(call, *args) -> UserError | None:
-    """``call(*args)``'s failure as a value (a push goes on walking the weights: every rank takes part in each
-    gather), None when it went through."""
+    """``call(*args)``'s failure as a value (a push goes on walking the weights for every rank's gathers), or None."""
     try:
         call(*args)
     except UserError as error:
@@ -71,8 +63,8 @@ def _attempt(call, *args) -> UserError | None:
 
 
 class HttpLink:
-    """The weights in safetensors parts of up to ``PART_BYTES`` (``/weights?part=i&last=0|1``), each checked by the
-    server; a tied weight is sent as a copy of its own (safetensors keeps one name per storage)."""
+    """The weights in safetensors parts of up to ``PART_BYTES``; a tied weight is sent as a copy of its own
+    (safetensors keeps one name per storage)."""
 
     transfer = "HTTP"
 
@@ -110,8 +102,7 @@ class HttpLink:
 
 
 class AdapterLink(HttpLink):
-    """A LoRA run's adapter factors alone (``remote.adapter_factors``: a few percent of the bytes), in one request
-    under the lease (``/weights/adapter``)."""
+    """A LoRA run's adapter factors alone (``remote.adapter_factors``), in one request (``/weights/adapter``)."""
 
     def send(self, name: str, tensor: torch.Tensor) -> None:
         self.batch[name] = tensor
@@ -121,8 +112,7 @@ class AdapterLink(HttpLink):
 
 
 class SharedLink(SharedWriter):
-    """The server's shared buffer, mapped (same host, same user): each tensor copied into its slot, then the
-    slots' checksums posted (``/weights/shared``)."""
+    """The server's shared buffer, mapped: each tensor copied into its slot, then the checksums posted."""
 
     transfer = "shared memory"
 
@@ -153,9 +143,8 @@ class SharedLink(SharedWriter):
 
 @contextlib.contextmanager
 def _one_thread(device: torch.device):
-    """A copy into a staging buffer on one of this process's threads (on the CPU): gloo sends the last bucket from
-    a thread of its own meanwhile, and two threads copying starved it (a SmolLM2 push on 2 cores: 0.25–0.30 s with
-    both, 0.20–0.24 s with one)."""
+    """A copy into a staging buffer on one thread (on the CPU): gloo sends the last bucket from a thread of its own
+    meanwhile, and two copying threads starved it (a SmolLM2 push on 2 cores: 0.25–0.30 s, against 0.20–0.24 s)."""
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads == 1:
         yield
@@ -168,10 +157,10 @@ def _one_thread(device: torch.device):
 
 
 class CollectiveLink:
-    """A group of two (``backend``: gloo or NCCL) with one rollout server: ``call(path, body)`` is the client's
-    request under its lease. ``begin`` starts a push's request, ``send`` broadcasts each tensor in the server's
-    order (from ``device``: the trainer's GPU under NCCL), ``finish`` waits for its answer (the server's refusal). ``tied`` ({name: the earlier name}, ``remote.tied_weights``): weights the model ties, sent once
-    where the server takes that (an older one sends no ``tied`` back, and gets every name)."""
+    """A group of two (``backend``: gloo or NCCL) with one rollout server, ``call`` being the client's request under
+    its lease: ``begin`` starts a push's request, ``send`` broadcasts each tensor in the server's order (from
+    ``device`` under NCCL), ``finish`` waits for its answer. ``tied``: weights the model ties, sent once where the
+    server takes that."""
 
     def __init__(self, call, host: str, port: int, names: list[str] | None = None, backend: str = "gloo",
                  device: torch.device | str = "cpu", tied: dict | None = None, lease: str = ""):
@@ -218,8 +207,7 @@ class CollectiveLink:
 
     @classmethod
     def open(cls, client, offer: Offer, insist: bool):
-        """A group with a server on another host (or one insisted on), of a backend both ends take (NCCL when both
-        sides' weights are on GPUs, else gloo)."""
+        """A group with a server on another host (or one insisted on), of a backend both ends take."""
         if offer.loopback and not insist:
             return None
         ours = backends(client.device)
@@ -327,13 +315,11 @@ class CollectiveLink:
 LINKS = {"shared-memory": SharedLink, "collective": CollectiveLink, "http": HttpLink}
 """--rollout-sync's paths (``config/rollout.py``), each a class that opens from the two ends' declarations."""
 AUTO = ("shared-memory", "collective", "http")
-"""--rollout-sync auto: the first of these both ends can form (a shared buffer this process can map, a group with
-a server on another host, HTTP)."""
+"""--rollout-sync auto: the first of these both ends can form."""
 
 
 def choose_link(client, sync: str, offer: Offer) -> WeightLink:
-    """--rollout-sync ``auto`` takes the first link of ``AUTO`` that opens; another path is insisted on (a
-    UserError when the two ends cannot form it)."""
+    """--rollout-sync ``auto``: the first link of ``AUTO`` that opens; another path is insisted on (else UserError)."""
     for name in AUTO if sync == "auto" else (sync,):
         link = LINKS[name].open(client, offer, insist=sync != "auto")
         if link is not None:

@@ -1,18 +1,12 @@
 """The builtin engine's continuous batch, for in-flight weight updates and partial rollouts (--in-flight-updates;
 ``train/partial_flight.py`` drives it, docs/async.md).
 
-A *lane* is one prompt's group: K rows prefilled once, decoded side by side. Every row still decoding is in one
-forward a tick (one token a row), whatever its lane: their KV cache sits in one batch, left-padded to the longest.
-A row that ends leaves the batch and its KV cache (as ``builtin.sample`` compacts), so a lane waiting for its
-longest row decodes that row alone; the lane leaves the pool when its K rows have ended, and new lanes are admitted
-into the rows it freed. New
-weights are taken between two ticks (``swap``): the rows in flight keep their KV cache (the peers' default), or
-have it recomputed under the new weights with ``recompute_kv``.
-
-Every drawn token records the weights version that computed the logits it was drawn from and its log-prob under
-them (μ of that version), so the trainer corrects each token against the weights that drew it. A row's draws
-depend only on its prompt's seed and the weights at each of its tokens, never on which lanes shared its ticks
-(each row has its own uniforms; the forward of a row does not read another row).
+A *lane* is one prompt's group: K rows prefilled once. Every row still decoding is in one forward a tick, their KV
+cache in one batch, left-padded; a row that ends leaves it (as ``builtin.sample`` compacts), and a lane leaves the
+pool when its K rows have ended, new lanes admitted into the rows it freed. New weights are taken between two ticks
+(``swap``), the KV cache kept or, with ``recompute_kv``, recomputed. Each drawn token records the version whose
+logits drew it and its log-prob under them; a row's draws depend only on its seed and those weights, never on which
+lanes shared its ticks.
 """
 
 from __future__ import annotations
@@ -31,9 +25,7 @@ from auto_research.errors import UserError
 
 
 class Pool:
-    """Lanes in flight: ``admit`` prefills a prompt's group, ``tick`` draws one token a row, ``swap`` takes new
-    weights between two ticks, ``drop`` takes lanes out unfinished. The model is the caller's; it decodes with
-    whatever weights it holds, whose version the caller names."""
+    """Lanes in flight, decoded by the caller's model with whatever weights it holds, whose version the caller names."""
 
     def __init__(self, model, tokenizer, group_size: int, max_new_tokens: int, temperature: float, top_k: int,
                  top_p: float, eos: list[int], pad: int, version: int = 0):
@@ -48,9 +40,8 @@ class Pool:
         """What each lane's rows drew, (R = lanes · K, …): t (tokens drawn), ended, tokens, logprobs, entropies,
         versions, uniforms."""
         self.batch: dict[str, torch.Tensor] = {}
-        """The rows still decoding, in the forward's order (B ≤ R, …): row (their index in ``rows``), attention,
-        position, logits (pending), logits_version. A row that ends leaves it, and the KV cache (``cache``), which
-        holds these rows alone: a lane waiting for its longest row decodes that row only."""
+        """The rows still decoding, in the forward's order (B ≤ R, …), as the KV cache (``cache``) holds them: row
+        (their index in ``rows``), attention, position, logits (pending), logits_version."""
         self.cache = None
         self.admitted = 0
         self.version = version
@@ -69,8 +60,7 @@ class Pool:
 
     @torch.no_grad()
     def admit_many(self, groups: list[tuple[object, list[int], int]]) -> None:
-        """Several prompts' groups (key, prompt ids, seed), prefilled in one forward (left-padded, as ``sample``
-        prefills a batch: each row's draws are its own)."""
+        """Several prompts' groups (key, prompt ids, seed), prefilled in one left-padded forward, as ``sample``'s."""
         if not groups:
             return
         ids, attention = encode_prompts(self.tokenizer, [list(prompt) for _, prompt, _ in groups], self.device)
@@ -124,8 +114,7 @@ class Pool:
         self._decoding(self.batch["row"] >= 0)
 
     def _decoding(self, keep: torch.Tensor) -> None:
-        """Only the batch's rows where ``keep`` holds go on decoding (their KV cache kept, the others' dropped);
-        columns that are padding in every row left go."""
+        """Only the batch's rows where ``keep`` holds go on decoding; columns that are padding in all of them go."""
         if bool(keep.all()):
             return
         positions = keep.nonzero().squeeze(1)
@@ -161,9 +150,8 @@ class Pool:
 
     @torch.no_grad()
     def tick(self) -> list[Finished]:
-        """One token for every row decoding (drawn from its pending logits, recorded with their version); the rows
-        that ended leave the batch and the lanes whose K rows have ended leave the pool; then one forward over the
-        rows left. The lanes that ended, in admission order."""
+        """One token for every row decoding (from its pending logits), the rows and lanes that ended out, then one
+        forward over the rows left; the lanes that ended, in admission order."""
         if not self.lanes:
             return []
         rows, batch = self.rows, self.batch
@@ -214,10 +202,8 @@ class Pool:
 
     @torch.no_grad()
     def swap(self, version: int, recompute_kv: bool) -> None:
-        """New weights are in the model (the caller loaded them). The rows going on keep their KV cache, or with
-        ``recompute_kv`` it is recomputed: each decoding row's prompt and drawn tokens prefilled again under the new
-        weights, whose logits then draw its next token. Kept, the logits pending at the swap (the old weights') draw the
-        next token, and every later forward is the new weights'."""
+        """New weights are in the model. Kept, the KV cache and the logits pending (the old weights') draw the next
+        token; with ``recompute_kv`` each decoding row's prompt and tokens are prefilled again under the new ones."""
         self.version = version
         if not self.lanes or not recompute_kv:
             return
@@ -274,12 +260,9 @@ def supply_target(per_step: int, pool_groups: int | None = None) -> int:
 
 
 class Rounds:
-    """Partial rollouts over a pool of lanes, a round at a time (the same in the trainer's process and in a rollout
-    server): the queue of groups to draw (``supply`` appends; a stale group goes back to its front), and the groups
-    done but not yet handed over. ``run`` makes one step's batch. The pool is the builtin engine's ``Pool`` or
-    vLLM's (``vllm_partial.VLLMPool``): ``K``, ``version``, ``size``, ``lanes`` (each a dict with its ``key`` and
-    ``prompt_ids``), ``admit_many``, ``tick``, ``swap``, ``oldest_versions``, ``drop``, ``to_files``,
-    ``from_files`` and ``close``."""
+    """Partial rollouts over a pool of lanes (``Pool`` or ``vllm_partial.VLLMPool``), a round at a time, in the
+    trainer's process or a rollout server: the queue of groups to draw (a stale group goes back to its front), and
+    the groups done but not yet handed over. ``run`` makes one step's batch."""
 
     def __init__(self, pool):
         self.pool = pool
@@ -299,20 +282,18 @@ class Rounds:
 
     def run(self, version: int, per_step: int, oldest_allowed: int, recompute_kv: bool,
             pool_groups: int | None = None, settle: bool = False) -> list[Finished]:
-        """One step's batch: the weights of ``version`` (in the model now) taken between two decode steps, every
-        group (done or not) holding a token older than ``oldest_allowed`` put back at the front of the queue, then
-        decode steps, with up to ``pool_groups`` groups decoding (default and at least ``per_step``: the batch's
-        rows), until ``per_step`` groups are done; those, in the order they finished. ``settle``: a checkpoint will
-        read this round's state, and a pool that cannot save its groups decoding (vLLM's: ``saves_lanes`` false)
-        gives them up now, back to the front of the queue, as a restore would: so a resumed run goes on as this
-        one does."""
+        """One step's batch: ``version``'s weights taken, every group holding a token older than ``oldest_allowed``
+        put back at the front of the queue, then decode steps with up to ``pool_groups`` groups (at least
+        ``per_step``) until ``per_step`` are done; those, in the order they finished. ``settle``: a checkpoint reads
+        this round, and a pool that cannot save its groups decoding (vLLM's) requeues them now, as a restore would."""
         pool_groups = max(per_step, pool_groups or per_step)
         if self.pool.version != version:
             self.pool.swap(version, recompute_kv)
         stale = {id(lane) for lane in self.finished if int(lane.versions[lane.versions >= 0].min()) < oldest_allowed}
         dropped = {key for key, oldest in self.pool.oldest_versions() if oldest < oldest_allowed}
         again = [(lane.key, list(lane.prompt_ids), lane.key[1]) for lane in self.finished if id(lane) in stale] + [
-            (lane["key"], list(lane["prompt_ids"]), lane["key"][1]) for lane in self.pool.lanes if lane["key"] in dropped]
+            (lane["key"], list(lane["prompt_ids"]), lane["key"][1]) for lane in self.pool.lanes
+            if lane["key"] in dropped]
         self.finished = [lane for lane in self.finished if id(lane) not in stale]  # (a key's seed is its own)
         self.pool.drop(lambda key: key not in dropped)
         self.requeued += len(again)
@@ -338,8 +319,7 @@ class Rounds:
         self.pool.admit_many(admitted)
 
     def to_files(self) -> tuple[dict, dict]:
-        """The rounds' state as tensors (copies) and plain values (the pool's, the queue, the count). A pool that
-        cannot save its groups in flight (vLLM's) hands them back as ``"unfinished"``: first in the queue."""
+        """The rounds' state as tensors (copies) and plain values; a pool's ``"unfinished"`` go first in the queue."""
         tensors, plain = self.pool.to_files(self.finished)
         unfinished = plain.pop("unfinished", [])
         plain.update(pending=unfinished + [[list(key), list(ids), seed] for key, ids, seed in self.pending],
@@ -347,16 +327,15 @@ class Rounds:
         return tensors, plain
 
     def restore(self, tensors: dict, plain: dict) -> None:
-        """``to_files``' values back; ``ValueError`` naming what does not fit these rounds (the pool's own checks
-        too), before anything is changed."""
+        """``to_files``' values back; ``ValueError`` naming what does not fit, before anything is changed."""
         for index, lane in enumerate(plain["finished"]):
             shape = tensors[f"finished/{index}/tokens"].shape
             entropies = tensors.get(f"finished/{index}/entropies")  # (none from vLLM)
             if len(shape) != 2 or shape[0] != self.pool.K or any(
                     tensors[f"finished/{index}/{name}"].shape != shape for name in ("logprobs", "versions")) or (
                     entropies is not None and entropies.shape != shape):
-                raise ValueError(f"finished group {index} is not {self.pool.K} rows of tokens, log-probs, versions (and "
-                                 "entropies)")
+                raise ValueError(f"finished group {index} is not {self.pool.K} rows of tokens, log-probs, versions "
+                                 "(and entropies)")
         for item in plain["pending"]:
             key, ids, seed = item
             if not (isinstance(key, list) and len(key) == 2 and isinstance(ids, list) and key[1] == seed
@@ -373,7 +352,6 @@ class Rounds:
 
 
 def builtin_pool(model, tokenizer, group_size: int, settings) -> Pool:
-    """The builtin engine's continuous batch over ``model`` (a record's ``pool``, ``engine/samplers.py``; a rollout
-    server's ``/partial/round``), padded as the trainer's rollout side pads."""
+    """The builtin engine's continuous batch over ``model``, padded as the trainer's rollout side pads."""
     return Pool(model, tokenizer, group_size, settings.max_new_tokens, settings.temperature, settings.top_k,
                 settings.top_p, eos_ids(tokenizer, model), tokenizer.pad_token_id or 0)

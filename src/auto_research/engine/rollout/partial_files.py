@@ -1,7 +1,5 @@
-"""A group of partial rollouts done (``Finished``), and a builtin ``partial.Pool`` to and from a checkpoint's files:
-the rows in flight with their KV cache and the groups done but not yet handed over (``pool_to_files``), checked
-against the pool before they go back in (``check_pool_files``, ``pool_from_files``): a state that does not fit is
-refused at its restore, not at the next round."""
+"""A group of partial rollouts done (``Finished``), and a builtin ``partial.Pool`` to and from a checkpoint's files,
+checked against the pool before they go back in: a state that does not fit is refused at its restore, not later."""
 
 from __future__ import annotations
 
@@ -32,8 +30,8 @@ class Finished:
 
 
 def pool_to_files(pool, finished: list[Finished]) -> tuple[dict, dict]:
-    """The pool and the groups done but not yet handed over, as tensors (copies) and plain values: what a
-    checkpoint saves so that a resumed run decodes on from the very same KV cache."""
+    """The pool and the groups done, as tensors (copies) and plain values: a resumed run decodes on from the very
+    same KV cache."""
     tensors = {f"rows/{name}": value.detach().clone() for name, value in pool.rows.items()}
     tensors.update({f"batch/{name}": value.detach().clone() for name, value in pool.batch.items()})
     for index, layer in enumerate(pool.cache.layers if pool.cache is not None else ()):
@@ -91,9 +89,8 @@ def _has_dtype(value: torch.Tensor, dtype) -> bool:
 
 
 def check_pool_files(pool, tensors: dict, plain: dict) -> None:
-    """``ValueError`` naming the first thing in a saved pool (``pool_to_files``) that does not fit ``pool``: its
-    rows, the batch of those decoding, their KV cache and the lanes they belong to agree in number, width and
-    layers, so a restored state cannot fail at the next round instead of at its restore."""
+    """``ValueError`` naming the first thing in a saved pool that does not fit ``pool``: its rows, the batch of those
+    decoding, their KV cache and their lanes agree in number, width and layers."""
     count, layers = len(plain["lanes"]) * pool.K, plain["layers"]
     if not count:
         if any(key.startswith(("rows/", "batch/")) for key in tensors) or layers:
@@ -133,8 +130,7 @@ def check_pool_files(pool, tensors: dict, plain: dict) -> None:
 
 
 def pool_from_files(pool, tensors: dict, plain: dict) -> list[Finished]:
-    """``pool_to_files``' values back into ``pool`` (made with the run's settings), once they fit it
-    (``check_pool_files``); the groups done, returned."""
+    """``pool_to_files``' values back into ``pool``, once they fit it; the groups done, returned."""
     from transformers.cache_utils import DynamicCache
 
     tensors = _with_batch(tensors, len(plain["lanes"]) * pool.K)

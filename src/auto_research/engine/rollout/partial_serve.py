@@ -1,32 +1,19 @@
 """Partial rollouts in a rollout server (--in-flight-updates with --rollout-mode server or process; docs/async.md):
 the continuous batch (the builtin engine's ``partial.Rounds`` over a ``Pool``, or vLLM's ``vllm_partial.VLLMRounds``)
-lives in the server, and the lease holder drives it a round at a time. Weights are pushed between rounds as ever, so a new version reaches the rows in
-flight between two of their decode steps, their KV cache kept or recomputed.
+lives in the server, and the lease holder drives it a round at a time, pushing weights between rounds as ever.
 
-- ``POST /partial/round`` with the lease and ``{"round", "version", "weights_version", "per_step", "oldest_allowed",
-  "recompute_kv", "group_size", "settings", "supply"}`` and optionally ``"pool_groups"`` (the groups decoding at once:
-  ``per_step`` to ``MAX_IN_FLIGHT_POOL`` · ``per_step``, default ``per_step``) and ``"settle"`` (a checkpoint will
-  read this round: ``partial.Rounds.run``): ``supply`` is ``[[[index, seed], prompt ids, seed], ...]``, appended to
-  the queue of groups to draw (the trainer keeps it at three steps' worth); ``version`` names, in the trainer's
-  numbering, the weights the server holds (``weights_version``, its own push count, must match them). The server puts
-  back the groups holding a token older than ``oldest_allowed``, decodes until ``per_step`` groups are done →
-  ``{"lanes": [{"key", "order", "prompt_ids", "tokens", "logprobs", "entropies", "versions"}], "requeued", "pending",
-  "weights_version", "instance"}``. Rounds come in order (``round`` is the last one's + 1, else 409). Under torchrun
-  every rank sends each round (the same request: the whole step's groups): the first runs it, the others get its
-  answer, and each rank trains its own slice of the groups. A round sent again with another request is a 409.
-- ``POST /partial/state`` with the lease and ``{"round"}`` → the state as that round left it (kept for the last
-  ``KEPT_STATES`` rounds): a safetensors body, its plain values as JSON in the metadata's ``"plain"``. A
-  checkpoint saves it; ``POST /partial/restore`` with the lease and that body puts it back for ``--resume``,
-  checked first by the rules of the rounds it replaces (``partial_restore``): a state file is what a user restores
-  from, and a round's refusals (NaN log-probs, a version beyond the round's, more groups than rounds hold, tensors
-  no round saves, a body larger than its settings allow) hold for it too, the lease's rounds left as they were.
+- ``POST /partial/round`` with the lease and the fields ``ROUND_FIELDS`` (``OPTIONAL_FIELDS`` optionally): ``supply``
+  (``[[[index, seed], prompt ids, seed], ...]``) is appended to the queue, the groups holding a token older than
+  ``oldest_allowed`` go back to it, and the server decodes until ``per_step`` groups are done → ``{"lanes",
+  "requeued", "pending", "weights_version", "instance"}``. Rounds come in order (409 otherwise); under torchrun
+  every rank sends each round, the first runs it and the others get its answer (another request is a 409).
+- ``POST /partial/state`` → the state a kept round (the last ``KEPT_STATES``) left, as safetensors with its plain
+  values as JSON in the metadata's ``"plain"``; ``POST /partial/restore`` puts such a body back for ``--resume``,
+  checked first by the rules of the rounds it replaces (a state file is what a user restores from).
 
-The state belongs to the lease that made it, and goes when the lease is released or lapses (vLLM's requests
-aborted): another lease (a new run, or the same run resumed with its secret) starts from an empty one, at any
-round, or from what it restores. While a vLLM engine holds a session's requests, other clients' ``/generate`` is a
-409 (vLLM's ``generate`` would step them to their end), checked in the engine's turn. A round the engine fails
-is a 500, and the session's rounds are given up: that round sent again, or a later one, is a 409 naming the failure
-(a run resumes from its checkpoint; a round 1 starts afresh).
+The state belongs to the lease that made it and goes when the lease does (vLLM's requests aborted). While a vLLM
+engine holds a session's requests, other clients' ``/generate`` is a 409 (vLLM's ``generate`` would step them to their
+end). A round the engine fails is a 500 and gives up the session's rounds: any later round is a 409 naming it.
 """
 
 from __future__ import annotations
@@ -47,8 +34,7 @@ from auto_research.errors import one_line
 KEPT_STATES = 3
 """Rounds whose state the server keeps: a checkpoint after step s reads round s + 1's, and round s + 2 may have run."""
 STATE_BYTES = 2**31
-"""The bound on a restored state's body (the pool's KV cache and its rows) whatever its settings; the state's own
-settings bound it far below (``_state_bytes``)."""
+"""The bound on a restored state's body whatever its settings (which bound it far below: ``_state_bytes``)."""
 HEADER_BYTES = 2**26
 """The most bytes a restored state's header may have (its tensors' names and shapes, and its plain values)."""
 RULES = "the state breaks a round's rules: "
@@ -57,10 +43,10 @@ ROUND_FIELDS = ("round", "version", "weights_version", "per_step", "oldest_allow
                 "settings", "supply")
 OPTIONAL_FIELDS = ("pool_groups", "settle")
 
+
 @dataclass
 class Session:
-    """One lease's rounds: its settings (fixed by its first round, or by what it restored), the rounds, and the
-    state after each of the last rounds."""
+    """One lease's rounds: its settings (fixed by its first round or its restore), and the last rounds' states."""
 
     lease: str
     config: dict
@@ -68,11 +54,10 @@ class Session:
     last_round: int = 0
     states: dict = field(default_factory=dict)
     answers: dict = field(default_factory=dict)
-    """Each kept round's request (a hash) and answer: under torchrun every rank sends the round, the first runs
-    it, the others get its answer."""
+    """Each kept round's request (a hash) and answer, for the other ranks that send it under torchrun."""
     failed: str | None = None
-    """Why a round failed in the engine, which then gave up the rounds: a retry of that round, or any later one,
-    is a 409 naming it (rather than a round that would find half of what the failed one did)."""
+    """Why a round failed in the engine: a retry or any later round is a 409 naming it (not a round that would find
+    half of what the failed one did)."""
 
 
 def _integer(value, name: str, low: int, high: int = 2**62) -> int:
@@ -98,8 +83,7 @@ def prune(serving) -> None:
 
 
 def blocks_generate(serving) -> bool:
-    """vLLM's own ``generate`` steps every request in its engine to its end, partial rollouts' included: while a
-    session has groups decoding on a vLLM engine, other clients' draws wait for a server without them."""
+    """Whether a session has groups decoding on a vLLM engine, whose ``generate`` would step them to their end."""
     session = serving.partial
     return session is not None and getattr(session.rounds.pool, "engine", None) is not None and bool(
         session.rounds.pool.lanes)
@@ -177,7 +161,7 @@ def partial_round(handler):
 
 def _read_round(serving, body) -> tuple:
     """A round's number, version, per_step, oldest version allowed, supply ((key, ids, seed) each) and the settings
-    its lease's rounds keep; ``Refused`` naming the first field that is wrong."""
+    its lease's rounds keep; else ``Refused``."""
     if not isinstance(body, dict) or sorted(set(body) - set(OPTIONAL_FIELDS)) != sorted(ROUND_FIELDS):
         raise Refused(400, f"a round has the fields {', '.join(ROUND_FIELDS)} (and {', '.join(OPTIONAL_FIELDS)}, "
                            "optionally)")
@@ -224,9 +208,8 @@ def _most_supply(per_step: int, pool_groups: int) -> int:
 
 
 def _check_held(count: int, per_step: int, pool_groups: int, holder: str) -> None:
-    """``Refused(400)`` when ``count`` groups are more than rounds may hold at once, queued, decoding and done: a
-    round's supply, beside a pool's worth decoding and a pool's worth done but not yet handed over (a trainer keeps
-    the queue at ``supply_target``)."""
+    """``Refused(400)`` when ``count`` groups are more than rounds hold at once: a round's supply, a pool's worth
+    decoding and a pool's worth done but not yet handed over."""
     most = _most_supply(per_step, pool_groups) + 2 * pool_groups
     if count > most:
         raise Refused(400, f"{holder} {count} groups (queued, decoding and done); {_rounds_of(per_step, pool_groups)} "
@@ -238,8 +221,7 @@ def _rounds_of(per_step: int, pool_groups: int) -> str:
 
 
 def _check_queue(session: Session, number: int, per_step: int, supply: list) -> None:
-    """The round comes next, its groups are new to the session, and the queue will hold enough never to run dry
-    (and no more than rounds may hold)."""
+    """The round comes next, its groups are new, and the queue will hold enough never to run dry (and no more)."""
     if session.last_round and number != session.last_round + 1:  # a new session starts at any round
         raise Refused(409, f"round {number} after round {session.last_round}: rounds come one at a time, in order")
     held = set(session.rounds.keys()) & {key for key, _, _ in supply}
@@ -275,9 +257,8 @@ def partial_state(handler):
 
 
 def partial_restore(handler):
-    """A state saved by ``/partial/state`` back into this lease's session, which then goes on from its round. It is
-    checked by the rules of the rounds it replaces (``_state_head``: its settings, version and groups, and its
-    body's size from its header before the rest is read; ``_check_tensors``: its tensors) before anything changes."""
+    """A state saved by ``/partial/state`` back into this lease's session, which goes on from its round; checked by
+    the rules of the rounds it replaces (``_state_head``, ``_check_tensors``) before anything changes."""
     serving = handler.serving
     token = handler.headers.get("X-Lease")
     head: dict = {}
@@ -299,9 +280,8 @@ def partial_restore(handler):
 
 
 def _state_head(serving, read, length: int) -> dict:
-    """A restore's body refused from its header (its first bytes, ``read``), before the rest is read: its settings
-    by a round's rules (``_read_round``), its version within its round's, its groups within what rounds hold, and
-    the body's ``length`` within what a state of its settings can be (``_state_bytes``). → {"round", "version",
+    """A restore's body refused from its header (``read``) before the rest is read: its settings by a round's rules,
+    its groups within what rounds hold, its ``length`` within what such a state can be. → {"round", "version",
     "config"}."""
     first = read(8)
     size = struct.unpack("<Q", first)[0] if len(first) == 8 else -1
@@ -343,9 +323,8 @@ def _state_head(serving, read, length: int) -> dict:
 
 
 def _state_bytes(served, rows: int, longest: int, max_new: int) -> int:
-    """The most bytes a state's tensors take for ``rows`` rows (a pool's worth decoding, and a pool's worth done)
-    of prompts up to ``longest`` tokens and ``max_new`` new ones, every value counted at 8 bytes: the KV cache
-    (``_kv_width`` values a position), the pending logits, the rows' fields and the batch's; and a MiB."""
+    """The most bytes a state's tensors take for ``rows`` rows of up to ``longest`` + ``max_new`` tokens, every value
+    at 8 bytes: the KV cache, the pending logits, the rows' and the batch's fields; and a MiB."""
     width = longest + max_new
     return 2**20 + 8 * rows * (width * _kv_width(served.spec) + served.vocab_size + 2 * width + 8 + 9 * max_new)
 
@@ -378,9 +357,7 @@ def _known_tensor(name: str, layers: int, finished: int) -> bool:
 
 
 def _check_tensors(tensors: dict, plain: dict, version: int, vocab_size: int) -> None:
-    """A restored state's tensors by the rules of the rounds that saved them: only names a round saves; log-probs
-    finite and ≤ 0; versions of tokens and logits in −1 (none) .. the state's ``version``; token ids of this
-    vocabulary; every other float finite, the uniforms in [0, 1]. ``Refused(400)`` naming the first that fails."""
+    """A restored state's tensors by the rules of the rounds that saved them, or ``Refused(400)`` naming a fault."""
     import torch  # noqa: PLC0415
 
     layers = plain.get("layers", 0)
@@ -407,8 +384,7 @@ def _check_tensors(tensors: dict, plain: dict, version: int, vocab_size: int) ->
 
 
 def _check_prompts(plain: dict, vocab_size: int) -> None:
-    """Every prompt a restored state holds (queued, decoding or done) is token ids of this vocabulary, as a
-    round's supply must be: ``ValueError`` naming the first that is not."""
+    """Every prompt a restored state holds is token ids of this vocabulary, else ``ValueError``."""
     prompts = ([ids for _, ids, _ in plain["pending"]] + [lane["prompt_ids"] for lane in plain.get("lanes", [])]
                + [lane["prompt_ids"] for lane in plain["finished"]])
     for ids in prompts:

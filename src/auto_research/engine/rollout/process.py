@@ -1,15 +1,9 @@
-"""``--rollout-mode process``: the builtin sampler's rollout server (``rollout-serve --engine builtin``), started
-by the run itself on cores of its own and stopped with it, so that a CPU-only run's rollout side samples while
-the trainer trains without sharing its interpreter lock (docs/async.md), in one command.
-
-The child listens on 127.0.0.1 only, with a random API key that only this process and the child know, and holds
-the model the run loaded (the architecture and tokenizer; the trainer pushes its weights before any draw). Its
-cores come from ``--rollout-cores`` (default: the last core this process may use); the trainer keeps the others:
-its main thread is pinned to them and torch uses that many threads, unless ``--threads`` says otherwise.
-
-The child stops with its trainer, whichever way the trainer ends: at ``close``, and, when the trainer is SIGKILLed,
-by watching it (``orphans.stop_with_trainer``: its server then stops as on SIGTERM, removing its shared-memory
-buffer). When the child dies first, the trainer's line says so, with its exit status.
+"""``--rollout-mode process``: the builtin sampler's rollout server (``rollout-serve --engine builtin``), started by
+the run itself on cores of its own (``--rollout-cores``, default the last core) and stopped with it, so that a
+CPU-only run samples while it trains without sharing its interpreter lock (docs/async.md). The child listens on
+127.0.0.1 only, with a random API key only the two know; it stops with its trainer at ``close`` or, when the
+trainer is SIGKILLed, by watching it (``orphans.stop_with_trainer``). When the child dies first, the trainer's line
+says so, with its exit status.
 """
 
 from __future__ import annotations

@@ -1,43 +1,22 @@
-"""The server's other ways in for a lease holder's weights, beside ``/weights`` (HTTP parts) and ``/weights/shared``
-(this host's shared memory): a LoRA run's adapter alone, and the weights over a torch.distributed group of two.
+"""The server's other ways in for a lease holder's weights, beside ``/weights`` and ``/weights/shared``: a LoRA run's
+adapter alone (``adapter_push``), and the weights over a torch.distributed group of two (``links.CollectiveLink`` is
+the trainer's side).
 
-- ``POST /weights/adapter`` (``adapter_push``): see server.py's docstring and ``adapter_guard.check_adapter``.
-- ``POST /weights/collective`` with ``{"store": "HOST:PORT", "group": nonce, "backend": "gloo" | "nccl",
-  "tied": {name: earlier name}}`` (``collective_join``): the server joins a group of two (rank 1) of that backend
-  through the trainer's store at that address (``rendezvous.StoreHost``), under a prefix that names this link,
-  once the two sides answered each other's challenge under a key from the lease; and answers the names it
-  expects, in order, and the ties it takes (``guard.check_ties``). One link per lease; a new join replaces it. A
-  backend the server cannot take is a 400 (``/health`` lists those it can). A tied name (the trainer's model ties it:
-  ``remote.tied_weights``, SmolLM2's lm_head) is never sent: the server loads its source's tensor under it.
-- ``POST /weights/collective/push`` (``collective_push``): the server receives every weight it expects, in that
-  order, by broadcasts from the trainer (rank 0), which sends them while this request waits; then each tensor is
-  checked (finite) and the engine reloads them, as a ``/weights`` push → ``{"weights_version", "seconds"}``. A
-  tensor that fails a check refuses the push whole, the engine's weights unchanged. A trainer that stops sending
-  leaves the request to fail after ``PUSH_SECONDS`` (500), and the link is dropped.
+- ``POST /weights/collective`` (``collective_join``): the server joins the group as rank 1 through the trainer's
+  store (``rendezvous``: served only to a side that answers a challenge under a key from the lease), and answers
+  the names it expects, in order, and the ties it takes (``guard.check_ties``: a tied name is never sent). One link
+  per lease; a backend the server cannot take is a 400.
+- ``POST /weights/collective/push`` (``collective_push``): every weight received by broadcasts while this request
+  waits, checked (finite) and reloaded as a ``/weights`` push; a trainer that stops sending fails it after
+  ``PUSH_SECONDS`` (500), and the link is dropped.
 
-The weights travel in buckets (``layout``: consecutive tensors of one dtype, up to ``BUCKET_BYTES`` each; a larger
-tensor alone), both sides computing the same buckets from the served spec that the join answers. A broadcast per tensor
-paid gloo's cost per message 273 times a SmolLM2 push; the server received into fresh memory each push. Now the trainer
-copies each bucket into one of two staging buffers and broadcasts it while it fills the other, and the server receives
-into buffers it keeps for the link (each set allocated at its first push). The builtin engine serves the received
-tensors themselves (``adopt_named``), with no copy into its own: the link keeps two sets of buffers, and each push lands
-in the set the engine is not serving from, so a refused push leaves the served weights untouched. Any other engine
-(vLLM) copies them in (``load_named``) and one set is used. The trainer copies into its staging buffers on one thread:
-two starved gloo's sending thread on 2 cores (``_one_thread``).
+The weights travel in buckets (``layout``: consecutive tensors of one dtype up to ``BUCKET_BYTES``): a broadcast per
+tensor paid gloo's cost per message 273 times a SmolLM2 push. The trainer fills one of two staging buffers while the
+other is sent; the server receives into buffers it keeps, in two sets when the engine serves them as they are
+(``adopt_named``: a push lands in the set not served, so a refused push leaves the served weights untouched).
 
-The group spans one trainer and one server, never several servers, so a dead server stalls nobody but its own
-push (bounded). The store listens on the trainer's address on the way to the server (the loopback for a server on
-this host), and gloo's listeners on each side's (``rendezvous.gloo_device``); the store serves only a connection
-that answers its challenge under a key both sides derive from the lease (``rendezvous``: a TCPStore listened on
-every interface and served anyone). NCCL's own bootstrap sockets follow NCCL_SOCKET_IFNAME.
-
-One code path for both backends, chosen by device (``choose_backend``): NCCL where the trainer's weights and the
-server's engine are both on CUDA GPUs and both torches have NCCL (the tensors then go GPU to GPU, received on the
-engine's device), gloo otherwise (CPU tensors). NCCL has not run here: it needs two GPUs (one rank per device),
-and this project's machines have had at most one.
-
-The trainer's side is ``links.CollectiveLink``: it hosts the store, joins the group with the server, and sends a
-push's tensors while its request waits.
+The group spans one trainer and one server, so a dead server stalls nobody but its own push (bounded). NCCL where
+both sides' weights are on CUDA GPUs (``choose_backend``), gloo otherwise; NCCL has not run here (it needs two GPUs).
 """
 
 from __future__ import annotations
@@ -73,8 +52,7 @@ def _broadcast_options():
 
 
 def backends(device: torch.device | str) -> list[str]:
-    """The groups this side can form with its weights on ``device``, the fastest first: NCCL for CUDA tensors
-    when this torch has it, gloo (any tensor, sent from the CPU) when this torch has it."""
+    """The groups this side can form with its weights on ``device``, the fastest first (NCCL for CUDA tensors)."""
     if not dist.is_available():
         return []
     fast = ["nccl"] if torch.device(device).type == "cuda" and dist.is_nccl_available() else []
@@ -87,8 +65,7 @@ def offered_backends(collective) -> list[str]:
 
 
 def choose_backend(ours: list[str], theirs) -> str | None:
-    """The first of ``ours`` (fastest first) that the server offers too (``offered_backends``); None when they
-    share none."""
+    """The first of ``ours`` (fastest first) that the server offers too; None when they share none."""
     offered = offered_backends(theirs)
     return next((backend for backend in ours if backend in offered), None)
 
@@ -131,8 +108,7 @@ def _device(backend: str, device) -> torch.device:
 
 
 def takes_adapters(sampler) -> bool:
-    """Whether ``sampler`` applies a pushed LoRA adapter itself: the builtin engine always, vLLM when started with
-    --enable-lora (``takes_adapters``)."""
+    """Whether ``sampler`` applies a pushed LoRA adapter itself (the builtin engine; vLLM with --enable-lora)."""
     return bool(getattr(sampler, "takes_adapters", hasattr(sampler, "load_adapter")))
 
 
@@ -165,10 +141,8 @@ def adapter_push(handler, limit: int):
 
 @dataclass
 class Link:
-    """The server's side of a group with the lease holder: the device a push is received on, its buckets
-    (``layout``), the weights the trainer sends once for two names (``tied``: {name: the earlier name}), and two
-    sets of receive buffers. An engine that adopts received tensors (``adopt_named``) serves from one set while
-    the next push lands in the other; ``adopted`` is the set it serves from (None: its own memory)."""
+    """The server's side of a group with the lease holder, with two sets of receive buffers: an engine that adopts
+    received tensors serves from one (``adopted``; None: its own memory) while the next push lands in the other."""
 
     store: object
     group: object

@@ -1,8 +1,5 @@
-"""What every engine other than the training model needs, beside the Sampler protocol: the policy's weights as
-named tensors to push (LoRA merged, FSDP2 shards gathered), and the Rollout built from an engine's token ids and
-log-probs. Used by the colocated vLLM engine (``vllm.py``) and by the server's client (``server.py``); neither
-imports an engine.
-"""
+"""What every engine other than the training model needs: the policy's weights as named tensors to push (LoRA
+merged, FSDP2 shards gathered), and the Rollout built from an engine's token ids and log-probs."""
 
 from __future__ import annotations
 
@@ -36,10 +33,8 @@ def _named_weights(model) -> Iterator[tuple[str, torch.nn.Parameter, object]]:
 
 
 def pushed_weights(model, dtype: torch.dtype, merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's weights under the checkpoint names vLLM loads, one tensor at a time: LoRA adapters merged
-    into their base weights (W + s·B·A, what the policy computes; ``merged=False``: the base weights alone, for an
-    engine that is then sent the adapter, ``adapter_factors``), FSDP2 shards gathered one parameter at a time
-    (every rank takes part in each gather, in the same order)."""
+    """The policy's weights under the checkpoint names vLLM loads, one tensor at a time: LoRA merged (W + s·B·A;
+    ``merged=False``: the base alone, the adapter sent apart), FSDP2 shards gathered (every rank takes part)."""
     for name, parameter, module in _named_weights(model):
         tensor = parameter.detach()
         if hasattr(tensor, "full_tensor"):
@@ -50,9 +45,8 @@ def pushed_weights(model, dtype: torch.dtype, merged: bool = True) -> Iterator[t
 
 
 def tied_weights(model) -> dict[str, str]:
-    """``{name: the earlier name it repeats}`` for the weights a push sends twice because the model ties them
-    (SmolLM2's lm_head is its embedding: 17% of its push): one parameter under both names, neither a LoRA layer's
-    base (whose merged weights differ). A push may send such a weight once (``pushes.CollectiveLink``)."""
+    """``{name: the earlier name it repeats}`` for the weights the model ties (SmolLM2's lm_head: 17% of its push),
+    never a LoRA layer's base (whose merged weights differ): a push may send them once."""
     first: dict[int, str] = {}
     tied = {}
     for name, parameter, module in _named_weights(model):
@@ -66,11 +60,9 @@ def tied_weights(model) -> dict[str, str]:
 
 
 def adapter_factors(model) -> dict[str, torch.Tensor] | None:
-    """A LoRA policy's adapter as the tensors ``POST /weights/adapter`` takes: for each adapted linear weight (its
-    checkpoint name W), ``W::A`` (r, in), ``W::B`` (out, r) and ``W::scaling``, float32, FSDP2 shards gathered (every
-    rank takes part; the scaling float64, PEFT's Python float). None for a model without adapters, or with
-    adapters an engine could not merge as PEFT does (several active, DoRA, a bias of their own, fan-in-fan-out
-    weights, an embedding's): merged weights go then."""
+    """A LoRA policy's adapter as ``POST /weights/adapter`` takes it: ``W::A`` (r, in), ``W::B`` (out, r) float32 and
+    ``W::scaling`` float64 for each adapted weight W, FSDP2 shards gathered. None without adapters, or with ones an
+    engine could not merge as PEFT does (several active, DoRA, a bias, fan-in-fan-out, an embedding's)."""
     if not hasattr(model, "peft_config"):
         return None
     factors = {}
@@ -93,8 +85,7 @@ def adapter_factors(model) -> dict[str, torch.Tensor] | None:
 
 
 def sample_by_ids(engine, prompts: list[str], group_size: int, seeds: list[int]) -> Rollout:
-    """A Sampler's ``sample`` for an engine that draws token ids (``engine.generate(prompt_ids, group_size,
-    seeds)``, with ``tokenizer``, ``eos`` and ``pad``): the prompts tokenized, drawn, and the Rollout built."""
+    """A Sampler's ``sample`` over an engine's ``generate(prompt_ids, group_size, seeds)``, ``tokenizer``, ``eos``."""
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     prompt_ids = engine.tokenizer(prompts, add_special_tokens=False)["input_ids"]

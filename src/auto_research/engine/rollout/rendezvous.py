@@ -1,21 +1,14 @@
 """Where the two sides of a collective weight sync (``pushes.py``) find each other: a key-value store the trainer
-hosts and the server reaches, in place of torch's TCPStore.
+hosts and the server reaches, in place of torch's TCPStore, which listened on every interface and asked nothing of
+whoever connected (a stranger read its key count, set keys of its own and held a blocking wait). This store:
 
-A TCPStore listened on every interface whatever address it was given, and asked nothing of whoever connected: a
-process that was not the trainer read its key count, set and read back keys of its own, and held a blocking wait.
-This store:
+- listens on one address, the trainer's on the way to the server, as gloo's own listeners do (``gloo_device``);
+- asks each connection a challenge first, an HMAC-SHA256 under ``link_key`` (from the lease, which only the trainer
+  and the server hold, and the group's name); one that does not answer within ``AUTH_SECONDS`` is closed having read
+  nothing else, and at most ``MAX_WAITING`` answer at once. The server challenges the trainer in turn.
 
-- listens on one address, the trainer's on the way to the server (``pushes.local_address``: the loopback for a
-  server on this host), as gloo's own listeners do (``gloo_device``);
-- asks each connection a challenge first: an HMAC-SHA256 of 32 random bytes under ``link_key``, which each side
-  derives from the lease (that only the trainer and the server hold) and the group's name. A connection that does
-  not answer it within ``AUTH_SECONDS`` is closed, having read nothing but the challenge; at most ``MAX_WAITING``
-  wait to answer at once (any more are closed at once). The server checks the trainer's answer to a challenge of
-  its own in turn, so it joins no one else's group.
-
-After the challenge, a request is an operation byte and its parts (each a 4-byte length and its bytes), and an
-answer a status byte (0: done; 1: failed, its part the reason) and its parts; the trainer's side keeps the keys in a
-``torch.distributed.HashStore``, which its own rank uses directly.
+Then a request is an operation byte and its parts (each a 4-byte length and its bytes), an answer a status byte
+(0: done; 1: failed, its part the reason) and its parts; the keys live in a ``HashStore`` the trainer's rank uses.
 """
 
 from __future__ import annotations
@@ -45,8 +38,7 @@ OPERATIONS = {b"S": "set", b"G": "get", b"A": "add", b"C": "check", b"W": "wait"
 
 
 def link_key(lease: str, group: str) -> bytes:
-    """The secret both sides answer challenges with: derived from the lease (the trainer's, which the server
-    checked) and the group's name (new for each link), so no other link's answer works for this one."""
+    """The secret both sides answer challenges with, from the lease and the group's name (new for each link)."""
     return hmac.new(str(lease).encode(), b"auto-research collective store\0" + group.encode(), hashlib.sha256).digest()
 
 
@@ -94,8 +86,8 @@ def gloo_device(address: str):
 
 
 class StoreHost:
-    """The trainer's side: the keys (``store``, a HashStore its own rank uses), served on ``address`` (``port``) to
-    connections that answer the challenge under ``key``. ``refused`` counts the connections closed unanswered."""
+    """The trainer's side: the keys (``store``), served on ``address`` to connections that answer the challenge under
+    ``key``; ``refused`` counts the connections closed unanswered."""
 
     def __init__(self, address: str, key: bytes, seconds: float):
         self.key, self.seconds = key, seconds
@@ -199,8 +191,8 @@ class StoreHost:
 
 
 class RemoteStore(dist.Store):
-    """The server's side: the trainer's ``StoreHost`` at ``host:port``, reached from this host's ``address`` on the
-    way there, once both answered each other's challenge under ``key`` (``ConnectionError`` otherwise)."""
+    """The server's side: the trainer's ``StoreHost`` at ``host:port``, once both answered each other's challenge
+    under ``key`` (``ConnectionError`` otherwise)."""
 
     def __init__(self, host: str, port: int, key: bytes, seconds: float):
         super().__init__()

@@ -14,8 +14,7 @@ from auto_research.http import API_KEY_VARIABLE, is_loopback, server_key
 
 
 def serve(config, start, log=print) -> None:
-    """``auto-research rollout-serve``: load the model, start the engine (``start``: its server record's ``serve``,
-    ``engine/samplers.py``), answer until interrupted."""
+    """Load the model, start the engine (``start``: its record's ``serve``), answer until interrupted."""
     api_key = server_key(config.api_key_file)
     if api_key is None and not is_loopback(config.host):
         log(f"warning: serving on {config.host}, beyond this machine, without an API key: anyone who reaches the "

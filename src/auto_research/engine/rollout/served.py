@@ -1,6 +1,5 @@
-"""Who a rollout server is, as both ends check it: its model's shape and tokenizer (``fingerprint``: a trainer whose
-``--model`` differs is refused), its vocabulary alone (``vocabulary``: a served teacher's must be the policy's), and
-what the server knows of its model (``Served``), against which pushes and requests are checked."""
+"""Who a rollout server is, as both ends check it: its model's shape and tokenizer (``fingerprint``), its vocabulary
+alone (``vocabulary``), and what it knows of its model (``Served``)."""
 
 from __future__ import annotations
 
@@ -43,9 +42,8 @@ class Served:
 
 
 def health(base: str, headers: dict, where: str, start: str) -> dict:
-    """The ``/health`` of the server at ``base`` (a trainer's or a teacher's client), else ``UserError`` in one line
-    that starts with ``where`` (the flag and address): a key refused or missing, no server (``start``: the command
-    that starts one), or something else answering."""
+    """The ``/health`` of the server at ``base``, else ``UserError`` in one line that starts with ``where`` (the flag
+    and address), naming ``start`` (the command that starts one) where no server answers."""
     try:
         return json.loads(request(base + "/health", None, "application/json", 10.0, 1, 0.5, headers))
     except RequestFailed as error:

@@ -1,70 +1,26 @@
-"""A rollout engine (vLLM, or the builtin sampler) in a process of its own (``--rollout-mode server``).
+"""A rollout engine (vLLM, or the builtin sampler) in a process of its own (``--rollout-mode server``), behind our
+own HTTP protocol (vLLM's OpenAI server has no in-place weight push that works on the CPU); docs/vllm.md describes
+it in full. With a key (``AUTO_RESEARCH_API_KEY``, ``rollout-serve --api-key-file``) every request carries
+``Authorization: Bearer KEY``.
 
-    auto-research rollout-serve --model M --port 8000            # one engine behind a small HTTP server
-    auto-research post-train --model M --sampler vllm --rollout-mode server --rollout-server 127.0.0.1:8000
+- ``GET /health``: the model, its fingerprint (architecture and vocabulary: another ``--model`` is refused), the
+  weights' version, this server start's random ``instance``, its limits and what it offers, the lease's holder.
+- ``POST /lease`` (``/lease/renew``, ``/lease/release``: the lease in ``X-Lease``): one trainer per server
+  (``guard.Leases``); the run's secret takes a live lease over for ``--resume``.
+- ``POST /generate`` and ``/logprobs``: token ids in, completions and the engine's processed log-probs (or a
+  teacher's temperature-1 scores) out, with the version and instance they came from. Open to any client with the
+  key; at most ``--max-request-tokens`` a request (413), other clients' at most ``--max-server-tokens`` at once (429).
+- ``POST /weights?part=N&last=0|1``, ``/weights/shared``, ``/weights/collective[/push]``, ``/weights/adapter`` with
+  the lease: a push (HTTP parts, the shared-memory buffer, a group of two: ``pushes.py``, a LoRA adapter), every
+  tensor checked before the engine reloads in place; a push that fails a check is dropped whole (a reload missing
+  tensors would leave vLLM sampling from unprocessed ones).
+- ``POST /partial/round``, ``/partial/state``, ``/partial/restore`` with the lease: ``partial_serve.py``.
 
-The protocol, all on one HTTP port (our own: vLLM's OpenAI server has no in-place weight push that works on
-the CPU). With a key (``AUTO_RESEARCH_API_KEY`` on both sides, or ``rollout-serve --api-key-file``, ``http.server_key``)
-every request carries ``Authorization: Bearer KEY`` (16 to 256 printable ASCII characters, ``http.check_api_key``).
-
-- ``GET /health`` → ``{"model", "fingerprint", "vocabulary", "weights_version", "instance", "max_model_len",
-  "dtype", "vocab_size", "max_group_size", "max_request_tokens", "lease_seconds", "adapters", "collective",
-  "partial", "lease"}`` (``instance``: random, one per server start). The fingerprint hashes the architecture's
-  shape and the tokenizer's vocabulary: a trainer whose ``--model`` differs is refused; ``vocabulary`` hashes the
-  vocabulary alone (a served teacher's must be the policy's). ``lease`` is ``{"held"}`` and, while held, the
-  holder: its host, PID and run folder behind an API key, its host alone on a server without one.
-- ``POST /lease`` with ``{"holder": {"host", "pid", "run"}, "secret"}`` → ``{"lease", "seconds", "shared"}``
-  (the lease's shared-memory buffer, or null), or 409 while another run holds it (``guard.Leases``: one per
-  server; ``secret`` is the run's own, kept in its run folder, and only it takes a live lease over, for
-  ``--resume``). ``/lease/renew`` and ``/lease/release`` carry the lease in an ``X-Lease`` header.
-- ``POST /generate`` with ``{"prompt_ids", "group_size", "seeds", "settings"}`` (token ids, so both sides
-  tokenize nothing differently; every sampling setting explicit) → ``{"completions", "logprobs",
-  "weights_version", "instance"}``: the engine's processed log-probs of the drawn tokens, as colocated; the
-  trainer checks the version and the instance against what it pushed. Open to any client (with the key):
-  drawing samples changes nothing. Bounded: a request asks for at most ``--max-request-tokens`` tokens (Σ over
-  its prompts of group size × (prompt + max new tokens), every completion counted at its longest), else 413;
-  the requests of clients without the lease hold at most ``--max-server-tokens`` at once, else 429.
-- ``POST /logprobs`` with ``{"prompt_ids", "completion_ids"}`` (a prompt and a completion a row, token ids) →
-  ``{"logprobs", "weights_version", "instance"}``: each completion token's log-prob at temperature 1 given all
-  before it (the full softmax: a served teacher's scores, ``teacher.ServedTeacher``), a forward and no decoding.
-  Read-only, so open to any client with the key, as ``/generate`` is, and bounded and scheduled as it is: at most
-  ``--max-request-tokens`` tokens (Σ prompt + completion) a request, else 413; without the lease, in slices
-  between the holder's turns and within ``--max-server-tokens``. A scorer needs no lease: it would let it push
-  weights, and the one lease of a server would keep out the trainer that samples from it.
-- ``POST /weights?part=N&last=0|1`` with the lease and a safetensors body: the policy's weights in parts of at
-  most ``PART_BYTES``, gathered one parameter at a time on the trainer (FSDP2 shards too). Each part is checked
-  as it comes (known names, shapes, dtype, finite values; ``guard.WeightPush``); at the last part, once every
-  expected tensor is in, the engine reloads them in place and empties its prefix cache →
-  ``{"weights_version", "seconds"}``. A push that fails a check is dropped whole and the engine keeps its
-  weights: a reload that misses tensors would leave vLLM sampling from unprocessed ones.
-- ``POST /weights/shared`` with the lease and ``{"nonce", "names", "checksums"}``: the same push through the
-  shared-memory buffer the lease's answer offered (``"shared"``), for a trainer on the server's host; each slot is
-  checked against the checksum the trainer took after its copy (``transfer.py``).
-
-- ``POST /weights/collective`` and ``/weights/collective/push`` with the lease: the same push over a torch.distributed
-  group of two between the trainer and this server, for a trainer on another host (``pushes.py``): NCCL between
-  two GPUs, gloo otherwise (``"collective"`` in ``/health``: the backends this server can join).
-- ``POST /weights/adapter`` with the lease and a safetensors body of a LoRA run's adapter (``<weight>::A``,
-  ``::B``, ``::scaling`` for each adapted weight; ``adapter_guard.check_adapter``): an engine that applies adapters (the
-  builtin one; ``"adapters"`` in ``/health``) sets each adapted weight to its base (kept from the last full push)
-  + (B·A)·scaling, as PEFT merges → ``{"weights_version", "seconds"}``; any other engine answers 400 and the
-  trainer pushes merged weights.
-- ``POST /partial/round``, ``/partial/state`` and ``/partial/restore`` with the lease (``"partial"`` in
-  ``/health``; the builtin engine's ``partial.Rounds`` or vLLM's ``vllm_partial.VLLMRounds``): partial rollouts for ``--in-flight-updates``, a round at a time
-  (``partial_serve.py``).
-
-Every refusal is a 4xx with one JSON line ``{"error": ...}`` and leaves the engine as it was; an engine failure
-is a 500 with its one-line cause. Each connection has its own thread and a read timeout, so a client that never
-sends its body blocks nobody. The engine serves one request at a time, and the lease holder's first
-(``Turns``): a request carrying the live lease (every rank of the trainer sends it) waits only for the engine's
-current work, and another client's request is drawn in slices of whole prompts of at most ``SLICE_TOKENS``,
-the engine given up between them, so the trainer waits at most one slice. Priority rather than a time limit
-per request: an engine call cannot be cut short (vLLM's ``generate`` is one blocking call), so a deadline would
-bound nothing while it runs, and it would throw away the work done; slices only make the other client wait.
-Under torchrun every rank sends its own prompts (per-request seeds make the draws independent of which rank
-asks) and rank 0 holds the lease and pushes the weights after every optimizer step; every rank learns whether
-the push went in before anyone samples again. Between hosts weights go over a gloo group of two (``pushes.py``),
-else HTTP (NCCL between trainer and server is not built: see docs/vllm.md).
+Every refusal is a 4xx with one JSON line ``{"error": ...}`` and leaves the engine as it was; an engine failure is
+a 500. Each connection has its own thread and a read timeout. The engine serves one request at a time, the lease
+holder's first (``Turns``); another client's request is drawn in slices of at most ``SLICE_TOKENS``. Priority
+rather than a time limit: an engine call cannot be cut short (vLLM's ``generate`` is one blocking call), so a
+deadline would bound nothing while it runs and would throw away its work; slices only make the other client wait.
 """
 
 from __future__ import annotations
@@ -86,7 +42,7 @@ from auto_research.engine.rollout.served import Served, fingerprint, vocabulary 
 from auto_research.engine.rollout.pushes import (adapter_push, backends, collective_join, collective_push,
                                                 takes_adapters)
 from auto_research.engine.rollout.transfer import SHARED_FOLDER, Intake
-from auto_research.errors import UserError, is_decimal, one_line
+from auto_research.errors import is_decimal, one_line
 from auto_research.http import authorization
 
 PART_BYTES = 256 * 2**20
@@ -95,13 +51,8 @@ SLICE_TOKENS = 2**14
 group alone when it asks more): between two slices the lease holder's waiting requests go first."""
 LARGE_BODY_BYTES = 2**20
 LARGE_BODIES = 4
-"""Bodies over LARGE_BODY_BYTES (up to /generate's 64 MiB) that clients without the lease may have read and held at
-once: connections are not bounded (a flood of slow ones blocks nobody), the memory their bodies take is. One
-beyond waits for a slot up to --read-timeout, then gets 503. The holder's bodies (its weight pushes) are never
-held up."""
-
-
-# --- the server ---------------------------------------------------------------------------------------
+"""Bodies over LARGE_BODY_BYTES that clients without the lease may hold at once: connections are not bounded, the
+memory their bodies take is. One more waits up to --read-timeout for a slot, then gets 503; the holder's never do."""
 
 
 @dataclass(frozen=True)
@@ -130,13 +81,11 @@ class Serving:
     turns: Turns
     say: object
     instance: str = ""
-    """This server's life (random): a trainer that sees another one knows the server restarted without its
-    weights."""
+    """This server's life (random): another one tells a trainer the server restarted without its weights."""
     large: threading.BoundedSemaphore | None = None
     """Slots for the bodies over ``LARGE_BODY_BYTES`` of clients without the lease, read and held at once."""
     links: dict = field(default_factory=dict)
-    """The lease holder's group (gloo or NCCL), by lease (``pushes.collective_join``): one ``pushes.Link`` at a
-    time."""
+    """The lease holder's group, by lease: one ``pushes.Link`` at a time (``pushes.collective_join``)."""
     partial: object = None
     """The lease holder's partial rollouts (``partial_serve.Session``), once it ran a round or restored one."""
 
@@ -149,7 +98,8 @@ class Handler(BaseHTTPRequestHandler):
     PUSHES = {"/weights/adapter": lambda handler: adapter_push(handler, PART_BYTES + 2**20),
               "/weights/collective": collective_join, "/weights/collective/push": collective_push}
     """Paths answered by ``pushes.py``'s functions, given the handler."""
-    PARTIAL = {"/partial/round": "partial_round", "/partial/state": "partial_state", "/partial/restore": "partial_restore"}
+    PARTIAL = {"/partial/round": "partial_round", "/partial/state": "partial_state",
+               "/partial/restore": "partial_restore"}
     """Paths answered by ``partial_serve.py``'s functions of these names."""
 
     def setup(self):
@@ -217,9 +167,8 @@ class Handler(BaseHTTPRequestHandler):
         raise Refused(status, message)
 
     def _body(self, limit: int, head=None) -> bytes:
-        """The body, ``limit`` bytes at most. ``head(read, length)``, when given, reads the body's first bytes
-        (``read(count)``) and may refuse the body from them: the rest is then read and dropped, never held, so that
-        a client still sending gets the refusal, and the connection closes."""
+        """The body, ``limit`` bytes at most. ``head(read, length)`` may refuse it from its first bytes: the rest is
+        then read and dropped, never held, so that a client still sending gets the refusal."""
         length = self.headers.get("Content-Length")
         if length is None:
             self._refuse(411, "a request body needs a Content-Length")
@@ -260,8 +209,7 @@ class Handler(BaseHTTPRequestHandler):
         self._holding_large = True
 
     def _drain(self, limit: int) -> None:
-        """Read and drop the body (at most ``limit`` bytes): a refusal then reaches a client that is still sending,
-        and nothing of the body is held."""
+        """Read and drop the body (at most ``limit`` bytes), so that a refusal reaches a client still sending."""
         length = self.headers.get("Content-Length", "")
         self._drop(min(int(length), limit) if is_decimal(length) and len(length) <= 18 else 0)
 
@@ -340,8 +288,8 @@ class Handler(BaseHTTPRequestHandler):
                      "instance": serving.instance}
 
     def _in_turns(self, tokens: int, parts: list, work) -> tuple[list, int]:
-        """``work(start, end)`` of each part (the whole request at once for the lease holder), each in a turn of
-        the engine; their answers, and the one weights version they all came from."""
+        """``work(start, end)`` of each part (the whole request for the lease holder), each in a turn of the engine;
+        their answers, and the one weights version they came from."""
         serving = self.serving
         first = serving.leases.holds(self.headers.get("X-Lease"))
         answers, version = [], None
@@ -389,8 +337,7 @@ class Handler(BaseHTTPRequestHandler):
         return self.load_checked(weights) if last else (200, {"received": self.serving.intake.received()})
 
     def holder_body(self, limit: int, head=None) -> bytes:
-        """The lease holder's body (``limit`` bytes at most; ``head`` as ``_body``'s); another client's is read,
-        dropped and refused."""
+        """The lease holder's body (as ``_body``); another client's is read, dropped and refused."""
         try:  # the lease first: a push of any other client is never held in memory
             self.serving.leases.check(self.headers.get("X-Lease"))
         except Refused:
@@ -406,14 +353,13 @@ class Handler(BaseHTTPRequestHandler):
             return self.load_checked(self.serving.intake.take_shared(token, body))
 
     def load_checked(self, weights: dict, adopt: bool = False):
-        """Every checked tensor into the engine, in place (``loaded``). ``adopt``: the engine serves the tensors
-        themselves (``adopt_named``: memory nobody writes while it is served, ``pushes.collective_push``)."""
+        """Every checked tensor into the engine, in place; ``adopt``: the engine serves the tensors themselves
+        (``adopt_named``, ``pushes.collective_push``)."""
         sampler = self.serving.sampler
         return self.loaded(lambda: (sampler.adopt_named if adopt else sampler.load_named)(iter(weights.items())))
 
     def loaded(self, load):
-        """``load()`` puts new weights into the engine in the holder's turn (only it pushes); only then does the
-        version move → the answer, ``{"weights_version", "seconds"}``."""
+        """``load()`` puts new weights into the engine in the holder's turn; only then does the version move."""
         started, turns = time.perf_counter(), self.serving.turns
         with turns.turn(first=True):
             load()
@@ -434,8 +380,8 @@ def _check_no_partial_rollouts(serving) -> None:
 
 def make_server(sampler, served: Served, host: str, port: int, limits: Limits = Limits(), log=None,
                 clock=time.monotonic):
-    """An HTTP server in front of one engine (a ``VLLMSampler`` or ``BuiltinEngine``: ``generate``,
-    ``load_named`` and ``max_model_len``); see ``Handler``. ``clock`` times the leases (tests move it by hand)."""
+    """An HTTP server in front of one engine (``generate``, ``load_named``, ``max_model_len``: a ``VLLMSampler`` or
+    ``BuiltinEngine``). ``clock`` times the leases (tests move it by hand)."""
     serving = Serving(sampler, served, limits, Leases(limits.lease_seconds, clock, reveal=limits.api_key is not None),
                       Intake(served.spec, limits.shared_folder), Turns(limits.max_server_tokens),
                       log or (lambda line: None), secrets.token_hex(8), threading.BoundedSemaphore(limits.large_bodies))

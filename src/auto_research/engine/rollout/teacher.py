@@ -1,6 +1,5 @@
-"""A served teacher for on-policy distillation (docs/distillation.md): a rollout server (``rollout-serve``, builtin
-or vLLM, serving the teacher's model) scores the policy's samples through its ``/logprobs`` (``server.py``), each
-completion token's log-prob at temperature 1. It holds no lease: it only reads, and needs only the server's key."""
+"""A served teacher for on-policy distillation (docs/distillation.md): a rollout server of the teacher's model scores
+the policy's samples through ``/logprobs``. It holds no lease: it only reads, and needs only the server's key."""
 
 from __future__ import annotations
 
@@ -20,10 +19,8 @@ weights between two slices of the request."""
 
 
 class ServedTeacher:
-    """A rollout server as the teacher. ``tokenizer``: the policy's, which must be the server's (``/health``'s
-    ``vocabulary``), else ``UserError`` at once, as for a server that does not answer or refuses the key;
-    ``api_key``: the server's (default ``AUTO_RESEARCH_API_KEY``). ``weights_version`` and ``instance``: the
-    server's, as its last answer gave them."""
+    """A rollout server as the teacher. ``tokenizer``: the policy's, which must be the server's, else ``UserError``
+    at once; ``api_key`` (default ``AUTO_RESEARCH_API_KEY``). ``weights_version``, ``instance``: its last answer's."""
 
     def __init__(self, address: str, tokenizer, timeout: float = 600.0, retries: int = 3, api_key: str | None = None):
         address = address.removeprefix("http://").rstrip("/")  # HOST:PORT, or http://HOST:PORT as --teacher-model
@@ -32,7 +29,8 @@ class ServedTeacher:
         key = http_api_key(api_key, "the API key")
         self.headers = {"Authorization": authorization(key)} if key else {}
         where = f"--teacher-model {address}"
-        health = served_health(self.base, self.headers, where, f"auto-research rollout-serve --model TEACHER --port {port}")
+        health = served_health(self.base, self.headers, where,
+                               f"auto-research rollout-serve --model TEACHER --port {port}")
         if health.get("vocabulary") != vocabulary(tokenizer):
             raise UserError(f"{where} serves {health.get('model')!r}, whose tokenizer is not the policy's (or a server "
                             "too old to say): a teacher scores the policy's token ids")
@@ -40,9 +38,8 @@ class ServedTeacher:
         self.weights_version, self.instance = health.get("weights_version"), health.get("instance")
 
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
-        """Each completion token's log-prob at temperature 1 given its prompt and the tokens before it, a list per
-        row, in requests that fit the server's bound; ``RolloutEngineError`` in one line when the server refuses,
-        fails or is gone after the retries (the caller leaves these rows unscored)."""
+        """Each completion token's log-prob at temperature 1, a list per row, in requests that fit the server's bound;
+        ``RolloutEngineError`` in one line when the server refuses, fails or is gone (the rows go unscored)."""
         prompts = [[int(token) for token in ids] for ids in prompt_ids]
         completions = [[int(token) for token in ids] for ids in completion_ids]
         values = []

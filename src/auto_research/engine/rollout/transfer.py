@@ -1,30 +1,16 @@
 """How a trainer's weights reach a rollout server: over HTTP in checked safetensors parts (any two hosts), or,
-when trainer and server share a host, through a buffer in shared memory that the trainer writes in place.
+when trainer and server share a host, through a buffer in shared memory that the trainer writes in place
+(docs/vllm.md, "Weights on the same host").
 
-The shared path. When a trainer takes the server's lease, the server creates a file in ``/dev/shm`` (mode 0600)
-laid out from the model's weight spec: a header holding a random nonce, then one slot per tensor at a fixed
-offset. The lease's answer tells the holder the file's path, the slots and the nonce's SHA-256 (never the nonce
-itself). The trainer maps the file, reads the nonce and checks its hash: if the file cannot be opened (another
-host, another user) or holds another nonce, it pushes over HTTP instead, so the choice is automatic. Otherwise
-after every optimizer step it copies each tensor into its slot (one copy, from wherever the tensor lives) and
-posts ``{"nonce", "names", "checksums"}`` to ``/weights/shared``: the nonce proves it writes the very file the
-server reads, and each checksum (``checksum``: XXH3-64 of the slot's bytes, read back once the copy is done) is
-what the slot must still hold when the server reads it. The server checks the lease, the nonce, that every
-expected name was written once and nothing else, that every slot hashes to its checksum (a change made after the
-trainer's copy, by another process of the same user or a stray write, is refused, finite or not), and that every
-value is finite; only then does the engine reload from views of the file (no copy, no parse), and
-``weights_version`` moves. A failed check leaves the engine with its weights. A write racing the reload itself,
-after the checks, is not seen here: the trainer's bound on the sampler's mismatch (``--max-rollout-mismatch``)
-stops the run before it trains on what such weights draw. The file goes when the lease ends
-(released, lapsed, taken by another run) or the server stops; one left by a server that was SIGKILLed is
-removed by the next server started on the host.
-
-A weight the trainer's model ties (SmolLM2's lm_head is its embedding: 17% of its bytes) is written once: the
-request names it under ``"tied"`` ({name: the earlier name}, ``guard.check_ties``), and the server loads the
-source's slot under both names (a server of this version says ``"ties": true`` in its offer).
-
-The holder writes the buffer only between its pushes (it waits for each answer): the file is the holder's
-own, as its HTTP parts are, and the checks run on what it wrote when it asked for them.
+The shared path: with each lease the server makes a file in ``/dev/shm`` (mode 0600) of a header holding a random
+nonce, then one slot per tensor. The trainer maps it and checks the nonce's hash (another host or user: HTTP
+instead), copies each tensor into its slot and posts ``{"nonce", "names", "checksums"}`` to ``/weights/shared``.
+The server checks the lease, the nonce, that every expected name was written once, every slot's checksum (a change
+after the trainer's copy, by another process of the same user, is refused, finite or not) and finiteness; only then
+does the engine reload from views of the file. A write racing the reload itself is not seen here: the trainer's
+``--max-rollout-mismatch`` bound catches what such weights draw. A tied weight (SmolLM2's lm_head: 17% of its
+bytes) is written once, named under ``"tied"``. The file goes with the lease or the server; one left by a
+SIGKILLed server is removed by the next one started on the host (``sweep``).
 """
 
 from __future__ import annotations
@@ -71,11 +57,8 @@ def _views(buffer: mmap.mmap, slots: list) -> dict:
 
 
 def checksum(slot: torch.Tensor) -> str:
-    """XXH3-64 of a contiguous tensor's bytes, in hex: what the trainer wrote into a slot, and what the server
-    finds there. Not a cryptographic hash: it tells a slot changed after the trainer's copy (same-user processes
-    can write the file; a forged collision would need one that could ptrace the trainer anyway). Chosen for
-    speed: over SmolLM2-135M's 621 MiB of slots, on one loaded core, 0.06 s where zlib.crc32 took 0.26 s, sha1
-    0.66 s and blake2b 1.14 s (``benchmarks/checksum.py``, ``docs/vllm.md``)."""
+    """XXH3-64 of a contiguous tensor's bytes, in hex. Not cryptographic: it tells a slot changed after the trainer's
+    copy. Chosen for speed (4x zlib.crc32's, 11x sha1's on SmolLM2's slots: ``benchmarks/checksum.py``)."""
     return xxhash.xxh3_64_hexdigest(slot.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -103,8 +86,7 @@ def sweep(folder: Path = SHARED_FOLDER) -> list[Path]:
 
 
 def with_ties(tensors: dict, tied: dict, spec: dict) -> dict:
-    """Every served weight in the spec's order, a tied one (``guard.check_ties``) as its source's very tensor: what
-    a push that sent it once loads (here, and over a group: ``pushes.collective_push``)."""
+    """Every served weight in the spec's order, a tied one as its source's very tensor (a push that sent it once)."""
     return {name: tensors[tied.get(name, name)] for name in spec}
 
 
@@ -160,8 +142,7 @@ class SharedBuffer:
         return with_ties(self.views, tied, self.spec) if tied else self.views
 
     def _verify(self, names: list, checksums) -> None:
-        """Every slot holds what the trainer wrote there (its checksum), or ``Refused(400)`` naming the first that
-        does not."""
+        """Every slot holds what the trainer wrote there (its checksum), else ``Refused(400)``."""
         if (not isinstance(checksums, list) or len(checksums) != len(names)
                 or not all(isinstance(value, str) for value in checksums)):
             raise Refused(400, 'a shared push carries "checksums": one per name, each slot\'s as the trainer wrote it')
@@ -247,8 +228,7 @@ class SharedWriter:
     """The trainer's side: the server's file mapped, each tensor copied into its slot."""
 
     def __init__(self, offer: dict, tied: dict | None = None):
-        """Raises OSError or ValueError where the file is not the server's (the caller then uses HTTP). ``tied``
-        ({name: the earlier name}, ``remote.tied_weights``): weights not written, where the server takes that."""
+        """OSError or ValueError where the file is not the server's (HTTP then). ``tied``: weights not written."""
         descriptor = os.open(offer["path"], os.O_RDWR)
         try:
             size = os.fstat(descriptor).st_size
@@ -264,8 +244,8 @@ class SharedWriter:
         self.views, self.names, self.checksums = _views(self.buffer, offer["slots"]), [], []
         self.tied = dict(tied or {}) if offer.get("ties") else {}
         self.lock, self.closed = threading.Lock(), False
-        """A push on one thread and ``close`` on another (a fleet's server left by its heartbeat, the run closed):
-        a view written after its map closed would crash the process."""
+        """A push on one thread and ``close`` on another (a fleet's server left): a view written after its map closed
+        would crash the process."""
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         with self.lock:

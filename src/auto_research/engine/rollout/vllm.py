@@ -1,19 +1,10 @@
-"""vLLM as the rollout engine, colocated: one ``vllm.LLM`` in each training process, on its device.
+"""vLLM as the rollout engine, colocated: one ``vllm.LLM`` in each training process, on its device (docs/vllm.md).
 
-    sampler = VLLMSampler(policy, tokenizer, settings, memory=0.3, dtype=torch.float32, max_model_len=...)
-    rollout = sampler.sample(prompts, K, seeds)   # n = K per prompt, a seed per prompt, vLLM's log-probs
-    sampler.load_weights(policy)                  # after every optimizer step: the weights, then a fresh cache
-
-The engine is built from the policy's config and tokenizer alone (``load_format="dummy"``) and then given
-the policy's weights, so whatever the trainer holds (the embedded model, a resumed checkpoint, a merged
-LoRA) is what vLLM samples from, with nothing written to disk. Every sampling setting is passed
-explicitly and the checkpoint's ``generation_config`` is ignored (``generation_config="vllm"``). The
-log-probs vLLM returns are ``processed_logprobs``: those of the distribution it drew from, after
-temperature, top-k and top-p, which is what an importance weight π_trainer / μ_sampler needs.
-
-vLLM is imported only here, only when ``--sampler vllm`` is asked for. Its known-harmless lines (start-up
-warnings, a line per weight sync) are kept off stderr (engine/quiet.py), and its INFO lines below its
-logging level, unless ``verbose`` (``--verbose``, or VLLM_LOGGING_LEVEL set to INFO or DEBUG).
+The engine is built from the policy's config and tokenizer alone (``load_format="dummy"``) and then given the
+policy's weights, so it samples from whatever the trainer holds, with nothing written to disk. Every sampling
+setting is explicit (``generation_config="vllm"``), and the log-probs are ``processed_logprobs``: those of the
+distribution drawn from (after temperature, top-k, top-p), as an importance weight π_trainer / μ_sampler needs.
+vLLM is imported only here; its known-harmless lines are kept off stderr (engine/quiet.py) unless ``verbose``.
 """
 
 from __future__ import annotations
@@ -51,10 +42,9 @@ def check_servable(config, device: str, model_name: str, where: str = "--sampler
 
 
 def check_parallel(device: str, tensor: int, data: int, where: str = "rollout-serve") -> None:
-    """vLLM's parallelism against this host, in one line before any model loads: on GPUs, tensor × data GPUs must
-    be visible; on the CPU, each tensor-parallel worker takes a group of this process's cores (bound here through
-    ``VLLM_CPU_OMP_THREADS_BIND`` unless the user set it: vLLM-CPU otherwise wants a NUMA node per worker), with
-    torch.compile off in its workers (see below)."""
+    """vLLM's parallelism against this host, before any model loads: on GPUs, tensor × data GPUs visible; on the
+    CPU, a group of this process's cores per tensor-parallel worker (``VLLM_CPU_OMP_THREADS_BIND`` unless set:
+    vLLM-CPU otherwise wants a NUMA node per worker), torch.compile off (see below)."""
     if tensor == 1 and data == 1:
         return
     if device.startswith("cuda"):
@@ -87,15 +77,6 @@ def _ranges(cores: list[int]) -> str:
         else:
             runs.append([core, core])
     return ",".join(f"{first}-{last}" if last > first else str(first) for first, last in runs)
-
-
-def engine_seed(seed: int) -> int:
-    """A prompt's seed in the range vLLM's generators take (its K children use seed + k)."""
-    return seed % (2**31 - 2**16)
-
-
-def _host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _verbose(asked: bool) -> bool:
@@ -144,10 +125,9 @@ class VLLMSampler:
         """vLLM's (tensor, data) parallel sizes: above 1, its workers are processes of their own."""
         self.max_adapter_rank, self.adapter, self._adapters = lora_rank, None, None
         self._adapter_ids = itertools.count(1)
-        """vLLM's ids of the adapters pushed, each new (its LoRA cache knows an adapter by its id)."""
-        """With ``lora_rank`` (rollout-serve --enable-lora): vLLM applies a pushed LoRA adapter itself
-        (``load_adapter``) of rank up to this; ``adapter`` is the one it draws with (a LoRARequest), None after a
-        full push."""
+        """vLLM's ids of the adapters pushed, each new (its LoRA cache knows an adapter by its id). With ``lora_rank``
+        (--enable-lora) vLLM applies a pushed adapter itself; ``adapter`` is the one it draws with, None after a full
+        push."""
         with harmless_lines_hidden(not self.verbose):
             self.llm = self._engine(model, memory, dtype, max_model_len, seed)
         self.weight_sync_seconds = 0.0
@@ -161,7 +141,8 @@ class VLLMSampler:
         # On a GPU the share of device memory vLLM may take (weights, activations, KV cache); on the CPU the share
         # of host memory for its KV cache, set explicitly: vLLM-CPU would otherwise count the trainer's own
         # memory, which shares the process, against the share.
-        memory_setting = (dict(kv_cache_memory_bytes=int(memory * _host_memory())) if on_cpu
+        host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory_setting = (dict(kv_cache_memory_bytes=int(memory * host_memory)) if on_cpu
                           else dict(gpu_memory_utilization=memory))
         # Under torchrun, one engine per rank in the trainer's process group (vLLM's external launcher): each
         # rank samples its own prompts with its own engine, and pushes its own (identical, or FSDP2-gathered)
@@ -198,10 +179,11 @@ class VLLMSampler:
         from vllm import SamplingParams  # noqa: PLC0415
 
         s = settings or self.settings
+        # the seed in the range vLLM's generators take (a request's K children use seed + k)
         return SamplingParams(n=group_size, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
                               min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                               max_tokens=s.max_new_tokens, min_tokens=0, stop_token_ids=list(self.eos),
-                              ignore_eos=False, seed=engine_seed(seed), logprobs=0, detokenize=False,
+                              ignore_eos=False, seed=seed % (2**31 - 2**16), logprobs=0, detokenize=False,
                               skip_special_tokens=True)
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, seeds: list[int],
@@ -230,16 +212,13 @@ class VLLMSampler:
 
     @property
     def longest_scored(self) -> int:
-        """The longest row (prompt + completion) ``logprobs`` scores: vLLM draws a token after it, within
-        max_model_len."""
+        """The longest row ``logprobs`` scores: vLLM draws a token after it, within max_model_len."""
         return self.max_model_len - 1
 
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
-        """Each completion token's log-prob at temperature 1 given all before it (a served teacher's scores):
-        vLLM's prompt log-probs over prompt + completion, one token drawn. ``prompt_logprobs=0`` gives each
-        position's actual token alone; vLLM takes prompt log-probs from the raw logits' log-softmax in any
-        ``logprobs_mode`` (no temperature, top-k or top-p: gpu_model_runner's ``_get_prompt_logprobs_dict``), and
-        skips the prefix cache for such a request (``SamplingParams``: a cached prefix would have none)."""
+        """Each completion token's log-prob at temperature 1 given all before it (a served teacher's scores): vLLM's
+        prompt log-probs over prompt + completion, taken from the raw logits' log-softmax in any ``logprobs_mode``
+        (gpu_model_runner's ``_get_prompt_logprobs_dict``); such a request skips the prefix cache."""
         from vllm import SamplingParams  # noqa: PLC0415
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
@@ -260,8 +239,7 @@ class VLLMSampler:
         return sample_by_ids(self, prompts, group_size, seeds)
 
     def load_weights(self, model) -> None:
-        """The policy's current weights into the engine, in place, then its prefix cache emptied (cached
-        prompt KV was computed with the old weights)."""
+        """The policy's current weights into the engine, in place, then a fresh prefix cache."""
         started = time.perf_counter()
         self.load_named(pushed_weights(model, self.dtype))
         self.weight_sync_seconds = time.perf_counter() - started
@@ -282,13 +260,12 @@ class VLLMSampler:
 
     @property
     def partial_rollouts(self) -> bool:
-        """A rollout server over it decodes partial rollouts (``rounds``), unless it applies LoRA adapters (one
-        pushed while requests decode would change under them)."""
+        """A rollout server over it decodes partial rollouts, unless it applies LoRA adapters (one pushed while
+        requests decode would change under them)."""
         return self.max_adapter_rank is None
 
     def rounds(self, group_size: int, settings: SamplingSettings):
-        """Partial rollouts on this engine (``partial.Rounds`` over a ``vllm_partial.VLLMPool``; a rollout server's
-        ``/partial/round``)."""
+        """Partial rollouts on this engine (``partial.Rounds`` over a ``vllm_partial.VLLMPool``)."""
         from auto_research.engine.rollout.partial import Rounds  # noqa: PLC0415
         from auto_research.engine.rollout.vllm_partial import VLLMPool  # noqa: PLC0415
 
@@ -300,10 +277,9 @@ class VLLMSampler:
         return self.max_adapter_rank is not None
 
     def load_adapter(self, factors: dict) -> None:
-        """A LoRA adapter (``{weight: (A, B, scaling)}``, checked by the server) for vLLM to apply over the base
-        weights of the last full push, unmerged: written as a PEFT adapter (each B times its scaling, every rank
-        padded with zeros to the largest, so one ``r`` and ``lora_alpha`` = r fit all) under a new id, and loaded at
-        once, so an adapter vLLM cannot apply fails its push rather than the next draw."""
+        """A LoRA adapter (``{weight: (A, B, scaling)}``) for vLLM to apply unmerged: written as a PEFT adapter (B
+        times its scaling, ranks zero-padded to the largest so that one ``r`` = ``lora_alpha`` fits all) under a new
+        id, and loaded at once, so that an adapter vLLM cannot apply fails its push rather than the next draw."""
         from safetensors.torch import save_file  # noqa: PLC0415
         from vllm.lora.request import LoRARequest  # noqa: PLC0415
 

@@ -1,23 +1,16 @@
 """Partial rollouts on vLLM (--in-flight-updates over ``rollout-serve --engine vllm``; docs/async.md): a pool of
-lanes for ``partial.Rounds`` on vLLM's own continuous batch.
+lanes for ``partial.Rounds`` on vLLM's own continuous batch, stepped by hand (``add_request``, ``step``).
 
-vLLM's engine is stepped by hand (``LLMEngine.add_request`` and ``step``: one decode step for every request in
-flight). Our engine schedules synchronously (``async_scheduling=False``, ``vllm.py``): when ``step`` returns,
-nothing runs, so a weight push that lands between two rounds reaches the requests in flight between two of their
-decode steps, their KV cache kept, as ``pause_generation(mode="keep")`` keeps it in vLLM's asynchronous engine (the
-installed vLLM 0.32 has it; our server runs the synchronous one). Each of a group's K rows is a request of its own,
-seeded as vLLM seeds the K children of one request (seed + k), which asks for its tokens one step at a time, so
-each token is recorded with the version of the weights whose forward drew it. New prompts carry the pool's own
-salt and the weights' version as their prefix-cache salt: a group never reuses a prompt's KV computed by other
-weights or by another run. With ``--recompute-kv-on-update`` every request in flight is preempted at the round that
-takes new weights (``reset_prefix_cache(reset_running_requests=True)``): vLLM then recomputes its KV cache under
-them.
+The engine schedules synchronously (``vllm.py``): when ``step`` returns nothing runs, so a push between two rounds
+reaches the requests in flight between two of their decode steps, their KV cache kept. Each of a group's K rows is a
+request of its own, seeded as vLLM seeds a request's K children (seed + k), so each token is recorded with the
+version whose forward drew it. Prompts carry the pool's salt and the weights' version as their prefix-cache salt: no
+group reuses KV computed by other weights or another run. ``--recompute-kv-on-update`` preempts every request in
+flight at the round that takes new weights, and vLLM recomputes their KV cache.
 
-A checkpoint cannot hold vLLM's KV cache or its samplers' state: ``to_files`` saves the groups done, and hands the
-groups still decoding back to the front of the queue, to be drawn again from their first token after ``--resume``.
-So that the resumed run's rows are the uninterrupted run's, the uninterrupted run does the same at each round a
-checkpoint reads (``saves_lanes`` false: ``partial.Rounds.run``'s ``settle``): its groups in flight are aborted and
-put back at the front of the queue, and the prefix cache is emptied, as a restore (``from_files``) leaves them.
+A checkpoint cannot hold vLLM's KV cache or samplers: ``to_files`` saves the groups done and hands those decoding
+back to the front of the queue. So that a resumed run's rows are the uninterrupted run's, the uninterrupted run does
+the same at each round a checkpoint reads (``saves_lanes`` false: ``Rounds.run``'s ``settle``).
 """
 
 from __future__ import annotations
