@@ -56,9 +56,7 @@ def _optimizer_from_files(tensors: dict, plain: dict) -> dict:
     by_name = plain.get("keys") == "names"
     separator = "/" if by_name else "."
     key_of = str if by_name else int
-    state = {}
-    for parameter, values in plain["state"].items():
-        state[key_of(parameter)] = dict(values)
+    state = {key_of(parameter): dict(values) for parameter, values in plain["state"].items()}
     for name, tensor in tensors.items():
         parameter, key = name.rsplit(separator, 1) if by_name else name.split(separator, 1)
         state.setdefault(key_of(parameter), {})[key] = tensor
@@ -66,13 +64,10 @@ def _optimizer_from_files(tensors: dict, plain: dict) -> dict:
 
 
 def _save_model(model, folder: Path, state: dict | None, optimizer_state: dict) -> None:
+    extra = {} if state is None else {"state_dict": state}  # FSDP: the gathered whole weights
     if hasattr(model, "peft_config"):  # LoRA: the trained adapter only (not the frozen reference copy)
-        extra = {} if state is None else {"state_dict": state}  # FSDP: the gathered whole weights
-        model.save_pretrained(folder, safe_serialization=True, selected_adapters=["default"], **extra)
-    elif state is None:
-        model.save_pretrained(folder, safe_serialization=True)
-    else:
-        model.save_pretrained(folder, safe_serialization=True, state_dict=state)
+        extra["selected_adapters"] = ["default"]
+    model.save_pretrained(folder, safe_serialization=True, **extra)
     tensors, plain = _optimizer_to_files(optimizer_state)
     save_file(tensors, str(folder / "optimizer.safetensors"))
     atomic_write_json(folder / "optimizer.json", plain)
