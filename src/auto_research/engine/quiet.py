@@ -1,11 +1,9 @@
 """vLLM's known-harmless lines, kept off a healthy run's stderr (``--verbose`` shows them all).
 
-Engine start-up and every weight sync print lines a user reads as failures although nothing failed (about 15 at
-a CPU start-up, one a sync). They come from three sources (vLLM's loggers, which vllm.py sends to stderr rather
-than its default stdout, Python warnings, and C++ code writing to the process's stderr directly), so they are
-filtered where all three meet: file descriptor 2, which is a pipe while vLLM works, read by a small process of
-its own that copies it to the real stderr line by line, less the lines below. Anything else vLLM prints, a real
-warning or an error, passes, even when the process dies mid-stretch. Light: no torch.
+Engine start-up and every weight sync print lines a user reads as failures although nothing failed. They come from
+vLLM's loggers, Python warnings and C++ code, so they are filtered where all three meet: file descriptor 2, a pipe
+while vLLM works, read by a small process that copies it to the real stderr less the lines below. Anything else
+passes, even when the process dies mid-stretch. Light: no torch.
 """
 
 from __future__ import annotations

@@ -72,9 +72,8 @@ def _packaged_hint(name: str) -> str:
 
 
 def check_hub_id(name: str, offline: bool, flag: str) -> None:
-    """A hub id loads from the hub's cache when it is there and the hub cannot be asked (--offline, HF_HUB_OFFLINE,
-    or no connection: then the whole process reads the cache only, rather than retrying for a minute); else it
-    needs the hub, and no connection is one line within seconds."""
+    """A hub id loads from the hub's cache when the hub cannot be asked (--offline, HF_HUB_OFFLINE, or no connection:
+    then the process reads the cache only, rather than retrying for a minute); else no connection is one line."""
     if offline or _hub_offline():
         if not _in_hub_cache(name):
             raise UserError(f"{flag} {name}: not a local folder or in the hub's cache, and hub ids need a connection "
