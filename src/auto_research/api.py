@@ -1,20 +1,7 @@
-"""The Python API: the command line's generation-level training as one function.
-
-    from auto_research import GenerationConfig, post_train
-
-    def shorter_is_better(prompts, completions, rows):
-        return [1.0 / (1 + len(c)) for c in completions]
-
-    metrics = post_train(
-        [{"prompt": "2+3=", "answer": "5"}, ...],          # a list of dicts, a .jsonl path or a dataset name
-        reward=shorter_is_better,                           # callables, as --reward module:function gets them
-        config=GenerationConfig(model="path/or/hub-id", steps=100, output_dir="runs"),
-    )
-
-It checks everything the command line checks, in the same order and with the
-same one-line ``UserError`` messages, writes the same run folder
-(metrics.json, metrics.jsonl, report.md, curves.png, checkpoints/) and returns
-the metrics.json payload.
+"""The Python API: the command line's generation-level training as one function (``post_train``), or in TRL's
+trainer shape (``Trainer``); examples in docs/generation-level.md, "From Python". Both check everything the command
+line checks, with the same one-line ``UserError`` messages, write the same run folder and return the metrics.json
+payload.
 """
 
 from __future__ import annotations
@@ -85,12 +72,8 @@ TRAINER_ARGUMENTS = {
 
 
 class Trainer:
-    """TRL's trainer shape over ``post_train``'s one path (the same checks, one-line ``UserError``s and run folder):
-
-        trainer = Trainer(GenerationConfig(model="path/or/hub-id"), reward_funcs=[correct], train_dataset=rows,
-                          num_generations=4, max_steps=100)
-        metrics = trainer.train()       # the metrics.json payload, as post_train returns it
-        trainer.evaluate()              # the held-out evaluation of the model as it now is
+    """TRL's trainer shape over ``post_train``'s one path: ``trainer.train()`` returns the metrics.json payload,
+    ``trainer.evaluate()`` the held-out evaluation of the model as it now is.
 
     ``config`` (or ``args``, TRL's name for it): a ``GenerationConfig``, a dict of settings (ours or TRL's names) or
     TRL's config object (``RLOOConfig(...)``: its ``to_dict()``, as ``GenerationConfig.from_trl`` takes it); keywords

@@ -1,9 +1,6 @@
-"""What a run leaves behind as text: metrics.json, report.md, summaries and tables.
-
-One reader serves both levels: every metrics.json has ``algorithm``, ``dataset``, ``baseline`` and
-``final`` (``accuracy``, ``mean_reward``, ``entropy``, ``kl_from_reference``), ``relative_accuracy``,
-``training`` and ``history``. Everything is written atomically.
-"""
+"""What a run leaves behind as text: metrics.json, report.md, summaries and tables, written atomically. One reader
+serves both levels: every metrics.json has ``algorithm``, ``dataset``, ``baseline`` and ``final`` (``METRICS``),
+``relative_accuracy``, ``training`` and ``history``."""
 
 from __future__ import annotations
 
@@ -125,10 +122,7 @@ def write_run(run_dir: Path, metrics: dict) -> list[Path]:
 
 def mean_and_std(values: list[float]) -> dict[str, float | None]:
     """Mean and sample standard deviation (None for a single value)."""
-    return {
-        "mean": statistics.fmean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else None,
-    }
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else None}
 
 
 def summarise_seeds(runs: list[dict]) -> dict:
@@ -143,15 +137,12 @@ def summarise_seeds(runs: list[dict]) -> dict:
 
 def seeds_tag(seeds: list[int]) -> str:
     """``seed42`` for one seed, ``seeds42-43-44`` for several."""
-    if len(seeds) == 1:
-        return f"seed{seeds[0]}"
-    return "seeds" + "-".join(str(seed) for seed in seeds)
+    return f"seed{seeds[0]}" if len(seeds) == 1 else "seeds" + "-".join(str(seed) for seed in seeds)
 
 
 def _format(statistic: dict) -> str:
-    if statistic["std"] is None:
-        return f"{statistic['mean']:.4f}"
-    return f"{statistic['mean']:.4f} ± {statistic['std']:.4f}"
+    spread = "" if statistic["std"] is None else f" ± {statistic['std']:.4f}"
+    return f"{statistic['mean']:.4f}{spread}"
 
 
 def summary_table(summaries: dict[str, dict]) -> str:
