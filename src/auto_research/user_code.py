@@ -171,13 +171,11 @@ def _import(flag: str, spec, where: str):
     except SyntaxError as error:
         place = f"{os.path.abspath(error.filename)}:{error.lineno}" if error.filename else where
         raise UserError(f"{flag} {spec!r}: syntax error in {place} ({error.msg})") from None
-    except ModuleNotFoundError as error:
-        missing = error.name is not None and (where == error.name or where.startswith(f"{error.name}."))
-        if missing and not where.endswith(".py"):
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's module raised while it was imported
+        name = error.name if isinstance(error, ModuleNotFoundError) else None  # the module itself, not one it imports
+        if name is not None and (where == name or where.startswith(f"{name}.")) and not where.endswith(".py"):
             raise UserError(f"{flag} {spec!r}: cannot import module {where!r} (no {where.replace('.', '/')}.py in "
                             f"the working folder {os.getcwd()} or on the import path)") from None
-        raise UserError(f"{flag} {spec!r}: importing {where} failed ({one_line(error)})") from None
-    except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's module raised while it was imported
         raise UserError(f"{flag} {spec!r}: importing {where} failed ({one_line(error)})") from None
 
 

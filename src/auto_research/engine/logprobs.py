@@ -391,12 +391,9 @@ def chunked_entropy(hidden: torch.Tensor, weight: torch.Tensor, temperature: flo
 
 
 def kl_per_token(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Sampled estimators of KL(π ‖ π_ref) per token (Schulman, 2020, "Approximating KL divergence").
-
-    With log r = log π_ref − log π on a token sampled from π:
-    k1 = −log r (unbiased, the paper's shaping), k2 = ½ (log r)² and
-    k3 = (r − 1) − log r (unbiased and non-negative, the GRPO choice).
-    """
+    """Sampled estimators of KL(π ‖ π_ref) per token (Schulman, 2020, "Approximating KL divergence"). With log r =
+    log π_ref − log π on a token sampled from π: k1 = −log r (unbiased, the paper's shaping), k2 = ½ (log r)² and
+    k3 = (r − 1) − log r (unbiased and non-negative, the GRPO choice)."""
     log_ratio = reference_logprobs - logprobs
     if estimator == "k1":
         return -log_ratio

@@ -230,11 +230,9 @@ def saved_settings(folder: Path) -> dict:
 
 
 def resumable_checkpoint(run_dir: Path, settings: dict, log, world_size: int = 1, keep=(), flags=None) -> Path:
-    """The checkpoint ``--resume`` continues from in ``run_dir``, after checking that the run's settings (``settings``:
-    this command's, flat, as ``GenerationConfig.to_json`` gives them) are the saved ones but for
-    ``RESUMABLE_DIFFERENCES`` (--steps no lower than the checkpoint's step) and those in ``keep`` (derived, not
-    given: the run keeps its saved values), and that it runs on as many processes as before (the only way the
-    resumed run stays exact). ``flags`` maps a setting to its flag, for the line that says how to resume."""
+    """The checkpoint ``--resume`` continues from in ``run_dir``, after checking that this command's flat settings
+    are the saved ones but for ``RESUMABLE_DIFFERENCES`` and ``keep`` (derived: the saved values are kept), on as
+    many processes as before (else not exact). ``flags`` maps a setting to its flag, for the line that says how."""
     folder = verified_checkpoint(run_dir, log)
     state = json.loads((folder / "trainer_state.json").read_text())
     saved = saved_settings(folder)
