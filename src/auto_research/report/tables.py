@@ -114,10 +114,8 @@ def run_report(metrics: dict) -> str:
 
 
 def write_run(run_dir: Path, metrics: dict) -> list[Path]:
-    return [
-        atomic_write_json(run_dir / "metrics.json", metrics),
-        atomic_write_text(run_dir / "report.md", run_report(metrics)),
-    ]
+    return [atomic_write_json(run_dir / "metrics.json", metrics),
+            atomic_write_text(run_dir / "report.md", run_report(metrics))]
 
 
 def mean_and_std(values: list[float]) -> dict[str, float | None]:
@@ -161,10 +159,8 @@ def summary_table(summaries: dict[str, dict]) -> str:
 def write_seed_summary(path_stem: Path, algorithm: str, dataset: str, runs: list[dict]) -> list[Path]:
     summary = {"algorithm": algorithm, "dataset": dataset, **summarise_seeds(runs)}
     title = f"# {algorithm} on {dataset}, seeds {', '.join(str(s) for s in summary['seeds'])}\n\n"
-    return [
-        atomic_write_json(path_stem.with_suffix(".json"), summary),
-        atomic_write_text(path_stem.with_suffix(".md"), title + summary_table({algorithm: summary}) + "\n"),
-    ]
+    return [atomic_write_json(path_stem.with_suffix(".json"), summary),
+            atomic_write_text(path_stem.with_suffix(".md"), title + summary_table({algorithm: summary}) + "\n")]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -180,6 +176,12 @@ def _mean_std(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.4g}"
     return f"{statistics.fmean(values):.4g} ± {statistics.stdev(values):.2g}"
+
+
+COMPARED_SETTINGS = ("steps", "learning_rate", "beta", "prompts_per_step", "kl_estimator", "kl_in", "loss_aggregation",
+                     "updates_per_batch", "ppo_mini_batches", "temperature", "max_new_tokens", "gae_lambda", "vf_coef",
+                     "value_clip")
+"""The settings a comparison's summary records of each arm (its first run's)."""
 
 
 def generation_comparison(results: dict) -> tuple[dict, str]:
@@ -202,11 +204,7 @@ def generation_comparison(results: dict) -> tuple[dict, str]:
             "peak_memory_mb": mean_and_std([run["training"]["peak_memory_mb"] for run in runs]),
             "peak_memory_kind": runs[0]["training"]["peak_memory_kind"],
             "parameters": parameters,
-            "settings": {key: runs[0]["training"].get(key) for key in ("steps", "learning_rate", "beta", "prompts_per_step",
-                                                                       "kl_estimator", "kl_in", "loss_aggregation",
-                                                                       "updates_per_batch", "ppo_mini_batches",
-                                                                       "temperature", "max_new_tokens", "gae_lambda",
-                                                                       "vf_coef", "value_clip")},
+            "settings": {key: runs[0]["training"].get(key) for key in COMPARED_SETTINGS},
             "run_dirs": [run.get("run_dir") for run in runs],
         }
         for key in OPTIONAL_METRICS:  # the judge's win rate and the gold reward, where the runs have them
