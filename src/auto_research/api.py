@@ -19,22 +19,15 @@ def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable 
                config: GenerationConfig | None = None, name: str = "rows", log: Callable[[str], None] = print,
                environment: Callable | None = None, tools: Sequence[Callable] = (),
                rollout_function: Callable | None = None, **settings) -> dict:
-    """Train with RL on a causal LM and return the run's metrics.
+    """Train with RL on a causal LM and return the run's metrics (docs/generation-level.md, "From Python").
 
-    ``dataset``: ``arithmetic-generate``, ``gsm8k-generate``, a ``.jsonl`` path, or a list
-    of dicts with ``prompt`` and ``answer`` (or the config's ``prompt_field`` and
-    ``answer_field``); the last rows are held out as with a JSONL file, and ``name`` is
-    their dataset's name (their run folder is ``<algorithm>-<name>-seed<seed>``; the
-    ``run_name`` setting names the folder of any run). ``reward``: one function or several,
-    each called as ``reward(prompts, completions, rows)`` (or TRL's
-    ``reward(prompts, completions, **columns)``) and returning a float or None per
-    completion; they add to ``config.reward`` and ``config.reward_model``. ``settings``
-    override fields of ``config``: ``GenerationConfig``'s field names, or TRL's names
-    (``num_generations=4, max_completion_length=64, per_device_train_batch_size=8``;
-    docs/trl.md), translated as the command line translates them.
-    ``environment`` (``make_env(row)``) and ``tools`` (functions): multi-turn rollouts, as --environment and
-    --tools (docs/environments.md); ``rollout_function`` (``fn(rows, context)``): your own rollout loop, as
-    --rollout-function.
+    ``dataset``: a dataset name, a ``.jsonl`` path, or a list of dicts with ``prompt`` and ``answer`` (or the
+    config's ``prompt_field`` and ``answer_field``), whose last rows are held out, ``name`` naming them (the run
+    folder ``<algorithm>-<name>-seed<seed>``). ``reward``: one function or several, each called as
+    ``reward(prompts, completions, rows)`` (or TRL's ``reward(prompts, completions, **columns)``), a float or None
+    per completion, added to ``config.reward``'s. ``settings`` override fields of ``config``, by our names or
+    TRL's (docs/trl.md). ``environment`` (``make_env(row)``), ``tools`` and ``rollout_function`` (``fn(rows,
+    context)``): as --environment, --tools and --rollout-function (docs/environments.md).
     """
     # Imported here: ``import auto_research`` stays light, and the run's checks come before torch's import.
     from auto_research.recipes.post_train import post_train_generation
