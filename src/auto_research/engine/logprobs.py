@@ -200,9 +200,8 @@ def _scattered(values, mask: torch.Tensor):
 
 
 def packed_hidden(model, packed: Packed | Grouped):
-    """(N, H) the output layer's input at ``packed.predictors`` and its weight, from a forward over the packed row
-    (or the grouped rows) in which the output layer computes nothing; (None, None) for a model whose output layer
-    is no plain map."""
+    """(N, H) the output layer's input at ``packed.predictors`` (a packed row or grouped rows) and its weight;
+    (None, None) for a model whose output layer is no plain map."""
     layer = _plain_output_layer(model)
     if layer is None:
         return None, None
@@ -265,9 +264,8 @@ def _plain_output_layer(model):
 
 def completion_hidden(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
                       group_size: int = 1):
-    """(B, C, H) the output layer's input at the positions that predict the completion tokens, and its weight,
-    from forwards in which the output layer itself computes nothing; (None, None) for a model whose output
-    layer cannot be taken apart so, or one that cannot skip the prompt positions."""
+    """(B, C, H) the output layer's input at the positions that predict the completion tokens, and its weight;
+    (None, None) for a model whose output layer is no plain map, or that cannot skip the prompt positions."""
     layer = _plain_output_layer(model)
     if layer is None or not accepts(model, "logits_to_keep"):
         return None, None

@@ -56,9 +56,8 @@ def takes(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether oneDNN computes ``F.linear(x, weight, bias)`` here: ``takes`` the weight and bias, a non-empty plain
-    float32 input on the CPU, outside autocast (whose bfloat16 products it would not follow), with oneDNN built and
-    enabled."""
+    """Whether oneDNN computes ``F.linear(x, weight, bias)`` here: outside autocast, whose bfloat16 products it would
+    not follow, on a non-empty plain float32 CPU input, a weight and bias it ``takes``, oneDNN built and enabled."""
     return (type(x) is torch.Tensor and _plain_float32_cpu(x) and x.numel() > 0 and takes(weight, bias)
             and not torch.is_autocast_enabled("cpu") and torch.backends.mkldnn.enabled and available())
 
@@ -115,9 +114,8 @@ class OneDNNLinear(torch.nn.Linear):
 
 
 def use_onednn(model: torch.nn.Module) -> int:
-    """Make each plain ``nn.Linear`` of ``model`` with at least ``MIN_ELEMENTS`` weights an ``OneDNNLinear`` (the
-    same object, parameters and state; only its class changes); returns how many. Nothing changes in a build
-    without oneDNN."""
+    """Make each plain ``nn.Linear`` of ``model`` with at least ``MIN_ELEMENTS`` weights an ``OneDNNLinear`` (only
+    its class changes); returns how many. Nothing changes in a build without oneDNN."""
     if not available():
         return 0
     changed = 0

@@ -179,12 +179,10 @@ def grouped_layout(sequences: torch.Tensor, prompt_mask: torch.Tensor, completio
     if not torch.equal(counted, steps[None] < lengths[:, None]):
         return None
     prompts, masks = sequences[:, :prompt_length], prompt_mask.bool()
-    first_rows = slice(None, None, group_size)
     groups = rows // group_size
-    prompt_lengths = masks[first_rows].long().sum(1)                                   # (G,)
+    prompt_lengths = masks[::group_size].long().sum(1)                                   # (G,)
     per_group = lengths.view(groups, group_size)
-    widths = prompt_lengths + per_group.sum(1)
-    width = int(widths.max())
+    width = int((prompt_lengths + per_group.sum(1)).max())
     device = sequences.device
     input_ids = torch.zeros(groups, width, dtype=sequences.dtype, device=device)
     positions = torch.zeros(groups, width, dtype=torch.long, device=device)
