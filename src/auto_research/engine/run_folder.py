@@ -29,11 +29,9 @@ PREFIX = "step-"
 MANIFEST = "manifest.json"
 CORE = ("trainer_state.json", "rng.safetensors", "optimizer.safetensors", "optimizer.json")
 """The files every checkpoint holds, whatever the run (``required_files`` adds the rest)."""
-# Settings that may differ between a run and its resumption: what to do with the folder, where the run computes,
-# how long it runs (the learning rate follows the new --steps from the resumed update on), how often it
-# evaluates and saves, where its figures go and what is shown; three that trade memory for time and change
-# no number (a run that ran out of memory may resume with them); and max_rollout_mismatch, which changes nothing a
-# run that goes on trains on (one stopped by it may resume with another).
+# Settings a resumed run may change: the folder's handling, where it computes, how long it runs (the learning rate
+# follows the new --steps), how often it evaluates and saves, where its figures go and what is shown; three that trade
+# memory for time and change no number; max_rollout_mismatch (a run stopped by it may resume with another).
 RESUMABLE_DIFFERENCES = {"resume", "overwrite", "progress", "device", "threads", "output_dir", "report_to",
                          "tracker_project", "log_completions", "offload_reference", "gradient_checkpointing",
                          "checkpoint_mlp", "steps", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every",
