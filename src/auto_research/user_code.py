@@ -23,9 +23,8 @@ from auto_research.errors import UserError, one_line
 
 FORMS = "module:name (found from the working folder) or path/file.py:name"
 _OURS_AND_LIBRARIES = tuple(os.path.join(os.path.realpath(path), "") for path in {
-    str(Path(__file__).resolve().parent), *(sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib",
-                                                                                         "purelib", "platlib"))}
-    if path)
+    str(Path(__file__).resolve().parent),
+    *(sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib"))} if path)
 """Folders of code that is not the user's: this package's, the standard library's, installed packages'."""
 
 
@@ -183,8 +182,7 @@ def load_user_object(spec, flag: str, expected: str = "a function", forms: str =
     """The callable a spec names, in either form; every failure (a malformed spec, an import that fails, a missing
     name, an object not callable: ``expected`` says what it should be) one line naming ``flag``."""
     where, name = split_spec(spec, flag, forms)
-    module = _import(flag, spec, where)
-    found = module
+    found = _import(flag, spec, where)
     for part in name.split("."):
         if not hasattr(found, part):
             raise UserError(f"{flag} {spec!r}: {where} has no {name!r}")
