@@ -86,9 +86,7 @@ def check_writable_directory(path: str | os.PathLike) -> Path:
     never computes for minutes and then fails to save. Creates nothing."""
     path = Path(path)
     ancestor = path
-    while not ancestor.exists():
-        if ancestor.parent == ancestor:
-            break
+    while not ancestor.exists() and ancestor.parent != ancestor:
         ancestor = ancestor.parent
     problem = None
     if not ancestor.is_dir():
