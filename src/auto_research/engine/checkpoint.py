@@ -73,25 +73,6 @@ def _save_model(model, folder: Path, state: dict | None, optimizer_state: dict) 
     atomic_write_json(folder / "optimizer.json", plain)
 
 
-def _write(staging: Path, model, tokenizer, optimizer_state: dict, rng: dict, trainer_state: dict, critic,
-           critic_optimizer_state: dict | None, model_state: dict | None, critic_state: dict | None,
-           in_flight: tuple[dict, list] | None) -> None:
-    """Every file of one checkpoint into ``staging``, the manifest last."""
-    _save_model(model, staging, model_state, optimizer_state)
-    tokenizer.save_pretrained(staging)
-    if critic is not None:
-        (staging / "critic").mkdir()
-        _save_model(critic, staging / "critic", critic_state, critic_optimizer_state)
-    save_file({key: value.contiguous() for key, value in rng["tensors"].items()}, str(staging / "rng.safetensors"))
-    extra = {}
-    if in_flight is not None:
-        save_file(in_flight[0], str(staging / IN_FLIGHT))
-        extra = {"in_flight": in_flight[1]}
-    atomic_write_json(staging / "trainer_state.json", {**trainer_state, "numpy_rng": rng["numpy"], **extra})
-    write_manifest(staging)
-    make_tree_shareable(staging)
-
-
 def _put_in_place(staging: Path, target: Path) -> None:
     """Rename the staged checkpoint into place (over an earlier one of the same step: a resumed run's)."""
     if target.exists():
@@ -127,9 +108,22 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
     target = root / f"{PREFIX}{step:06d}"
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}."))
     try:
-        try:
-            _write(staging, model, tokenizer, optimizer_state, rng, trainer_state | {"step": step}, critic,
-                   critic_optimizer_state, model_state, critic_state, in_flight)
+        try:  # every file into the staging folder, the manifest last
+            _save_model(model, staging, model_state, optimizer_state)
+            tokenizer.save_pretrained(staging)
+            if critic is not None:
+                (staging / "critic").mkdir()
+                _save_model(critic, staging / "critic", critic_state, critic_optimizer_state)
+            rng_tensors = {key: value.contiguous() for key, value in rng["tensors"].items()}
+            save_file(rng_tensors, str(staging / "rng.safetensors"))
+            extra = {}
+            if in_flight is not None:
+                save_file(in_flight[0], str(staging / IN_FLIGHT))
+                extra = {"in_flight": in_flight[1]}
+            atomic_write_json(staging / "trainer_state.json",
+                              {**trainer_state, "step": step, "numpy_rng": rng["numpy"], **extra})
+            write_manifest(staging)
+            make_tree_shareable(staging)
         except SafetensorError as error:
             raise _as_os_error(error) from None
         _put_in_place(staging, target)
