@@ -106,7 +106,8 @@ def split_addresses(value: str, flag: str = "--rollout-server") -> list[str]:
     """``HOST:PORT[,HOST:PORT…]``, or the path of a file with one address a line (``#`` starts a comment), as a
     list of checked addresses, each once; one line for anything else."""
     text, source = str(value), None
-    if "," not in text and not _looks_like_an_address(text):
+    host, _, port = text.rpartition(":")
+    if "," not in text and not (host and is_decimal(port)):  # not an address: a file of them
         path = os.path.expanduser(text)
         try:
             with open(path, encoding="utf-8") as file:
@@ -129,11 +130,6 @@ def split_addresses(value: str, flag: str = "--rollout-server") -> list[str]:
     if repeated:
         raise UserError(f"{flag}: {', '.join(repeated)} given twice (one lease per server and run)")
     return addresses
-
-
-def _looks_like_an_address(text: str) -> bool:
-    host, _, port = text.rpartition(":")
-    return bool(host) and is_decimal(port)
 
 
 def is_loopback(host: str) -> bool:

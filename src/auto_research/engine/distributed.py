@@ -200,7 +200,8 @@ class World:
         """Whole parameters for the duration (FSDP): a rank may then run any number of forwards (sampling
         stops when its own samples end) with no collective in between. Nothing to do otherwise."""
         # (A LoRA reference is a callable over the policy, gathered with it.)
-        modules = [module for model in models if hasattr(model, "modules") for module in _fsdp_modules(model)]
+        modules = [module for model in models if hasattr(model, "modules") for module in model.modules()
+                   if isinstance(module, FSDPModule)]
         for module in modules:
             module.unshard()
             module.set_reshard_after_forward(False, recurse=False)
@@ -251,7 +252,3 @@ def decoder_layers(model) -> list:
         if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
             best = list(module)
     return best
-
-
-def _fsdp_modules(model) -> list:
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]

@@ -103,11 +103,7 @@ def machine_record(dtype: str, device: str = "cpu") -> dict:
 def describe(record: dict) -> str:
     """One line of a machine record, as report.md and the benchmarks print it."""
     versions = ", ".join(f"{name} {found}" for name, found in record["versions"].items() if found)
+    mkl = f" (MKL's products on {record['mkl_threads']})" if record.get("mkl_threads") else ""
     return (f"{record['cpu']} ({record['cores']} cores), kernels {record['kernel_capability']}, oneDNN "
             f"{'on' if record['onednn'] else 'off'}, MKL instructions {record['mkl_instructions']}, "
-            f"{record['threads']} threads{_mkl(record)}, {record['dtype']} on {record['device']}; {versions}")
-
-
-def _mkl(record: dict) -> str:
-    threads = record.get("mkl_threads")
-    return f" (MKL's products on {threads})" if threads else ""
+            f"{record['threads']} threads{mkl}, {record['dtype']} on {record['device']}; {versions}")
