@@ -1,20 +1,7 @@
-"""The Python API: the command line's generation-level training as one function.
-
-    from auto_research import GenerationConfig, post_train
-
-    def shorter_is_better(prompts, completions, rows):
-        return [1.0 / (1 + len(c)) for c in completions]
-
-    metrics = post_train(
-        [{"prompt": "2+3=", "answer": "5"}, ...],          # a list of dicts, a .jsonl path or a dataset name
-        reward=shorter_is_better,                           # callables, as --reward module:function gets them
-        config=GenerationConfig(model="path/or/hub-id", steps=100, output_dir="runs"),
-    )
-
-It checks everything the command line checks, in the same order and with the
-same one-line ``UserError`` messages, writes the same run folder
-(metrics.json, metrics.jsonl, report.md, curves.png, checkpoints/) and returns
-the metrics.json payload.
+"""The Python API: the command line's generation-level training as one function (``post_train``), or in TRL's
+trainer shape (``Trainer``); examples in docs/generation-level.md, "From Python". Both check everything the command
+line checks, with the same one-line ``UserError`` messages, write the same run folder and return the metrics.json
+payload.
 """
 
 from __future__ import annotations
@@ -32,22 +19,15 @@ def post_train(dataset: str | Sequence[dict] | None = None, *, reward: Callable 
                config: GenerationConfig | None = None, name: str = "rows", log: Callable[[str], None] = print,
                environment: Callable | None = None, tools: Sequence[Callable] = (),
                rollout_function: Callable | None = None, **settings) -> dict:
-    """Train with RL on a causal LM and return the run's metrics.
+    """Train with RL on a causal LM and return the run's metrics (docs/generation-level.md, "From Python").
 
-    ``dataset``: ``arithmetic-generate``, ``gsm8k-generate``, a ``.jsonl`` path, or a list
-    of dicts with ``prompt`` and ``answer`` (or the config's ``prompt_field`` and
-    ``answer_field``); the last rows are held out as with a JSONL file, and ``name`` is
-    their dataset's name (their run folder is ``<algorithm>-<name>-seed<seed>``; the
-    ``run_name`` setting names the folder of any run). ``reward``: one function or several,
-    each called as ``reward(prompts, completions, rows)`` (or TRL's
-    ``reward(prompts, completions, **columns)``) and returning a float or None per
-    completion; they add to ``config.reward`` and ``config.reward_model``. ``settings``
-    override fields of ``config``: ``GenerationConfig``'s field names, or TRL's names
-    (``num_generations=4, max_completion_length=64, per_device_train_batch_size=8``;
-    docs/trl.md), translated as the command line translates them.
-    ``environment`` (``make_env(row)``) and ``tools`` (functions): multi-turn rollouts, as --environment and
-    --tools (docs/environments.md); ``rollout_function`` (``fn(rows, context)``): your own rollout loop, as
-    --rollout-function.
+    ``dataset``: a dataset name, a ``.jsonl`` path, or a list of dicts with ``prompt`` and ``answer`` (or the
+    config's ``prompt_field`` and ``answer_field``), whose last rows are held out, ``name`` naming them (the run
+    folder ``<algorithm>-<name>-seed<seed>``). ``reward``: one function or several, each called as
+    ``reward(prompts, completions, rows)`` (or TRL's ``reward(prompts, completions, **columns)``), a float or None
+    per completion, added to ``config.reward``'s. ``settings`` override fields of ``config``, by our names or
+    TRL's (docs/trl.md). ``environment`` (``make_env(row)``), ``tools`` and ``rollout_function`` (``fn(rows,
+    context)``): as --environment, --tools and --rollout-function (docs/environments.md).
     """
     # Imported here: ``import auto_research`` stays light, and the run's checks come before torch's import.
     from auto_research.recipes.post_train import post_train_generation
@@ -85,12 +65,8 @@ TRAINER_ARGUMENTS = {
 
 
 class Trainer:
-    """TRL's trainer shape over ``post_train``'s one path (the same checks, one-line ``UserError``s and run folder):
-
-        trainer = Trainer(GenerationConfig(model="path/or/hub-id"), reward_funcs=[correct], train_dataset=rows,
-                          num_generations=4, max_steps=100)
-        metrics = trainer.train()       # the metrics.json payload, as post_train returns it
-        trainer.evaluate()              # the held-out evaluation of the model as it now is
+    """TRL's trainer shape over ``post_train``'s one path: ``trainer.train()`` returns the metrics.json payload,
+    ``trainer.evaluate()`` the held-out evaluation of the model as it now is.
 
     ``config`` (or ``args``, TRL's name for it): a ``GenerationConfig``, a dict of settings (ours or TRL's names) or
     TRL's config object (``RLOOConfig(...)``: its ``to_dict()``, as ``GenerationConfig.from_trl`` takes it); keywords

@@ -1,8 +1,5 @@
-"""Errors that are the user's to fix.
-
-A ``UserError`` is reported by the command line as one line on stderr with exit
-status 2 and no traceback. Raise it before any work starts whenever possible.
-"""
+"""Errors that are the user's to fix: the command line reports a ``UserError`` as one line on stderr, exit status
+2, no traceback. Raise it before any work starts whenever possible."""
 
 
 class UserError(Exception):
@@ -10,10 +7,8 @@ class UserError(Exception):
 
 
 class TrainingInterrupted(Exception):
-    """Ctrl-C or SIGTERM during training: the step in flight finished and a checkpoint was saved.
-
-    The exit status is the shell's for that signal: 130 for SIGINT, 143 for SIGTERM.
-    """
+    """Ctrl-C or SIGTERM during training: the step in flight finished and a checkpoint was saved. The exit status
+    is the shell's for that signal: 130 for SIGINT, 143 for SIGTERM."""
 
     def __init__(self, message: str, exit_status: int = 130):
         super().__init__(message)
@@ -32,10 +27,8 @@ def one_line(error: BaseException) -> str:
 
 
 class RewardError(Exception):
-    """A reward (or judge) raised or returned something that is not a number (NaN, inf, a string).
-
-    Raised during training, not at the start: the run saves its last good step and stops with one line.
-    """
+    """A reward (or judge) raised or returned something that is not a number (NaN, inf, a string), mid-run: the
+    run saves its last good step and stops with one line."""
 
 
 class RolloutEngineError(UserError):

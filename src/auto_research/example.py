@@ -1,8 +1,5 @@
-"""One row of a task as every layer sees it: what the data layer makes and the rewards score.
-
-A leaf below both (rewards/ scores examples and data/ builds tasks from rewards' verifiers and gold scorers, so
-the type cannot live in data/ without rewards/ importing upwards). ``data.types`` re-exports it beside ``Task``.
-"""
+"""One row of a task as every layer sees it: what data/ makes and rewards/ scores. A leaf below both (data/ builds
+tasks from rewards' verifiers, so it cannot live in data/); ``data.types`` re-exports it beside ``Task``."""
 
 from __future__ import annotations
 

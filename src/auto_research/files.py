@@ -1,10 +1,5 @@
-"""Atomic file writes: write beside the target, then rename over it.
-
-A run killed half-way never leaves a half-written metrics.json or report behind.
-The temporary files and folders that ``tempfile`` makes are private (0600,
-0700); they are given the modes the user's umask asks for before they are
-renamed into place, like any file the user creates.
-"""
+"""Atomic file writes: write beside the target, then rename over it, so a run killed half-way never leaves a
+half-written file. ``tempfile``'s private modes (0600, 0700) become the user's umask's before the rename."""
 
 from __future__ import annotations
 
@@ -60,9 +55,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 def finite_or_null(value: object) -> object:
-    """``value`` with every NaN and ±inf float in it (in dicts, lists and tuples, at any depth) replaced by None.
-    JSON has no NaN: a figure that could not be computed is written as null, never a ``ValueError`` that loses
-    the run's other figures."""
+    """``value`` with every NaN and ±inf float in it (at any depth) replaced by None: JSON has no NaN, and a figure
+    that could not be computed must not lose the run's other figures to a ``ValueError``."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
@@ -88,17 +82,11 @@ def append_json_lines(path: str | os.PathLike, rows: list) -> None:
 
 
 def check_writable_directory(path: str | os.PathLike) -> Path:
-    """Fail with one line unless ``path`` is, or could be created as, a writable folder.
-
-    Creates nothing, so a run rejected for another reason leaves no trace; called
-    before any work so that a run never computes for minutes and then fails to
-    save its results.
-    """
+    """Fail with one line unless ``path`` is, or could be created as, a writable folder: before any work, so a run
+    never computes for minutes and then fails to save. Creates nothing."""
     path = Path(path)
     ancestor = path
-    while not ancestor.exists():
-        if ancestor.parent == ancestor:
-            break
+    while not ancestor.exists() and ancestor.parent != ancestor:
         ancestor = ancestor.parent
     problem = None
     if not ancestor.is_dir():

@@ -1,10 +1,6 @@
-"""One HTTP request with retries, for the clients of servers we do not run in this process (a reward server,
-a vLLM server): a request that times out, is refused, is dropped or gets a 5xx answer is retried with
-exponential backoff; a 4xx is not (the server refused the request itself: retrying sends the same).
-
-And the API key of our own servers (``Authorization: Bearer KEY``), the same on both sides: 16 to 256 printable
-ASCII characters, which every HTTP client sends as they are; anything else is refused at the start, on either side,
-in one line (``check_api_key``)."""
+"""One HTTP request with retries, for the clients of servers in other processes (a reward server, a vLLM server): a
+timeout, a refusal, a dropped connection or a 5xx is retried with exponential backoff; a 4xx is not (retrying sends
+the same). And the API key of our own servers (``Authorization: Bearer KEY``), checked alike on both sides."""
 
 from __future__ import annotations
 
@@ -110,7 +106,8 @@ def split_addresses(value: str, flag: str = "--rollout-server") -> list[str]:
     """``HOST:PORT[,HOST:PORT…]``, or the path of a file with one address a line (``#`` starts a comment), as a
     list of checked addresses, each once; one line for anything else."""
     text, source = str(value), None
-    if "," not in text and not _looks_like_an_address(text):
+    host, _, port = text.rpartition(":")
+    if "," not in text and not (host and is_decimal(port)):  # not an address: a file of them
         path = os.path.expanduser(text)
         try:
             with open(path, encoding="utf-8") as file:
@@ -135,11 +132,6 @@ def split_addresses(value: str, flag: str = "--rollout-server") -> list[str]:
     return addresses
 
 
-def _looks_like_an_address(text: str) -> bool:
-    host, _, port = text.rpartition(":")
-    return bool(host) and is_decimal(port)
-
-
 def is_loopback(host: str) -> bool:
     """Whether every address ``host`` resolves to is this machine's loopback."""
     import ipaddress  # noqa: PLC0415
@@ -153,8 +145,8 @@ def is_loopback(host: str) -> bool:
 
 
 def server_key(key_file: str | None) -> str | None:
-    """``rollout-serve``'s key: the text of ``--api-key-file`` when given (a file its owner alone may read, mode
-    0600; one line end dropped), else ``AUTO_RESEARCH_API_KEY``; checked (``http.check_api_key``), one line else."""
+    """``rollout-serve``'s key: the text of ``--api-key-file`` (a file its owner alone may read; one line end
+    dropped), else ``AUTO_RESEARCH_API_KEY``'s; checked (``check_api_key``)."""
     if key_file is None:
         return api_key(None, "")
     where = f"--api-key-file {key_file}"

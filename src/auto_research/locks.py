@@ -1,19 +1,13 @@
 """One writer per folder: an exclusive lock held for the whole life of a run.
 
-A run (post-train, compare's runs, rlhf, sft, reward-model) takes ``fcntl.flock`` on
-``<folder>/.lock`` before it reads, deletes or writes anything there, and writes its
-host, PID and start time inside. The kernel drops the lock when the process dies, so
-a SIGKILL leaves no stale lock: the next run finds the file unlocked and takes it.
+A run takes ``fcntl.flock`` on ``<folder>/.lock`` before it reads, deletes or writes anything there, and writes its
+host, PID and start time inside. The kernel drops the lock when the process dies, so a SIGKILL leaves no stale lock.
 A second process that finds the lock held stops with one line naming the holder.
 
-A lock is taken on the open file, not the name: at release the file is removed, and
-a process that opened the old file just before stops waiting on it because it checks,
-after locking, that the name still points at the file it locked (else it tries again).
-The same check, made before every write, tells a live run that its folder was
-deleted or replaced under it.
-
-Some network filesystems cannot lock (``ENOLCK``, ``EOPNOTSUPP``): a warning is
-printed once and the run goes on unprotected.
+A lock is taken on the open file, not the name: at release the file is removed, so after locking a process checks
+that the name still points at the file it locked (else it tries again). The same check, before every write, tells
+a live run that its folder was deleted or replaced under it. Where the filesystem cannot lock (``ENOLCK``,
+``EOPNOTSUPP``: some network filesystems) a warning is printed once and the run goes on unprotected.
 """
 
 from __future__ import annotations
@@ -57,12 +51,9 @@ def describe_holder(path: Path) -> str:
 
 
 class FolderLock:
-    """The exclusive lock on one folder, held from ``acquire`` to ``release``.
-
-    ``created`` is the outermost folder that acquiring had to create (None when the folder
-    existed): a run that fails before it wrote anything worth keeping removes it again, so a
-    bad input leaves no trace.
-    """
+    """The exclusive lock on one folder, held from ``acquire`` to ``release``. ``created``: the outermost folder
+    acquiring created (None when the folder existed), removed again by a run that fails before it wrote anything
+    worth keeping, so a bad input leaves no trace."""
 
     def __init__(self, folder: str | os.PathLike, what: str = "run"):
         self.folder = Path(folder)

@@ -1,10 +1,7 @@
-"""Processes that must not outlive the process that started them: a torchrun rank its launcher
-(``engine/distributed.py``), the rollout process of ``--rollout-mode process`` its trainer.
-
-Each watches its parent from a daemon thread and stops once it has been re-parented (to init or a subreaper): the
-parent died, SIGKILLed or lost. ``PR_SET_PDEATHSIG`` would be immediate, but it fires when the *thread* that
-started the child exits, not the process (a trainer built in a worker thread would lose its rollout process with
-that thread), so the parent is polled instead. Light: imports nothing heavy, so a child watches from its start.
+"""Processes that must not outlive their starter: a torchrun rank its launcher (``engine/distributed.py``), the
+rollout process of ``--rollout-mode process`` its trainer. Each polls its parent from a daemon thread and stops once
+re-parented. (``PR_SET_PDEATHSIG`` fires when the *thread* that started the child exits, not the process: a trainer
+built in a worker thread would lose its rollout process with that thread.) Light, so a child watches from its start.
 """
 
 from __future__ import annotations
@@ -49,9 +46,8 @@ def say(line: str) -> None:
 
 
 def stop_with_trainer(environment=os.environ, poll: float = PARENT_POLL_SECONDS) -> threading.Thread | None:
-    """In a rollout process a trainer started (``TRAINER_VARIABLE`` names it): once that trainer is gone, SIGTERM
-    this process, which stops the server cleanly (``rollout-serve`` removes its shared-memory buffer on SIGTERM; before
-    it serves, there is nothing to remove and SIGTERM ends it outright), and SIGKILL it if it has not ended
+    """In a rollout process a trainer started (``TRAINER_VARIABLE``): once that trainer is gone, SIGTERM this process
+    (``rollout-serve`` removes its shared-memory buffer on SIGTERM), and SIGKILL it if it has not ended
     ``STOP_SECONDS`` later. None where no trainer started this process."""
     trainer = environment.get(TRAINER_VARIABLE, "")
     if not is_decimal(trainer):

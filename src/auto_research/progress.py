@@ -1,9 +1,5 @@
-"""Progress of long work: a live bar on a terminal, plain lines anywhere else.
-
-A bar redrawn with carriage returns turns a log file or a scheduler's output
-into one enormous line; so when stderr is not a terminal, a plain line is
-printed every ``total // lines`` steps and at the end instead.
-"""
+"""Progress of long work: a live bar on a terminal; elsewhere (a bar redrawn with carriage returns makes a log file
+one enormous line) a plain line every ``total // lines`` steps and at the end."""
 
 from __future__ import annotations
 

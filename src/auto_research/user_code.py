@@ -1,17 +1,12 @@
-"""The user's own code, named on the command line: ``--reward``, ``--environment``, ``--tools``,
-``--rollout-function``, ``--judge``, and ``AUTO_RESEARCH_ENGINES``. One loader for all of them, so each takes the
-same two forms:
+"""The user's own code, named on the command line (``--reward``, ``--environment``, ``--tools``,
+``--rollout-function``, ``--judge``, ``AUTO_RESEARCH_ENGINES``), by one loader, in two forms:
 
-- ``module:name``: a module found from the working folder (put on the import path, as ``python -c`` does), or
-  anywhere else on the path (an installed package, ``PYTHONPATH``);
-- ``path/file.py:name``: a file, relative to the working folder or absolute. Its folder goes on the import path
-  (as ``python path/file.py`` puts it), so it imports the modules beside it; a file inside a package (a folder
-  with ``__init__.py``) is imported as that package's module, so its relative imports work too.
+- ``module:name``: a module found from the working folder (as ``python -c`` finds it) or elsewhere on the path;
+- ``path/file.py:name``: a file, whose folder goes on the import path (as ``python path/file.py`` puts it); a file
+  inside a package (a folder with ``__init__.py``) is imported as that package's module, so relative imports work.
 
-``resolved_spec`` rewrites a ``module:name`` found in the working folder as the absolute ``file.py:name`` it
-names, without importing anything: a run records that (config.yaml, trainer_state.json), so ``--config
-<run>/config.yaml`` and ``--resume`` find the same code from any folder. Light: no torch, no user code imported
-until ``load_user_object``.
+A run records each spec resolved (``resolved_spec``: a module of the working folder as its absolute file), so
+``--config <run>/config.yaml`` and ``--resume`` find the same code from any folder. Light: no torch.
 """
 
 from __future__ import annotations
@@ -28,9 +23,8 @@ from auto_research.errors import UserError, one_line
 
 FORMS = "module:name (found from the working folder) or path/file.py:name"
 _OURS_AND_LIBRARIES = tuple(os.path.join(os.path.realpath(path), "") for path in {
-    str(Path(__file__).resolve().parent), *(sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib",
-                                                                                         "purelib", "platlib"))}
-    if path)
+    str(Path(__file__).resolve().parent),
+    *(sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib"))} if path)
 """Folders of code that is not the user's: this package's, the standard library's, installed packages'."""
 
 
@@ -42,30 +36,18 @@ def split_spec(spec, flag: str, forms: str = FORMS) -> tuple[str, str]:
     return where, name
 
 
-def is_file(where: str) -> bool:
-    return where.endswith(".py")
-
-
 def resolved_spec(spec):
-    """The spec in the form that finds the same code from any working folder: a file's absolute path, or a
-    ``module:name`` whose module lies in the working folder as that file's; any other spec (a built-in reward, a
-    module of an installed package, a malformed spec that the loader will refuse) as it was."""
+    """The spec in the form that finds the same code from any working folder: a file's, or a working folder's
+    module's, absolute path; any other spec (a built-in reward, an installed package's, a malformed one) as it was."""
     if not isinstance(spec, str):
         return spec
     where, colon, name = spec.rpartition(":")
     if not colon or not where.strip():
         return spec
-    if is_file(where):
+    if where.endswith(".py"):
         return f"{os.path.abspath(os.path.expanduser(where))}:{name}"
     found = _module_file(Path.cwd(), where)
     return f"{found}:{name}" if found is not None else spec
-
-
-def resolved_specs(text: str | None) -> str | None:
-    """``resolved_spec`` of each item of a comma-separated list (``--tools``)."""
-    if not text:
-        return text
-    return ",".join(resolved_spec(item.strip()) for item in text.split(",") if item.strip())
 
 
 USER_CODE_SETTINGS = ("reward", "judge", "environment", "tools", "rollout_function")
@@ -73,16 +55,13 @@ USER_CODE_SETTINGS = ("reward", "judge", "environment", "tools", "rollout_functi
 
 
 def resolved_settings(settings: dict) -> dict:
-    """Those of ``settings`` (field name → value: a config's, or a checkpoint's saved config) that name user code,
-    each resolved (``resolved_spec``): what a run records, and what a resumed run is compared with (a run saved
-    before code was recorded resolved compares equal from the folder it ran in)."""
+    """Those of ``settings`` (a config's, or a checkpoint's saved one) that name user code, each resolved: what a
+    run records, and what a resumed run is compared with."""
     resolved = {}
-    for key in USER_CODE_SETTINGS:
-        if key not in settings:
-            continue
+    for key in [key for key in USER_CODE_SETTINGS if key in settings]:
         value = settings[key]
-        if key == "tools":
-            resolved[key] = resolved_specs(value)
+        if key == "tools":  # a comma-separated list
+            resolved[key] = value and ",".join(resolved_spec(item.strip()) for item in value.split(",") if item.strip())
         elif isinstance(value, list):
             resolved[key] = [resolved_spec(item) for item in value]
         else:
@@ -91,10 +70,9 @@ def resolved_settings(settings: dict) -> dict:
 
 
 def spec_of(function) -> str | None:
-    """The spec that finds ``function`` again from any working folder, when it is importable by name: a module-level
-    function (or a class's) of a module other than ``__main__``, as its file's absolute path (the user's code) or
-    ``module:name`` (an installed package's); None for a lambda, a nested function, a function of a script or a
-    notebook, a callable object."""
+    """The spec that finds ``function`` again from any working folder: its file's absolute path (the user's code)
+    or ``module:name`` (an installed package's); None where it is not importable by name (a lambda, a nested
+    function, a script's or a notebook's, a callable object)."""
     module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
     if not module or not qualname or module in ("__main__", "__mp_main__", "builtins") or "<" in qualname:
         return None
@@ -180,7 +158,7 @@ def _import(flag: str, spec, where: str):
     while it is imported."""
     importlib.invalidate_caches()  # a file written since the last import (a test's, a notebook's) is seen
     try:
-        if is_file(where):
+        if where.endswith(".py"):
             path = Path(os.path.abspath(os.path.expanduser(where)))
             if not path.is_file():
                 raise UserError(f"{flag} {spec!r}: no such file {path}")
@@ -192,23 +170,19 @@ def _import(flag: str, spec, where: str):
     except SyntaxError as error:
         place = f"{os.path.abspath(error.filename)}:{error.lineno}" if error.filename else where
         raise UserError(f"{flag} {spec!r}: syntax error in {place} ({error.msg})") from None
-    except ModuleNotFoundError as error:
-        missing = error.name is not None and (where == error.name or where.startswith(f"{error.name}."))
-        if missing and not is_file(where):
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's module raised while it was imported
+        name = error.name if isinstance(error, ModuleNotFoundError) else None  # the module itself, not one it imports
+        if name is not None and (where == name or where.startswith(f"{name}.")) and not where.endswith(".py"):
             raise UserError(f"{flag} {spec!r}: cannot import module {where!r} (no {where.replace('.', '/')}.py in "
                             f"the working folder {os.getcwd()} or on the import path)") from None
-        raise UserError(f"{flag} {spec!r}: importing {where} failed ({one_line(error)})") from None
-    except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's module raised while it was imported
         raise UserError(f"{flag} {spec!r}: importing {where} failed ({one_line(error)})") from None
 
 
 def load_user_object(spec, flag: str, expected: str = "a function", forms: str = FORMS):
-    """The callable a spec names, in either form (the module docstring); every failure one line naming ``flag``:
-    a malformed spec, a module or file not found, a syntax error, an exception at import, a missing name, or an
-    object that is not callable (``expected`` says what it should be)."""
+    """The callable a spec names, in either form; every failure (a malformed spec, an import that fails, a missing
+    name, an object not callable: ``expected`` says what it should be) one line naming ``flag``."""
     where, name = split_spec(spec, flag, forms)
-    module = _import(flag, spec, where)
-    found = module
+    found = _import(flag, spec, where)
     for part in name.split("."):
         if not hasattr(found, part):
             raise UserError(f"{flag} {spec!r}: {where} has no {name!r}")
@@ -241,9 +215,8 @@ that ends the run; recipes/post_train.py)."""
 
 
 def where_raised(error: BaseException) -> str:
-    """`` (at file.py:12, in name)``: the innermost frame of ``error``'s traceback in the user's own code (neither
-    this package's, the standard library's nor an installed package's), for the one line that reports it; empty when
-    none is (a call that failed before the user's code ran). Keeps the whole traceback for ``--verbose``."""
+    """`` (at file.py:12, in name)``: the innermost frame of ``error``'s traceback in the user's own code, for the
+    one line that reports it; empty when there is none. Keeps the whole traceback for ``--verbose``."""
     global last_traceback
     frames = traceback.extract_tb(error.__traceback__)
     last_traceback = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()

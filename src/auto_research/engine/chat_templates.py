@@ -1,13 +1,11 @@
 """Chat templates we ship for packaged models (engine/packaged.py), written here.
 
 ``SMOLLM2_TOOLS``: SmolLM2-Instruct's ChatML, with tools. Without ``tools`` it renders exactly as the model's own
-template (its default system prompt when the conversation has none). With ``tools``, the system turn lists each
-tool's JSON schema and shows the call format envs/tools.py reads (``call_format``: "hermes", a JSON object
-``{"name", "arguments"}`` between ``<tool_call>`` tags). An assistant turn shows its text as the model wrote it,
-then any structured ``tool_calls`` (OpenAI's ``{"function": {"name", "arguments"}}`` or a bare
-``{"name", "arguments"}``) in that format; a ``tool`` message comes back as a user turn holding a
-``<tool_response>`` block. Every message is rendered on its own, so a conversation with messages added renders
-as the shorter one followed by the new turns (envs/trajectory.py extends trajectories token by token on that).
+template. With ``tools``, the system turn lists each tool's JSON schema and the call format envs/tools.py reads
+("hermes": ``{"name", "arguments"}`` between ``<tool_call>`` tags); an assistant's ``tool_calls`` are shown in that
+format, and a ``tool`` message comes back as a user turn holding a ``<tool_response>`` block. Every message renders
+on its own, so a longer conversation renders as the shorter one followed by the new turns (envs/trajectory.py
+extends trajectories token by token on that).
 """
 
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

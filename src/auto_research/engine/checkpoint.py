@@ -56,9 +56,7 @@ def _optimizer_from_files(tensors: dict, plain: dict) -> dict:
     by_name = plain.get("keys") == "names"
     separator = "/" if by_name else "."
     key_of = str if by_name else int
-    state = {}
-    for parameter, values in plain["state"].items():
-        state[key_of(parameter)] = dict(values)
+    state = {key_of(parameter): dict(values) for parameter, values in plain["state"].items()}
     for name, tensor in tensors.items():
         parameter, key = name.rsplit(separator, 1) if by_name else name.split(separator, 1)
         state.setdefault(key_of(parameter), {})[key] = tensor
@@ -66,35 +64,13 @@ def _optimizer_from_files(tensors: dict, plain: dict) -> dict:
 
 
 def _save_model(model, folder: Path, state: dict | None, optimizer_state: dict) -> None:
+    extra = {} if state is None else {"state_dict": state}  # FSDP: the gathered whole weights
     if hasattr(model, "peft_config"):  # LoRA: the trained adapter only (not the frozen reference copy)
-        extra = {} if state is None else {"state_dict": state}  # FSDP: the gathered whole weights
-        model.save_pretrained(folder, safe_serialization=True, selected_adapters=["default"], **extra)
-    elif state is None:
-        model.save_pretrained(folder, safe_serialization=True)
-    else:
-        model.save_pretrained(folder, safe_serialization=True, state_dict=state)
+        extra["selected_adapters"] = ["default"]
+    model.save_pretrained(folder, safe_serialization=True, **extra)
     tensors, plain = _optimizer_to_files(optimizer_state)
     save_file(tensors, str(folder / "optimizer.safetensors"))
     atomic_write_json(folder / "optimizer.json", plain)
-
-
-def _write(staging: Path, model, tokenizer, optimizer_state: dict, rng: dict, trainer_state: dict, critic,
-           critic_optimizer_state: dict | None, model_state: dict | None, critic_state: dict | None,
-           in_flight: tuple[dict, list] | None) -> None:
-    """Every file of one checkpoint into ``staging``, the manifest last."""
-    _save_model(model, staging, model_state, optimizer_state)
-    tokenizer.save_pretrained(staging)
-    if critic is not None:
-        (staging / "critic").mkdir()
-        _save_model(critic, staging / "critic", critic_state, critic_optimizer_state)
-    save_file({key: value.contiguous() for key, value in rng["tensors"].items()}, str(staging / "rng.safetensors"))
-    extra = {}
-    if in_flight is not None:
-        save_file(in_flight[0], str(staging / IN_FLIGHT))
-        extra = {"in_flight": in_flight[1]}
-    atomic_write_json(staging / "trainer_state.json", {**trainer_state, "numpy_rng": rng["numpy"], **extra})
-    write_manifest(staging)
-    make_tree_shareable(staging)
 
 
 def _put_in_place(staging: Path, target: Path) -> None:
@@ -132,9 +108,22 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer_state:
     target = root / f"{PREFIX}{step:06d}"
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}."))
     try:
-        try:
-            _write(staging, model, tokenizer, optimizer_state, rng, trainer_state | {"step": step}, critic,
-                   critic_optimizer_state, model_state, critic_state, in_flight)
+        try:  # every file into the staging folder, the manifest last
+            _save_model(model, staging, model_state, optimizer_state)
+            tokenizer.save_pretrained(staging)
+            if critic is not None:
+                (staging / "critic").mkdir()
+                _save_model(critic, staging / "critic", critic_state, critic_optimizer_state)
+            rng_tensors = {key: value.contiguous() for key, value in rng["tensors"].items()}
+            save_file(rng_tensors, str(staging / "rng.safetensors"))
+            extra = {}
+            if in_flight is not None:
+                save_file(in_flight[0], str(staging / IN_FLIGHT))
+                extra = {"in_flight": in_flight[1]}
+            atomic_write_json(staging / "trainer_state.json",
+                              {**trainer_state, "step": step, "numpy_rng": rng["numpy"], **extra})
+            write_manifest(staging)
+            make_tree_shareable(staging)
         except SafetensorError as error:
             raise _as_os_error(error) from None
         _put_in_place(staging, target)

@@ -1,24 +1,18 @@
 """Several processes under ``torchrun``: data parallel (DDP) or sharded (FSDP2), on PyTorch's own engine.
 
-One process is the default and needs nothing from here but a ``World`` of size 1,
-whose collectives are the identity. Under ``torchrun --nproc-per-node N`` every
-rank runs the same command; this module is the whole of what differs:
+One process needs nothing from here but a ``World`` of size 1, whose collectives are the identity. Under
+``torchrun --nproc-per-node N`` every rank runs the same command; this module is the whole of what differs:
 
-* Each rank samples and scores whole groups (the leave-one-out baseline needs the
-  K samples of a prompt together; no reward crosses processes). Every rank draws
-  the same global prompts from the same generator and keeps its share
-  (``share``): within each PPO mini-batch, consecutive slices per rank, so that N
-  ranks' m-th mini-batches together are the m-th mini-batch of one process.
-* Samples are seeded per prompt (rollout.prompt_seed), so which rank draws a
-  prompt changes nothing.
-* Loss normalisers are global counts (``total``), and the loss a rank
-  back-propagates is multiplied by N, because DDP and FSDP average gradients
-  over ranks: the sum is then exactly the one-process gradient.
-* Only rank 0 writes (``on_main``); an error on any rank is agreed on by all
-  (``agree``), reported once by the rank that had it, and every rank exits 2.
+* Each rank samples and scores whole groups (the leave-one-out baseline needs a prompt's K samples together).
+  Every rank draws the same global prompts and keeps its share (``share``): within each PPO mini-batch,
+  consecutive slices per rank, so N ranks' m-th mini-batches together are one process's m-th mini-batch. Samples
+  are seeded per prompt (rollout.prompt_seed), so which rank draws a prompt changes nothing.
+* Loss normalisers are global counts (``total``), and a rank's loss is multiplied by N, because DDP and FSDP
+  average gradients over ranks: the sum is then exactly the one-process gradient.
+* Only rank 0 writes (``on_main``); an error on any rank is agreed on by all (``agree``), reported once by the
+  rank that had it, and every rank exits 2.
 
-nanoGPT's rank handling is the model: environment variables set by torchrun,
-one device per local rank, and ``main`` gating every write and log line.
+The rank handling follows nanoGPT's: torchrun's variables, one device per local rank, ``main`` gating every write.
 """
 
 from __future__ import annotations
@@ -44,16 +38,9 @@ from auto_research.orphans import PARENT_POLL_SECONDS, say, watch_parent
 
 
 def stop_with_launcher(rank: int, poll: float = PARENT_POLL_SECONDS) -> threading.Thread | None:
-    """Stop this rank when the process that launched it dies (the torchrun agent, SIGKILLed by the OOM
-    killer or gone with its node).
-
-    torchrun starts each worker in a session of its own, so killing the agent's process group leaves the
-    workers running: they would go on training, saving and pruning checkpoints while a requeued job resumes
-    from the same folder. A daemon thread watches the parent (``orphans.watch_parent``): once the process is
-    re-parented, the rank SIGKILLs itself at once, so it writes nothing more (every file here is written beside
-    and renamed into place, so nothing is left half-written either). The 30-minute collective timeout would
-    take far too long.
-    """
+    """SIGKILL this rank at once when its launcher (the torchrun agent) dies: torchrun starts each worker in a
+    session of its own, so killing the agent's process group leaves the workers training, saving and pruning
+    checkpoints while a requeued job resumes from the same folder (the collective timeout takes 30 minutes)."""
     parent = os.getppid()
     if parent <= 1:
         return None
@@ -97,14 +84,10 @@ class World:
 
     def device(self, device: str) -> str:
         """One accelerator per local rank (cuda:LOCAL_RANK); the CPU is shared."""
-        if self.distributed and device.startswith("cuda"):
-            return f"cuda:{self.local_rank}"
-        return device
+        return f"cuda:{self.local_rank}" if self.distributed and device.startswith("cuda") else device
 
     def start(self, device: str) -> None:
-        if not self.distributed:
-            return
-        if dist.is_initialized():
+        if not self.distributed or dist.is_initialized():
             return
         stop_with_launcher(self.rank)
         backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -114,12 +97,9 @@ class World:
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
 
     def stop(self) -> None:
-        """Leave the process group to the process's end (the CLI leaves with ``os._exit``); nothing to do.
-
-        Destroying it races with gloo's run-loop threads. Seen in CI, a rank hung for good:
-        ``ProcessGroupGloo``'s destructor, holding the GIL, joined a worker thread that was still freeing the
-        last all-gather's tensors and waited for the GIL. A later run in the same process reuses the group
-        (``start``). Not a collective either: a rank that failed calls it on its way out."""
+        """Nothing: the process group is left to the process's end (the CLI leaves with ``os._exit``). Destroying
+        it races with gloo (seen in CI, a rank hung for good: ``ProcessGroupGloo``'s destructor, holding the GIL,
+        joined a thread that waited for the GIL). A later run in the same process reuses the group (``start``)."""
 
     # --- collectives (the identity in one process) ---------------------------------
 
@@ -152,9 +132,7 @@ class World:
         return values
 
     def any(self, flag: bool) -> bool:
-        if not self.distributed:
-            return flag
-        return bool(self.total(torch.tensor([int(flag)])).item())
+        return bool(self.total(torch.tensor([int(flag)])).item()) if self.distributed else flag
 
     def agree(self, error: BaseException | None, kind=UserError) -> None:
         """Every rank raises when any rank had an error: the rank that had it raises its own, the others
@@ -222,7 +200,8 @@ class World:
         """Whole parameters for the duration (FSDP): a rank may then run any number of forwards (sampling
         stops when its own samples end) with no collective in between. Nothing to do otherwise."""
         # (A LoRA reference is a callable over the policy, gathered with it.)
-        modules = [module for model in models if hasattr(model, "modules") for module in _fsdp_modules(model)]
+        modules = [module for model in models if hasattr(model, "modules") for module in model.modules()
+                   if isinstance(module, FSDPModule)]
         for module in modules:
             module.unshard()
             module.set_reshard_after_forward(False, recurse=False)
@@ -273,7 +252,3 @@ def decoder_layers(model) -> list:
         if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
             best = list(module)
     return best
-
-
-def _fsdp_modules(model) -> list:
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]

@@ -1,13 +1,11 @@
 """A tied embedding's two gradients as one: the output layer's dense (V, H) gradient with the rows the batch saw
 added in place, instead of two dense (V, H) tensors and their sum.
 
-With tied input and output embeddings the one (V, H) weight gets two gradients in a backward: the output layer's
-and the lookup's, each dense in torch (the lookup's is zeros but for the rows of the tokens seen), and autograd
-adds them into a third tensor at the backward's end, when every other weight's gradient is held: 2 × 113 MB more
-at the update's peak on SmolLM2. Here the lookup also hands out the weight itself (``tied_weight``) for the
-chunked output layer (``logprobs.py``) to use, so the output side's gradient comes back into the lookup's own
-backward, which adds its rows to it in place (each row summed in token order, as torch's dense backward sums it)
-and gives the weight that one tensor. The float additions are the same, so the gradient is the same bit for bit.
+With tied embeddings torch makes two dense (V, H) gradients (the lookup's is zeros but for the rows seen) and adds
+them into a third at the backward's end, when every other gradient is held: 2 × 113 MB more at SmolLM2's update
+peak. Here the lookup hands the weight itself (``tied_weight``) to the chunked output layer (``logprobs.py``), so
+the output side's gradient comes back into the lookup's backward, which adds its rows in place, each summed in token
+order as torch's dense backward sums it: the same float additions, so the same gradient bit for bit.
 """
 
 from __future__ import annotations
@@ -72,10 +70,9 @@ def _forward(self, ids):
 
 def tied_rows_gradient(model) -> bool:
     """Give ``model``'s input embedding the one-tensor gradient (``_RowsSeen``) where that is safe: a plain
-    ``nn.Embedding`` (no max_norm, no scaling by frequency, no subclass with a forward of its own) whose weight is
-    the output layer's, that trains, and is not an FSDP shard. Call it after DDP wraps the model (DDP sees the one
-    dense gradient either way). ``update.optimizer_step`` makes a sparse gradient dense, should a weight get only
-    the rows. Marks the embedding ``rows_seen_gradient``; returns whether it applied."""
+    ``nn.Embedding`` whose weight is the output layer's, trains, and is no FSDP shard. Call it after DDP wraps the
+    model. ``update.optimizer_step`` makes a sparse gradient dense, should a weight get only the rows. Marks the
+    embedding ``rows_seen_gradient``; returns whether it applied."""
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     inner = getattr(model, "module", model)

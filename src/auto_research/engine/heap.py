@@ -1,11 +1,7 @@
-"""Give the C heap's free memory back to the operating system before a step's sampling and its update (CPU
-runs; ``train/step.py``).
-
-On the CPU, torch allocates through malloc. glibc keeps what a phase frees in its heaps for reuse, and the
-next phase, which allocates tensors of other sizes, can rarely reuse it whole: on SmolLM2-135M the process kept
-about 2.3 GB between steps above its weights and optimizer states, so a step's peak was the sum of the phases'
-leftovers, not the largest phase's needs. ``malloc_trim(0)`` returns the heaps' free pages at once (about a
-millisecond here). Elsewhere (another C library, macOS, CUDA memory) it does nothing.
+"""Give the C heap's free memory back to the operating system before a step's sampling and its update (CPU runs;
+``train/step.py``). glibc keeps what a phase frees for reuse, and the next phase, allocating other sizes, rarely
+reuses it whole: on SmolLM2-135M the process kept about 2.3 GB between steps, so a step's peak was the sum of the
+phases' leftovers. ``malloc_trim(0)`` returns the free pages (about a millisecond); elsewhere (not glibc) nothing.
 """
 
 from __future__ import annotations

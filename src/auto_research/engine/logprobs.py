@@ -1,12 +1,9 @@
-"""Per-token log-probabilities of completions: the one function that the
-policy, the frozen reference and PPO's old policy all go through.
+"""Per-token log-probabilities of completions: the one function the policy, the frozen reference and PPO's old
+policy all go through.
 
-A batch row is ``[left-padded prompt | completion]``: ``sequences`` has shape
-(B, P + C), the prompt occupies the first P columns, and ``completion_mask``
-(B, C) marks the completion tokens that count (up to and including the first
-EOS). Position ids are derived from the attention mask, so left padding and
-anything after EOS change nothing, and the numbers match what ``generate``
-sampled from.
+A batch row is ``[left-padded prompt | completion]``: ``sequences`` (B, P + C), ``completion_mask`` (B, C) marks the
+completion tokens that count (up to and including the first EOS). Position ids come from the attention mask, so
+left padding and anything after EOS change nothing, and the numbers match what ``generate`` sampled from.
 """
 
 from __future__ import annotations
@@ -62,12 +59,9 @@ def accepts(model, argument: str) -> bool:
 
 def completion_values(critic, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
                       group_size: int = 1, pack: bool = False) -> torch.Tensor:
-    """(B, C) the critic's value V(s_t) of the state before each completion token; 0 where masked.
-
-    The critic is a token-classification model with one label: its output at
-    position t reads the prompt and y_<t+1… so, as for log-probs, the output one
-    position earlier is the value of the state in which y_t is chosen. ``pack``: as for ``token_logprobs``.
-    """
+    """(B, C) the critic's value V(s_t) of the state before each completion token; 0 where masked. The critic is a
+    token classifier with one label: as for log-probs, the output one position earlier is the value of the state in
+    which y_t is chosen. ``pack``: as for ``token_logprobs``."""
     prompt_length = prompt_mask.shape[1]
     if pack:
         packed = layout(sequences, prompt_mask, completion_mask)
@@ -115,20 +109,17 @@ def _single_process(model, checkpointing_allowed: bool) -> bool:
 
 def grouped_rows(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
                  group_size: int) -> Grouped | None:
-    """The rows as one row per group (``packing.Grouped``: the prompt once, the K completions unpadded, a block
-    mask), where the model honours a 4-D attention mask (``takes_block_masks``, checked once), the batch holds
-    whole groups with one prompt each, and neither DDP nor FSDP is in the way; else None. One forward, no KV
-    cache: it works under activation checkpointing too, and computes no padding inside a group."""
+    """The rows as one row per group (``packing.Grouped``) where the model honours a block mask, the batch holds
+    whole groups with one prompt each, and neither DDP nor FSDP is in the way; else None. No KV cache: it works
+    under activation checkpointing too."""
     if group_size < 2 or not _single_process(model, checkpointing_allowed=True) or not takes_block_masks(model):
         return None
     return grouped_layout(sequences, prompt_mask, completion_mask, group_size)  # (None where the rows do not fit)
 
 
 def shares_prompts(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> bool:
-    """Whether the K rows of each group can share one forward of their (identical) prompt through a KV cache
-    (where ``grouped_rows`` does not apply): the batch holds whole groups, the model keeps a KV cache, and
-    neither DDP, FSDP nor activation checkpointing (each of which expects one forward over whole rows) is in
-    the way."""
+    """Whether the K rows of each group can share one forward of their prompt through a KV cache: whole groups, a
+    model that keeps a cache, and neither DDP, FSDP nor activation checkpointing in the way (``_single_process``)."""
     if not accepts(model, cache_argument(model)) or not _single_process(model, checkpointing_allowed=False):
         return False
     return whole_groups_with_one_prompt(sequences, prompt_mask, group_size)
@@ -154,31 +145,17 @@ def _prompt_then_completions(model, sequences, prompt_mask, completion_mask, gro
     return first, rest
 
 
-def token_logprobs(
-    model,
-    sequences: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_mask: torch.Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    group_size: int = 1,
-    entropy_gradient: bool = False,
-    pack: bool = False,
-):
-    """log π(y_t | x, y_<t) for each completion token, shape (B, C); 0 where masked.
+def token_logprobs(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
+                   temperature: float = 1.0, with_entropy: bool = False, group_size: int = 1,
+                   entropy_gradient: bool = False, pack: bool = False):
+    """log π(y_t | x, y_<t) for each completion token, shape (B, C); 0 where masked. Logits are divided by the
+    sampling temperature, so the policy trained is the one that sampled. ``with_entropy``: also the per-token entropy
+    (with its gradient when ``entropy_gradient``: the entropy bonus, --entropy-coef).
 
-    Logits are divided by the sampling temperature, so the policy trained is the one that sampled.
-    With ``with_entropy`` also returns the per-token entropy of that distribution (with its gradient when
-    ``entropy_gradient``: the entropy bonus, --entropy-coef; else none).
-
-    Where the model's output layer is a plain linear map (Llama, Qwen, Mistral, SmolLM …), its input is
-    taken at the completion positions and the logits are made, used and dropped a chunk of positions at
-    a time (``chunked_logprobs``): no (B, C, V) tensor, and no log-softmax copy of it, ever exists, in
-    the forward or the backward. Other models go through their own logits. With ``group_size`` K, the rows of
-    each group of K share one forward of their prompt: as one row a group under a block mask (``grouped_rows``),
-    or through a KV cache (``shares_prompts``). With ``pack`` the rows go through
-    the model as one packed row (``packing.py``; the caller checked ``packs_sequences``): no padding at all, and
-    the logits of a model without a plain output layer are made at the completion positions only.
+    Where the output layer is a plain linear map (Llama, Qwen, SmolLM …), the logits are made, used and dropped a
+    chunk of positions at a time (``chunked_logprobs``): no (B, C, V) tensor ever exists, forward or backward.
+    ``group_size`` K: each group's rows share one forward of their prompt (``grouped_rows``, else ``shares_prompts``).
+    ``pack``: the rows go through as one packed row (``packing.py``; the caller checked ``packs_sequences``).
     """
     mask = completion_mask.bool()
     if pack:
@@ -223,25 +200,29 @@ def _scattered(values, mask: torch.Tensor):
 
 
 def packed_hidden(model, packed: Packed | Grouped):
-    """(N, H) the output layer's input at ``packed.predictors`` and its weight, from a forward over the packed row
-    (or the grouped rows) in which the output layer computes nothing; (None, None) for a model whose output layer
-    is no plain map."""
+    """(N, H) the output layer's input at ``packed.predictors`` (a packed row or grouped rows) and its weight;
+    (None, None) for a model whose output layer is no plain map."""
     layer = _plain_output_layer(model)
     if layer is None:
         return None, None
+    hidden, weight = _output_layer_inputs(layer, lambda: model(**packed.inputs(), use_cache=False))[0]
+    return hidden.reshape(-1, hidden.shape[-1])[packed.predictors], weight
+
+
+def _output_layer_inputs(layer, forward) -> list:
+    """(input, weight) of each call of ``layer`` in ``forward()``, the layer itself computing nothing."""
     captured = []
 
     def capture(module, args):
         captured.append((args[0], tied_weight(module)))
-        return (args[0][..., :0, :],)
+        return (args[0][..., :0, :],)  # the layer runs on no position at all
 
     handle = layer.register_forward_pre_hook(capture)
     try:
-        model(**packed.inputs(), use_cache=False)
+        forward()
     finally:
         handle.remove()
-    hidden, weight = captured[0]
-    return hidden.reshape(-1, hidden.shape[-1])[packed.predictors], weight
+    return captured
 
 
 def _from_logits(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, with_entropy: bool,
@@ -283,32 +264,20 @@ def _plain_output_layer(model):
 
 def completion_hidden(model, sequences: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
                       group_size: int = 1):
-    """(B, C, H) the output layer's input at the positions that predict the completion tokens, and its weight,
-    from forwards in which the output layer itself computes nothing; (None, None) for a model whose output
-    layer cannot be taken apart so, or one that cannot skip the prompt positions."""
+    """(B, C, H) the output layer's input at the positions that predict the completion tokens, and its weight;
+    (None, None) for a model whose output layer is no plain map, or that cannot skip the prompt positions."""
     layer = _plain_output_layer(model)
     if layer is None or not accepts(model, "logits_to_keep"):
         return None, None
     completion_length = completion_mask.shape[1]
-    captured = []
-
-    def capture(module, args):
-        captured.append((args[0], tied_weight(module)))
-        return (args[0][..., :0, :],)  # the layer runs on no position at all
-
-    handle = layer.register_forward_pre_hook(capture)
-    try:
-        if shares_prompts(model, sequences, prompt_mask, group_size):
-            _prompt_then_completions(model, sequences, prompt_mask, completion_mask, group_size,
-                                     {"logits_to_keep": completion_length})
-            (first, weight), (rest, _) = captured
-            return torch.cat([first[:, -1:].repeat_interleave(group_size, dim=0), rest[:, :-1]], dim=1), weight
-        attention, positions = attention_for(sequences, prompt_mask, completion_mask)
-        model(input_ids=sequences, attention_mask=attention, position_ids=positions, use_cache=False,
-              logits_to_keep=completion_length + 1)
-    finally:
-        handle.remove()
-    hidden, weight = captured[0]
+    if shares_prompts(model, sequences, prompt_mask, group_size):
+        (first, weight), (rest, _) = _output_layer_inputs(layer, lambda: _prompt_then_completions(
+            model, sequences, prompt_mask, completion_mask, group_size, {"logits_to_keep": completion_length}))
+        return torch.cat([first[:, -1:].repeat_interleave(group_size, dim=0), rest[:, :-1]], dim=1), weight
+    attention, positions = attention_for(sequences, prompt_mask, completion_mask)
+    hidden, weight = _output_layer_inputs(layer, lambda: model(
+        input_ids=sequences, attention_mask=attention, position_ids=positions, use_cache=False,
+        logits_to_keep=completion_length + 1))[0]
     return hidden[:, :-1], weight
 
 
@@ -420,12 +389,9 @@ def chunked_entropy(hidden: torch.Tensor, weight: torch.Tensor, temperature: flo
 
 
 def kl_per_token(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Sampled estimators of KL(π ‖ π_ref) per token (Schulman, 2020, "Approximating KL divergence").
-
-    With log r = log π_ref − log π on a token sampled from π:
-    k1 = −log r (unbiased, the paper's shaping), k2 = ½ (log r)² and
-    k3 = (r − 1) − log r (unbiased and non-negative, the GRPO choice).
-    """
+    """Sampled estimators of KL(π ‖ π_ref) per token (Schulman, 2020, "Approximating KL divergence"). With log r =
+    log π_ref − log π on a token sampled from π: k1 = −log r (unbiased, the paper's shaping), k2 = ½ (log r)² and
+    k3 = (r − 1) − log r (unbiased and non-negative, the GRPO choice)."""
     log_ratio = reference_logprobs - logprobs
     if estimator == "k1":
         return -log_ratio

@@ -1,17 +1,12 @@
-"""LoRA through PEFT: low-rank adapters train, the base weights stay frozen, and the reference
-costs no second copy of the model.
+"""LoRA through PEFT: low-rank adapters train, the base weights stay frozen, and the reference costs no second
+copy of the model.
 
-* A fresh run adds adapters (``--lora-r``, ``--lora-alpha``, ``--lora-dropout``,
-  ``--lora-target-modules``; by default every linear layer of attention and MLP,
-  PEFT's ``all-linear``). The reference is the same model with its adapters
-  disabled, which is exactly the starting policy, since LoRA's B starts at zero.
-* A run that starts from an adapter folder (``--model`` holding ``adapter_config.json``)
-  continues that adapter, and its reference is a frozen second copy of the same
-  adapter (named ``reference``), not the bare base model: disabling the adapter
-  there would measure the KL to a policy the run never started from.
+* A fresh run adds adapters (``--lora-r`` …; by default PEFT's ``all-linear``). The reference is the same model with
+  its adapters disabled, which is exactly the starting policy, since LoRA's B starts at zero.
+* A run that starts from an adapter folder continues that adapter, and its reference is a frozen copy of the same
+  adapter (named ``reference``): disabling it would measure the KL to a policy the run never started from.
 
-Checkpoints hold the trainable adapter only (``adapter_model.safetensors``);
-``--merge-lora`` also writes the merged model at the end.
+Checkpoints hold the trainable adapter only; ``--merge-lora`` also writes the merged model at the end.
 """
 
 from __future__ import annotations

@@ -21,15 +21,10 @@ LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",), "numpy": ("
 
 def one_blas_thread() -> bool:
     """MKL's matrix products on one thread, for the calling thread (torch's own kernels and oneDNN keep theirs: call
-    ``set_threads`` first, see there).
-
-    Under load, MKL's threaded sgemm spins while it waits for a core: 120 steps of the main job took 230 s at 2 MKL
-    threads against 40 s at one (AMD EPYC, 2026-12-06, torch itself then on one thread), and SmolLM2's update at two
-    torch threads took 33.1 s with MKL on one against 47.8 s on two, its repeats identical on one MKL thread only
-    (``benchmarks/blas_threads.py``). Copies of a run at two torch threads contending for two cores
-    still differ in their last bits (docs/benchmarks.md, "Repeats"). ``mkl_set_num_threads_local`` outranks
-    ``torch.set_num_threads`` (which sets MKL's process-wide count) on this thread only, so each thread that
-    computes calls this once. False where torch has no MKL (another BLAS, another platform): nothing done."""
+    ``set_threads`` first). Under load MKL's threaded sgemm spins while it waits for a core (SmolLM2's update: 33.1 s
+    on one MKL thread against 47.8 s on two; docs/benchmarks.md, ``benchmarks/blas_threads.py``).
+    ``mkl_set_num_threads_local`` outranks ``torch.set_num_threads`` on this thread only, so each thread that
+    computes calls this once. False where torch has no MKL: nothing done."""
     set_local = _mkl_set_local()
     if set_local is not None:
         set_local(ctypes.byref(ctypes.c_int(1)))  # the Fortran-style name: its argument by reference
@@ -37,11 +32,10 @@ def one_blas_thread() -> bool:
 
 
 def set_threads(count: int | None = None) -> None:
-    """This process's torch threads (``count``; None: torch's default, one a core), and MKL's products on one
-    thread for the calling thread (``one_blas_thread``; ``torch.set_num_threads`` resets MKL's count, so it comes
-    after). A thread started later calls ``one_blas_thread`` itself. The count is set even when it is torch's
-    default: torch takes its thread count from OpenMP the first time it computes, and once MKL's local count is 1,
-    OpenMP says 1 there, so without it the process (and each thread it starts) would compute on one thread."""
+    """This process's torch threads (``count``; None: torch's default, one a core), then MKL's products on one
+    thread for the calling thread (``torch.set_num_threads`` resets MKL's count). The count is set even when it is
+    torch's default: torch takes it from OpenMP when it first computes, and once MKL's local count is 1, OpenMP says
+    1 there, so the process would compute on one thread."""
     import torch
 
     torch.set_num_threads(count or torch.get_num_threads())
@@ -88,9 +82,8 @@ def installed(names: tuple[str, ...]) -> str | None:
 
 
 def machine_record(dtype: str, device: str = "cpu") -> dict:
-    """The record ``metrics.json`` keeps under ``machine``: CPU, cores, the kernel capability torch dispatches to
-    (``ATEN_CPU_CAPABILITY`` caps it), whether oneDNN is on, MKL's instruction cap, threads, dtype, device and the
-    libraries' versions."""
+    """The record ``metrics.json`` keeps under ``machine`` (the kernel capability: what torch dispatches to, capped
+    by ``ATEN_CPU_CAPABILITY``)."""
     import torch
 
     return {
@@ -110,11 +103,7 @@ def machine_record(dtype: str, device: str = "cpu") -> dict:
 def describe(record: dict) -> str:
     """One line of a machine record, as report.md and the benchmarks print it."""
     versions = ", ".join(f"{name} {found}" for name, found in record["versions"].items() if found)
+    mkl = f" (MKL's products on {record['mkl_threads']})" if record.get("mkl_threads") else ""
     return (f"{record['cpu']} ({record['cores']} cores), kernels {record['kernel_capability']}, oneDNN "
             f"{'on' if record['onednn'] else 'off'}, MKL instructions {record['mkl_instructions']}, "
-            f"{record['threads']} threads{_mkl(record)}, {record['dtype']} on {record['device']}; {versions}")
-
-
-def _mkl(record: dict) -> str:
-    threads = record.get("mkl_threads")
-    return f" (MKL's products on {threads})" if threads else ""
+            f"{record['threads']} threads{mkl}, {record['dtype']} on {record['device']}; {versions}")

@@ -132,12 +132,8 @@ def context_length(model) -> int | None:
 
 
 def load_critic(name: str, device: str, offline: bool, vocabulary: int, flag: str = "--critic-model"):
-    """PPO's value model: the architecture of ``name`` with a scalar head per token, in float32.
-
-    The backbone is loaded from ``name`` (the policy, a reward model, or --critic-model);
-    the head starts at zero, so every value starts at 0 and the first advantages are
-    the returns themselves.
-    """
+    """PPO's value model: ``name``'s backbone (the policy, a reward model, or --critic-model) with a scalar head per
+    token, in float32. The head starts at zero, so the first advantages are the returns themselves."""
     check_model_source(name, offline, flag)
     name = materialise(name, offline)
     local = Path(name).expanduser().exists()

@@ -1,18 +1,12 @@
 """The frozen reference out of the process's memory between its passes (--offload-reference).
 
-The reference is read, never written, once a step (its log-probs, before the update). Held as ordinary tensors
-it takes one model's weights of the process's memory for the whole step, the update's peak included. Here its
-weights are written once to a file in the cache folder, the file is mapped copy-on-write and removed from the
-folder at once (the mapping keeps it; nothing is left behind, even after a crash), and each parameter becomes a
-view of the mapping. After each pass ``release`` drops the mapped pages from the process (``MADV_DONTNEED``):
-the next pass faults them back from the page cache, or from the disk if the system reclaimed them, without a
-copy. What the process holds during the update is then the policy, its gradients and AdamW's moments.
-
-The memory is moved, not removed: while the system has room the page cache keeps the file's pages, counted as
-cache, not as this process's resident memory, and the kernel may reclaim them under pressure (anonymous memory
-it can only swap). This is the CPU's counterpart of offloading a GPU model's reference to host memory
-(verl's ``ref.fsdp_config.param_offload``, OpenRLHF's ``--ref_reward_offload``); on CUDA the reference moves to
-host memory and back instead.
+The reference is read once a step; held as ordinary tensors it takes a model's weights of memory for the whole
+step, the update's peak included. Here its weights are written once to a file in the cache folder, mapped
+copy-on-write and unlinked at once (nothing is left behind, even after a crash), and each parameter becomes a view
+of the mapping. After each pass ``release`` drops the pages (``MADV_DONTNEED``); the next pass faults them back
+from the page cache (or the disk) without a copy. The memory is moved, not removed: page cache the kernel may
+reclaim under pressure, not resident memory it could only swap. On CUDA the reference moves to host memory and back
+instead (verl's ``ref.fsdp_config.param_offload``, OpenRLHF's ``--ref_reward_offload``).
 """
 
 from __future__ import annotations
@@ -79,8 +73,7 @@ class OffloadedReference:
             self.mapping.madvise(mmap.MADV_DONTNEED)
 
     def resident_bytes(self) -> int:
-        """Bytes of the mapping resident in this process now (its Rss in /proc/self/smaps; 0 where there is none,
-        as on CUDA, where the model is moved instead)."""
+        """Bytes of the mapping resident in this process now (its Rss in /proc/self/smaps; 0 on CUDA)."""
         return _mapped_resident(self.mapping) if self.mapping is not None else 0
 
 

@@ -1,26 +1,17 @@
 """Float32 matrix products on the CPU through oneDNN instead of MKL, where this CPU runs them faster.
 
-torch's float32 ``F.linear`` on the CPU is MKL's sgemm on ``x · Wᵀ``. On the AMD EPYC cores this project is
-measured on (AVX-512) MKL often runs it well below the machine's rate: in a profiled SmolLM2-135M step the
-update's 576 → 1,536 products ran at 96 GFLOP/s, its 1,536 → 576 ones at 143. oneDNN's linear
-(``torch.ops.mkldnn._linear_pointwise``, the kernel torch's compiler uses for frozen inference on the CPU) computes
-the same product from the same plain weight, with no copy of it, at 140–200 GFLOP/s at every one of SmolLM2's
-shapes (``benchmarks/onednn.py`` rotates the two). On SmolLM2 (8 prompts × 4, ≤ 32 tokens, layers recomputed)
-a step fell from 20.1 to 17.9 s and its peak RSS from 3.23 to 3.05 GB (3 alternating processes a side). A
-weight's gradient (``gᵀ · x``) ran as fast in MKL; it is oneDNN's too since MKL runs on one thread a computing
-thread (``machine.one_blas_thread``), at 1.5–2× MKL's two-thread rate at SmolLM2's shapes on a loaded machine.
-
-Two uses:
+On the AMD EPYC cores this project is measured on, MKL's sgemm runs torch's float32 ``F.linear`` well below the
+machine's rate (96–143 GFLOP/s in a SmolLM2-135M step); oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``,
+the kernel torch's compiler uses for frozen inference) computes the same product from the same plain weight at
+140–200, and a SmolLM2 step fell from 20.1 to 17.9 s (docs/generation-level.md; ``benchmarks/onednn.py``). A
+weight's gradient is oneDNN's too, since MKL runs on one thread a computing thread (``machine.one_blas_thread``).
 
 - ``OneDNNLinear``: the class every plain ``nn.Linear`` of at least ``MIN_ELEMENTS`` weights of a loaded model
-  takes (``use_onednn``). Its forward, and the input's gradient in its backward, are oneDNN's products; the
-  weight's gradient is torch's. Where oneDNN does not compute what ``nn.Linear`` computes (not float32, not the
-  CPU, under autocast, a tensor subclass such as an FSDP shard, ``torch.backends.mkldnn`` disabled, a build without
-  oneDNN) it is ``nn.Linear`` exactly. Parameters, state dicts, copies and PEFT's LoRA layers see an ``nn.Linear``.
+  takes (``use_onednn``). Where oneDNN does not compute what ``nn.Linear`` computes (not float32, not the CPU,
+  under autocast, an FSDP shard, ``torch.backends.mkldnn`` disabled or not built) it is ``nn.Linear`` exactly.
 - ``product``: the chunked output layer's logits (``logprobs.py``), which call no module.
 
-The results equal torch's up to the order of the sums: through SmolLM2's 30 layers the log-probs move by up to
-4e-5 and each weight's gradient by 2e-5 relative (``benchmarks/onednn.py`` prints both).
+The results equal torch's up to the order of the sums (through SmolLM2's 30 layers, log-probs within 4e-5).
 """
 
 from __future__ import annotations
@@ -65,9 +56,8 @@ def takes(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether oneDNN computes ``F.linear(x, weight, bias)`` here: ``takes`` the weight and bias, a non-empty plain
-    float32 input on the CPU, outside autocast (whose bfloat16 products it would not follow), with oneDNN built and
-    enabled."""
+    """Whether oneDNN computes ``F.linear(x, weight, bias)`` here: outside autocast, whose bfloat16 products it would
+    not follow, on a non-empty plain float32 CPU input, a weight and bias it ``takes``, oneDNN built and enabled."""
     return (type(x) is torch.Tensor and _plain_float32_cpu(x) and x.numel() > 0 and takes(weight, bias)
             and not torch.is_autocast_enabled("cpu") and torch.backends.mkldnn.enabled and available())
 
@@ -82,9 +72,7 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 class _Linear(torch.autograd.Function):
     """y = x Wᵀ + b by oneDNN; backward dx = g W and dW = gᵀ x by oneDNN, db = Σ g by torch (saves what
-    ``F.linear`` saves: x and W). MKL's products run on one thread a computing thread (``machine.one_blas_thread``:
-    its threaded products made repeats differ), so the weight's gradient, the one product of a large layer MKL
-    still computed, is oneDNN's too, on every thread."""
+    ``F.linear`` saves: x and W)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -126,9 +114,8 @@ class OneDNNLinear(torch.nn.Linear):
 
 
 def use_onednn(model: torch.nn.Module) -> int:
-    """Make each plain ``nn.Linear`` of ``model`` with at least ``MIN_ELEMENTS`` weights an ``OneDNNLinear`` (the
-    same object, parameters and state; only its class changes); returns how many. Nothing changes in a build
-    without oneDNN."""
+    """Make each plain ``nn.Linear`` of ``model`` with at least ``MIN_ELEMENTS`` weights an ``OneDNNLinear`` (only
+    its class changes); returns how many. Nothing changes in a build without oneDNN."""
     if not available():
         return 0
     changed = 0

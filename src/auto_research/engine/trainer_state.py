@@ -1,6 +1,5 @@
 """What a checkpoint's trainer_state.json must hold to be restored: each value of the kind the loop saved
-(``train/state.py``'s ``LoopState.saved``, ``engine/checkpoint.py``), checked before anything is loaded so that a
-damaged one is skipped like any damaged checkpoint (``run_folder.checkpoint_problem``). Light: NumPy only."""
+(``train/state.py``'s ``LoopState.saved``). Light: NumPy only."""
 
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ _SAVED = {  # key: (what it must be, the test, whether checkpoints of every vers
 
 def saved_problem(saved, step: int) -> str | None:
     """Why a checkpoint's trainer_state.json cannot be restored (a value missing, of the wrong kind, or another
-    step's), or None: checked before anything is loaded, so that such a checkpoint is skipped like a damaged one."""
+    step's), or None: checked before anything is loaded, so such a checkpoint is skipped like a damaged one."""
     if not isinstance(saved, dict):
         return "is not a mapping"
     for key, (kind, test, always) in _SAVED.items():

@@ -1,7 +1,5 @@
 """What a run leaves behind as pictures: training curves, comparisons, over-optimisation (PNG, written atomically).
-
-matplotlib is imported here and only here: the command line and candidate-level runs that draw nothing
-never pay for it.
+matplotlib is imported here and only here: the command line and runs that draw nothing never pay for it.
 """
 
 from __future__ import annotations
@@ -30,10 +28,7 @@ def _saved(path: Path, figure, dpi: int) -> Path:
 
 
 def comparison_plot(path: Path, histories: dict[str, list[list[dict]]], title: str) -> Path:
-    """PNG: validation accuracy and KL(reference) against steps, one line per algorithm.
-
-    With several seeds, each line is the mean over seeds at every logged step.
-    """
+    """PNG: validation accuracy and KL(reference) against steps, one line per algorithm (the mean over seeds)."""
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, per_seed in histories.items():
         steps = [row["step"] for row in per_seed[0]]
@@ -73,11 +68,9 @@ def _held_out(metrics: dict) -> tuple[str, list[float], list[float]]:
 
 
 def curve_panels(rows: list[dict], metrics: dict) -> list[dict]:
-    """The panels of curves.png, from what the step rows (metrics.jsonl) hold: each ``{"ylabel", "lines": [(label,
-    steps, values)], "evaluations"}``. The mean reward with each reward function's own where it differs (TRL's
-    rewards/<name>), KL, the held-out evaluations, entropy, completion length, the loss (and the critic's), and the
-    clip ratio and staleness only where some step's is not 0 (a loss without a ratio clips nothing; a synchronous
-    run's batches are never stale)."""
+    """The panels of curves.png, from the step rows (metrics.jsonl): each ``{"ylabel", "lines": [(label, steps,
+    values)], "evaluations"}``. Each reward function's curve only where it differs from the mean reward; the clip
+    ratio and staleness only where some step's is not 0."""
     steps = [row["step"] for row in rows]
 
     def panel(ylabel: str, *keys: tuple[str, str]) -> list[dict]:

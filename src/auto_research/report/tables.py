@@ -1,9 +1,6 @@
-"""What a run leaves behind as text: metrics.json, report.md, summaries and tables.
-
-One reader serves both levels: every metrics.json has ``algorithm``, ``dataset``, ``baseline`` and
-``final`` (``accuracy``, ``mean_reward``, ``entropy``, ``kl_from_reference``), ``relative_accuracy``,
-``training`` and ``history``. Everything is written atomically.
-"""
+"""What a run leaves behind as text: metrics.json, report.md, summaries and tables, written atomically. One reader
+serves both levels: every metrics.json has ``algorithm``, ``dataset``, ``baseline`` and ``final`` (``METRICS``),
+``relative_accuracy``, ``training`` and ``history``."""
 
 from __future__ import annotations
 
@@ -117,18 +114,13 @@ def run_report(metrics: dict) -> str:
 
 
 def write_run(run_dir: Path, metrics: dict) -> list[Path]:
-    return [
-        atomic_write_json(run_dir / "metrics.json", metrics),
-        atomic_write_text(run_dir / "report.md", run_report(metrics)),
-    ]
+    return [atomic_write_json(run_dir / "metrics.json", metrics),
+            atomic_write_text(run_dir / "report.md", run_report(metrics))]
 
 
 def mean_and_std(values: list[float]) -> dict[str, float | None]:
     """Mean and sample standard deviation (None for a single value)."""
-    return {
-        "mean": statistics.fmean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else None,
-    }
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else None}
 
 
 def summarise_seeds(runs: list[dict]) -> dict:
@@ -143,15 +135,12 @@ def summarise_seeds(runs: list[dict]) -> dict:
 
 def seeds_tag(seeds: list[int]) -> str:
     """``seed42`` for one seed, ``seeds42-43-44`` for several."""
-    if len(seeds) == 1:
-        return f"seed{seeds[0]}"
-    return "seeds" + "-".join(str(seed) for seed in seeds)
+    return f"seed{seeds[0]}" if len(seeds) == 1 else "seeds" + "-".join(str(seed) for seed in seeds)
 
 
 def _format(statistic: dict) -> str:
-    if statistic["std"] is None:
-        return f"{statistic['mean']:.4f}"
-    return f"{statistic['mean']:.4f} ± {statistic['std']:.4f}"
+    spread = "" if statistic["std"] is None else f" ± {statistic['std']:.4f}"
+    return f"{statistic['mean']:.4f}{spread}"
 
 
 def summary_table(summaries: dict[str, dict]) -> str:
@@ -170,10 +159,8 @@ def summary_table(summaries: dict[str, dict]) -> str:
 def write_seed_summary(path_stem: Path, algorithm: str, dataset: str, runs: list[dict]) -> list[Path]:
     summary = {"algorithm": algorithm, "dataset": dataset, **summarise_seeds(runs)}
     title = f"# {algorithm} on {dataset}, seeds {', '.join(str(s) for s in summary['seeds'])}\n\n"
-    return [
-        atomic_write_json(path_stem.with_suffix(".json"), summary),
-        atomic_write_text(path_stem.with_suffix(".md"), title + summary_table({algorithm: summary}) + "\n"),
-    ]
+    return [atomic_write_json(path_stem.with_suffix(".json"), summary),
+            atomic_write_text(path_stem.with_suffix(".md"), title + summary_table({algorithm: summary}) + "\n")]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -189,6 +176,12 @@ def _mean_std(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.4g}"
     return f"{statistics.fmean(values):.4g} ± {statistics.stdev(values):.2g}"
+
+
+COMPARED_SETTINGS = ("steps", "learning_rate", "beta", "prompts_per_step", "kl_estimator", "kl_in", "loss_aggregation",
+                     "updates_per_batch", "ppo_mini_batches", "temperature", "max_new_tokens", "gae_lambda", "vf_coef",
+                     "value_clip")
+"""The settings a comparison's summary records of each arm (its first run's)."""
 
 
 def generation_comparison(results: dict) -> tuple[dict, str]:
@@ -211,11 +204,7 @@ def generation_comparison(results: dict) -> tuple[dict, str]:
             "peak_memory_mb": mean_and_std([run["training"]["peak_memory_mb"] for run in runs]),
             "peak_memory_kind": runs[0]["training"]["peak_memory_kind"],
             "parameters": parameters,
-            "settings": {key: runs[0]["training"].get(key) for key in ("steps", "learning_rate", "beta", "prompts_per_step",
-                                                                       "kl_estimator", "kl_in", "loss_aggregation",
-                                                                       "updates_per_batch", "ppo_mini_batches",
-                                                                       "temperature", "max_new_tokens", "gae_lambda",
-                                                                       "vf_coef", "value_clip")},
+            "settings": {key: runs[0]["training"].get(key) for key in COMPARED_SETTINGS},
             "run_dirs": [run.get("run_dir") for run in runs],
         }
         for key in OPTIONAL_METRICS:  # the judge's win rate and the gold reward, where the runs have them

@@ -1,17 +1,7 @@
 """Experiment trackers (``--report-to tensorboard,wandb,trackio,mlflow``): the scalars of metrics.jsonl, the
 run's resolved config and the completion tables, sent to each tracker named. Each is an optional extra,
 imported only by a run that names it; a missing one is refused before any work, with the line to install it.
-
-Where each writes (the trackers' own settings are respected, as a TRL user expects of ``report_to``):
-- tensorboard: ``<run>/tensorboard``;
-- wandb: a run under ``<run>/wandb``, in the project ``WANDB_PROJECT`` or ``--tracker-project``; ``WANDB_MODE=offline``
-  keeps it on disk (``wandb sync`` uploads it later);
-- trackio: its local store (``TRACKIO_DIR``, by default ``~/.cache/huggingface/trackio``), ``trackio show`` to look;
-- mlflow: ``MLFLOW_TRACKING_URI`` (a server, a database, or a file store), experiment ``--tracker-project``;
-  completion tables as ``completions/step_NNNNNN.json`` artifacts.
-
-Train figures go under ``train/``, evaluations under ``eval/``, the table as ``eval/completions``. A resumed run
-continues the same tracker run (its ids are kept in ``<run>/trackers.json``).
+Where each writes, and how a resumed run continues its tracker runs: docs/generation-level.md.
 """
 
 from __future__ import annotations
