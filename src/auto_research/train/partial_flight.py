@@ -1,31 +1,17 @@
 """Weights updated in flight, and partial rollouts (--in-flight-updates, with --max-staleness K ≥ 1; docs/async.md).
 
-The rollout side keeps a continuous batch of groups (``engine/rollout/partial.Rounds`` over a pool of lanes) and
-produces one step's batch a *round*, from a thread of its own: in this process (``LocalRounds``, a copy of the
-policy) or in a rollout server, builtin or vLLM (``RemoteRounds``: ``--rollout-mode process|server``,
-``partial_serve.py``), whose weights the trainer pushes between rounds. Round r (for step r) decodes with the
-weights of version max(0, r − 2), taken between two decode steps (the rows in flight go on from where they were,
-their KV cache kept or recomputed), while the trainer trains step r − 1. A round admits groups into the rows that
-finished groups freed and decodes until P groups (the step's prompts, every rank's under torchrun, where each rank
-then trains its slice) have all K completions done; those P, in the order they finished, are step r's batch. A
-group still decoding is not waited for: it goes on in the next round under the next weights, so a completion may
-span versions, and the trainer takes other finished groups instead. Nothing depends on timing: "due" is counted in
-decode steps (a round ends when its P-th group finishes), and every round waits for its version, so one seed
-gives one schedule.
+The rollout side keeps a continuous batch of groups (``engine/rollout/partial.Rounds``) and makes one step's batch a
+*round*, from a thread of its own: in this process (``LocalRounds``, over a copy of the policy), in a rollout server
+(``RemoteRounds``, ``partial_serve.py``) or in each server of a fleet (``FleetRounds``). Round r decodes with the
+weights of version max(0, r − 2), taken between two decode steps, until P groups are done; a group still decoding
+goes on in the next round under the next weights. "Due" is counted in decode steps and every round waits for its
+version, so one seed gives one schedule. Before round r, a group holding a token older than (r − 1) − K goes back
+to the queue, to be drawn again from its first token; such a token is never trained on. Each token carries the
+version that drew it and μ's log-prob under it (``experience.build_experience`` corrects by π_old / μ_version).
 
-Bounded: before round r, a group (finished or not) holding a token drawn by a version older than (r − 1) − K is
-put back in the queue, to be drawn again from its first token (same prompt, same seed) under the current weights;
-such a token is never trained on. At K = 1 that is every group carried over a round: partial rollouts pay from
-K = 2.
-
-Each token carries the version that drew it and μ's log-prob under that version; the trainer's correction
-(``experience.build_experience``) weights each token by π_old / μ_version (truncated, --rollout-correction).
-
-A checkpoint after step s saves the batch of step s + 1 and the rollout side as round s + 1 left it: the groups
-decoding with their KV caches (the old weights' own), those done but not handed over, the queue and the prompt
-generator. A resumed run decodes on from there: SIGKILL and --resume end with the uninterrupted run's rows. On vLLM
-the groups decoding cannot be saved: they are drawn again from their first token, and the uninterrupted run draws
-them again too at each round a checkpoint reads (``settle``, ``vllm_partial.py``), so its rows are the same.
+A checkpoint after step s saves the batch of step s + 1 and the rounds as round s + 1 left them (the groups decoding
+with their KV caches; on vLLM they are drawn again, by the uninterrupted run too: ``settle``), so SIGKILL and
+--resume end with the uninterrupted run's rows.
 """
 
 from __future__ import annotations
