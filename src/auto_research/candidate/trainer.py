@@ -1,11 +1,6 @@
-"""The candidate-level loop: a linear softmax policy over 6 candidates.
-
-π = softmax(Φ·w), w ∈ R^8, starting at zero; the reference is the initial w,
-frozen. Each step samples K candidates of one problem, asks the registered
-algorithm for advantages, and takes w ← w + lr · clip(g, −5, 5). All random
-draws follow docs/candidate-protocol.md exactly, so figures reproduce to the
-last digit.
-"""
+"""The candidate-level loop: π = softmax(Φ·w) over 6 candidates, w ∈ R^8 from zero, the reference the initial w.
+Each step samples K candidates of one problem, asks the registered algorithm for advantages, and takes
+w ← w + lr · clip(g, −5, 5). Random draws follow docs/candidate-protocol.md exactly: figures reproduce to the digit."""
 
 from __future__ import annotations
 
@@ -53,15 +48,10 @@ def gsm8k_data(record: TaskRecord, config: CandidateConfig) -> CandidateData:
     directory = ensure_gsm8k(config.dataset_dir, config.offline)
     train_rows = read_gsm8k(directory / "train.jsonl", n)
     validation_rows = read_gsm8k(directory / "test.jsonl", max(32, n // 4))
-    source = (
-        f"GSM8K {directory.resolve()} (train.jsonl first {len(train_rows)} rows, "
-        f"test.jsonl first {len(validation_rows)} rows)"
-    )
-    return CandidateData(
-        gsm8k_groups([row.gold for row in train_rows], config.seed),
-        gsm8k_groups([row.gold for row in validation_rows], config.seed + 1),
-        source,
-    )
+    source = (f"GSM8K {directory.resolve()} (train.jsonl first {len(train_rows)} rows, "
+              f"test.jsonl first {len(validation_rows)} rows)")
+    return CandidateData(gsm8k_groups([row.gold for row in train_rows], config.seed),
+                         gsm8k_groups([row.gold for row in validation_rows], config.seed + 1), source)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -71,15 +61,9 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def draw_without_replacement(rng: np.random.Generator, logits: np.ndarray, probabilities: np.ndarray, K: int) -> np.ndarray:
-    """K distinct candidates drawn one after another, each in proportion to π over those left.
-
-    numpy's ``choice(replace=False)`` does exactly this, and every ordinary run
-    takes it (so the protocol's draws are unchanged). It refuses when the
-    softmax has underflowed to fewer than K non-zero entries, as a very large
-    learning rate makes it; the draws then come one by one from the softmax of
-    the remaining logits, which is π restricted to the remaining candidates,
-    computed in log space so that it never underflows.
-    """
+    """K distinct candidates drawn one after another, each in proportion to π over those left: numpy's
+    ``choice(replace=False)`` (every ordinary run: the protocol's draws), or, where the softmax has underflowed to
+    fewer than K non-zero entries (a very large learning rate), one by one from the remaining logits' softmax."""
     if np.count_nonzero(probabilities) >= K:
         return rng.choice(len(probabilities), size=K, replace=False, p=probabilities)
     remaining = list(range(len(logits)))
@@ -102,10 +86,6 @@ def evaluate(groups: CandidateGroups, weights: np.ndarray, reference: np.ndarray
         "entropy": float(np.mean(-(policy * np.log(policy + EPS)).sum(axis=-1))),
         "kl_from_reference": float(np.mean((policy * np.log((policy + EPS) / (reference_policy + EPS))).sum(axis=-1))),
     }
-
-
-def history_interval(steps: int) -> int:
-    return max(1, steps // 10)
 
 
 def train(config: CandidateConfig, data: CandidateData) -> dict:
@@ -152,7 +132,7 @@ def _train(config: CandidateConfig, data: CandidateData) -> dict:
     algorithm = get_algorithm(config.algorithm)
     rng = np.random.default_rng(config.seed)
     state = _State.start(data.train.features.shape[-1])
-    every = history_interval(config.steps)
+    every = max(1, config.steps // 10)
     baseline = evaluate(data.validation, state.weights, state.reference)
     history = []
     for step in range(1, config.steps + 1):
@@ -175,13 +155,9 @@ def _step(config: CandidateConfig, algorithm, train: CandidateGroups, state: _St
     drawn = _draw(rng, algorithm.candidate, phi, state, config.group_size)
     values = phi[drawn.sampled] @ state.critic if algorithm.needs_critic else None
     inputs = AdvantageInputs(
-        rewards=group_rewards[drawn.sampled],
+        rewards=group_rewards[drawn.sampled], beta=config.beta, values=values, baseline=state.moving_average,
         log_ratio=np.log((drawn.policy[drawn.sampled] + EPS) / (drawn.reference_policy[drawn.sampled] + EPS)),
-        beta=config.beta,
-        greedy_rewards=group_rewards[int(np.argmax(drawn.policy))] if algorithm.needs_greedy else None,
-        values=values,
-        baseline=state.moving_average,
-    )
+        greedy_rewards=group_rewards[int(np.argmax(drawn.policy))] if algorithm.needs_greedy else None)
     advantages = ADVANTAGES[algorithm.candidate.advantage](inputs)
     if algorithm.moving_average is not None:
         # The baseline moves after it has been used, so b never contains this step's rewards.
@@ -251,24 +227,14 @@ def _payload(config: CandidateConfig, data: CandidateData, algorithm, state: _St
     if algorithm.moving_average is not None:
         diagnostics["final_moving_average_baseline"] = state.moving_average
     return {
-        "algorithm": config.algorithm,
-        "dataset": config.dataset,
-        "level": "candidate",
-        "seed": config.seed,
-        "baseline": baseline,
-        "final": final,
+        "algorithm": config.algorithm, "dataset": config.dataset, "level": "candidate", "seed": config.seed,
+        "baseline": baseline, "final": final,
         "relative_accuracy": (final["accuracy"] - baseline["accuracy"]) / max(baseline["accuracy"], 1e-12),
         "training": {
-            "steps": config.steps,
-            "learning_rate": config.learning_rate,
-            "group_size": config.group_size,
-            "beta": config.beta,
-            "train_examples": len(data.train),
-            "validation_examples": len(data.validation),
-            "data_source": data.source,
-            "policy": "linear softmax over 6 candidates, 8 features",
-            "final_weights": [float(value) for value in state.weights],
-            **diagnostics,
+            "steps": config.steps, "learning_rate": config.learning_rate, "group_size": config.group_size,
+            "beta": config.beta, "train_examples": len(data.train), "validation_examples": len(data.validation),
+            "data_source": data.source, "policy": "linear softmax over 6 candidates, 8 features",
+            "final_weights": [float(value) for value in state.weights], **diagnostics,
         },
         "history": history,
     }
