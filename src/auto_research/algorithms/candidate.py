@@ -33,8 +33,7 @@ def shaped_reward(rewards: np.ndarray, log_ratio: np.ndarray, beta: float) -> np
 
 
 def leave_one_out(values: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-    """A_i = v_i − 1/(K−1) · Σ_{j≠i} v_j: RLOO's baseline (the paper's Eq. 5), unbiased without a critic. With a
-    mask, K counts the valid samples only."""
+    """A_i = v_i − 1/(K−1) · Σ_{j≠i} v_j: RLOO's baseline (Eq. 5); with a mask K counts the valid samples."""
     values = np.asarray(values, dtype=float)
     valid = _valid(values, mask)
     kept = np.where(valid, values, 0.0)

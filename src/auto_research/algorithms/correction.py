@@ -23,8 +23,7 @@ import torch
 from auto_research.errors import RewardError
 
 VANISHED = 1e-6
-"""A step whose every correction weight is below this has nothing to learn from: its sampler's log-probs do not
-describe the policy (``check_weights``)."""
+"""Below this, every correction weight of a step means the sampler's log-probs do not describe the policy."""
 
 
 def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, cap: float) -> torch.Tensor:

@@ -72,8 +72,7 @@ def group_normalised(values: torch.Tensor, valid: torch.Tensor, epsilon: float =
 
 
 def group_centred(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """A_i = v_i − mean v over the valid samples, no std (Dr. GRPO); 0 in a group with fewer than 2. It is
-    (K−1)/K times the leave-one-out advantage."""
+    """A_i = v_i − mean v over the valid samples, no std (Dr. GRPO); 0 in a group with fewer than 2."""
     count = valid.sum(-1, keepdim=True)
     mean = torch.where(valid, values, 0.0).sum(-1, keepdim=True) / count.clamp(min=1)
     return torch.where(valid & (count >= 2), values - mean, 0.0)
@@ -189,8 +188,7 @@ def gae(inputs: AdvantageInputs):
 
 @register_advantage("reinforce-pp")
 def reinforce_pp(inputs: AdvantageInputs):
-    """REINFORCE++ (Hu et al., 2025, arXiv 2501.03262): G_t = Σ_{s≥t} r_s (γ = 1), no critic and no group baseline;
-    the record whitens them over the global batch."""
+    """REINFORCE++ (Hu et al., 2025): G_t = Σ_{s≥t} r_s (γ = 1), no critic or group baseline."""
     returns = returns_to_go(inputs.token_rewards, inputs.mask) * inputs.scored.to(inputs.mask.dtype).unsqueeze(1)
     return returns, returns
 
@@ -230,8 +228,7 @@ def normalise_over_batch(advantages: torch.Tensor, mask: torch.Tensor, valid: to
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, epsilon: float = 1e-8, total=lambda tensor: tensor) -> torch.Tensor:
-    """(v − mean) / std over the masked entries (population std), 0 elsewhere: PPO's advantage whitening;
-    ``total`` sums over processes, so the statistics are the whole batch's."""
+    """(v − mean) / std over the masked entries (population std), 0 elsewhere; ``total`` sums over processes."""
     count = total(mask.sum()).clamp(min=1)
     mean = total((values * mask).sum()) / count
     variance = total(((values - mean).square() * mask).sum()) / count

@@ -86,8 +86,7 @@ def clipped_token(inputs: LossInputs) -> torch.Tensor:
 
 @register_policy_loss("clipped-sequence", ratio=sequence_ratio)
 def clipped_sequence(inputs: LossInputs) -> torch.Tensor:
-    """The clipped surrogate of one ratio per completion, ρ_i = π(y_i|x)/π_old(y_i|x) (the candidate level's form),
-    on the last token."""
+    """The clipped surrogate of one ratio per completion, ρ_i = π(y_i|x)/π_old(y_i|x), on its last token."""
     advantage = (inputs.advantages * inputs.mask).sum(-1, keepdim=True) / inputs.mask.sum(-1, keepdim=True).clamp(min=1)
     per_sequence = _clipped(torch.exp(_sequence_log_ratio(inputs)), advantage, inputs.clip_low, inputs.clip_high)
     return per_sequence * last_token(inputs.mask)
@@ -112,8 +111,7 @@ def cispo(inputs: LossInputs) -> torch.Tensor:
 
 
 def clip_fraction(name: str, inputs: LossInputs) -> torch.Tensor:
-    """(B, T) 1 on the tokens whose ratio (the one ``name`` clips) is outside [1 − ε_low, 1 + ε_high]; 0 for a
-    loss with no ratio."""
+    """(B, T) 1 on the tokens whose ratio (the one ``name`` clips) is outside its clip range."""
     if name not in RATIOS:
         return torch.zeros_like(inputs.mask)
     ratio = RATIOS[name](inputs).detach()

@@ -22,8 +22,7 @@ POLICY_LOSSES = {
     "cispo": "sg(clip(ρ_t))·A·log π per token: clipped tokens keep their gradient (CISPO)",
 }
 RATIO_FREE_LOSSES = ("vanilla",)
-"""Losses that are the policy gradient only at the sampling weights (ratio 1): a batch reused for several
-updates needs one with a ratio."""
+"""Losses that are the policy gradient only at ratio 1: a batch reused for several updates needs a ratio."""
 AGGREGATIONS = {
     "sequence": "Σ over tokens / completions (each completion one action; the paper's)",
     "token-mean": "/ all tokens of the batch (DAPO)",
@@ -67,8 +66,7 @@ def described(choices: dict) -> str:
 
 @dataclass(frozen=True)
 class CandidateTwin:
-    """The algorithm at the candidate level: a linear softmax policy over 6 candidates
-    (docs/candidate-protocol.md), its advantage a NumPy function in ``candidate.py``."""
+    """The algorithm at the candidate level (docs/candidate-protocol.md); its advantage is in ``candidate.py``."""
 
     advantage: str
     """Key in ``algorithms.candidate.ADVANTAGES``."""

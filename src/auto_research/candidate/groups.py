@@ -60,8 +60,7 @@ def _stack(groups: list[tuple[np.ndarray, np.ndarray, int, np.ndarray]]) -> Cand
 
 
 def gsm8k_groups(golds: list[float | None], seed: int) -> CandidateGroups:
-    """``gsm8k-candidate``: distractors at gold + [−3, −1, 1, 2, 5]·scale; a problem without a gold number draws
-    nothing and gives no group."""
+    """``gsm8k-candidate``: distractors at gold + [−3, −1, 1, 2, 5]·scale; no group for a problem without gold."""
     rng = np.random.default_rng(seed)
     steps = np.arange(CANDIDATES) % 4 + 1
     groups = []

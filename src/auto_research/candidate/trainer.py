@@ -28,8 +28,7 @@ class CandidateData:
 
 
 def load_data(config: CandidateConfig) -> CandidateData:
-    """Train and validation groups for the configured dataset (its record's loader, data/registry.py), drawn in
-    protocol order."""
+    """Train and validation groups for the configured dataset (its record's loader), drawn in protocol order."""
     return task_record(config.dataset, "candidate").load(config)
 
 
@@ -88,14 +87,6 @@ def evaluate(groups: CandidateGroups, weights: np.ndarray, reference: np.ndarray
     }
 
 
-def train(config: CandidateConfig, data: CandidateData) -> dict:
-    """Run the configured algorithm; return the metrics.json payload."""
-    # A diverging run (a huge learning rate) is reported in one line by the check in the loop,
-    # not by NumPy's overflow warnings on the way there.
-    with np.errstate(over="ignore", invalid="ignore"):
-        return _train(config, data)
-
-
 @dataclass
 class _State:
     """What the loop carries from one step to the next. The reference is the initial w, frozen; ``rollout`` is the
@@ -126,25 +117,27 @@ class _Drawn:
     sampler: np.ndarray
 
 
-def _train(config: CandidateConfig, data: CandidateData) -> dict:
+def train(config: CandidateConfig, data: CandidateData) -> dict:
     """Draw a problem → sample K → advantages → step the policy (and critic), ``config.steps`` times; validation
-    figures at step 1 and every tenth of the run."""
+    figures at step 1 and every tenth of the run. Returns the metrics.json payload."""
     algorithm = get_algorithm(config.algorithm)
     rng = np.random.default_rng(config.seed)
     state = _State.start(data.train.features.shape[-1])
     every = max(1, config.steps // 10)
-    baseline = evaluate(data.validation, state.weights, state.reference)
     history = []
-    for step in range(1, config.steps + 1):
-        loss = _step(config, algorithm, data.train, state, rng)
-        _check_finite(config, state, step)
-        if algorithm.candidate.samples_from == "rollout" and step % config.rollout_refresh == 0:
-            state.rollout = state.weights.copy()
-            state.rollout_refreshes += 1
-        if step == 1 or step % every == 0:
-            history.append({"step": float(step), "loss": loss, **evaluate(data.validation, state.weights,
-                                                                            state.reference)})
-    return _payload(config, data, algorithm, state, baseline, history)
+    # A diverging run (a huge learning rate) is reported in one line by _check_finite, not by NumPy's warnings.
+    with np.errstate(over="ignore", invalid="ignore"):
+        baseline = evaluate(data.validation, state.weights, state.reference)
+        for step in range(1, config.steps + 1):
+            loss = _step(config, algorithm, data.train, state, rng)
+            _check_finite(config, state, step)
+            if algorithm.candidate.samples_from == "rollout" and step % config.rollout_refresh == 0:
+                state.rollout = state.weights.copy()
+                state.rollout_refreshes += 1
+            if step == 1 or step % every == 0:
+                history.append({"step": float(step), "loss": loss, **evaluate(data.validation, state.weights,
+                                                                                state.reference)})
+        return _payload(config, data, algorithm, state, baseline, history)
 
 
 def _step(config: CandidateConfig, algorithm, train: CandidateGroups, state: _State, rng: np.random.Generator) -> float:
@@ -174,8 +167,7 @@ def _step(config: CandidateConfig, algorithm, train: CandidateGroups, state: _St
 
 
 def _draw(rng: np.random.Generator, twin, phi: np.ndarray, state: _State, K: int) -> _Drawn:
-    """K distinct candidates from the sampler: the current policy, or the stale rollout copy for an algorithm
-    whose twin samples from it (its importance ratio then corrects for the staleness)."""
+    """K distinct candidates from the sampler: the current policy, or the stale rollout copy."""
     policy = softmax(phi @ state.weights)
     reference_policy = softmax(phi @ state.reference)
     sampler_logits = phi @ state.rollout if twin.samples_from == "rollout" else phi @ state.weights
