@@ -1,17 +1,7 @@
-"""The sampler/trainer mismatch, measured and corrected.
-
-Another engine (vLLM) samples y ~ μ while the trainer takes the gradient of π (they differ by kernels, precision,
-sampling settings), so each sample's term is weighted by w = π/μ truncated at a cap C (truncated importance
-sampling, "TIS": Yao et al., 2025; Ionides, 2008). With ``log_ratio`` = log π − log μ per token:
-
-- ``token-tis``: w_t = min(exp(log_ratio_t), C) per token (TRL's ``token_truncate``, verl's token ``rollout_is``);
-- ``sequence-tis``: w_i = min(exp(Σ_t log_ratio_t), C) on every token of completion i (TRL's ``sequence_truncate``):
-  for a sequence-level estimator such as RLOO, whose action is the whole completion;
-- ``sequence-mask``: w_i = 1 when 1/C ≤ exp(Σ_t log_ratio_t) ≤ C, else 0 (verl's two-sided rejection; TRL's
-  ``sequence_mask`` masks above C only);
-- ``none``: w = 1.
-
-Weights are constants in the loss (no gradient). Shapes: (B, T), ``mask`` 1 on the completion's tokens.
+"""The sampler/trainer mismatch, measured and corrected: another engine samples y ~ μ while the trainer takes the
+gradient of π, so each sample's term is weighted by π/μ truncated at a cap C (truncated importance sampling, Yao et
+al., 2025), by the modes of docs/vllm.md's table. Weights are constants in the loss (no gradient). Shapes: (B, T),
+``mask`` 1 on the completion's tokens.
 """
 
 from __future__ import annotations

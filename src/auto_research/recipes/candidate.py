@@ -15,6 +15,7 @@ from auto_research.locks import FolderLock, check_unlocked
 from auto_research.progress import Progress
 from auto_research.report import tables
 
+
 def _run_all(configs: list[CandidateConfig]) -> list[dict]:
     for config in configs:
         config.validate()

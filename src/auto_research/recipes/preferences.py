@@ -1,20 +1,8 @@
-"""Preference pairs for ``preference-generate``: the paper's RLHF pipeline on a laptop CPU, with no download.
-
-The prompts are the embedded arithmetic task's (``47+38=``), the policy the warm-started tiny model, whose answers
-are mostly 2–3 characters long. A hidden **gold scorer** likes answers of ``GOLD_LENGTH`` (4) characters,
-1 − |length − 4| / 4 (at least 0): a tiny reward model learns it the wrong way outside the data ("longer is better"
-fits the short pairs), so a policy pushed far enough overshoots (the length bias of learned reward models, Singhal
-et al., 2023). The learner never sees the scorer. Instead:
-
-1. pairs are sampled from the warm-started policy, two per prompt, at the RL sampling temperature;
-2. each pair is labelled by the gold scorer with Bradley–Terry noise: y₁ ≻ y₂ with probability
-   σ((g(y₁) − g(y₂)) / τ), τ = ``LABEL_TEMPERATURE``;
-3. a proxy reward model is fitted to those labels (``reward_model.py``);
-4. RLOO (or any algorithm) optimises the proxy, with the KL penalty to the warm start;
-5. the gold judge gives the win rate against the starting policy, and every evaluation logs the proxy and gold
-   rewards against the KL, where over-optimisation shows (Gao et al., 2022).
-
-The labels' own ceiling (how often a noisy label agrees with the gold order) is computed from the noise model.
+"""Preference pairs for ``preference-generate`` (docs/rlhf.md): the paper's RLHF pipeline on a laptop CPU. Pairs
+sampled from the warm-started tiny model are labelled by a hidden gold scorer (answers of 4 characters) with
+Bradley–Terry noise, y₁ ≻ y₂ with probability σ((g(y₁) − g(y₂)) / τ); a proxy reward model learns "longer is better"
+from them, which RL against it overshoots (over-optimisation, Gao et al., 2022). The labels' own ceiling (how often
+a noisy label agrees with the gold order) is computed from the noise model.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Dynamic sampling (DAPO's, Yu et al. 2025, §3.2): a group whose K scores are all equal carries no task signal, so
-it is dropped and its slot refilled with a fresh prompt, up to ``--max-refills`` times, before the step trains.
-
-Slot j's refill r is a prompt drawn by a generator seeded by (run seed, step, j, r), sampled with a seed of its own:
-the batch does not depend on how many processes share the slots, and no process waits for another's scores. A slot
-still without signal after its last refill keeps its first group (counted: ``trained_no_signal_fraction``). The main
-prompt generator is untouched: a checkpoint's state is the same with dynamic sampling on or off.
+"""Dynamic sampling (DAPO's, Yu et al. 2025, §3.2; docs/algorithms.md): a group whose K scores are all equal is
+dropped and its slot refilled with a fresh prompt, up to ``--max-refills`` times. Slot j's refill r draws from a
+generator seeded by (seed, step, j, r), so the batch is the same on any number of processes and the main prompt
+generator (a checkpoint's state) is untouched.
 """
 
 from __future__ import annotations

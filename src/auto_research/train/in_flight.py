@@ -1,13 +1,8 @@
-"""Rollouts in flight (--max-staleness K ≥ 1): the rollout side in a thread of its own, with its own copy of the
-weights, drawing step s's batch with version max(0, s − 1 − K) while the trainer trains; it also computes the
-reference's log-probs of each batch.
-
-The schedule is fixed, so one seed trains on the same batches whatever the threads' timing: the producer *waits*
-for the version a batch needs (never newer, no batch dropped) and the trainer for its batch; at most K + 1 batches
-and K + 1 weight copies are held. The thread runs no collective (agreement is ``rollouts.agreed_scores``').
-
-A checkpoint after step s holds the batches of steps s + 1 … s + K and the prompt generator's state after them; a
-resumed run's producer starts at step s + K + 1 from version s: SIGKILL and --resume end with the same weights.
+"""Rollouts in flight (--max-staleness K ≥ 1; docs/async.md): the rollout side in a thread of its own, with its own
+copy of the weights, drawing step s's batch with version max(0, s − 1 − K) while the trainer trains (and computing
+the reference's log-probs). The schedule is fixed: the producer *waits* for the version a batch needs, so one seed
+trains on the same batches whatever the threads' timing. A checkpoint after step s holds the batches of steps
+s + 1 … s + K; a resumed run's producer starts at step s + K + 1 from version s.
 """
 
 from __future__ import annotations

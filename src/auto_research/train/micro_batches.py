@@ -1,11 +1,7 @@
-"""Which rows of a batch go through the model together, in an update and in the no-grad passes.
-
-By rows (--micro-batch-size, default the whole batch): consecutive slices. By tokens (--max-tokens-per-micro-batch
-N): where the model keeps packed sequences apart (``engine/packing.py``), packed padding-free, first-fit by
-decreasing length, ≤ N tokens each; elsewhere, rows sorted by length fill buckets whose padded size stays ≤ N. A row
-longer than N gets one of its own (no error); --micro-batch-size, given too, caps the rows of each. The loss is
-normalised by the whole batch's counts (``losses.aggregate``), so any grouping gives the same gradient, up to float
-rounding. Every rank runs as many micro-batches as the rank needing most (under FSDP each forward is a collective).
+"""Which rows of a batch go through the model together, in an update and in the no-grad passes: consecutive slices
+(--micro-batch-size), or by tokens (--max-tokens-per-micro-batch, docs/generation-level.md). The loss is normalised
+by the whole batch's counts, so any grouping gives the same gradient up to float rounding. Every rank runs as many
+micro-batches as the rank needing most (under FSDP each forward is a collective).
 """
 
 from __future__ import annotations
