@@ -384,9 +384,11 @@ def chunk_prompts(sampling: SamplingSection, optimisation: OptimisationSection) 
 
 def parameter_counts(models: Models, drawing: Drawing, lora_r: int) -> dict:
     """Trainable and total parameters of every model held: policy, critic, reference, reward model."""
-    def count(model, trainable_only: bool = False):
-        parameters = () if model is None else model.parameters()
-        return sum(p.numel() for p in parameters if p.requires_grad or not trainable_only)
+    def count(model):
+        return sum(parameter.numel() for parameter in model.parameters()) if model is not None else 0
+
+    def trainable(model):
+        return sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else 0
 
     reward_model = drawing.reward.reward_model
     # With LoRA the reference is the policy with its adapters off: no weights of its own.
@@ -395,4 +397,4 @@ def parameter_counts(models: Models, drawing: Drawing, lora_r: int) -> dict:
             "reward_model": count(reward_model.model if reward_model is not None else None),
             **{("teacher" if name == "teacher" else f"teacher/{name}"): count(teacher)
                for name, teacher in drawing.teachers.items() if isinstance(teacher, torch.nn.Module)}}
-    return {**held, "trainable": count(models.policy, True) + count(models.critic, True), "total": sum(held.values())}
+    return {**held, "trainable": trainable(models.policy) + trainable(models.critic), "total": sum(held.values())}
