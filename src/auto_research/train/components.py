@@ -104,9 +104,11 @@ class Drawing:
     train_prompts: list[str]
     eval_prompts: list[str]
     episodes: object | None = None
-    """Multi-turn trajectories (--environment/--tools' EpisodeRunner, --rollout-function's FunctionRunner), or None."""
+    """Multi-turn trajectories with --environment/--tools (envs.rollout.EpisodeRunner), or --rollout-function's
+    (envs.custom.FunctionRunner), else None."""
     teachers: dict = field(default_factory=dict)
-    """--teacher-model's teachers by name: a frozen model, or the client of the server that scores for it."""
+    """--teacher-model's teachers by name, each a model frozen in the compute dtype or the client of the server that
+    scores for it (``teachers.py`` scores each batch with them); empty without one."""
 
 
 def autocast_for(device: str, compute_dtype: torch.dtype):
@@ -285,8 +287,9 @@ def _check_tokenizers(loss: LossSection, offline: bool, model_name: str, log) ->
 
 
 def _teachers(loss: LossSection, offline: bool, device: str, compute_dtype, world: World, tokenizer, log) -> dict:
-    """--teacher-model's teachers by name: each frozen in the compute dtype and wrapped as the reference is, or, for
-    http://HOST:PORT, the client of the server that scores for it (``ServedTeacher`` checks its vocabulary)."""
+    """--teacher-model's teachers by name: each frozen in the compute dtype and wrapped for several processes as the
+    reference is (its tokenizer is the policy's: ``_check_tokenizers``), or, http://HOST:PORT, the client of the
+    rollout server that scores for it (``teacher.ServedTeacher``, which checks the server's vocabulary)."""
     teachers = {}
     if loss.teachers and not (kl_shapes_reward(loss.kl_in) or kl_in_loss(loss.kl_in)):
         log(f"--teacher-model {', '.join(loss.teachers.values())}: the reference KL is off (--kl-in none; --kl-in "

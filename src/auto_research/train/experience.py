@@ -168,8 +168,8 @@ def teacher_signal(run: RunContext, models: Models, rollout: Rollout, scores: Sc
 
 
 SIGNAL_SOURCES: dict[str, Callable] = {"task": task_reward, "kl": reference_kl, "teacher": teacher_signal}
-"""A stream's name → its source: (run, models, rollout, scores, log π_old, log π_ref or None) → the (B, T) stream, or
-None where the run has none."""
+"""A stream's name → its source: (the run's context, its models, rollout, scores, log π_old, log π_ref or None) → the
+(B, T) stream, or None where the run has none. A source reads its settings from the run's sections (the loss's)."""
 
 
 def corrected(engine, max_staleness: int) -> bool:

@@ -65,9 +65,11 @@ def step_metrics(run: RunContext, optimizer, step: int, experience: Experience, 
 
 
 def teacher_figures(run: RunContext, experience: Experience, advantages: Advantages) -> dict:
-    """A teacher's figures over every rank's scored tokens (``{}`` without one; docs/distillation.md): reverse KL per
-    token (mean −d), the dense term's share Σ|λ(d − b)| / Σ|Â|, how much the baseline lowers the variance and the
-    mean square (a constant offset, which var ignores, adds to the gradient's noise), the tokens scored."""
+    """A teacher's figures over every rank's tokens (``{}`` without one; docs/distillation.md): its reverse KL per
+    token (the mean of −d), the dense term's share of the advantage (Σ|λ(d − b)| / Σ|Â|), how much the baseline
+    lowers the per-token variance (1 − var(d − b) / var(d)) and mean square (1 − E[(d − b)²] / E[d²]: a constant
+    offset, which var ignores, adds to the gradient's noise), over the rows a teacher scored, and the tokens scored
+    (``teacher/<name>/tokens`` each, with several teachers)."""
     if advantages.centred is None:
         return {}
     scores, d, centred = experience.scores, experience.streams["teacher"], advantages.centred

@@ -52,7 +52,7 @@ class RolloutSource:
     """Dynamic sampling (``dynamic.py``): refills a slot without signal may take; None: off."""
     pad_token_id: int = 0
     episodes: object | None = None
-    """Multi-turn trajectories (envs.rollout.EpisodeRunner), or None: one completion."""
+    """Multi-turn trajectories (envs.rollout.EpisodeRunner over this source's sampler), or None: one completion."""
     teacher: Callable[[Rollout, list], TeacherScores] | None = None
     """The teachers' log-probs of a sampled batch given its rows (``teachers.score_with_teachers``), or None."""
 
@@ -77,7 +77,8 @@ class Drawn:
     reference_logprobs: torch.Tensor | None = None
     """(B, T) log π_ref of the completion tokens (``RolloutSource.reference``), or None."""
     counts: dict | None = None
-    """This rank's ``signal_counts`` (with dynamic sampling, ``refill``'s)."""
+    """This rank's groups sampled, those without signal among them, refills and those trained without signal
+    (dynamic sampling; ``signal_counts`` without it)."""
     teacher: TeacherScores | None = None
     """The teachers' log-probs of the batch (``RolloutSource.teacher``), or None."""
 

@@ -1,7 +1,12 @@
-"""The teachers' log-probs of a batch (on-policy distillation, docs/distillation.md), scored once by the rollout side
-and carried with the batch (into a checkpoint too). Each row is scored by its prompt's teacher at temperature 1, a
-model here or a rollout server's ``/logprobs``. A served teacher that fails leaves its rows unscored with the cause,
-as a failed reward does: its term is never read as zero.
+"""The teachers' log-probs of a batch (on-policy distillation, docs/distillation.md): the rollout side scores each
+batch once, as its reward does, and the scores travel with the batch (``rollouts.Drawn``), into a checkpoint's
+batches in flight too, so a resumed run asks no teacher again.
+
+Each row is scored by its prompt's teacher (the only one, or the one its ``teacher`` column names), by the policy's
+own log-prob function at temperature 1 (a teacher loaded in this process) or by a rollout server's ``/logprobs``
+(a served one). A served teacher that fails after its retries leaves its rows unscored, each with the cause, as a
+failed reward does: the run goes on with the other rows, and a step in which no row could be scored stops in one
+line (``rollouts.agreed_scores``). Its term is never read as zero.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ class TeacherScores:
 
 
 def score_with_teachers(run, teachers: dict, rollout: Rollout, examples: list) -> TeacherScores:
-    """Each row's teacher log-probs, a teacher's rows in runs of consecutive groups (the whole batch for one teacher:
-    its micro-batches are then the trainer's)."""
+    """Each row's teacher log-probs, a teacher's rows in runs of consecutive groups (one run, the whole batch, when
+    one teacher scores it: its micro-batches are the trainer's)."""
     K, (rows, width) = rollout.group_size, rollout.completion_mask.shape
     names = [row_teacher(example, teachers) for example in examples for _ in range(K)]
     logprobs, failures = torch.zeros(rows, width), [None] * rows
