@@ -101,11 +101,6 @@ class _State:
     critic_updates: int = 0
     rollout_refreshes: int = 0
 
-    @classmethod
-    def start(cls, features: int) -> "_State":
-        weights = np.zeros(features)
-        return cls(weights, weights.copy(), weights.copy(), np.zeros(features))
-
 
 @dataclass(frozen=True)
 class _Drawn:
@@ -122,7 +117,8 @@ def train(config: CandidateConfig, data: CandidateData) -> dict:
     figures at step 1 and every tenth of the run. Returns the metrics.json payload."""
     algorithm = get_algorithm(config.algorithm)
     rng = np.random.default_rng(config.seed)
-    state = _State.start(data.train.features.shape[-1])
+    weights = np.zeros(data.train.features.shape[-1])
+    state = _State(weights, weights.copy(), weights.copy(), np.zeros(weights.shape[0]))
     every = max(1, config.steps // 10)
     history = []
     # A diverging run (a huge learning rate) is reported in one line by _check_finite, not by NumPy's warnings.

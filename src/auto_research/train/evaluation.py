@@ -27,12 +27,10 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
              temperature: float = 1.0, batch_size: int = 64, shard: tuple[int, int] = (0, 1),
              total=lambda tensor: tensor, gold=None, completions: dict | None = None, details: dict | None = None,
              detail_count: int = 0, episodes=None) -> dict[str, float]:
-    """accuracy (None without a verifier), mean_reward (over the completions scored), entropy and kl_from_reference
-    of greedy completions. ``shard`` = (rank, size) deals out the fixed batches (batch b to rank b mod size) and
-    ``total`` adds the sums up, so every batch is the one a single process would evaluate. ``gold``: a hidden scorer
-    (``gold_reward``). ``completions`` receives {prompt index: greedy completion} of this rank; ``details``
-    {index: (completion, reward, correct)} for the first ``detail_count`` prompts. ``episodes``: greedy multi-turn
-    trajectories instead, scored on the final reply, ``turns_mean`` added."""
+    """accuracy (None without a verifier), mean_reward, entropy and kl_from_reference of greedy completions.
+    ``shard`` = (rank, size) deals out the fixed batches (b to rank b mod size), ``total`` adds the sums up: every batch
+    is the one a single process would evaluate. ``completions`` and ``details`` receive this rank's completions (and
+    rewards, verdicts for the first ``detail_count``); ``episodes``: multi-turn trajectories, ``turns_mean`` added."""
     tally = _Tally()
     rank, size = shard
     for start in range(rank * batch_size, len(prompts), batch_size * size):
