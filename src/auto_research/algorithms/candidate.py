@@ -1,15 +1,9 @@
-"""The candidate level's math, as plain NumPy functions over arrays, and each algorithm's twin built on it.
+"""The candidate level's math as NumPy functions, and each algorithm's twin built on it (``estimators.py``'s torch
+estimators are tested against these). Arrays are ``(..., K)``: one group of K samples per row.
 
-Arrays hold one group of K samples per row: shape ``(..., K)``, the last axis running over the K
-samples drawn for one prompt. The torch estimators of the generation level (``estimators.py``) are
-tested against these.
-
-``mask`` (same shape, boolean) marks the samples that may enter a baseline. A sample outside the mask
-gets advantage 0 and is left out of its group's statistics. A group with fewer than two valid samples
-carries no signal under a group baseline and gets advantage 0 throughout; ``groups_without_signal``
-counts such groups.
-
-Equation numbers refer to Ahmadian et al., 2024 (arXiv 2402.14740).
+``mask`` (same shape, boolean) marks the samples that may enter a baseline; one outside it gets advantage 0 and is
+left out of its group's statistics. A group with fewer than two valid samples gets advantage 0 under a group
+baseline. Equation numbers refer to Ahmadian et al., 2024 (arXiv 2402.14740).
 """
 
 from __future__ import annotations
@@ -33,22 +27,13 @@ def _valid(values: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
 
 
 def shaped_reward(rewards: np.ndarray, log_ratio: np.ndarray, beta: float) -> np.ndarray:
-    """r̃_i = r(x, y_i) − β · log π(y_i|x)/π_ref(y_i|x).
-
-    The KL penalty enters the reward (the paper's §2 RLHF objective), so it is
-    part of what the baseline is subtracted from and carries no gradient of its
-    own. ``log_ratio`` is the sampled log-ratio of the whole response (at the
-    generation level, the per-token log-ratios summed over the completion).
-    """
+    """r̃_i = r(x, y_i) − β · log π(y_i|x)/π_ref(y_i|x): the KL penalty in the reward (the paper's §2), part of what
+    the baseline is subtracted from, no gradient of its own. ``log_ratio``: the whole response's (summed per token)."""
     return np.asarray(rewards, dtype=float) - beta * np.asarray(log_ratio, dtype=float)
 
 
 def leave_one_out(values: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-    """A_i = v_i − 1/(K−1) · Σ_{j≠i} v_j: RLOO's baseline (the paper's Eq. 5).
-
-    Each sample's baseline is the mean of the other samples of its group, so it
-    is unbiased without a critic. With a mask, K counts the valid samples only.
-    """
+    """A_i = v_i − 1/(K−1) · Σ_{j≠i} v_j: RLOO's baseline (Eq. 5); with a mask K counts the valid samples."""
     values = np.asarray(values, dtype=float)
     valid = _valid(values, mask)
     kept = np.where(valid, values, 0.0)
@@ -98,11 +83,7 @@ def greedy_baseline(rewards: np.ndarray, greedy_rewards: np.ndarray, mask: np.nd
 
 
 def best_of_k(rewards: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-    """One-hot weight on the best sample of each group (RAFT; first drawn on ties).
-
-    Training on the selected sample alone is supervised fine-tuning on the
-    best-of-K, so its "advantage" is 1 for the selection and 0 elsewhere.
-    """
+    """One-hot weight on the best sample of each group (RAFT; first drawn on ties): SFT on the best of K."""
     rewards = np.asarray(rewards, dtype=float)
     valid = _valid(rewards, mask)
     scored = np.where(valid, rewards, -np.inf)
@@ -112,11 +93,8 @@ def best_of_k(rewards: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray
 
 
 def clipped_surrogate(ratio, advantages, clip_range: float = 0.2):
-    """min(ρ_i · A_i, clip(ρ_i, 1 − ε, 1 + ε) · A_i): PPO's surrogate (Schulman et al., 2017).
-
-    Written with array methods only, so it takes NumPy arrays and torch tensors
-    alike and keeps the autograd graph of ``ratio``.
-    """
+    """min(ρ_i · A_i, clip(ρ_i, 1 − ε, 1 + ε) · A_i): PPO's surrogate (Schulman et al., 2017), in array methods
+    only, so that it takes NumPy arrays and torch tensors alike (keeping ``ratio``'s autograd graph)."""
     unclipped = ratio * advantages
     clipped = ratio.clip(1.0 - clip_range, 1.0 + clip_range) * advantages
     # min(a, b) = a − max(a − b, 0), in methods that NumPy and torch share.

@@ -1,22 +1,7 @@
-"""The sampler/trainer mismatch, measured and corrected.
-
-Another engine (vLLM) samples completions y ~ μ while the trainer computes the gradient of π: the two
-differ by kernels, precision and, when asked, by sampling settings. The policy gradient is an expectation
-under π, so each sample's term is weighted by w = π/μ, truncated at a cap C to bound its variance
-(truncated importance sampling, "TIS": Yao et al., 2025, "Your efficient RL framework secretly brings
-you off-policy RL training"; Ionides, 2008). The modes, with ``log_ratio`` = log π − log μ per token:
-
-- ``token-tis``: w_t = min(exp(log_ratio_t), C) on each token's term (TRL's GRPO
-  ``vllm_importance_sampling_mode="token_truncate"``, verl's token-level ``rollout_is``);
-- ``sequence-tis``: w_i = min(exp(Σ_t log_ratio_t), C) on every token of completion i (TRL's
-  ``sequence_truncate``): the weight of a sequence-level estimator such as RLOO, whose action is the
-  whole completion;
-- ``sequence-mask``: w_i = 1 when 1/C ≤ exp(Σ_t log_ratio_t) ≤ C, else 0 (the sample is dropped; TRL's
-  ``sequence_mask`` masks above C only, verl's rejection sampling both sides: ours is verl's);
-- ``none``: w = 1.
-
-The modes' names are listed once, in ``registry.ROLLOUT_CORRECTIONS``. Weights are constants in the loss
-(no gradient flows through them). Shapes: (B, T), ``mask`` 1 on the completion's tokens.
+"""The sampler/trainer mismatch, measured and corrected: another engine samples y ~ μ while the trainer takes the
+gradient of π, so each sample's term is weighted by π/μ truncated at a cap C (truncated importance sampling, Yao et
+al., 2025), by the modes of docs/vllm.md's table. Weights are constants in the loss (no gradient). Shapes: (B, T),
+``mask`` 1 on the completion's tokens.
 """
 
 from __future__ import annotations
@@ -28,8 +13,7 @@ import torch
 from auto_research.errors import RewardError
 
 VANISHED = 1e-6
-"""A step whose every correction weight is below this has nothing to learn from: its sampler's log-probs do not
-describe the policy (``check_weights``)."""
+"""Below this, every correction weight of a step means the sampler's log-probs do not describe the policy."""
 
 
 def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, cap: float) -> torch.Tensor:
@@ -39,14 +23,10 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, c
         weights = torch.ones_like(log_ratio)
     elif mode == "token-tis":
         weights = log_ratio.exp().clamp(max=cap)
-    elif mode in ("sequence-tis", "sequence-mask"):
-        sequence = log_ratio.sum(-1, keepdim=True)
-        if mode == "sequence-tis":
-            per_sequence = sequence.clamp(max=math.log(cap)).exp()
-        else:
-            inside = sequence.abs() <= math.log(cap)
-            per_sequence = inside.double()
-        weights = per_sequence.expand_as(log_ratio)
+    elif mode == "sequence-tis":
+        weights = log_ratio.sum(-1, keepdim=True).clamp(max=math.log(cap)).exp().expand_as(log_ratio)
+    elif mode == "sequence-mask":
+        weights = (log_ratio.sum(-1, keepdim=True).abs() <= math.log(cap)).double().expand_as(log_ratio)
     else:
         raise ValueError(f"unknown rollout correction {mode!r}")
     return (weights * mask).float()
@@ -68,9 +48,8 @@ def drops_samples(mode: str) -> bool:
 
 
 def check_weights(world, weights: torch.Tensor, mask: torch.Tensor) -> None:
-    """Every weight of a step below ``VANISHED`` on every rank's trained tokens: the sampler's log-probs are far
-    from the policy's (a log-prob above 0 from a rollout function, weights that are not the policy's), so the
-    step's gradient would be ≈ 0 and the run would go on learning nothing. A ``RewardError`` on every rank."""
+    """A ``RewardError`` on every rank when every weight of a step is below ``VANISHED`` on every rank's trained
+    tokens: the sampler's log-probs are far from the policy's, and the run would go on learning nothing."""
     trained = mask.bool()
     counts = world.total(torch.tensor([float((weights[trained] >= VANISHED).sum()), float(trained.sum())],
                                       dtype=torch.float64))

@@ -1,17 +1,10 @@
-"""Advantage estimators of the generation level, token by token, in torch: pure functions, registered by name.
+"""Advantage estimators of the generation level in torch: pure functions, registered by name.
 
-Shapes: B completions (G groups of K, rows g·K … g·K + K − 1 answer prompt g) of T completion
-tokens; ``mask`` (B, T) is 1 on the tokens that count.
-
-Every estimator takes the per-token rewards (B, T) — the task reward on the last completion token
-and, when the KL shapes the reward, −β·kl on every token — and returns per-token advantages and
-returns (B, T). Nothing here communicates or keeps state: statistics over the whole global batch
-(whitening) and baselines that persist across steps (REINFORCE's moving average) belong to the loop,
-which passes values in (``AdvantageInputs.baseline``) and normalises afterwards (``whiten``).
-
-The sequence-level methods (RLOO, GRPO, REINFORCE, vanilla PG, ReMax, RAFT) score a whole completion by
-its summed per-token reward and spread that one advantage over its tokens; PPO's GAE is per token.
-The candidate level keeps NumPy twins in ``candidate.py`` (tests check that the two agree).
+Shapes: B completions (G groups of K, rows g·K … g·K + K − 1 answer prompt g) of T tokens; ``mask`` (B, T) is 1 on
+the tokens that count. An estimator maps per-token rewards (B, T) to per-token advantages and returns (B, T). Nothing
+here communicates or keeps state: whitening over the global batch and baselines across steps are the loop's. The
+sequence-level methods spread one advantage per completion (from its summed reward) over its tokens; GAE is per
+token. ``candidate.py`` keeps NumPy twins (tests check that the two agree).
 """
 
 from __future__ import annotations
@@ -79,8 +72,7 @@ def group_normalised(values: torch.Tensor, valid: torch.Tensor, epsilon: float =
 
 
 def group_centred(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """A_i = v_i − mean v over the valid samples, no std (Dr. GRPO); 0 in a group with fewer than 2. It is
-    (K−1)/K times the leave-one-out advantage."""
+    """A_i = v_i − mean v over the valid samples, no std (Dr. GRPO); 0 in a group with fewer than 2."""
     count = valid.sum(-1, keepdim=True)
     mean = torch.where(valid, values, 0.0).sum(-1, keepdim=True) / count.clamp(min=1)
     return torch.where(valid & (count >= 2), values - mean, 0.0)
@@ -114,10 +106,9 @@ def _sequence(inputs: AdvantageInputs, advantage: Callable[[torch.Tensor, torch.
 
 def dense_term(stream: torch.Tensor, mask: torch.Tensor, group_size: int, baseline: str,
                valid: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, T) a per-token signal s_{i,t} (a teacher's d) less its baseline b_i, on each completion's tokens: ``loo``
-    b_i = mean over the group's other valid samples j of mean_t s_{j,t} (independent of sample i, so the gradient
-    stays unbiased; 0 with none), ``none`` b_i = 0. ``valid`` (B,): the rows that have the signal (default all); an
-    invalid row's term is 0 and it is in no baseline."""
+    """(B, T) a per-token signal s_{i,t} (a teacher's d) less its baseline b_i: ``loo`` b_i = mean over the group's
+    other valid samples j of mean_t s_{j,t} (independent of i: unbiased), ``none`` b_i = 0. ``valid`` (B,): the rows
+    that have the signal (default all); an invalid row's term is 0 and it is in no baseline."""
     valid = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device) if valid is None else valid
     if baseline == "none":
         return stream * mask * valid.unsqueeze(1)
@@ -143,8 +134,7 @@ def rloo(inputs: AdvantageInputs):
 
 @register_advantage("grpo")
 def grpo(inputs: AdvantageInputs):
-    """GRPO's group-normalised advantage (also DAPO's, GSPO's and CISPO's), by the --std the record allows (none:
-    the group mean subtracted only)."""
+    """GRPO's group-normalised advantage (DAPO's, GSPO's, CISPO's too), by --std (none: the mean subtracted only)."""
     if inputs.std == "none":
         return _sequence(inputs, group_centred)
     return _sequence(inputs, lambda scores, valid: group_normalised(scores, valid, unbiased=inputs.std == "unbiased"))
@@ -152,8 +142,7 @@ def grpo(inputs: AdvantageInputs):
 
 @register_advantage("dr-grpo")
 def dr_grpo(inputs: AdvantageInputs):
-    """Dr. GRPO (Liu et al., 2025): the group mean subtracted, no division by the group's std (which weights
-    questions by how (in)consistently they are answered)."""
+    """Dr. GRPO (Liu et al., 2025): the group mean subtracted, no division by the group's std."""
     return _sequence(inputs, group_centred)
 
 
@@ -181,11 +170,8 @@ def raft(inputs: AdvantageInputs):
 
 @register_advantage("gae")
 def gae(inputs: AdvantageInputs):
-    """Generalised advantage estimation (Schulman et al., 2016), per token.
-
-    δ_t = r_t + γ V_{t+1} − V_t (V after the last token is 0), A_t = δ_t + γλ A_{t+1};
-    returns R_t = A_t + V_t are the critic's targets. Unscored samples get 0.
-    """
+    """GAE (Schulman et al., 2016): δ_t = r_t + γ V_{t+1} − V_t (V after the last token 0), A_t = δ_t + γλ A_{t+1};
+    returns R_t = A_t + V_t are the critic's targets. Unscored samples get 0."""
     rewards, values, mask = inputs.token_rewards * inputs.mask, inputs.values * inputs.mask, inputs.mask
     T = rewards.shape[1]
     advantages = torch.zeros_like(rewards)
@@ -202,18 +188,15 @@ def gae(inputs: AdvantageInputs):
 
 @register_advantage("reinforce-pp")
 def reinforce_pp(inputs: AdvantageInputs):
-    """REINFORCE++ (Hu et al., 2025, arXiv 2501.03262): the per-token rewards (the score on the last token,
-    −β·kl on every token) summed to the end, G_t = Σ_{s≥t} r_s (γ = 1), no critic and no group baseline; the
-    record whitens them over the whole global batch."""
+    """REINFORCE++ (Hu et al., 2025): G_t = Σ_{s≥t} r_s (γ = 1), no critic or group baseline."""
     returns = returns_to_go(inputs.token_rewards, inputs.mask) * inputs.scored.to(inputs.mask.dtype).unsqueeze(1)
     return returns, returns
 
 
 @register_advantage("reinforce-pp-baseline")
 def reinforce_pp_baseline(inputs: AdvantageInputs):
-    """REINFORCE++-baseline (the same paper; OpenRLHF's ``reinforce_baseline``): the group's mean score
-    subtracted from each completion's score first, then as REINFORCE++. A constant on the last token adds to
-    every token's return, so G_t − mean_group(r) on every token."""
+    """REINFORCE++-baseline (the same paper; OpenRLHF's ``reinforce_baseline``): G_t − mean_group(r) on every token
+    (the group's mean score on the last token adds to every token's return)."""
     K, keep = inputs.group_size, inputs.scored.to(inputs.mask.dtype).unsqueeze(1)
     baseline = group_mean(inputs.task_rewards.view(-1, K), inputs.scored.view(-1, K)).reshape(-1, 1)
     returns = (returns_to_go(inputs.token_rewards, inputs.mask) - baseline * inputs.mask) * keep
@@ -233,10 +216,8 @@ def overlong_penalty(lengths: torch.Tensor, max_tokens: int, buffer: int, penalt
 
 def normalise_over_batch(advantages: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor, epsilon: float = 1e-4,
                          total=lambda tensor: tensor) -> torch.Tensor:
-    """--normalize-advantages (TRL's option for RLOO): one value per completion (the mean of its tokens'
-    advantages, which the sequence-level estimators spread evenly), z-scored over the valid completions of the
-    whole global batch, (a_i − mean a) / (std a + ε) with the sample std (÷ n − 1), spread back over its tokens.
-    Each completion counts once, whatever its length. ``total`` sums over processes."""
+    """--normalize-advantages (TRL's for RLOO): each completion's mean token advantage z-scored over the global
+    batch's valid completions (sample std, ÷ n − 1), spread back over its tokens; ``total`` sums over processes."""
     per_sequence = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     weight = valid.to(per_sequence.dtype)
     count = total(weight.sum())
@@ -247,10 +228,7 @@ def normalise_over_batch(advantages: torch.Tensor, mask: torch.Tensor, valid: to
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, epsilon: float = 1e-8, total=lambda tensor: tensor) -> torch.Tensor:
-    """(v − mean) / std over the masked entries (population std), 0 elsewhere: PPO's advantage whitening.
-
-    ``total`` sums over processes, so the statistics are the whole batch's.
-    """
+    """(v − mean) / std over the masked entries (population std), 0 elsewhere; ``total`` sums over processes."""
     count = total(mask.sum()).clamp(min=1)
     mean = total((values * mask).sum()) / count
     variance = total(((values - mean).square() * mask).sum()) / count

@@ -1,8 +1,5 @@
-"""Policy losses (per-token terms) and loss aggregations, each registered by name, and PPO's value loss.
-
-Shapes as in ``estimators.py``: (B, T) per-token terms over B completions of T tokens, ``mask`` 1 on
-the tokens that count.
-"""
+"""Policy losses (per-token terms) and loss aggregations, each registered by name, and PPO's value loss. Shapes as
+in ``estimators.py``: (B, T) terms over B completions of T tokens, ``mask`` 1 on the tokens that count."""
 
 from __future__ import annotations
 
@@ -89,8 +86,7 @@ def clipped_token(inputs: LossInputs) -> torch.Tensor:
 
 @register_policy_loss("clipped-sequence", ratio=sequence_ratio)
 def clipped_sequence(inputs: LossInputs) -> torch.Tensor:
-    """The clipped surrogate with one ratio per completion, ρ_i = π(y_i|x)/π_old(y_i|x)
-    (the candidate level's form). The term sits on the last token."""
+    """The clipped surrogate of one ratio per completion, ρ_i = π(y_i|x)/π_old(y_i|x), on its last token."""
     advantage = (inputs.advantages * inputs.mask).sum(-1, keepdim=True) / inputs.mask.sum(-1, keepdim=True).clamp(min=1)
     per_sequence = _clipped(torch.exp(_sequence_log_ratio(inputs)), advantage, inputs.clip_low, inputs.clip_high)
     return per_sequence * last_token(inputs.mask)
@@ -98,11 +94,9 @@ def clipped_sequence(inputs: LossInputs) -> torch.Tensor:
 
 @register_policy_loss("gspo", ratio=length_normalised_ratio)
 def gspo(inputs: LossInputs) -> torch.Tensor:
-    """GSPO (Zheng et al., 2025): −min(s_i A, clip(s_i, 1 − ε_low, 1 + ε_high) A) with the length-normalised
-    sequence ratio s_i, written per token as GSPO-token does: s_i,t = sg(s_i)·π(y_t)/sg(π(y_t)) has the value s_i
-    and the gradient s_i ∇log π(y_t). Averaged over the completion's tokens (the record's
-    sequence-mean-token-mean) that is GSPO's gradient, s_i A_i · 1/|y_i| Σ_t ∇log π(y_t), unclipped; 0 clipped.
-    The clip decision is the sequence's: every token of a completion shares s_i."""
+    """GSPO (Zheng et al., 2025): −min(s_i A, clip(s_i, 1 − ε_low, 1 + ε_high) A), written per token as GSPO-token
+    does: s_i,t = sg(s_i)·π(y_t)/sg(π(y_t)) has the value s_i (the clip decision is the sequence's) and the gradient
+    s_i ∇log π(y_t); its sequence-mean-token-mean is GSPO's gradient."""
     s = length_normalised_ratio(inputs).detach()
     per_token = s * torch.exp(inputs.logprobs - inputs.logprobs.detach())
     return _clipped(per_token, inputs.advantages, inputs.clip_low, inputs.clip_high) * inputs.mask
@@ -110,16 +104,14 @@ def gspo(inputs: LossInputs) -> torch.Tensor:
 
 @register_policy_loss("cispo", ratio=token_ratio)
 def cispo(inputs: LossInputs) -> torch.Tensor:
-    """CISPO (MiniMax-M1, 2025): −sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) · A_t · log π(y_t). The weight is a
-    constant, so a token whose ratio left the range keeps its gradient, scaled by the clipped weight (PPO's
-    surrogate gives it none)."""
+    """CISPO (MiniMax-M1, 2025): −sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) · A_t · log π(y_t): a token whose ratio left
+    the range keeps its gradient, scaled by the clipped weight (PPO's surrogate gives it none)."""
     weight = token_ratio(inputs).detach().clamp(1.0 - inputs.clip_low, 1.0 + inputs.clip_high)
     return -weight * inputs.advantages * inputs.logprobs * inputs.mask
 
 
 def clip_fraction(name: str, inputs: LossInputs) -> torch.Tensor:
-    """(B, T) 1 on the tokens whose ratio (the one ``name`` clips) is outside [1 − ε_low, 1 + ε_high]; 0 for a
-    loss with no ratio."""
+    """(B, T) 1 on the tokens whose ratio (the one ``name`` clips) is outside its clip range."""
     if name not in RATIOS:
         return torch.zeros_like(inputs.mask)
     ratio = RATIOS[name](inputs).detach()
@@ -128,8 +120,7 @@ def clip_fraction(name: str, inputs: LossInputs) -> torch.Tensor:
 
 
 def last_token(mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) one-hot on each row's last completion token: the last position the mask keeps (a multi-turn
-    trajectory's mask has gaps where the environment spoke)."""
+    """(B, T) one-hot on the last position each row's mask keeps (a multi-turn mask has gaps)."""
     onehot = torch.zeros_like(mask)
     if not mask.shape[-1]:
         return onehot
@@ -175,8 +166,7 @@ def register_aggregation(name: str):
 
 @register_aggregation("sequence")
 def sequence_sum(terms: torch.Tensor, mask: torch.Tensor, counts: Counts) -> torch.Tensor:
-    """Σ over tokens and completions / completions (the paper: each completion is one action); / groups for a
-    per-group sum."""
+    """Σ over tokens and completions / completions (each one action); / groups for a per-group sum."""
     return terms.sum() / (counts.groups if counts.per_group_sum else counts.sequences)
 
 
@@ -202,9 +192,8 @@ def constant(terms: torch.Tensor, mask: torch.Tensor, counts: Counts) -> torch.T
 
 def aggregate(terms: torch.Tensor, mask: torch.Tensor, mode: str, sequences: float, tokens: float,
               groups: float, per_group_sum: bool = False, max_tokens: float | None = None) -> torch.Tensor:
-    """One scalar from per-token loss terms: the registered aggregation ``mode`` (``registry.AGGREGATIONS``) of the
-    masked terms, normalised by the *global* counts given. They are those of the whole batch (all micro-batches,
-    later all processes), so that summing the shares of micro-batches gives the batch's loss exactly."""
+    """One scalar: the aggregation ``mode`` of the masked terms, normalised by the *global* counts given (the whole
+    batch's, over micro-batches and processes), so that the micro-batches' shares sum to the batch's loss exactly."""
     if mode not in AGGREGATORS:
         raise ValueError(f"unknown aggregation {mode!r}; choose one of {', '.join(AGGREGATIONS)}")
     return AGGREGATORS[mode](terms * mask, mask, Counts(sequences, tokens, groups, per_group_sum, max_tokens))

@@ -1,15 +1,9 @@
 """One record per algorithm, for both levels: everything the trainer needs to know about it.
 
-A record names its advantage estimator, policy loss and loss aggregation by their registered keys (verl's
-pattern: the functions register themselves in ``estimators.py`` and ``losses.py`` under the names listed
-here), says where the KL penalty goes and with which estimator, what it needs (a critic, a greedy baseline),
-how its advantages are normalised, its clip range and its other defaults, and holds its candidate-level
-NumPy twin. The trainer reads these fields and never asks for an algorithm's name, so adding a variant is
-one estimator (or loss) function and one record here.
-
-This module imports neither NumPy nor torch: ``--help`` lists the names, and configs validate
-against the records, before anything heavy is loaded. The lists of choices below are the only ones: the
-flags' help texts and checks are made from them, and tests check that the torch modules register each name.
+A record names its advantage estimator, policy loss and aggregation by the keys they register under
+(``estimators.py``, ``losses.py``; verl's pattern), says where the KL goes, what it needs, its defaults, and holds its
+candidate-level NumPy twin. The trainer never asks for an algorithm's name: a variant is one function and one record.
+No NumPy or torch here (``--help`` and config checks stay light); the lists of choices below are the only ones.
 """
 
 from __future__ import annotations
@@ -28,8 +22,7 @@ POLICY_LOSSES = {
     "cispo": "sg(clip(ρ_t))·A·log π per token: clipped tokens keep their gradient (CISPO)",
 }
 RATIO_FREE_LOSSES = ("vanilla",)
-"""Losses that are the policy gradient only at the sampling weights (ratio 1): a batch reused for several
-updates needs one with a ratio."""
+"""Losses that are the policy gradient only at ratio 1: a batch reused for several updates needs a ratio."""
 AGGREGATIONS = {
     "sequence": "Σ over tokens / completions (each completion one action; the paper's)",
     "token-mean": "/ all tokens of the batch (DAPO)",
@@ -73,8 +66,7 @@ def described(choices: dict) -> str:
 
 @dataclass(frozen=True)
 class CandidateTwin:
-    """The algorithm at the candidate level: a linear softmax policy over 6 candidates
-    (docs/candidate-protocol.md), its advantage a NumPy function in ``candidate.py``."""
+    """The algorithm at the candidate level (docs/candidate-protocol.md); its advantage is in ``candidate.py``."""
 
     advantage: str
     """Key in ``algorithms.candidate.ADVANTAGES``."""
@@ -98,9 +90,7 @@ class Algorithm:
     policy_loss: str
     """Key in ``POLICY_LOSSES`` (registered in ``algorithms/losses.py``): the default of --policy-loss."""
     kl: str
-    """Where the KL penalty goes at the generation level by default (--kl-in): reward shapes the reward
-    (only these algorithms may take it there), loss adds β·KL to the loss, none (a reference may still
-    measure it)."""
+    """The default --kl-in (``KL_PLACEMENTS``) at the generation level."""
     formula: str
     """One line for the docs."""
     citation: str
@@ -109,15 +99,13 @@ class Algorithm:
     aggregation: str = "sequence"
     """Key in ``AGGREGATIONS``: the default --loss-aggregation."""
     reused_batch_loss: str = "clipped-token"
-    """The loss when a batch serves several updates (--ppo-epochs, --ppo-mini-batches) and the record's own is
-    ratio-free (``RATIO_FREE_LOSSES``)."""
+    """The loss when a batch serves several updates and the record's own is ratio-free (``RATIO_FREE_LOSSES``)."""
     clip_low: float = 0.2
     """ε_low: the ratio is clipped below at 1 − ε_low (the default of --clip-low)."""
     clip_high: float = 0.2
     """ε_high: clipped above at 1 + ε_high (--clip-high)."""
     std: str | None = None
-    """The GRPO family's group standard deviation (a key of ``STANDARD_DEVIATIONS``, the default of --std);
-    None: the advantage divides by no standard deviation, and --std is refused."""
+    """The default --std (``STANDARD_DEVIATIONS``) of the GRPO family; None: no division, and --std is refused."""
     needs_critic: bool = False
     """A learned value model V(s_t) (PPO): loaded, trained and checkpointed beside the policy."""
     needs_greedy: bool = False
@@ -125,41 +113,35 @@ class Algorithm:
     reduction: str = "mean"
     """mean: the loss is averaged over completions; sum: summed within each group (RAFT's best of K)."""
     whiten: bool = False
-    """Advantages whitened over the whole global batch, every rank's tokens together (--no-whiten-advantages
-    keeps them as they are)."""
+    """Advantages whitened over the global batch, every rank's tokens together (--no-whiten-advantages: not)."""
     moving_average: float | None = None
-    """Decay of a baseline kept by the loop across steps (REINFORCE): passed to the estimator, then updated
-    from this step's globally reduced mean score."""
+    """Decay of the loop's baseline across steps (REINFORCE), updated after the estimator used it."""
     min_group_size: int = 1
     """Smallest K the estimator is defined for (2 when the baseline uses the other samples)."""
     rollout_correction: str = "sequence-tis"
-    """The default --rollout-correction when another engine samples (--sampler vllm): sequence-tis for an
-    estimator whose action is the whole completion (one weight π/μ of the completion, as its gradient
-    A_i · ∇log π(y_i|x) is a per-sequence expectation), token-tis for token-level estimators and losses (PPO's
-    per-token ratios and GAE, the GRPO family's token-level surrogates)."""
+    """The default --rollout-correction when another engine samples: sequence-tis where the action is the whole
+    completion (A_i · ∇log π(y_i|x)), token-tis for token-level estimators and losses (PPO, GAE, the GRPO family)."""
     overlong_buffer_fraction: float = 0.0
-    """DAPO's soft overlong punishment by default: the buffer L as a fraction of --max-new-tokens (DAPO: 4,096
-    of 20,480 tokens, 0.2), rounded down; 0 leaves it off (--overlong-buffer sets it)."""
+    """DAPO's soft overlong buffer L by default, a fraction of --max-new-tokens rounded down (DAPO: 0.2); 0: off."""
     dynamic_sampling: bool = False
-    """The default of --dynamic-sampling: groups whose K scores are all equal are dropped and their slots
-    refilled with fresh prompts before the step trains (DAPO; train/dynamic.py)."""
+    """The default of --dynamic-sampling (DAPO; train/dynamic.py)."""
     rewards: tuple[str, ...] = ("task",)
-    """The streams (``SIGNALS``) summed into the estimator's per-token reward (the KL joins at −β where --kl-in puts it
-    there). Without ``task`` a run needs no task reward: a dataset without answers runs."""
+    """The streams (``SIGNALS``) summed into the estimator's per-token reward (the KL joins where --kl-in puts it);
+    without ``task`` a run needs no task reward."""
     dense: tuple[str, ...] = ("teacher",)
     """The streams added per token to the estimator's advantage, λ·(s_t − b_i), when the run has them (a teacher's)."""
     candidate: CandidateTwin | None = None
 
     def kl_estimator_for(self, placement: str) -> str:
-        """The KL estimator by default for a placement: the record's where it puts the KL itself; moved into the
-        loss, k3 (k1's expected gradient as a loss term is zero), elsewhere k1 (the paper's)."""
+        """The default KL estimator for a placement: the record's own where it puts the KL itself; else k3 in the
+        loss (k1's expected gradient as a loss term is zero), k1 elsewhere."""
         if placement == self.kl:
             return self.kl_estimator
         return "k3" if kl_in_loss(placement) else "k1"
 
     def loss_for(self, several_updates: bool) -> str:
-        """The record's policy loss, or its ``reused_batch_loss`` when a batch serves several updates and its own
-        loss needs ratio 1."""
+        """The record's policy loss, or ``reused_batch_loss`` when a batch serves several updates and it needs
+        ratio 1."""
         return self.reused_batch_loss if several_updates and self.policy_loss in RATIO_FREE_LOSSES else self.policy_loss
 
 
@@ -218,8 +200,7 @@ register(Algorithm(
 ))
 register(Algorithm(
     name="ppo-rlhf", advantage="gae", policy_loss="clipped-token", kl="reward", needs_critic=True, whiten=True,
-    rollout_correction="token-tis",
-    min_group_size=2,
+    rollout_correction="token-tis", min_group_size=2,
     formula="GAE per token on r_t = score·[t = last] − β·kl_t, V a learned critic; advantages whitened over the "
             "batch; clipped surrogate of ρ_t A_t",
     citation="Schulman et al., 2017; Ouyang et al., 2022",
@@ -265,8 +246,7 @@ register(Algorithm(
 ))
 register(Algorithm(
     name="reinforce-pp-baseline", advantage="reinforce-pp-baseline", policy_loss="clipped-token", kl="reward", whiten=True,
-    rollout_correction="token-tis",
-    min_group_size=2,
+    rollout_correction="token-tis", min_group_size=2,
     formula="as reinforce-pp, with the group's mean score subtracted from each score first",
     citation="Hu et al., 2025 (arXiv 2501.03262); OpenRLHF's reinforce_baseline",
 ))

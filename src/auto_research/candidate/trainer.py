@@ -1,11 +1,6 @@
-"""The candidate-level loop: a linear softmax policy over 6 candidates.
-
-π = softmax(Φ·w), w ∈ R^8, starting at zero; the reference is the initial w,
-frozen. Each step samples K candidates of one problem, asks the registered
-algorithm for advantages, and takes w ← w + lr · clip(g, −5, 5). All random
-draws follow docs/candidate-protocol.md exactly, so figures reproduce to the
-last digit.
-"""
+"""The candidate-level loop: π = softmax(Φ·w) over 6 candidates, w ∈ R^8 from zero, the reference the initial w.
+Each step samples K candidates of one problem, asks the registered algorithm for advantages, and takes
+w ← w + lr · clip(g, −5, 5). Random draws follow docs/candidate-protocol.md exactly: figures reproduce to the digit."""
 
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ class CandidateData:
 
 
 def load_data(config: CandidateConfig) -> CandidateData:
-    """Train and validation groups for the configured dataset (its record's loader, data/registry.py), drawn in
-    protocol order."""
+    """Train and validation groups for the configured dataset (its record's loader), drawn in protocol order."""
     return task_record(config.dataset, "candidate").load(config)
 
 
@@ -53,15 +47,10 @@ def gsm8k_data(record: TaskRecord, config: CandidateConfig) -> CandidateData:
     directory = ensure_gsm8k(config.dataset_dir, config.offline)
     train_rows = read_gsm8k(directory / "train.jsonl", n)
     validation_rows = read_gsm8k(directory / "test.jsonl", max(32, n // 4))
-    source = (
-        f"GSM8K {directory.resolve()} (train.jsonl first {len(train_rows)} rows, "
-        f"test.jsonl first {len(validation_rows)} rows)"
-    )
-    return CandidateData(
-        gsm8k_groups([row.gold for row in train_rows], config.seed),
-        gsm8k_groups([row.gold for row in validation_rows], config.seed + 1),
-        source,
-    )
+    source = (f"GSM8K {directory.resolve()} (train.jsonl first {len(train_rows)} rows, "
+              f"test.jsonl first {len(validation_rows)} rows)")
+    return CandidateData(gsm8k_groups([row.gold for row in train_rows], config.seed),
+                         gsm8k_groups([row.gold for row in validation_rows], config.seed + 1), source)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -71,15 +60,9 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def draw_without_replacement(rng: np.random.Generator, logits: np.ndarray, probabilities: np.ndarray, K: int) -> np.ndarray:
-    """K distinct candidates drawn one after another, each in proportion to π over those left.
-
-    numpy's ``choice(replace=False)`` does exactly this, and every ordinary run
-    takes it (so the protocol's draws are unchanged). It refuses when the
-    softmax has underflowed to fewer than K non-zero entries, as a very large
-    learning rate makes it; the draws then come one by one from the softmax of
-    the remaining logits, which is π restricted to the remaining candidates,
-    computed in log space so that it never underflows.
-    """
+    """K distinct candidates drawn one after another, each in proportion to π over those left: numpy's
+    ``choice(replace=False)`` (every ordinary run: the protocol's draws), or, where the softmax has underflowed to
+    fewer than K non-zero entries (a very large learning rate), one by one from the remaining logits' softmax."""
     if np.count_nonzero(probabilities) >= K:
         return rng.choice(len(probabilities), size=K, replace=False, p=probabilities)
     remaining = list(range(len(logits)))
@@ -104,18 +87,6 @@ def evaluate(groups: CandidateGroups, weights: np.ndarray, reference: np.ndarray
     }
 
 
-def history_interval(steps: int) -> int:
-    return max(1, steps // 10)
-
-
-def train(config: CandidateConfig, data: CandidateData) -> dict:
-    """Run the configured algorithm; return the metrics.json payload."""
-    # A diverging run (a huge learning rate) is reported in one line by the check in the loop,
-    # not by NumPy's overflow warnings on the way there.
-    with np.errstate(over="ignore", invalid="ignore"):
-        return _train(config, data)
-
-
 @dataclass
 class _State:
     """What the loop carries from one step to the next. The reference is the initial w, frozen; ``rollout`` is the
@@ -130,11 +101,6 @@ class _State:
     critic_updates: int = 0
     rollout_refreshes: int = 0
 
-    @classmethod
-    def start(cls, features: int) -> "_State":
-        weights = np.zeros(features)
-        return cls(weights, weights.copy(), weights.copy(), np.zeros(features))
-
 
 @dataclass(frozen=True)
 class _Drawn:
@@ -146,25 +112,28 @@ class _Drawn:
     sampler: np.ndarray
 
 
-def _train(config: CandidateConfig, data: CandidateData) -> dict:
+def train(config: CandidateConfig, data: CandidateData) -> dict:
     """Draw a problem → sample K → advantages → step the policy (and critic), ``config.steps`` times; validation
-    figures at step 1 and every tenth of the run."""
+    figures at step 1 and every tenth of the run. Returns the metrics.json payload."""
     algorithm = get_algorithm(config.algorithm)
     rng = np.random.default_rng(config.seed)
-    state = _State.start(data.train.features.shape[-1])
-    every = history_interval(config.steps)
-    baseline = evaluate(data.validation, state.weights, state.reference)
+    weights = np.zeros(data.train.features.shape[-1])
+    state = _State(weights, weights.copy(), weights.copy(), np.zeros(weights.shape[0]))
+    every = max(1, config.steps // 10)
     history = []
-    for step in range(1, config.steps + 1):
-        loss = _step(config, algorithm, data.train, state, rng)
-        _check_finite(config, state, step)
-        if algorithm.candidate.samples_from == "rollout" and step % config.rollout_refresh == 0:
-            state.rollout = state.weights.copy()
-            state.rollout_refreshes += 1
-        if step == 1 or step % every == 0:
-            history.append({"step": float(step), "loss": loss, **evaluate(data.validation, state.weights,
-                                                                            state.reference)})
-    return _payload(config, data, algorithm, state, baseline, history)
+    # A diverging run (a huge learning rate) is reported in one line by _check_finite, not by NumPy's warnings.
+    with np.errstate(over="ignore", invalid="ignore"):
+        baseline = evaluate(data.validation, state.weights, state.reference)
+        for step in range(1, config.steps + 1):
+            loss = _step(config, algorithm, data.train, state, rng)
+            _check_finite(config, state, step)
+            if algorithm.candidate.samples_from == "rollout" and step % config.rollout_refresh == 0:
+                state.rollout = state.weights.copy()
+                state.rollout_refreshes += 1
+            if step == 1 or step % every == 0:
+                history.append({"step": float(step), "loss": loss, **evaluate(data.validation, state.weights,
+                                                                                state.reference)})
+        return _payload(config, data, algorithm, state, baseline, history)
 
 
 def _step(config: CandidateConfig, algorithm, train: CandidateGroups, state: _State, rng: np.random.Generator) -> float:
@@ -175,13 +144,9 @@ def _step(config: CandidateConfig, algorithm, train: CandidateGroups, state: _St
     drawn = _draw(rng, algorithm.candidate, phi, state, config.group_size)
     values = phi[drawn.sampled] @ state.critic if algorithm.needs_critic else None
     inputs = AdvantageInputs(
-        rewards=group_rewards[drawn.sampled],
+        rewards=group_rewards[drawn.sampled], beta=config.beta, values=values, baseline=state.moving_average,
         log_ratio=np.log((drawn.policy[drawn.sampled] + EPS) / (drawn.reference_policy[drawn.sampled] + EPS)),
-        beta=config.beta,
-        greedy_rewards=group_rewards[int(np.argmax(drawn.policy))] if algorithm.needs_greedy else None,
-        values=values,
-        baseline=state.moving_average,
-    )
+        greedy_rewards=group_rewards[int(np.argmax(drawn.policy))] if algorithm.needs_greedy else None)
     advantages = ADVANTAGES[algorithm.candidate.advantage](inputs)
     if algorithm.moving_average is not None:
         # The baseline moves after it has been used, so b never contains this step's rewards.
@@ -198,8 +163,7 @@ def _step(config: CandidateConfig, algorithm, train: CandidateGroups, state: _St
 
 
 def _draw(rng: np.random.Generator, twin, phi: np.ndarray, state: _State, K: int) -> _Drawn:
-    """K distinct candidates from the sampler: the current policy, or the stale rollout copy for an algorithm
-    whose twin samples from it (its importance ratio then corrects for the staleness)."""
+    """K distinct candidates from the sampler: the current policy, or the stale rollout copy."""
     policy = softmax(phi @ state.weights)
     reference_policy = softmax(phi @ state.reference)
     sampler_logits = phi @ state.rollout if twin.samples_from == "rollout" else phi @ state.weights
@@ -251,24 +215,14 @@ def _payload(config: CandidateConfig, data: CandidateData, algorithm, state: _St
     if algorithm.moving_average is not None:
         diagnostics["final_moving_average_baseline"] = state.moving_average
     return {
-        "algorithm": config.algorithm,
-        "dataset": config.dataset,
-        "level": "candidate",
-        "seed": config.seed,
-        "baseline": baseline,
-        "final": final,
+        "algorithm": config.algorithm, "dataset": config.dataset, "level": "candidate", "seed": config.seed,
+        "baseline": baseline, "final": final,
         "relative_accuracy": (final["accuracy"] - baseline["accuracy"]) / max(baseline["accuracy"], 1e-12),
         "training": {
-            "steps": config.steps,
-            "learning_rate": config.learning_rate,
-            "group_size": config.group_size,
-            "beta": config.beta,
-            "train_examples": len(data.train),
-            "validation_examples": len(data.validation),
-            "data_source": data.source,
-            "policy": "linear softmax over 6 candidates, 8 features",
-            "final_weights": [float(value) for value in state.weights],
-            **diagnostics,
+            "steps": config.steps, "learning_rate": config.learning_rate, "group_size": config.group_size,
+            "beta": config.beta, "train_examples": len(data.train), "validation_examples": len(data.validation),
+            "data_source": data.source, "policy": "linear softmax over 6 candidates, 8 features",
+            "final_weights": [float(value) for value in state.weights], **diagnostics,
         },
         "history": history,
     }

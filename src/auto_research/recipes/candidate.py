@@ -1,8 +1,5 @@
-"""The candidate level's commands: post-train one or several seeds, and compare algorithms on identical data.
-
-Everything that can fail on a user's input (settings, output directory, data files) is checked for every
-run before the first one trains, and outputs are written only once all runs have finished, each run folder
-under its lock.
+"""The candidate level's commands: post-train one or several seeds, and compare algorithms on identical data. Every
+run's inputs are checked before the first trains; outputs are written once all have finished, each under its lock.
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ from auto_research.files import atomic_write_json, atomic_write_text, check_writ
 from auto_research.locks import FolderLock, check_unlocked
 from auto_research.progress import Progress
 from auto_research.report import tables
+
 
 def _run_all(configs: list[CandidateConfig]) -> list[dict]:
     for config in configs:
@@ -47,10 +45,8 @@ def _write_runs(configs: list[CandidateConfig], runs: list[dict]) -> list[Path]:
 
 
 def post_train(config: CandidateConfig, seeds: list[int] | None = None) -> dict:
-    """Train one run per seed; write each run directory and, for several seeds, a summary.
-
-    Returns ``{"runs": [...metrics...], "paths": [...], "summary": dict | None}``.
-    """
+    """Train one run per seed; write each run directory and, for several seeds, a summary. Returns
+    ``{"runs": [...metrics...], "paths": [...], "summary": dict | None}``."""
     configs = [replace(config, seed=seed) for seed in seeds] if seeds else [config]
     runs = _run_all(configs)
     paths = _write_runs(configs, runs)
@@ -73,25 +69,14 @@ def compare(config: CandidateConfig, algorithms: list[str], seeds: list[int]) ->
     tag = task_record(config.dataset, "candidate").tag
     stem = Path(config.output_dir) / f"classic-post-training-{tag}-{tables.seeds_tag(seeds)}"
     payload = {
-        "dataset": config.dataset,
-        "seeds": seeds,
+        "dataset": config.dataset, "seeds": seeds,
         "settings": {key: getattr(config, key) for key in ("maximum_examples", "steps", "group_size", "learning_rate",
                                                            "beta")},
         "data_source": runs[0]["training"]["data_source"],
-        "algorithms": {
-            name: {
-                **summaries[name],
-                "runs": {
-                    str(run["seed"]): {
-                        "final": run["final"],
-                        "relative_accuracy": run["relative_accuracy"],
-                        "run_dir": str(replace(config, algorithm=name, seed=run["seed"]).run_dir),
-                    }
-                    for run in by_algorithm[name]
-                },
-            }
-            for name in algorithms
-        },
+        "algorithms": {name: {**summaries[name], "runs": {
+            str(run["seed"]): {"final": run["final"], "relative_accuracy": run["relative_accuracy"],
+                               "run_dir": str(replace(config, algorithm=name, seed=run["seed"]).run_dir)}
+            for run in by_algorithm[name]}} for name in algorithms},
     }
     title = f"{config.dataset}: {config.steps} steps, K={config.group_size}, {tables.seeds_tag(seeds)}"
     table = tables.summary_table(summaries)

@@ -1,16 +1,10 @@
-"""``compare`` at the generation level: every (algorithm, K, seed) on identical data and settings, each run in
-a process of its own (so that its time and peak memory are its own), given its settings as a JSON file.
+"""``compare`` at the generation level: every (algorithm, K, seed) on identical data and settings, each run in a
+process of its own (its time and peak memory its own), given its settings as a JSON file.
 
-``--samples-per-step N``: every run trains on N completions a step, N / K prompts (the RLOO paper's equal
-samples: K = 2 sees twice the prompts of K = 4), checked afterwards from the completions each run logged at
-each of its steps. ``--resume``: a run that finished (its metrics.json, and its config.yaml holding these
-settings) is read, not run again; one that was interrupted continues from its latest checkpoint; one killed
-before its first checkpoint starts again. Runs go into ``<output>/k<K>/`` when they differ in K, and always at
-equal samples. ``--drop-checkpoints``: a finished run's checkpoints are deleted once
-its metrics are read (a SmolLM2 run's final one is 1.6 GB, PPO's 3.2 GB); its folder keeps the rest.
-
-Writes ``classic-post-training-<dataset>-<seeds>.json``, ``.md`` and ``.png`` (held-out accuracy against
-samples generated, mean and the seeds' band; reward against KL) in the output folder.
+``--samples-per-step N``: every run trains on N / K prompts a step (the RLOO paper's equal samples), checked from
+the completions each run logged. ``--resume``: a finished run is read, an interrupted one continues from its latest
+checkpoint, one killed before its first starts again. ``--drop-checkpoints``: a finished run's checkpoints go once
+its metrics are read. Writes ``classic-post-training-<dataset>-<seeds>.json``, ``.md`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -37,8 +31,7 @@ from auto_research.train.prepare import prepare
 
 
 def run_child(config: GenerationConfig, capture: bool = True) -> subprocess.CompletedProcess:
-    """``auto-research post-train`` in a process of its own, its settings in a JSON file; its stderr captured
-    (``capture``), or shown as it goes."""
+    """``auto-research post-train`` in a process of its own; its stderr captured (``capture``), or shown."""
     with tempfile.TemporaryDirectory(prefix="auto-research-run-") as folder:
         path = write_config_file(Path(folder) / "config.json", config)
         command = [sys.executable, "-m", "auto_research", "post-train", "--config", str(path)]

@@ -1,9 +1,6 @@
-"""``post-train`` at the generation level (and ``post_train()`` in Python): check, lock, prepare, then train.
-
-The run folder is locked (``locks.FolderLock``) before anything in it is read, deleted or written, and stays
-locked until the run ends; under torchrun rank 0 holds the lock and every rank learns the outcome before any
-work. In one process torch is imported only once every check that can be made without it has passed, so a
-mistyped flag costs a fraction of a second, not torch's start-up.
+"""``post-train`` at the generation level (and ``post_train()`` in Python): check, lock, prepare, then train. The run
+folder is locked before anything in it is read or written (under torchrun rank 0 holds it, and every rank learns
+the outcome); in one process torch is imported only once every check without it has passed.
 """
 
 from __future__ import annotations
@@ -72,9 +69,7 @@ def post_train_generation(config: GenerationConfig, log=print, rows: list[dict] 
 
 def evaluate_generation(config: GenerationConfig, log=print, rows: list[dict] | None = None, reward_functions=(),
                         environment=None, tools=(), rollout_function=None) -> dict:
-    """The held-out evaluation of the model a run would start from, built as ``post_train_generation`` builds it
-    (``Trainer.build``: the same checks, ``prepare`` and ``open_run``), nothing trained and nothing written but the
-    model cache: ``auto_research.Trainer.evaluate`` before ``train``."""
+    """The held-out evaluation of the model a run would start from (``Trainer.build``); nothing trained or written."""
     from auto_research.train.trainer import Trainer
 
     trainer = Trainer.build(config, log, rows, reward_functions, environment=environment, tools=tools,

@@ -1,32 +1,8 @@
-"""Preference pairs for ``preference-generate``: the paper's RLHF pipeline on a laptop CPU, with no download.
-
-The prompts are the embedded arithmetic task's (``47+38=``); the policy is the
-embedded tiny model after its warm start, whose answers are mostly 2–3
-characters long. A hidden **gold scorer** defines what is better: an
-annotator who likes answers of ``GOLD_LENGTH`` (4) characters, 1 − |length − 4| / 4
-(at least 0). It is a property a tiny reward model can learn, and one it
-learns the wrong way outside the data: the warm start's pairs are nearly all
-shorter than 4, so "longer is better" fits them, and a policy pushed far
-enough overshoots into answers the gold scorer likes less (the length bias of
-learned reward models, Singhal et al., 2023). The learner never sees the
-scorer. Instead:
-
-1. pairs of completions are sampled from the warm-started policy, two per
-   prompt, at the RL sampling temperature;
-2. each pair is labelled by the gold scorer with Bradley–Terry noise: y₁ ≻ y₂
-   with probability σ((g(y₁) − g(y₂)) / τ), τ = ``LABEL_TEMPERATURE`` (a
-   simulated annotator who is right more often the clearer the difference);
-3. a proxy reward model (a scalar head on the warm-started model) is fitted
-   to those labels (``reward_model.py``);
-4. RLOO (or any algorithm) optimises the proxy, with the KL penalty to the
-   warm start;
-5. the gold judge compares the trained policy's greedy answers with the
-   starting policy's (win rate), and every evaluation logs the proxy and gold
-   rewards against the KL, where over-optimisation shows (Gao et al., 2022).
-
-The labels' own ceiling, how often a noisy label agrees with the gold order,
-is computed exactly from the noise model and reported next to the proxy's
-held-out accuracy.
+"""Preference pairs for ``preference-generate`` (docs/rlhf.md): the paper's RLHF pipeline on a laptop CPU. Pairs
+sampled from the warm-started tiny model are labelled by a hidden gold scorer (answers of 4 characters) with
+Bradley–Terry noise, y₁ ≻ y₂ with probability σ((g(y₁) − g(y₂)) / τ); a proxy reward model learns "longer is better"
+from them, which RL against it overshoots (over-optimisation, Gao et al., 2022). The labels' own ceiling (how often
+a noisy label agrees with the gold order) is computed from the noise model.
 """
 
 from __future__ import annotations
@@ -72,23 +48,18 @@ def label_pairs(prompts, examples, first, second, seed: int, scorer=gold_scores)
             ceiling.append(max(p_a, 1 - p_a))
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected,
                      "gold_chosen": g_chosen, "gold_rejected": g_rejected})
-    statistics = {
-        "pairs": len(rows),
-        "identical_pairs_dropped": identical,
-        "gold_ties": ties,
-        # Over pairs the gold scorer orders: how often the noisy label agrees with it (None when it orders none:
-        # a small --pairs of answers the gold scorer ties, as a warm start's often are).
-        "label_agreement": sum(agreement) / len(agreement) if agreement else None,
-        "label_ceiling": sum(ceiling) / len(ceiling) if ceiling else None,
-        "label_temperature": LABEL_TEMPERATURE,
-    }
+    # Over pairs the gold scorer orders: how often the noisy label agrees with it (None when it orders none:
+    # a small --pairs of answers the gold scorer ties, as a warm start's often are).
+    statistics = {"pairs": len(rows), "identical_pairs_dropped": identical, "gold_ties": ties,
+                  "label_agreement": sum(agreement) / len(agreement) if agreement else None,
+                  "label_ceiling": sum(ceiling) / len(ceiling) if ceiling else None,
+                  "label_temperature": LABEL_TEMPERATURE}
     return rows, statistics
 
 
 def make_preferences(model_dir: Path, task, output: Path, pairs: int, seed: int, temperature: float,
                      max_new_tokens: int, log=print) -> dict:
-    """Sample completions from the warm-started policy (two distinct ones per prompt where its four
-    draws allow), label them, write JSONL."""
+    """Sample two distinct completions per prompt where four draws allow, label them, write JSONL."""
     model, tokenizer = load_policy(str(model_dir), "cpu", torch.float32, offline=True)
     examples = task.train[:min(pairs, PREFERENCE_PROMPTS, len(task.train))]
     prompts = [example.prompt for example in examples]

@@ -1,13 +1,10 @@
-"""Reward-model training: one scalar head on a causal LM, fitted to preference pairs by Bradley–Terry.
+"""Reward-model training: one scalar head on a causal LM, fitted to preference pairs by Bradley–Terry,
 
     loss = −log σ(r(x, y_w) − r(x, y_l) − m) + c · (r(x, y_w) + r(x, y_l))²
 
-with an optional margin m per pair (``--margin-field``) and an optional centring
-coefficient c that keeps rewards near 0 (Eisenstein et al., 2023, "Helping or
-Herding?", whose auxiliary loss TRL's ``center_rewards_coefficient`` also uses).
-The result is an ordinary ``AutoModelForSequenceClassification`` folder with one
-label: ``--reward-model OUT`` loads it as it is, and scores ``prompt + completion``
-exactly as training did (``rewards/reward_model.score_texts``).
+with an optional margin m per pair (``--margin-field``) and centring coefficient c (Eisenstein et al., 2023; TRL's
+``center_rewards_coefficient``). The result is a one-label ``AutoModelForSequenceClassification`` folder that
+``--reward-model`` loads as it is, scoring ``prompt + completion`` as training did.
 """
 
 from __future__ import annotations
@@ -67,8 +64,8 @@ def _text(value, where: str, field: str, tokenizer) -> str:
 
 def preference_pairs(rows: list[dict], dataset: str, prompt_field: str | None, chosen_field: str,
                      rejected_field: str, margin_field: str | None, tokenizer, log=print) -> list[Pair]:
-    """Rows → pairs; the prompt field may be absent (TRL's implicit-prompt format: the prompt is
-    inside chosen and rejected). A pair whose two sides are equal teaches nothing: counted, skipped."""
+    """Rows → pairs; the prompt field may be absent (TRL's implicit-prompt format). A pair whose two sides are equal
+    teaches nothing: counted, skipped."""
     if not rows:
         raise UserError(f"--dataset {dataset}: no rows")
     pairs, ties = [], 0
@@ -145,8 +142,7 @@ def train_reward_model(model_name: str | None, pairs: list[Pair], output_dir: Pa
 
 
 def _fresh_backbone(output_dir: Path, seed: int) -> str:
-    """Without --model: the embedded tiny model, freshly initialised, saved beside ``output_dir`` (removed once
-    trained) so that it loads as any checkpoint does; its folder."""
+    """Without --model: the tiny model, fresh, saved beside ``output_dir`` so it loads as any checkpoint."""
     tokenizer = build_tokenizer()
     backbone = build_model(tokenizer, seed=seed)
     staging = output_dir.parent / f".{output_dir.name}.backbone"
@@ -156,8 +152,7 @@ def _fresh_backbone(output_dir: Path, seed: int) -> str:
 
 
 def _load(model_name: str, device: str, offline: bool):
-    """The checkpoint as a one-label sequence classifier (a fresh scalar head on the LM) and its tokenizer, which
-    pads with its end token when it has no pad token; one line if it cannot be loaded as such."""
+    """The checkpoint as a one-label sequence classifier (a fresh scalar head) and its tokenizer."""
     check_model_source(model_name, offline)
     local = Path(model_name).expanduser().exists()
     try:
@@ -176,9 +171,7 @@ def _load(model_name: str, device: str, offline: bool):
 def _fit_pairs(model, tokenizer, train: list[Pair], steps: int, batch_size: int, learning_rate: float,
                generator: random.Random, device: str, center_coefficient: float, max_length: int | None,
                bar: Progress) -> list[dict]:
-    """``steps`` AdamW steps on the Bradley–Terry loss, each on ``batch_size`` pairs drawn with replacement (chosen
-    and rejected scored in one forward), gradients clipped to norm 1; the loss of each step. A loss that is not
-    finite stops the run in one line."""
+    """``steps`` AdamW steps on the Bradley–Terry loss, on ``batch_size`` pairs drawn with replacement each."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate, foreach=True)
     history = []
     model.train()
@@ -203,16 +196,14 @@ def _fit_pairs(model, tokenizer, train: list[Pair], steps: int, batch_size: int,
 
 
 def _held_out(model, tokenizer, evaluation: list[Pair], device: str, max_length: int | None) -> dict:
-    """The held-out pairs scored: pairwise accuracy, reward gap and calibration (``pairwise_metrics``), and the
-    mean reward over both sides."""
+    """The held-out pairs' ``pairwise_metrics`` and the mean reward over both sides."""
     chosen = score_texts(model, tokenizer, [p.prompt + p.chosen for p in evaluation], device, max_length=max_length)
     rejected = score_texts(model, tokenizer, [p.prompt + p.rejected for p in evaluation], device, max_length=max_length)
     return {**pairwise_metrics(chosen, rejected), "reward_mean": float(torch.cat([chosen, rejected]).mean())}
 
 
 def _save(output_dir: Path, model, tokenizer, metrics: dict) -> None:
-    """The trained model as an ordinary checkpoint folder (``--reward-model`` loads it as it is), with its
-    metrics.json and calibration.png."""
+    """The trained model as an ordinary checkpoint folder, with its metrics.json and calibration.png."""
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
@@ -224,21 +215,12 @@ def _save(output_dir: Path, model, tokenizer, metrics: dict) -> None:
 
 
 def run(config: RewardModelConfig) -> dict:
-    """``auto-research reward-model``: preference pairs → a one-scalar reward model in --output-dir.
-
-    Every input is checked before training; the model is trained beside the earlier one (inside the
-    locked folder) and replaces it only at the end, so a failure leaves nothing half-written.
-    """
+    """``auto-research reward-model``: preference pairs → a one-scalar reward model in --output-dir. Every input is
+    checked first; the model is trained beside the earlier one and replaces it only at the end."""
     config.validate()
     check_writable_directory(config.output_dir)
     with locked(config.output_dir, "reward-model"):
         return _fit(config, Path(config.output_dir))
-
-
-def _tokenizer_for(model: str | None, offline: bool):
-    if model is None:
-        return build_tokenizer()
-    return AutoTokenizer.from_pretrained(model, local_files_only=offline or Path(model).expanduser().exists())
 
 
 def _fit(config: RewardModelConfig, output: Path) -> dict:
@@ -248,8 +230,10 @@ def _fit(config: RewardModelConfig, output: Path) -> dict:
         check_model_source(config.model, config.offline)
     rows = load_rows(config.dataset, config.offline)
     log = lambda text: print(text, file=sys.stderr)  # noqa: E731
+    tokenizer = build_tokenizer() if config.model is None else AutoTokenizer.from_pretrained(
+        config.model, local_files_only=config.offline or Path(config.model).expanduser().exists())
     pairs = preference_pairs(rows, config.dataset, config.prompt, config.chosen_field, config.rejected_field,
-                             config.margin_field, _tokenizer_for(config.model, config.offline), log=log)
+                             config.margin_field, tokenizer, log=log)
     held = config.evaluation_examples or max(1, min(500, len(pairs) // 10))
     if held >= len(pairs):
         raise UserError(f"--evaluation-examples {held}: the dataset has {len(pairs)} usable pairs, and some must be "

@@ -37,8 +37,7 @@ def run(config: RLHFConfig, log=print) -> dict:
 
 
 def _pipeline(config: RLHFConfig, output: Path, log) -> dict:
-    """Warm start → preference pairs → proxy reward model → every RL run → the summary, its table and its plot;
-    each stage's seconds in ``stage_seconds``."""
+    """Warm start → pairs → proxy reward model → every RL run → summary, table, plot; with each stage's seconds."""
     _clear_earlier(output, config.overwrite)
     started = time.perf_counter()
     task = preference_task(config.dataset)
@@ -72,8 +71,7 @@ def _clear_earlier(output: Path, overwrite: bool) -> None:
 
 
 def _warm_start(config: RLHFConfig, task, log) -> Path:
-    """The policy the pipeline starts from: --model as given, else the task's warm-started model (made once and
-    kept in the cache)."""
+    """The policy the pipeline starts from: --model as given, else the task's warm-started model."""
     if config.model is not None:
         check_model_source(config.model, True)
         return Path(config.model)
@@ -81,8 +79,7 @@ def _warm_start(config: RLHFConfig, task, log) -> Path:
 
 
 def _pairs(config: RLHFConfig, task, warm: Path, output: Path, log):
-    """--pairs pairs sampled from the warm-started policy and labelled (noisily) from the gold reward, written to
-    preferences.jsonl; its rows, the pairs read back from it, and the labels' statistics."""
+    """--pairs pairs sampled and labelled into preferences.jsonl; its rows, the pairs read back, the labels' stats."""
     log(f"[1/3] sampling and labelling {config.pairs} preference pairs from the warm-started policy")
     label_stats = preferences.make_preferences(warm, task, output / "preferences.jsonl", config.pairs, seed=0,
                                                temperature=preferences.PAIR_TEMPERATURE, max_new_tokens=6, log=log)
@@ -93,9 +90,8 @@ def _pairs(config: RLHFConfig, task, warm: Path, output: Path, log):
 
 def _reward_model(config: RLHFConfig, warm: Path, rows: list[dict], pairs, label_stats: dict, output: Path,
                   log) -> dict:
-    """The proxy reward model trained on the pairs (a tenth held out, at most 500) into reward-model/, its
-    metrics.json completed with its accuracy against the gold order on the held-out pairs and the labels' own
-    agreement with it; those metrics."""
+    """The proxy reward model trained on the pairs (a tenth held out, at most 500) into reward-model/; its metrics,
+    with its accuracy against the gold order on the held-out pairs and the labels' own agreement with it."""
     held = max(1, min(500, len(pairs) // 10))
     log(f"[2/3] training the proxy reward model on {len(pairs) - held} pairs ({held} held out)")
     reward_metrics = train_reward_model(str(warm), pairs, output / "reward-model", config.reward_model_steps, 64,

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from auto_research.config.generation import GenerationConfig
 from auto_research.config.recipes import SFTConfig
 from auto_research.data.tasks import load_task

@@ -1,9 +1,5 @@
 """A generation-level run's frozen values, built once (``build_components``): ``RunContext``, ``Models``, ``Drawing``.
-
-Weights and optimizer states are float32 (master weights); ``--dtype bfloat16`` runs the forward passes
-under bf16 autocast. The frozen reference is the initial policy held in the compute dtype, or, with
-LoRA, the same model with its adapters off (no second copy).
-"""
+Weights and optimizer states are float32 (master weights); ``--dtype bfloat16`` runs forwards under bf16 autocast."""
 
 from __future__ import annotations
 
@@ -52,12 +48,10 @@ class RunContext:
     tokenizer: object
     model_name: str
     engine: SamplerRecord
-    """The rollout engine's record (``engine/samplers.py``), resolved once from the settings."""
     python_rewards: tuple = ()
     """The rewards given from Python, as config.yaml names them (``Prepared.python_rewards``)."""
 
     def autocast(self):
-        """bf16 compute over float32 master weights when --dtype bfloat16; nothing otherwise."""
         return autocast_for(self.device, self.compute_dtype)
 
     def sampling(self, policy):
@@ -88,8 +82,8 @@ class Models:
 
     @contextlib.contextmanager
     def reference_in_use(self):
-        """Around every pass of the reference: with --offload-reference its weights come back for the pass and
-        leave the process's memory after it; yields the reference (None without one)."""
+        """Around every pass of the reference (yielded, None without one): with --offload-reference its weights
+        come back for the pass and leave after it."""
         if self.offloaded_reference is None:
             yield self.reference
             return
@@ -108,7 +102,6 @@ class Drawing:
     reward: CombinedReward
     judge: Callable | None
     train_prompts: list[str]
-    """The task's training prompts as the model sees them (through the chat template)."""
     eval_prompts: list[str]
     episodes: object | None = None
     """Multi-turn trajectories with --environment/--tools (envs.rollout.EpisodeRunner), or --rollout-function's
@@ -134,11 +127,8 @@ def sampling_context(world: World, policy, device: str, compute_dtype: torch.dty
 
 
 def adamw(model, optimisation: OptimisationSection) -> torch.optim.AdamW:
-    """AdamW over the weights that train, the same arithmetic in its fastest form: fused (one kernel reads and
-    writes each weight, gradient and moment once, with no temporary the size of the model; on this CPU about 5×
-    faster than foreach, and the peak during the step is the training state alone) wherever torch has the fused
-    kernel for the weights' device; else multi-tensor (foreach), as for FSDP's sharded weights (DTensors), whose
-    step makes temporaries as large as the weights it steps."""
+    """AdamW over the weights that train: fused wherever torch has the kernel for their device (no temporary the
+    size of the model; on this CPU about 5× faster than foreach), else foreach (FSDP's DTensors)."""
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
     from torch.optim.optimizer import _get_fused_kernels_supported_devices  # noqa: PLC0415
 
@@ -158,12 +148,10 @@ def _load_optimizer(world: World, model, optimizer, folder: Path) -> None:
 
 
 def recompute_in_backward(modules, kind: str) -> int:
-    """Wrap each module's forward in torch.utils.checkpoint (non-reentrant) whenever gradients are being taken:
-    what the module keeps for its backward is not kept, only its inputs, and the backward runs its forward again.
-    The numbers are unchanged. Unlike transformers' own gradient checkpointing, which acts only in training mode
-    (the policy is trained in eval mode, with dropout off), it works in either mode. A forward given a KV cache
-    runs as it is (the recompute would extend the cache twice). ``kind`` ("layer" or "mlp") is kept on each module
-    as ``recomputed_in_backward``. Returns the modules wrapped."""
+    """Wrap each module's forward in non-reentrant torch.utils.checkpoint when gradients are taken (same numbers).
+    Unlike transformers' own, it works in eval mode (the policy trains in it); a forward given a KV cache runs as it
+    is (the recompute would extend the cache twice). ``kind`` is kept as ``recomputed_in_backward``. Returns the
+    count."""
     wrapped = 0
     for module in modules:
         forward = module.forward
@@ -180,9 +168,7 @@ def recompute_in_backward(modules, kind: str) -> int:
 
 
 def checkpoint_mlps(model) -> int:
-    """Recompute every decoder layer's MLP in the backward (``recompute_in_backward``): what the MLP keeps for its
-    backward (its gate, up and activation products, 2.7× the hidden size each on Llama-shaped models) is not
-    kept; only its input is. Returns the MLPs wrapped."""
+    """Recompute every decoder layer's MLP in the backward (its gate, up and activation products are not kept)."""
     mlps = [layer.mlp for layer in decoder_layers(model) if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
     if not mlps:
         raise UserError("--checkpoint-mlp: this model's decoder layers have no mlp module to recompute")
@@ -190,9 +176,7 @@ def checkpoint_mlps(model) -> int:
 
 
 def checkpoint_layers(model) -> int:
-    """Recompute every decoder layer in the backward (``recompute_in_backward``, --gradient-checkpointing): only
-    each layer's input is kept, the least activation memory for one more forward's compute. Returns the layers
-    wrapped."""
+    """Recompute every decoder layer in the backward (--gradient-checkpointing). Returns the layers wrapped."""
     layers = decoder_layers(model)
     if not layers:
         raise UserError("--gradient-checkpointing: this model has no list of decoder layers to recompute")
@@ -217,8 +201,7 @@ def _check_context(model, tokenizer, prompts: list[str], max_new_tokens: int) ->
 
 
 def build_components(prepared: Prepared, model_name: str, world: World, log=print):
-    """The run's context, its trainer side and what it draws with: every model loaded once, the checkpoint's weights
-    and optimizer states put in when resuming, and the models wrapped for several processes (DDP, or FSDP2)."""
+    """The run's context, trainer side and drawing side: every model loaded once, resumed, and wrapped (DDP, FSDP2)."""
     config, task, resume_from = prepared.config, prepared.task, prepared.resume_from
     algorithm, offline, lora_r = get_algorithm(config.run.algorithm), config.data.offline, bool(config.lora.lora_r)
     device, compute_dtype = _start(config.policy, config.run.seed, world)
@@ -275,9 +258,8 @@ def _start(policy: PolicySection, seed: int, world: World) -> tuple[str, torch.d
 
 def _reference(loss: LossSection, lora_section: LoraSection, offline: bool, task: Task, policy, model_name: str,
                device: str, compute_dtype):
-    """The policy (with its adapters under LoRA) and the frozen reference: the policy with its adapters off under
-    LoRA, else --reference-model (by default a second copy of the initial policy) in the compute dtype. With β = 0
-    the reference is not needed, unless the task measures over-optimisation against the KL: None then."""
+    """The policy (with adapters under LoRA) and the frozen reference: the policy with its adapters off under LoRA,
+    else --reference-model (default a copy of the policy) in the compute dtype; None when β = 0 and no gold scorer."""
     measured = loss.beta > 0 or task.gold is not None
     if lora_section.lora_r:
         policy, reference = lora.add_adapters(policy, lora_section, model_name)
@@ -307,8 +289,7 @@ def _check_tokenizers(loss: LossSection, offline: bool, model_name: str, log) ->
 
 def _load_critic(critic_model: str | None, reward_model: str | None, optimisation: OptimisationSection,
                  offline: bool, model_name: str, device: str, vocabulary: int):
-    """PPO's critic, from --critic-model, else the reward model, else the policy's checkpoint; the flag that
-    named it is in any error about it."""
+    """PPO's critic, from --critic-model, else the reward model, else the policy's checkpoint."""
     source, flag = ((critic_model, "--critic-model") if critic_model else
                     (reward_model, "--reward-model (the critic's default start)") if reward_model
                     else (model_name, "--model"))
@@ -318,13 +299,11 @@ def _load_critic(critic_model: str | None, reward_model: str | None, optimisatio
 
 
 def _formatted(tokenizer, examples, chat_template) -> list[str]:
-    """The examples' prompts as the model sees them (through the chat template)."""
     return [format_prompt(tokenizer, example.messages or example.prompt, chat_template) for example in examples]
 
 
 def _resume_weights(folder: Path, lora_r: bool, policy, critic) -> None:
-    """The checkpoint's weights into the policy (its adapters alone under LoRA) and the critic, before any
-    wrapping for several processes."""
+    """The checkpoint's weights into the policy (its adapters alone under LoRA) and the critic, before wrapping."""
     if lora_r:
         lora.load_adapter_weights(folder, policy)
     else:
@@ -334,8 +313,7 @@ def _resume_weights(folder: Path, lora_r: bool, policy, critic) -> None:
 
 
 def _wrap_reference(lora_r: bool, offload: bool, world: World, reference, log) -> OffloadedReference | None:
-    """A reference of its own is wrapped for several processes (it does not train) and, with --offload-reference
-    (``offload``), kept out of the process between its passes; the offloaded reference, else None."""
+    """A reference of its own wrapped and, with --offload-reference, offloaded (returned), else None."""
     if reference is not None and not lora_r:
         world.wrap(reference, trains=False)
         if offload:
@@ -347,8 +325,7 @@ def _wrap_reference(lora_r: bool, offload: bool, world: World, reference, log) -
 
 def _optimizers(optimisation: OptimisationSection, world: World, policy, train_policy, critic,
                 resume_from: Path | None):
-    """The policy's optimizer, the critic wrapped and its optimizer (None, None without a critic), with the
-    checkpoint's optimizer states when resuming."""
+    """The policy's optimizer, the critic wrapped and its optimizer (None, None without one), resumed states in."""
     optimizer = adamw(policy, optimisation)
     train_critic = critic_optimizer = None
     if critic is not None:
@@ -361,8 +338,7 @@ def _optimizers(optimisation: OptimisationSection, world: World, policy, train_p
 
 
 def _episodes(prepared: Prepared, algorithm: Algorithm, tokenizer, policy, sampler, model_name: str, task: Task):
-    """The multi-turn runner that draws the run's trajectories with its sampler: --environment/--tools' episodes,
-    or --rollout-function's; None for single-turn sampling."""
+    """The multi-turn runner (--environment/--tools', or --rollout-function's) over the sampler; None for one turn."""
     config = prepared.config
     scores_replies = bool(prepared.rewards or config.rewards.reward_model)
     episodes = None
@@ -386,8 +362,8 @@ def sampling_settings(sampling: SamplingSection) -> SamplingSettings:
 
 
 def chunk_prompts(sampling: SamplingSection, optimisation: OptimisationSection) -> int | None:
-    """Sampling runs in chunks of --generation-batch-size (else --micro-batch-size) completions: the same chunks
-    on 1 or N processes, hence the same floating-point numbers."""
+    """Prompts per sampling chunk, from --generation-batch-size (else --micro-batch-size) completions: the same
+    chunks on 1 or N processes, hence the same floating-point numbers."""
     per_call = sampling.generation_batch_size or optimisation.micro_batch_size
     return max(1, per_call // sampling.group_size) if per_call else None
 

@@ -1,15 +1,7 @@
-"""Dynamic sampling (DAPO's, Yu et al. 2025, §3.2): a group whose K scores are all equal carries no task signal
-(its leave-one-out or group-normalised advantage is zero but for the KL), so it is dropped and its slot refilled
-with a fresh prompt, up to ``--max-refills`` times (at most ``MAX_REFILLS``, 64), before the step trains.
-
-Each of a step's ``--prompts-per-step`` slots fills itself: slot j's refill r is a prompt drawn by a generator
-of its own, seeded by (run seed, step, j, r), and sampled with a seed of its own. So the batch a step trains on
-does not depend on how many processes share the slots, no process waits for another's scores (the rollout side
-runs no collective), and every process trains on the same number of groups: under torchrun the work per rank
-is equal in training, and only the sampling of refills can differ (the slowest rank sets the pace). A slot
-still without signal after its last refill keeps its first group: that shortfall is counted
-(``trained_no_signal_fraction``). The main prompt generator is not touched by refills: a checkpoint's state is
-the same with dynamic sampling on or off.
+"""Dynamic sampling (DAPO's, Yu et al. 2025, §3.2; docs/algorithms.md): a group whose K scores are all equal is
+dropped and its slot refilled with a fresh prompt, up to ``--max-refills`` times. Slot j's refill r draws from a
+generator seeded by (seed, step, j, r), so the batch is the same on any number of processes and the main prompt
+generator (a checkpoint's state) is untouched.
 """
 
 from __future__ import annotations
@@ -19,8 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 REFILL_WARNING = 4
-"""Refills per slot in one step beyond which the run warns once (a reward constant on most prompts?): the
-default --max-refills never passes it; a larger one may, up to ``config.sampling.MAX_REFILLS`` per slot."""
+"""Refills per slot in one step beyond which the run warns once (the default --max-refills never passes it)."""
 
 REFILL_SEED_OFFSET = 1_000_003
 """Refill r of slot j samples with ``prompt_seed(seed, step, OFFSET·r + j)``: apart from every dataset index."""
@@ -51,10 +42,8 @@ class Filled:
 
 def fill(slots: list[int], first_scores: list[list], sample_round, max_refills: int, draw_index) -> Filled:
     """Fill every slot with a group that has signal, if one turns up within ``max_refills`` refills.
-
-    ``first_scores[i]`` are slot ``slots[i]``'s K scores from the step's first batch; ``draw_index(slot, r)`` the
-    dataset index slot tries at refill r; ``sample_round(r, [(slot, index), ...])`` samples and scores those
-    prompts (one group each) and returns their groups' scores in that order."""
+    ``first_scores[i]``: slot ``slots[i]``'s K scores; ``draw_index(slot, r)``: the index it tries at refill r;
+    ``sample_round(r, [(slot, index), ...])`` samples and scores those prompts, returning their groups' scores."""
     chosen = [(0, position) for position in range(len(slots))]
     waiting = [position for position, scores in enumerate(first_scores) if not has_signal(scores)]
     groups, no_signal, refills = len(slots), len(waiting), 0

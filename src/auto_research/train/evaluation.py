@@ -1,11 +1,6 @@
-"""Held-out evaluation: greedy completions, exact-match accuracy, reward, entropy and KL.
-
-Entropy and KL(π ‖ π_ref) are exact per-token values over the whole
-vocabulary at each position of the greedy completion, so they carry no
-sampling noise. ``entropy`` is per token (over every held-out completion's
-tokens), as in each step's row of metrics.jsonl; ``kl_from_reference`` is
-summed over a completion and averaged over prompts, as the row's ``kl``.
-"""
+"""Held-out evaluation: greedy completions, exact-match accuracy, reward, entropy and KL. Entropy and KL(π ‖ π_ref)
+are exact over the whole vocabulary (no sampling noise): ``entropy`` per token, ``kl_from_reference`` summed over a
+completion and averaged over prompts, as the rows' ``entropy`` and ``kl``."""
 
 from __future__ import annotations
 
@@ -32,18 +27,10 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
              temperature: float = 1.0, batch_size: int = 64, shard: tuple[int, int] = (0, 1),
              total=lambda tensor: tensor, gold=None, completions: dict | None = None, details: dict | None = None,
              detail_count: int = 0, episodes=None) -> dict[str, float]:
-    """accuracy (None without a verifier: rows without answers), mean_reward (over the completions the reward
-    could score), entropy and kl_from_reference of greedy completions.
-
-    Under several processes, ``shard`` = (rank, size) deals out the fixed batches of
-    ``batch_size`` prompts (batch b to rank b mod size) and ``total`` adds the sums up, so
-    every batch is the one a single process would evaluate. ``gold``: a hidden scorer whose
-    mean over the greedy completions is reported as ``gold_reward`` (never trained on).
-    ``completions``: a dict that receives {prompt index: greedy completion} of this rank; ``details``, one that
-    receives {index: (completion, reward, correct)} for the first ``detail_count`` prompts (a completion table).
-    ``episodes`` (envs.rollout.EpisodeRunner): greedy multi-turn trajectories instead, the verifier and the
-    reward functions on the final reply, the table showing the whole conversation, ``turns_mean`` added.
-    """
+    """accuracy (None without a verifier), mean_reward, entropy and kl_from_reference of greedy completions.
+    ``shard`` = (rank, size) deals out the fixed batches (b to rank b mod size), ``total`` adds the sums up: every batch
+    is the one a single process would evaluate. ``completions`` and ``details`` receive this rank's completions (and
+    rewards, verdicts for the first ``detail_count``); ``episodes``: multi-turn trajectories, ``turns_mean`` added."""
     tally = _Tally()
     rank, size = shard
     for start in range(rank * batch_size, len(prompts), batch_size * size):
@@ -72,8 +59,7 @@ def evaluate(model, reference, tokenizer, prompts: list[str], examples, verifier
 
 @dataclass
 class _Tally:
-    """This rank's figures, one entry per held-out prompt (``tokens``: per completion), summed across ranks at the
-    end."""
+    """This rank's figures, one entry per held-out prompt, summed across ranks at the end."""
 
     correct: list = field(default_factory=list)
     rewards: list = field(default_factory=list)
@@ -85,8 +71,7 @@ class _Tally:
 
 
 def _greedy(model, tokenizer, prompts: list[str], examples, max_new_tokens: int, episodes):
-    """A batch's greedy rollout and the replies the verifier reads: the completions, or with ``episodes`` each
-    multi-turn trajectory's final reply."""
+    """A batch's greedy rollout and the replies the verifier reads (with ``episodes``, each final reply)."""
     if episodes is None:
         rollout = sample(model, tokenizer, prompts, 1, max_new_tokens, greedy=True)
         return rollout, rollout.completions
@@ -95,8 +80,7 @@ def _greedy(model, tokenizer, prompts: list[str], examples, max_new_tokens: int,
 
 
 def _rewards(reward, prompts: list[str], rollout, examples, episodes) -> list:
-    """Each completion's reward, None where it could not be scored: an invalid value (NaN, an environment's inf)
-    is unscored, as in training."""
+    """Each completion's reward, None where it could not be scored (an invalid value too, as in training)."""
     if episodes is not None:
         values = episode_rewards(reward, prompts, rollout, examples, episodes.scores_replies)
     elif getattr(reward, "takes_completion_ids", False):
@@ -107,8 +91,7 @@ def _rewards(reward, prompts: list[str], rollout, examples, episodes) -> list:
 
 
 def _measure(model, reference, rollout, temperature: float, rows: int, tally: _Tally) -> None:
-    """Each completion's exact entropy and KL(π ‖ π_ref) summed over its trained tokens (KL 0 without a
-    reference), and its count of those tokens."""
+    """Each completion's exact entropy and KL(π ‖ π_ref) over its trained tokens, and their count."""
     mask = rollout.trained_mask.float()
     log_p = _distributions(model, rollout, temperature)
     tally.entropies += (-(log_p.exp() * log_p).sum(-1) * mask).sum(-1).tolist()
@@ -121,8 +104,7 @@ def _measure(model, reference, rollout, temperature: float, rows: int, tally: _T
 
 
 def _summary(tally: _Tally, prompts: int, total, verifier: str | None, gold: bool, episodes: bool) -> dict[str, float]:
-    """The ranks' sums added up (``total``), then the figures: accuracy and KL per prompt, entropy per token, the
-    mean reward over the completions scored."""
+    """The ranks' sums added up, then the figures (accuracy and KL per prompt, entropy per token)."""
     count = max(prompts, 1)
     sums = total(torch.tensor([sum(map(bool, tally.correct)), sum(tally.rewards), len(tally.rewards),
                                sum(tally.entropies), sum(tally.kls), sum(tally.golds), sum(tally.turns),
@@ -155,10 +137,8 @@ def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 8) -> float | 
 
 
 def held_out(run, models, drawing, completions: dict | None = None, table: list | None = None) -> dict:
-    """Held-out evaluation of a run's policy (``models``), its batches dealt out to the ranks and the sums added up.
-    With ``completions`` (a dict), it receives every held-out prompt's greedy completion by index; with
-    ``table`` (a list), the completion table of the first --log-completions prompts (rows of prompt,
-    completion, answer, reward, correct), from the same greedy completions and rewards."""
+    """Held-out evaluation of a run's policy over every rank. ``completions`` (a dict) receives every prompt's greedy
+    completion by index; ``table`` (a list), the completion table of the first --log-completions prompts."""
     failure, result, mine, details = None, None, {}, {}
     task, sampling, world = run.task, run.config.sampling, run.world
     with models.reference_in_use() as reference, run.sampling(models.policy)(reference):

@@ -1,12 +1,5 @@
-"""The trainer's first phase, and the values the rollout side hands it (rollouts.py draws, samples, scores):
-
-    drawn      = rollouts.take(step)                      # Batch, Rollout (with policy versions), rewards
-    scores     = agreed_scores(world, drawn, step, K)     # rewards, None-masked, agreed over ranks
-    experience = build_experience(run, models, rollout, scores, version)  # log π_old, π_ref, entropy, values, streams
-
-Its per-token signal streams (``registry.SIGNALS``) are made by the sources of ``SIGNAL_SOURCES``; the algorithm's
-record says which make the estimator's reward and which join the advantage (``update.estimate_advantages``).
-"""
+"""The trainer's first phase (log π_old, π_ref, entropy, values, the per-token signal streams of ``SIGNAL_SOURCES``),
+and the values the rollout side hands it."""
 
 from __future__ import annotations
 
@@ -44,13 +37,9 @@ class Scores:
     """(B,) bool: the reward could score this completion."""
     greedy_rewards: torch.Tensor | None = None
     """(B,) the reward of the prompt's greedy completion (ReMax), repeated over its group."""
-    unscored: int = 0
-    """Completions the reward could not score, over every rank."""
+    unscored: int = 0  # the counts are over every rank: completions unscored, all, unscored for an invalid reward
     samples: int = 0
-    """Completions scored or not, over every rank."""
     invalid: int = 0
-    """Completions unscored for an invalid reward (NaN, ±inf, beyond ±MAX_REWARD: ``rewards.combine``), over
-    every rank."""
     causes: dict = field(default_factory=dict)
     """{why a completion is unscored: how many}, over every rank (a plain None is not listed)."""
     functions: dict = field(default_factory=dict)
@@ -83,8 +72,7 @@ class Experience:
     values: torch.Tensor | None = None
     """(B, T) the critic's V(s_t) (PPO)."""
     rollout_weights: torch.Tensor | None = None
-    """(B, T) the importance weights of each token's loss term for a sampler other than the trainer
-    (--rollout-correction; algorithms/correction.py); None when the trainer sampled."""
+    """(B, T) each token's importance weight for a sampler other than the trainer (--rollout-correction), or None."""
     drift: dict | None = None
     """This process's sums of the sampler/trainer log-prob mismatch (``correction.mismatch``)."""
 
@@ -100,13 +88,8 @@ def widen(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def no_grad_forward(run: RunContext, model, rollout: Rollout, function, **options):
-    """``function`` over the rollout in micro-batches (``micro_batches.py``: by rows or by tokens), without
-    gradient, each output row put back in its place.
-
-    Each micro-batch is trimmed to its own longest prompt and completion (``Rollout.rows``), so
-    no compute goes to columns that are padding in every row, and a micro-batch has the same
-    shape whichever process holds it; outputs are padded back to the batch's width with zeros.
-    """
+    """``function`` over the rollout in micro-batches without gradient, each output row put back in its place. Each
+    micro-batch is trimmed to its own widths (the same shape whichever process holds it), outputs zero-padded back."""
     rows, width = rollout.sequences.shape[0], rollout.completion_mask.shape[1]
     outputs = None
     with torch.no_grad(), run.autocast():
@@ -125,19 +108,13 @@ def no_grad_forward(run: RunContext, model, rollout: Rollout, function, **option
 
 def build_experience(run: RunContext, models: Models, rollout: Rollout, scores: Scores, version: int | None = None,
                      reference_logprobs: torch.Tensor | None = None) -> Experience:
-    """log π_ref of every completion token (when a reference is held), then log π of the policy that sampled
-    (the ratios' denominator and the KL) with its entropy, and the critic's values: no-grad forwards.
+    """No-grad forwards: log π_ref (when a reference is held), log π_old with its entropy, the critic's values.
 
-    The policy's forward is skipped when the step is on-policy (one update per batch) and the sampler drew
-    from the training weights' own, unfiltered distribution in float32: its log-probs and entropies are then
-    those of the policy (the ratio of the one update is 1), computed as it sampled, by these very weights
-    (``version``, the policy after that many steps: rows drawn by older weights need the forward).
-
-    The sampler's log-probs are the behaviour policy μ. When another engine sampled, or older weights did
-    (--max-staleness ≥ 1), each token's loss term is weighted by the truncated π_old/μ (--rollout-correction),
-    π_old being the weights at the start of this update: for the clipped losses (PPO, GRPO, REINFORCE++) that is
-    the decoupled objective's proximal policy (the ratio is clipped against π_old, the weight corrects π_old
-    to μ); for the whole-completion estimators (RLOO …) π_old is the policy whose gradient is taken."""
+    The policy's forward is skipped when the step is on-policy (one update) and the sampler drew from these very
+    weights' (``version``'s) unfiltered distribution in float32: its log-probs are then the policy's.
+    When another engine or older weights sampled (μ), each token's term is weighted by the truncated π_old/μ: for
+    the clipped losses π_old is the decoupled objective's proximal policy; for RLOO & co the one whose gradient is
+    taken."""
     temperature, device, critic = run.config.sampling.temperature, run.device, models.critic
     rollout, scores = rollout.to(device), scores.to(device)  # the sampler's device may not be the trainer's
     if reference_logprobs is not None:
@@ -165,8 +142,7 @@ def build_experience(run: RunContext, models: Models, rollout: Rollout, scores: 
 
 
 def task_reward(run, models, rollout: Rollout, scores: Scores, old_logprobs, reference_logprobs) -> torch.Tensor:
-    """The task's reward on each completion's last token, DAPO's overlong penalty (--overlong-buffer) added to the
-    scored ones."""
+    """The task's reward on each completion's last token, plus DAPO's overlong penalty (--overlong-buffer)."""
     loss, mask, rewards = run.config.loss, rollout.trained_mask.float(), scores.rewards
     if loss.overlong_buffer:
         penalty = overlong_penalty(mask.sum(1), run.config.sampling.max_new_tokens, loss.overlong_buffer,
@@ -195,8 +171,7 @@ def signal_sources() -> dict[str, Callable]:
 
 
 def corrected(engine, max_staleness: int) -> bool:
-    """Whether μ may differ from π_old: another engine (its record) samples, or older weights (--max-staleness
-    ≥ 1)."""
+    """Whether μ may differ from π_old: another engine samples, or older weights (--max-staleness ≥ 1)."""
     return not engine.is_the_trainer or max_staleness > 0
 
 

@@ -1,20 +1,8 @@
-"""Rollouts in flight (--max-staleness K ≥ 1): the rollout side in a thread of its own, with its own copy of the
-policy's weights, drawing step s's batch with weights version max(0, s − 1 − K) while the trainer trains.
-
-The rollout side also computes the frozen reference's log-probs of each batch (with a copy of the reference,
-when it is a model of its own), which a synchronous step computes in the trainer's experience phase: a stale
-batch costs the trainer a forward of its own policy for π_old instead.
-
-The schedule is fixed, so two runs with one seed train on the same batches whatever the threads' timing: the
-producer *waits* for the version a batch needs (it never draws with newer weights, and no batch is dropped), and
-the trainer waits for the batch it needs. At most K + 1 batches are ever drawn ahead of the trainer, and the
-producer holds at most K + 1 versions of the weights (a copy each, the newest the trainer published). The
-builtin sampler runs apart this way; the thread runs no collective (each rank has its own producer; the
-agreement over ranks is the trainer's, ``rollouts.agreed_scores``).
-
-A checkpoint after step s holds the batches of steps s + 1 … s + K (drawn by versions that a resumed run no
-longer has) and the prompt generator's state after the last of them; a resumed run starts its producer at
-step s + K + 1 with the checkpoint's weights, version s: SIGKILL and --resume end with the same weights.
+"""Rollouts in flight (--max-staleness K ≥ 1; docs/async.md): the rollout side in a thread of its own, with its own
+copy of the weights, drawing step s's batch with version max(0, s − 1 − K) while the trainer trains (and computing
+the reference's log-probs). The schedule is fixed: the producer *waits* for the version a batch needs, so one seed
+trains on the same batches whatever the threads' timing. A checkpoint after step s holds the batches of steps
+s + 1 … s + K; a resumed run's producer starts at step s + K + 1 from version s.
 """
 
 from __future__ import annotations
@@ -32,8 +20,7 @@ from auto_research.train.sides import Handover, Schedule
 
 
 class InFlight(Handover):
-    """The rollout side in a thread, drawing whole batches: with a copy of the policy (``model``, loaded with each
-    version's snapshot) or with an engine whose weights are pushed to it (``remote``)."""
+    """The rollout side in a thread, drawing whole batches with a copy of the policy (``model``) or ``remote``."""
 
     def __init__(self, source: RolloutSource, rng, schedule: Schedule, policy, saved: list[Drawn] = (), model=None,
                  remote=None):
@@ -51,12 +38,10 @@ class InFlight(Handover):
 
 class StreamedInFlight(InFlight):
     """``InFlight`` over a fleet of rollout servers, drawing across batches (``fleet_stream.Stream``): a batch's
-    units are queued as soon as its version is published, and each server moves on to the next version when no unit
-    of its own is left, whatever the others still draw. Publishing copies the weights (the pushes happen on the
-    servers' threads), so the trainer never waits for a push. One thread queues the batches, another scores each
-    once drawn, in order. The same batches as ``InFlight``'s (each unit drawn by its version's weights).
-    ``reference_rows``: rows a part of a batch whose reference log-probs are computed as soon as they are drawn
-    (None: the whole batch once drawn)."""
+    units are queued once its version is published, each server moving on when no unit of its own is left; pushes
+    happen on the servers' threads, so the trainer never waits for one. One thread queues, another scores in order:
+    the same batches as ``InFlight``'s. ``reference_rows``: the rows of a part whose reference log-probs are computed
+    as soon as they are drawn (None: the whole batch once drawn)."""
 
     def __init__(self, source: RolloutSource, rng, schedule: Schedule, policy, saved: list[Drawn] = (), fleet=None,
                  reference_rows: int | None = None):
@@ -70,8 +55,7 @@ class StreamedInFlight(InFlight):
         super()._start()
 
     def close(self) -> None:
-        """The drawer stopped, the stream closed (its servers' threads end; batches waited for fail), the scorer
-        joined."""
+        """The drawer stopped, the stream closed (batches waited for fail), the scorer joined."""
         try:
             super().close()
         finally:
@@ -82,9 +66,7 @@ class StreamedInFlight(InFlight):
 
     def _push(self, version: int, policy) -> None:
         self.stream.publish(version, policy)
-        with self.condition:
-            self.snapshots[version] = None
-            self.condition.notify_all()
+        self._published(version, None)
 
     def _run(self) -> None:
         """Queue each step's batch once its version is published; a thread of its own scores them."""
@@ -115,9 +97,8 @@ class StreamedInFlight(InFlight):
             self._fail(error)
 
     def _reference_parts(self, ticket) -> list[torch.Tensor]:
-        """The reference's log-probs of the batch, ``reference_rows`` rows at a time, each part as soon as the units
-        holding its rows have answered, while the later ones are drawn. Each part is trimmed to its own rows, so
-        its numbers are those of the same rows cut from the whole batch."""
+        """The reference's log-probs of the batch, ``reference_rows`` rows at a time, each part as soon as its units
+        have answered; each trimmed to its own rows (the same numbers as those rows cut from the whole batch)."""
         K, size = ticket.group_size, self.reference_rows
         rows, parts = len(ticket.prompt_ids) * K, []
         for start in range(0, rows, size):

@@ -1,7 +1,5 @@
-"""The run around the step (nanoGPT's loop): the evaluation before training, Ctrl-C and SIGTERM, the
-cadence of evaluations, checkpoints and metrics rows, failures answered in one line with the last good
-step kept, and the metrics.json payload at the end. ``rl_step`` itself touches no disk.
-"""
+"""The run around the step (nanoGPT's loop): the evaluation before training, Ctrl-C and SIGTERM, the cadence of
+evaluations, checkpoints and rows, failures answered in one line with the last good step kept, metrics.json."""
 
 from __future__ import annotations
 
@@ -34,9 +32,8 @@ def _user_error(message: str, cause: BaseException) -> UserError:
 
 
 def restore(run, models, drawing, state: LoopState, folder: Path, log) -> tuple[list[Drawn], tuple[dict, dict] | None]:
-    """Continue from a checkpoint: the loop's state, every random state and metrics.jsonl cut back to it; the
-    batches in flight and the rest of the rollout side it saved, for ``schedule.open_side``. (The weights and
-    optimizer states went in when the models were built.)"""
+    """Continue from a checkpoint: the loop's state, every random state and metrics.jsonl cut back to it; returns
+    the batches in flight and the rollout side's state it saved, for ``schedule.open_side``."""
     saved, rng = checkpoints.read_trainer_state(folder)
     checkpoints.restore_rng(rng, state.rng)
     state.restore(saved)
@@ -79,15 +76,13 @@ class RunLoop:
         self.run_dir_ready = False
         self.stop_signal: int | None = None
         self.final_completions: dict = {}
-        self.last_saved: int | None = None
-        """The step of the last checkpoint this run saved (or resumed from): the one a failure names."""
+        self.last_saved: int | None = None  # the last checkpoint saved (or resumed from): the one a failure names
 
     # --- writes (rank 0) ------------------------------------------------------------------------------
 
     def _open_run_dir(self) -> None:
-        """Before every write: the folder is still this run's (``locks.FolderLock.check``); at the first,
-        ``--overwrite`` deletes the earlier run's outputs, once the inputs have proved themselves on a real step,
-        and the trackers start."""
+        """Before every write: the folder is still this run's; at the first, ``--overwrite`` deletes the earlier
+        run's outputs (the inputs have proved themselves on a real step) and the trackers start."""
         if self.lock is not None:
             self.lock.check()
         if self.run_dir_ready:
@@ -137,6 +132,9 @@ class RunLoop:
                                                critic_optimizer_state, model_state, critic_state, in_flight)
 
         world.on_main(write)
+        return self._checkpoint(step)
+
+    def _checkpoint(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / f"{PREFIX}{step:06d}"
 
     def _write_failed(self, error: OSError, last_saved: int | None) -> UserError:
@@ -145,7 +143,7 @@ class RunLoop:
         if not self.context.world.main:
             kept = "rank 0 reports it"
         elif last_saved is not None:
-            kept = f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{last_saved:06d}'}"
+            kept = f"the last good checkpoint is {self._checkpoint(last_saved)}"
         else:  # the figures so far stay (a failure never deletes them); the folder goes only if it holds none
             kept = "no checkpoint had been saved yet"
         return _user_error(f"cannot write to {self.run_dir}: {reason} (errno {error.errno}); {kept}", error)
@@ -167,15 +165,13 @@ class RunLoop:
                      "before training")
         try:
             table: list = []
-            if drawing.judge is not None:
-                found: dict = {}
-                state.baseline = held_out(run, self.models, drawing, found, table)
+            found = {} if drawing.judge is not None else None
+            state.baseline = held_out(run, self.models, drawing, found, table)
+            if found is not None:
                 state.baseline_completions = [found[index] for index in range(len(drawing.eval_prompts))]
                 # The judge on the starting policy against itself: a judge that fails fails now, not at the end.
                 state.baseline["win_rate"] = win_rate(run, drawing, state.baseline_completions,
                                                       state.baseline_completions)
-            else:
-                state.baseline = held_out(run, self.models, drawing, table=table)
         except RewardError as error:
             raise _user_error(f"{error} (evaluation before training)", error) from None
         run.world.on_main(lambda: self.metrics_log.evaluation(0, state.baseline))
@@ -184,8 +180,7 @@ class RunLoop:
                  f"mean reward {figure(state.baseline['mean_reward'], 3)}")
 
     def run(self) -> dict:
-        """The evaluation before training (not when resuming), then the steps up to --steps, a Ctrl-C or SIGTERM
-        finishing the step in hand and saving it; metrics.json's payload at the end."""
+        """The evaluation before training (unless resuming), then the steps up to --steps; metrics.json's payload."""
         run, state, config = self.context, self.state, self.context.config
         if not self.resumed:
             if config.optimisation.warmup_steps:
@@ -210,8 +205,7 @@ class RunLoop:
         return self.payload()
 
     def _train_step(self, step: int, bar: Progress) -> None:
-        """One step and its row, then the evaluation and the checkpoint when their cadence (or a stop) calls for
-        them; a stop requested on any rank ends every rank's loop here, its checkpoint saved."""
+        """One step, its row, its evaluation and checkpoint when due; a stop on any rank ends every rank's loop here."""
         world, state, config = self.context.world, self.state, self.context.config
         row = self._step(step)
         state.step = step
@@ -235,8 +229,7 @@ class RunLoop:
                 "continue with the same command and --resume", 128 + self.stop_signal)
 
     def _step(self, step: int) -> dict:
-        """``rl_step``'s row; a bad reward answered in one line that says what was kept: the last good step saved
-        (a rollout server gone is answered by the loop, ``_engine_gone``)."""
+        """``rl_step``'s row; a bad reward answered in one line that says what was kept (the last good step saved)."""
         state = self.state
         # In flight, the generator runs ahead in the rollout side's thread: a failed step saves nothing
         # (the batches after the last good step were drawn by weights no longer held).
@@ -250,20 +243,18 @@ class RunLoop:
             raise _user_error(f"{error}; {where}", error) from None
 
     def _engine_gone(self, error: RolloutEngineError | RewardError) -> UserError:
-        """A server gone mid-step (the weights may be a step ahead), or while a checkpoint read the rollout side's
-        state, which also raises a reward's failure on that side (nothing of that checkpoint written yet): one line
-        naming the checkpoint to resume from."""
+        """A server gone mid-step (the weights may be a step ahead), or a failure raised while a checkpoint read
+        the rollout side's state (nothing of it written yet): one line naming the checkpoint to resume from."""
         gone = isinstance(error, RolloutEngineError) and self.context.engine.started_by_the_user
         again = "restart the server, then continue" if gone else \
             "continue"  # the run's own engine (its process too) starts anew with it
-        kept = (f"the last good checkpoint is {self.run_dir / 'checkpoints' / f'{PREFIX}{self.last_saved:06d}'}"
-                f" ({again} with the same command and --resume)"
+        kept = (f"the last good checkpoint is {self._checkpoint(self.last_saved)} ({again} with the same command and "
+                "--resume)"
                 if self.last_saved is not None else "no checkpoint had been saved yet")
         return _user_error(f"{error}; {kept}", error)
 
     def _finish(self, handlers: dict, bar: Progress) -> None:
-        """However the loop ended: the signal handlers it replaced back, the environments' stop cleared, the
-        rollout side closed (its thread or server connection), the bar and metrics.jsonl closed."""
+        """However the loop ended: signal handlers back, the environments' stop cleared, side, bar and log closed."""
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         deadline.clear_stop()
@@ -272,8 +263,7 @@ class RunLoop:
         self.metrics_log.close()
 
     def _warn_unscored(self) -> None:
-        """Samples the reward could not score were left out of their baselines step by step (warned once); the
-        run's end says how many, so a reward that failed often is not mistaken for one that scored low."""
+        """How many samples the reward could not score: a reward that failed often is not one that scored low."""
         totals = self.state.totals
         if totals["unscored_samples"]:
             invalid = totals["invalid_rewards"]
@@ -302,8 +292,7 @@ class RunLoop:
         self.context.world.on_main(lambda: self.metrics_log.completions(step, table))
 
     def _final_completions(self) -> list[str]:
-        """The final policy's greedy held-out completions: those of the last evaluation when the loop
-        made one at the final step (and this process ran it), else from a fresh evaluation."""
+        """The final policy's greedy held-out completions: the last evaluation's if at the final step, else fresh."""
         found = self.final_completions
         if len(found) < len(self.drawing.eval_prompts):
             found = {}

@@ -14,10 +14,8 @@ def resident_bytes() -> int:
 
 
 class MemoryMeter:
-    """On CUDA: ``torch.cuda.max_memory_allocated`` (reset here). On the CPU: the process's peak resident
-    memory (``ru_maxrss``) minus its resident memory now, right before the models are loaded; so it counts
-    models, optimizer states and activations, and is a fair comparison only between runs that each have a
-    process of their own (``compare`` gives them one)."""
+    """On CUDA: ``torch.cuda.max_memory_allocated`` (reset here). On the CPU: peak resident memory minus the resident
+    memory now (before the models load): fair only between runs with a process each (``compare`` gives them one)."""
 
     def __init__(self, device: str):
         self.cuda = torch.cuda.is_available() and device != "cpu" and not device.startswith("mps")

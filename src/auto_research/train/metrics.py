@@ -1,13 +1,9 @@
 """The figures of a step (one row of metrics.jsonl) and where they are written.
 
-``objective`` is the paper's E[r − β·KL] over the sampled completions (it should rise); ``pg_loss`` is
-the surrogate whose gradient is the policy gradient. Per-sequence figures are gathered from every rank
-in rank order (each rank holds whole groups), so the row is the same on 1 or N processes.
-
-One meaning per name: ``entropy`` is per token (as the held-out evaluation's), ``kl`` summed over a completion
-(as ``kl_from_reference``); ``reward/<name>`` (the mean) and ``reward/<name>.std`` are each reward function's own (unweighted)
-values, TRL's names. A count in metrics.json's ``training`` is the sum of the rows' figure of the same name
-(``no_signal_groups``, ``unscored_samples``, ``invalid_rewards``).
+``objective`` is the paper's E[r − β·KL] over the sampled completions (it should rise); ``pg_loss`` the surrogate.
+Per-sequence figures are gathered from every rank in rank order, so the row is the same on 1 or N processes.
+``entropy`` is per token, ``kl`` summed over a completion (as the held-out evaluation's); a count in metrics.json's
+``training`` is the sum of the rows' figure of the same name.
 """
 
 from __future__ import annotations
@@ -79,8 +75,7 @@ def outside_figures(run: RunContext, experience: Experience, advantages: Advanta
 
 
 def drift_figures(run: RunContext, experience: Experience) -> dict:
-    """The sampler/trainer mismatch over every rank's tokens, and the correction's weights (another sampler or stale
-    weights only; ``{}`` otherwise). Every rank gets the same figures (collectives: every rank calls it)."""
+    """The sampler/trainer mismatch and correction weights over every rank's tokens (``{}`` without them)."""
     if experience.drift is None:
         return {}
     drift, mask = experience.drift, experience.mask
@@ -98,14 +93,11 @@ COMPLETIONS = "completions.jsonl"
 
 
 class MetricsLog:
-    """metrics.jsonl (one row a step; JSON has no NaN, so a figure that could not be computed is null),
-    completions.jsonl, and the same events for each tracker of --report-to. Rank 0 only.
-
-    Nothing is written before ``open`` (the run folder's first write, after --overwrite cleared the earlier
-    run): the evaluation before training waits in memory until then."""
+    """metrics.jsonl (a figure that could not be computed is null), completions.jsonl, and the same events for each
+    tracker of --report-to; rank 0 only. Nothing is written before ``open`` (the run folder's first write): the
+    evaluation before training waits in memory."""
 
     def __init__(self, run_dir: Path, logging=None, settings: dict | None = None):
-        """``logging``: the run's section (its trackers), ``settings``: what they are given (``resolved_settings``)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.logging, self.settings, self.trackers, self.pending = logging, settings, None, []
 

@@ -1,22 +1,7 @@
-"""Which rows of a batch go through the model together: the micro-batches of an update (one optimizer step's
-rows) and of the no-grad passes (π_old, the reference, the critic's values).
-
-    pack, parts = micro_batches(run, rollout, rows, model) # slices, or row indices under a token budget
-    for part in parts:
-        chunk = rows_of(rollout, part)                     # those rows, trimmed to their own widths
-        ... token_logprobs(model, chunk..., pack=pack) ...
-
-By rows (--micro-batch-size, default the whole batch): consecutive slices, as ever. By tokens
-(--max-tokens-per-micro-batch N): where the model keeps packed sequences apart (``engine/packing.py``), rows
-are packed padding-free, first-fit by decreasing length, at most N tokens (prompt + completion) a micro-batch;
-elsewhere, rows sorted by length fill buckets whose padded size (rows × (longest prompt + longest completion))
-stays within N. A row longer than N on its own gets a micro-batch of its own (sampled lengths are not known
-before the run, so a budget below them is no error). --micro-batch-size, when given too, caps the rows of each.
-
-The loss of a micro-batch is normalised by the counts of the whole batch over every rank
-(``losses.aggregate``), so whatever rows go together the gradient is the sum of the same terms: the unpacked
-step's, up to float rounding. Every rank runs the same number of micro-batches (the most any rank needs;
-the others split their largest), since under FSDP each forward is a collective.
+"""Which rows of a batch go through the model together, in an update and in the no-grad passes: consecutive slices
+(--micro-batch-size), or by tokens (--max-tokens-per-micro-batch, docs/generation-level.md). The loss is normalised
+by the whole batch's counts, so any grouping gives the same gradient up to float rounding. Every rank runs as many
+micro-batches as the rank needing most (under FSDP each forward is a collective).
 """
 
 from __future__ import annotations

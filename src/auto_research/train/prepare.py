@@ -1,9 +1,6 @@
-"""Everything a generation-level run checks and loads before torch: done once, and handed on.
-
-In the order a user would fix them: settings, output folder, an earlier run there, the checkpoint to
-resume, the model's source, the rewards (user modules imported here, once), the data, the judge.
-Light: nothing here imports torch or transformers, so a mistake costs a fraction of a second.
-"""
+"""Everything a generation-level run checks and loads before torch, once, in the order a user would fix them
+(settings, folders, the checkpoint, the model's source, the rewards, the data, the judge): a mistake costs a fraction
+of a second."""
 
 from __future__ import annotations
 
@@ -34,23 +31,19 @@ class Prepared:
     config: GenerationConfig
     task: Task
     resume_from: Path | None
-    """The verified checkpoint ``--resume`` continues from."""
     rewards: list[tuple[str, Callable, bool]]
     """The named reward components, user callables already imported (rewards/loading.py)."""
     judge: Callable | None
     environment: object | None = None
     """--environment's factory, checked on a training row (envs.EnvironmentFactory), or None."""
     tools: dict | None = None
-    """--tools' functions by name, each with a schema."""
     rollout_function: tuple[str, Callable] | None = None
-    """--rollout-function's (name, function), found and callable (envs.custom), or None."""
     python_rewards: tuple = ()
     """The rewards given from Python as (name, the spec that imports it or None): what config.yaml names them by."""
 
     @property
     def multi_turn(self) -> bool:
-        """A sample may be longer than one completion: an environment, tools or a rollout function, given on the
-        command line or from Python (``config.multi_turn`` sees the command line's only)."""
+        """An environment, tools or a rollout function, from the command line or from Python."""
         return self.environment is not None or bool(self.tools) or self.rollout_function is not None
 
 
@@ -73,8 +66,7 @@ def columns_of(task: Task) -> set[str]:
 
 def _resumed(config: GenerationConfig, log, world_size: int) -> tuple[GenerationConfig, Path]:
     """The checkpoint ``--resume`` continues from, and the config with the run's own values of what ``filled``
-    derived from --steps (``from_steps``: a preset's warmup, a tenth of the steps at most), which a longer --steps
-    would otherwise change: extending a run changes its length only."""
+    derived from --steps (``from_steps``): extending a run changes its length only."""
     derived, settings = getattr(config, "from_steps", frozenset()), config.to_json()
     flags = {item.name: flag_of(item) for item in GenerationConfig.flat_fields()}
     # Compared under their former names too: a checkpoint saved before ``RENAMED`` holds those.

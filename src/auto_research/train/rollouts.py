@@ -1,17 +1,9 @@
 """The rollout side of a run: draw prompts → sample → score, one frozen batch per step, each row tagged with the
-policy version that drew it, handed to the trainer side (experience → advantages → update → publish weights).
+policy version that drew it, for the trainer side (``side.take(step)``, then ``side.publish(step, policy)``).
 
-    side = open_side(run, models, drawing, state)  # once a run (schedule.py): Synchronous, InFlight & co (sides.py)
-    drawn = side.take(step)               # the step's frozen batch (waits for it)
-    scores = agreed_scores(world, drawn, step)
-    ...                                   # experience, advantages, update
-    side.publish(step, models.policy)     # weights version ``step`` (after ``step`` steps)
-
-The schedule is fixed: step s's batch is drawn by weights version ``drawing_version(s, K)`` = max(0, s − 1 − K),
-where version v is the policy after v steps. K = 0 is today's synchronous step, a queue of depth 0: the batch is
-drawn when the trainer asks for it, with the weights it is about to update. Nothing here runs a collective: the
-rollout side may live in a thread of its own, and every rank's agreement (a failed reward, the counts) is the
-trainer's, in ``agreed_scores``.
+Step s's batch is drawn by weights version ``drawing_version(s, K)`` = max(0, s − 1 − K), version v being the policy
+after v steps (K = 0: drawn when the trainer asks, with the weights it is about to update). Nothing here runs a
+collective (the side may live in a thread): every rank's agreement is the trainer's, in ``agreed_scores``.
 """
 
 from __future__ import annotations
@@ -43,7 +35,6 @@ class RolloutSource:
     """What the rollout side needs, and nothing of the trainer's."""
 
     prompts: list[str]
-    """The training prompts as the model sees them."""
     examples: list[Example]
     seed: int
     prompts_per_step: int
@@ -55,8 +46,7 @@ class RolloutSource:
     greedy: Callable[[list[str]], Rollout] | None = None
     """One greedy completion per prompt (ReMax's baseline), from the weights that sample."""
     reference: Callable[[Rollout], torch.Tensor] | None = None
-    """log π_ref of the completion tokens, when the rollout side computes them (the reference is frozen: in
-    flight, its forward runs beside the trainer's work instead of in it); None: the trainer does."""
+    """log π_ref of the completion tokens, when the rollout side computes them; None: the trainer does."""
     max_refills: int | None = None
     """Dynamic sampling (``dynamic.py``): refills a slot without signal may take; None: off."""
     pad_token_id: int = 0
@@ -82,7 +72,7 @@ class Drawn:
     numpy_after: dict
     """The prompt generator's state after this batch was drawn (what a checkpoint saves)."""
     seconds: dict
-    """sample, score (with the reference's forward, when here), idle (waiting for weights before drawing it)."""
+    """sample, score (with the reference's forward, when here), idle (waiting for weights)."""
     reference_logprobs: torch.Tensor | None = None
     """(B, T) log π_ref of the completion tokens (``RolloutSource.reference``), or None."""
     counts: dict | None = None
@@ -116,9 +106,8 @@ def produce(source: RolloutSource, rng: np.random.Generator, step: int, version:
 
 def finish(source: RolloutSource, step: int, version: int, batch: Batch, rollout: Rollout, numpy_after: dict,
            seconds: dict, reference: torch.Tensor | None = None) -> Drawn:
-    """A sampled batch scored (refilled with dynamic sampling), its reference log-probs (``reference``: computed
-    already, as its rows came); ``score`` time added. Each row is tagged with ``version``, unless its tokens carry
-    their own (partial rollouts: the row's oldest)."""
+    """A sampled batch scored (refilled with dynamic sampling), with its reference log-probs (``reference``: those
+    computed already); each row tagged with ``version``, unless its tokens carry their own (partial rollouts)."""
     if rollout.token_versions is None:
         rollout = replace(rollout, policy_versions=torch.full((rollout.sequences.shape[0],), version, dtype=torch.long))
     sampled = time.perf_counter()
@@ -209,8 +198,7 @@ def refill(source: RolloutSource, step: int, batch: Batch, rollout: Rollout, rew
 
     filled = fill(slots, [rewards[i * K: (i + 1) * K] for i in range(len(slots))], sample_round, source.max_refills,
                   lambda slot, number: refill_index(source.seed, step, slot, number, len(source.prompts)))
-    counts = {"groups_sampled": filled.groups_sampled, "no_signal_sampled": filled.no_signal_sampled,
-              "refills": filled.refills, "trained_no_signal": filled.trained_no_signal}
+    counts = {key: value for key, value in vars(filled).items() if key != "chosen"}  # signal_counts' keys
     if not filled.refills:
         return batch, rollout, rewards, counts
     parts = [(rounds[number], position) for number, position in filled.chosen]
@@ -222,10 +210,8 @@ def refill(source: RolloutSource, step: int, batch: Batch, rollout: Rollout, rew
 
 
 def agreed_scores(world, drawn: Drawn, step: int, group_size: int) -> Scores:
-    """The rollout's task rewards, agreed over every rank: a reward that failed on one rank stops every rank
-    (each would otherwise wait for the others); a step in which no completion could be scored is an error that
-    says why (each cause and how many it struck). With the rewards, every reward function's own mean and
-    standard deviation (``function_figures``) and the invalid values' count."""
+    """The rollout's task rewards, agreed over every rank: a reward that failed on one rank stops every rank; a step
+    in which no completion could be scored is an error that says why (each cause, how many it struck)."""
     world.agree(RewardError(drawn.failure) if drawn.failure is not None else None, RewardError)
     values = drawn.rewards
     scored = torch.tensor([value is not None for value in values])
@@ -270,10 +256,8 @@ def unscored_reasons(causes: dict, unscored: int, total: int, noun: str) -> str:
 
 
 def function_figures(world, parts: dict) -> dict:
-    """Each reward function's mean and (population) standard deviation over the samples it gave a value, over
-    every rank: ``reward/<name>`` (the mean) and ``reward/<name>.std`` (None where it gave none). Not
-    ``reward/<name>/std``: MLflow's file store keeps a metric as a file at its name's path, so a name cannot also be
-    another's folder."""
+    """Each reward function's mean and population std over every rank's samples it scored: ``reward/<name>`` and
+    ``reward/<name>.std`` (None where none; not ``/std``: MLflow's file store cannot make a metric's path a folder)."""
     if not parts:
         return {}
     sums = world.total(torch.tensor([[sum(v for v in part if v is not None), sum(v * v for v in part if v is not None),
@@ -288,12 +272,11 @@ def function_figures(world, parts: dict) -> dict:
 
 
 def rollout_figures(world, drawn: Drawn, step: int, dynamic: bool = False) -> dict:
-    """Staleness (versions between the weights that drew a sample and the policy it updates, version step − 1)
-    over every rank's samples, the rollout side's own times for this batch, and the groups without signal
-    (``dynamic.has_signal``: no two scored rewards differ) among those sampled, a count and a fraction (before
-    dynamic sampling's filter; with it, also those trained on, refills and prompts sampled), over every rank."""
+    """Over every rank: the staleness of the samples, the rollout side's times for this batch, and the groups
+    without signal (``dynamic.has_signal``) among those sampled (with dynamic sampling, also those trained on,
+    refills and prompts sampled)."""
     staleness, spans = token_staleness(world, drawn.rollout, step)
-    counts = drawn.counts or {"groups_sampled": 0, "no_signal_sampled": 0, "refills": 0, "trained_no_signal": 0}
+    counts = drawn.counts or signal_counts([], 1)
     sampled, no_signal, refills, trained = (int(x) for x in world.total(torch.tensor(
         [counts["groups_sampled"], counts["no_signal_sampled"], counts["refills"], counts["trained_no_signal"]])))
     figures = {"staleness_mean": float(staleness.mean()), "staleness_max": int(staleness.max()), **spans,
@@ -310,9 +293,8 @@ def rollout_figures(world, drawn: Drawn, step: int, dynamic: bool = False) -> di
 
 
 def token_staleness(world, rollout: Rollout, step: int) -> tuple[torch.Tensor, dict]:
-    """Each trained token's staleness (versions between the weights that drew it and the policy it updates, version
-    step − 1) over every rank, and with --in-flight-updates (``token_versions``) the most versions one completion
-    spans (``versions_per_sequence_max``). Without per-token versions every token has its row's."""
+    """Each trained token's staleness (versions between the weights that drew it and version step − 1) over every
+    rank (a row's own without ``token_versions``), and with them ``versions_per_sequence_max``."""
     if rollout.token_versions is None:
         return world.gather(((step - 1) - rollout.policy_versions).double()), {}
     versions, mask = rollout.token_versions.cpu(), rollout.completion_mask.cpu().bool()

@@ -1,9 +1,5 @@
-"""Supervised fine-tuning on prompt → completion pairs (the warm start before RL).
-
-The loss is the mean negative log-likelihood of the completion tokens and the
-closing EOS; prompt tokens are context only. Prompts are tokenised alone and
-completions appended, exactly as a rollout sees them.
-"""
+"""Supervised fine-tuning on prompt → completion pairs (the warm start before RL): the mean NLL of the completion
+tokens and the closing EOS. Prompts are tokenised alone and completions appended, as a rollout sees them."""
 
 from __future__ import annotations
 
@@ -46,22 +42,11 @@ def completion_nll(model, ids: torch.Tensor, attention: torch.Tensor, target: to
     return -(logprobs * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def supervised_fine_tune(
-    model,
-    tokenizer,
-    pairs: list[tuple[str, str]],
-    steps: int,
-    batch_size: int,
-    learning_rate: float,
-    seed: int,
-    warmup_steps: int = 0,
-    evaluate: Callable[[], dict] | None = None,
-    eval_every: int = 0,
-    progress: bool = True,
-    max_seconds: float | None = None,
-) -> list[dict]:
-    """Train for ``steps`` batches drawn epoch by epoch from ``pairs`` (or until
-    ``max_seconds`` have passed); return the eval history."""
+def supervised_fine_tune(model, tokenizer, pairs: list[tuple[str, str]], steps: int, batch_size: int,
+                         learning_rate: float, seed: int, warmup_steps: int = 0,
+                         evaluate: Callable[[], dict] | None = None, eval_every: int = 0, progress: bool = True,
+                         max_seconds: float | None = None) -> list[dict]:
+    """Train for ``steps`` batches drawn epoch by epoch (or ``max_seconds``); return the eval history."""
     device = next(model.parameters()).device
     encoded = encode_pairs(tokenizer, pairs)
     rng = np.random.default_rng(seed)

@@ -39,8 +39,7 @@ class Schedule:
 
 
 class Synchronous:
-    """The queue of depth 0 (--max-staleness 0): the batch is drawn when the trainer asks for it, with the weights
-    it is about to update; ``publish`` hands the sampler the new weights (a no-op for the builtin loop)."""
+    """The queue of depth 0 (--max-staleness 0): drawn when the trainer asks, by the weights it is about to update."""
 
     carries_state = False
 
@@ -71,11 +70,10 @@ class Synchronous:
 
 
 class Handover:
-    """A rollout side in a thread: the batches it drew, by step (``ready``), handed to the trainer under one
-    condition; the weights published for it (``snapshots``: version → a copy, or None where the engine holds them);
-    ``error``, raised where the trainer waits. Step s is drawn by version max(0, s − 1 − ``depth``) (``depth``:
-    batches drawn ahead of the trainer). ``remote``: an engine whose weights are pushed to it (a rollout server's
-    client), else None (a copy of the weights in this process). A subclass draws in ``_draw``."""
+    """A rollout side in a thread: the batches it drew, by step (``ready``), handed over under one condition; the
+    weights published for it (``snapshots``: version → a copy, or None where the engine holds them); ``error``,
+    raised where the trainer waits. ``depth``: batches drawn ahead of the trainer. ``remote``: an engine whose weights
+    are pushed to it (a rollout server's client), else None. A subclass draws in ``_draw``."""
 
     depth: int
     carries_state = False
@@ -93,11 +91,9 @@ class Handover:
         self.error: BaseException | None = None
         self.stopping = False
         self.first_step = schedule.version + 1 + len(saved)
-        self.drawn_through = self.first_step - 1
-        """The last step drawn (a push waits for it, ``_push_when_drawn``)."""
+        self.drawn_through = self.first_step - 1  # the last step drawn (a push waits for it)
         self.numpy_after = saved[-1].numpy_after if saved else rng.bit_generator.state
-        self.policy: object | None = policy
-        """The weights of ``schedule.version``, published at the first ``take``."""
+        self.policy: object | None = policy  # the weights of ``schedule.version``, published at the first ``take``
         self.thread: threading.Thread | None = None
 
     @property
@@ -105,8 +101,7 @@ class Handover:
         return self.thread is not None
 
     def _start(self) -> None:
-        """The first version published (an engine of its own was given it when the run started or resumed) and
-        the thread started."""
+        """The first version published (an engine of its own was given it at the start) and the thread started."""
         policy, self.policy = self.policy, None
         if self.remote is None:
             self.publish(self.schedule.version, policy)
@@ -133,30 +128,28 @@ class Handover:
             return self.ready.pop(step)
 
     def publish(self, version: int, policy) -> None:
-        """The weights of ``version`` for the producer (a copy, or pushed to its engine), unless no batch left to
-        draw needs them."""
+        """The weights of ``version`` for the producer (a copy, or pushed), unless no batch left needs them."""
         if version > drawing_version(self.last_step, self.depth):
             return
         if self.remote is not None:
             return self._push(version, policy)
-        snapshot = {name: tensor.detach().clone() for name, tensor in policy.state_dict().items()}
+        self._published(version, {name: tensor.detach().clone() for name, tensor in policy.state_dict().items()})
+
+    def _published(self, version: int, snapshot: dict | None) -> None:
         with self.condition:
             self.snapshots[version] = snapshot
             self.condition.notify_all()
 
     def _push(self, version: int, policy) -> None:
-        """A rollout server holds one version at a time: version v goes in once every batch drawn by v − 1 is
-        drawn (the last is step v + depth), then the producer may draw with it. The trainer pushes (every rank takes
-        part, as at K = 0) while the producer waits."""
+        """A rollout server holds one version at a time: version v goes in once every batch of v − 1 is drawn (the
+        last is step v + depth); the trainer pushes (every rank takes part) while the producer waits."""
         with self.condition:
             while self.drawn_through < min(version + self.depth, self.last_step) and self.error is None:
                 self.condition.wait()
             if self.error is not None:
                 raise self.error
         self.remote.load_weights(policy)
-        with self.condition:
-            self.snapshots[version] = None
-            self.condition.notify_all()
+        self._published(version, None)
 
     def checkpoint(self, step: int) -> tuple[list[Drawn], dict]:
         """The batches of steps step + 1 … step + depth (waited for: their weights are published) and the prompt
@@ -194,8 +187,7 @@ class Handover:
         raise NotImplementedError
 
     def _scheduled(self):
-        """Each step left to draw, once the weights its batch needs are published: (step, version, their snapshot,
-        the seconds waited for them); it ends when the run closes."""
+        """(step, version, snapshot, seconds waited) for each step left to draw, once its weights are published."""
         for step in range(self.first_step, self.last_step + 1):
             version = drawing_version(step, self.depth)
             waiting = time.perf_counter()
@@ -205,8 +197,7 @@ class Handover:
             yield step, version, snapshot, time.perf_counter() - waiting
 
     def _await_version(self, version: int) -> tuple[bool, object]:
-        """(True, the weights of ``version``, published by the trainer; older ones dropped), or (False, None)
-        once the run closes."""
+        """(True, the weights of ``version``; older ones dropped), or (False, None) once the run closes."""
         with self.condition:
             while version not in self.snapshots and not self.stopping:
                 self.condition.wait()

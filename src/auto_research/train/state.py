@@ -1,5 +1,4 @@
-"""What the loop carries from step to step (the prompt generator, counters, baselines, the evaluation
-history), and what a checkpoint saves of it."""
+"""What the loop carries from step to step (prompt generator, counters, baselines, history); a checkpoint saves it."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ class LoopState:
         return cls(np.random.default_rng(seed))
 
     def saved(self, uses_moving_average: bool) -> dict:
-        """The parts a checkpoint's trainer_state.json holds (the numpy generator's state is saved with
-        the other random states)."""
+        """The parts trainer_state.json holds (the numpy generator's state is saved with the random states)."""
         return {"algorithm_state": {"moving_average": self.moving_average} if uses_moving_average else {},
                 "history": self.history, "baseline": self.baseline, "updates": self.updates, "totals": self.totals,
                 "critic_updates": self.critic_updates, "baseline_completions": self.baseline_completions,

@@ -1,10 +1,6 @@
-"""One RL step at the generation level, as phases that hand frozen values on. Touches no disk.
-
-The rollout side (rollouts.py: draw prompts → sample → score) hands the step a frozen batch; the trainer side
-(experience → advantages → update → publish weights) trains on it. RLOO (the default) is the paper's:
-r̃_i = r_i − β Σ_t kl_t, the leave-one-out baseline, loss −1/(groups·K) Σ_i A_i Σ_t log π(y_i,t). Which
-estimator, loss and normalisation a step uses comes from the algorithm's record (algorithms/registry.py). Each
-phase is timed (``time_<phase>`` in the row).
+"""One RL step at the generation level, as phases that hand frozen values on; touches no disk. The rollout side
+hands the step a frozen batch; the trainer side (experience → advantages → update → publish weights) trains on it,
+as the algorithm's record says. Each phase is timed (``time_<phase>`` in the row).
 """
 
 from __future__ import annotations
@@ -71,8 +67,7 @@ def _take(run: RunContext, side: RolloutSide, step: int):
 
 
 def _check_sampler(run: RunContext, experience, drift: dict, step: int) -> None:
-    """Before the update: the sampler's log-probs within --max-rollout-mismatch of the trainer's, and some of the
-    correction's weights alive (``correction.check_weights``)."""
+    """Before the update: the sampler's log-probs within --max-rollout-mismatch, some correction weights alive."""
     check_mismatch(drift, run.config.rollout.max_rollout_mismatch, step, run.world.main)
     # sequence-mask's 0 drops a sequence on purpose (a step whose every sequence is dropped trains on nothing, as
     # in TRL), where a vanishing weight is a mismatch the run would learn nothing from without a word.
@@ -97,11 +92,9 @@ def _rollout_row(run: RunContext, sampler, state: LoopState, drawn, seconds: dic
 
 
 def check_mismatch(drift: dict, bound: float, step: int, main: bool = True) -> None:
-    """Stop before the update when the sampler's log-probs are more than ``bound`` nats a token (on average) from
-    the trainer's on the same tokens: its samples then do not come from the policy being trained (weights broken
-    or replaced on the rollout side; healthy runs stay below 0.2, docs/vllm.md), and the truncated correction
-    would train on them as if they did. A mismatch that is not a number is never within a bound. Every rank has
-    the same figures and stops; rank 0 (``main``) says why."""
+    """Stop before the update when the sampler's log-probs are more than ``bound`` nats a token (mean) from the
+    trainer's: its samples do not come from the policy being trained (healthy runs stay below 0.2, docs/vllm.md).
+    NaN is never within a bound. Every rank stops; rank 0 (``main``) says why."""
     mean = drift.get("rollout_logprob_diff_mean")
     if mean is None or mean <= bound:
         return
@@ -123,8 +116,7 @@ def _warn_unscored(state: LoopState, scores, step: int, log) -> None:
 
 
 def _warn_refills(state: LoopState, figures: dict, prompts_per_step: int, step: int, log) -> None:
-    """Dynamic sampling that refilled more than ``REFILL_WARNING`` groups per slot in one step: most groups have
-    no signal (a constant reward, a task far too easy or too hard), and each refill costs a sampling round."""
+    """Dynamic sampling that refilled more than ``REFILL_WARNING`` groups per slot: most groups have no signal."""
     if figures["refills"] > REFILL_WARNING * prompts_per_step and not state.warned_refills:
         state.warned_refills = True
         log(f"warning: step {step} refilled {figures['refills']} groups for {prompts_per_step} prompt slots, and "
@@ -133,10 +125,9 @@ def _warn_refills(state: LoopState, figures: dict, prompts_per_step: int, step: 
 
 
 HEAP_RETURNED_BEFORE = ("waiting_for_rollouts", "update_actor")
-"""The phases that start by giving the C heap's free memory back on the CPU (``engine/heap.py``): the step's
-start (sampling) and the update, its largest phase, so that the step's peak is the update's own, not the update's
-on top of what sampling and the no-grad passes left behind. Not before every phase: each return makes the pages
-fault in again when next used (about 0.4 ms a call on a tiny model, a fifth of its step at seven a step)."""
+"""The phases that start by giving the C heap's free memory back on the CPU (``engine/heap.py``): sampling and the
+update, so that the step's peak is the update's own. Not every phase: the pages fault in again when next used
+(about 0.4 ms a call on a tiny model, a fifth of its step at seven a step)."""
 
 
 def _timer(run: RunContext, seconds: dict):

@@ -1,9 +1,6 @@
 """A run's frozen values, rollout side and loop state together, for Python and for tests: build once, then step and
-evaluate. One wiring path: the command line and ``post_train()`` open a run with the same ``open_run``, then put
-the run folder's lock and the loop (``RunLoop``, whose steps are ``rl_step``, as ``Trainer.step``'s) around it
-(recipes/post_train.py, recipes/generation_run.py); this class writes nothing but the model cache and, in server
-mode, the lease's secret in the run folder (it checks the run folder as a run does: an earlier run there is
-refused unless resume or overwrite is set)."""
+evaluate. The command line and ``post_train()`` open a run with the same ``open_run``; ``Trainer`` writes nothing but
+the model cache and, in server mode, the lease's secret in the run folder."""
 
 from __future__ import annotations
 
@@ -23,9 +20,8 @@ from auto_research.train.warm_start import model_for
 
 
 def open_run(prepared: Prepared, world: World, log=print):
-    """A prepared run's frozen values (``build_components``: from the task's warm start where it has one; on --resume
-    with the checkpoint's weights, optimizer states and loop state), its rollout side, built once (``open_side``) for
-    the loop that owns it, and the loop's state. The command line, ``post_train`` and ``Trainer`` open a run here."""
+    """A prepared run's frozen values (on --resume with the checkpoint's weights, optimizer and loop states), its
+    rollout side, built once for the loop that owns it, and the loop's state."""
     config = prepared.config
     model = model_for(config.policy.model, config.data.offline, config.logging.progress, prepared.task, world, log)
     run, models, drawing = build_components(prepared, model, world, log)
@@ -63,8 +59,7 @@ class Trainer:
         return rollout_source(self.run, self.drawing, self.drawing.sampler, policy, self.run.sampling(policy))
 
     def sample(self, step: int) -> Rollout:
-        """The rollout a step would train on: its prompts drawn from the loop's generator, then sampled (with
-        --max-staleness 0; in flight, the rollout side's thread owns the generator)."""
+        """The rollout a step would train on (--max-staleness 0: in flight, the side's thread owns the generator)."""
         if self.side.started and self.run.config.rollout.max_staleness:
             raise UserError("Trainer.sample draws as a synchronous step does (--max-staleness 0): with rollouts in "
                             "flight the rollout side's thread owns the prompt generator and the sampler (over several "
@@ -79,8 +74,7 @@ class Trainer:
         return held_out(self.run, self.models, self.drawing, completions)
 
     def close(self) -> None:
-        """Stop the rollout side's thread (--max-staleness ≥ 1) and close the sampler (a rollout server's lease
-        is given back: another run may use the server at once)."""
+        """Stop the rollout side's thread and close the sampler (a rollout server's lease is given back)."""
         try:
             self.side.close()
         finally:

@@ -1,6 +1,5 @@
-"""The phases after the experience: advantages from the algorithm's record, then the actor's and the critic's
-updates in epochs × mini-batches (whole groups) × micro-batches, aggregated with the batch's global counts
-(so micro-batches of any size, splitting groups or not, give the same gradient)."""
+"""The phases after the experience: advantages from the algorithm's record, then the actor's and the critic's updates
+in epochs × mini-batches (whole groups) × micro-batches, aggregated with the batch's global counts."""
 
 from __future__ import annotations
 
@@ -23,20 +22,16 @@ from auto_research.train.micro_batches import micro_batches, rows_of
 @dataclass(frozen=True)
 class Advantages:
     advantages: torch.Tensor
-    """(B, T) per-token advantages (whitened over the global batch when the record says so)."""
     returns: torch.Tensor
     """(B, T) per-token returns (the critic's targets)."""
     inputs: AdvantageInputs
-    """What the estimator saw: the per-token rewards and the rest."""
     centred: torch.Tensor | None = None
     """(B, T) the dense stream less its baseline (a teacher's d − b), whose λ× joined the advantages; None without."""
 
 
 def estimate_advantages(run: RunContext, experience: Experience, baseline: float = 0.0) -> Advantages:
-    """Per-token rewards, the record's streams summed (``Algorithm.rewards``: the task reward on the last token),
-    −β·kl on every token when the KL shapes the reward → the record's estimator → whitening over every rank's tokens
-    when the record asks for it, or --normalize-advantages' z-score over the completions → the record's dense streams
-    the run has (a teacher's d), each less its baseline, λ× added per token: Â_{i,t} = A_i + λ·(d_{i,t} − b_i)."""
+    """The record's streams summed per token (−β·kl too when the KL shapes the reward) → its estimator → whitening or
+    --normalize-advantages → its dense streams the run has, less their baselines: Â_{i,t} = A_i + λ·(d_{i,t} − b_i)."""
     loss, group_size, gae_lambda = run.config.loss, run.config.sampling.group_size, run.config.critic.gae_lambda
     mask, scores, streams = experience.mask, experience.scores, experience.streams
     token_rewards = sum((streams[name] for name in run.algorithm.rewards), torch.zeros_like(mask))
@@ -66,8 +61,7 @@ def truncated(rollout: Rollout, max_new_tokens: int, eos: list[int]) -> torch.Te
 
 
 def loss_mask(run: RunContext, policy, experience: Experience) -> torch.Tensor:
-    """(B, T) the tokens the actor's loss counts: every completion token, less the truncated completions' with
-    --mask-truncated (they stay in their groups' baselines, computed before)."""
+    """(B, T) the tokens the actor's loss counts: --mask-truncated drops the truncated completions'."""
     mask = experience.mask
     if not run.config.loss.mask_truncated:
         return mask
@@ -76,8 +70,7 @@ def loss_mask(run: RunContext, policy, experience: Experience) -> torch.Tensor:
 
 
 def moving_average_after(inputs: AdvantageInputs, baseline: float, decay: float, total=lambda tensor: tensor) -> float:
-    """b ← decay · b + (1 − decay) · this step's mean score over every rank's valid samples (REINFORCE):
-    the loop's, after the step's advantages used the old b; ``total`` sums over ranks."""
+    """b ← decay · b + (1 − decay) · this step's mean score over every rank's valid samples (REINFORCE)."""
     scores = sequence_scores(inputs)[inputs.scored.view(-1, inputs.group_size)].double()
     summed, count = total(torch.stack([scores.sum(), torch.tensor(float(scores.numel()), dtype=torch.float64,
                                                                   device=scores.device)]))
@@ -85,9 +78,7 @@ def moving_average_after(inputs: AdvantageInputs, baseline: float, decay: float,
 
 
 def learning_rate_at(optimisation, update: int, total_updates: int) -> float:
-    """Linear warmup, then constant, or a linear or cosine decay to zero at the last update (update counted from
-    0; transformers' schedules of the same names after their warmup). ``optimisation``: the run's section (filled:
-    its learning rate and warmup set)."""
+    """Linear warmup, then constant, or a linear or cosine decay to zero at the last update (counted from 0)."""
     rate, warmup = optimisation.learning_rate, optimisation.warmup_steps
     if warmup and update < warmup:
         return rate * (update + 1) / warmup
@@ -107,9 +98,8 @@ def _mini_batches(run: RunContext, rows: int) -> list[slice]:
 
 
 def _accumulating(run: RunContext, experience: Experience, rows: slice, wrapped):
-    """The trimmed micro-batches of one optimizer step (``micro_batches.py``: by rows or by tokens), each body
-    run inside DDP's ``no_sync`` except the last, whose backward then all-reduces the accumulated gradient once;
-    with whether they are packed."""
+    """The trimmed micro-batches of one optimizer step, with whether they are packed, each inside DDP's ``no_sync``
+    but the last (whose backward all-reduces the accumulated gradient once)."""
     pack, parts = micro_batches(run, experience.rollout, rows, wrapped)
     for index, part in enumerate(parts):
         with run.world.no_sync(wrapped, last=index == len(parts) - 1):
@@ -132,9 +122,7 @@ def optimizer_step(run: RunContext, model, optimizer, update: int) -> float:
 
 
 def update_actor(run: RunContext, models: Models, experience: Experience, advantages: Advantages, updates: int) -> dict:
-    """Epochs × mini-batches × micro-batches of the policy loss (--policy-loss, the record's by default), plus the
-    KL term in the loss and the entropy bonus. ``updates``: optimizer steps taken before (the schedule's
-    position); returns the figures and their count."""
+    """Epochs × mini-batches × micro-batches of the policy loss, the KL in the loss, the entropy bonus."""
     loss, sampling, world, policy_loss = run.config.loss, run.config.sampling, run.world, run.config.policy_loss_in_use
     mask = loss_mask(run, models.policy, experience)
     loss_function = POLICY_LOSSES[policy_loss]
@@ -191,9 +179,8 @@ def update_actor(run: RunContext, models: Models, experience: Experience, advant
 
 
 def update_critic(run: RunContext, models: Models, experience: Experience, advantages: Advantages, updates: int):
-    """PPO's critic: ½·max((V − R)², (V_clip − R)²) on the GAE returns, token-mean, times --vf-coef.
-    Every critic step of a step takes the schedule's learning rate at ``updates``, the actor's count after
-    its updates."""
+    """PPO's critic: ½·max((V − R)², (V_clip − R)²) on the GAE returns, token-mean, times --vf-coef; its steps take
+    the learning rate at ``updates``, the actor's count after its updates."""
     if models.critic is None:
         return {}
     critic, world = run.config.critic, run.world

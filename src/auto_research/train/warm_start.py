@@ -1,12 +1,9 @@
 """The embedded tiny model's warm start: supervised fine-tuning on a task's demonstrations.
 
-arithmetic-generate's warm-started model ships in the package (``train/shipped/``, 1.5 MB), so the main job starts
-from the same weights on every machine. The recipe's outcome depends on the CPU's rounding: 900 steps on 300
-demonstrations end near 0.7 held-out accuracy or, on another CPU's kernels, memorise and end near 0.25
-(docs/benchmarks.md, "The same starting point everywhere"). ``benchmarks/warm_start.py`` rebuilds it by the recipe
-below (``--ship`` replaces the packaged copy). A task without a shipped model is warm-started once and saved as an
-ordinary Hugging Face checkpoint in the cache (``$AUTO_RESEARCH_CACHE``, else ``~/.cache/auto-research``); the folder
-name carries the recipe version so that a changed recipe never reuses a stale model.
+arithmetic-generate's warm-started model ships in the package (``train/shipped/``) so that every machine starts from
+the same weights: the recipe's outcome depends on the CPU's rounding (docs/benchmarks.md, "The same starting point
+everywhere"; ``benchmarks/warm_start.py --ship`` rebuilds it). Other tasks are warm-started once into the cache, in a
+folder named by the recipe version so that a changed recipe never reuses a stale model.
 """
 
 from __future__ import annotations
@@ -52,7 +49,6 @@ def folder_name(task_name: str) -> str:
 
 
 def shipped_path(task_name: str) -> Path | None:
-    """The packaged warm-started model of ``task_name`` for this recipe version, or None."""
     folder = SHIPPED / folder_name(task_name)
     return folder if (folder / "warm-start.json").is_file() else None
 
@@ -62,8 +58,7 @@ def warm_started_path(task_name: str) -> Path:
 
 
 def ensure_warm_started(task, progress: bool = True, log=print) -> Path:
-    """Path of the warm-started tiny model for ``task``: the packaged one, else the cache's, training it first if
-    the cache lacks it."""
+    """The warm-started tiny model for ``task``: the packaged one, else the cache's (trained first if missing)."""
     target = warm_started_path(task.base or task.name)
     if (target / "warm-start.json").is_file():
         return target
@@ -72,8 +67,7 @@ def ensure_warm_started(task, progress: bool = True, log=print) -> Path:
 
 
 def build_warm_start(task, target: Path, progress: bool = True, log=print) -> dict:
-    """Warm-start the tiny model on ``task``'s demonstrations by the recipe and save it to ``target`` (atomically:
-    a folder another process finished first is kept). Returns its record (``warm-start.json``)."""
+    """Warm-start the tiny model on ``task`` into ``target`` (atomically: another process's is kept); its record."""
     quiet_transformers()
 
     pairs = [(example.prompt, example.solution) for example in demonstrations(task)]
@@ -84,23 +78,18 @@ def build_warm_start(task, target: Path, progress: bool = True, log=print) -> di
     model = build_model(tokenizer, seed=WARM_START["seed"])
     with torch.random.fork_rng():
         history = supervised_fine_tune(
-            model, tokenizer, pairs,
-            steps=WARM_START["steps"], batch_size=WARM_START["batch_size"],
+            model, tokenizer, pairs, steps=WARM_START["steps"], batch_size=WARM_START["batch_size"],
             learning_rate=WARM_START["learning_rate"], warmup_steps=WARM_START["warmup_steps"],
-            seed=WARM_START["seed"], progress=progress,
-            evaluate=lambda: {"held_out_accuracy": greedy_accuracy(model, tokenizer, task)},
-            eval_every=WARM_START["steps"] // 4,
-        )
+            seed=WARM_START["seed"], progress=progress, eval_every=WARM_START["steps"] // 4,
+            evaluate=lambda: {"held_out_accuracy": greedy_accuracy(model, tokenizer, task)})
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        record = {
-            "task": task.name, "recipe_version": RECIPE_VERSION, "architecture": TINY_ARCHITECTURE,
-            "warm_start": WARM_START, "demonstrations": len(pairs), "history": history,
-            "seconds": time.perf_counter() - started, "made_on": machine_record("float32"),
-        }
+        record = {"task": task.name, "recipe_version": RECIPE_VERSION, "architecture": TINY_ARCHITECTURE,
+                  "warm_start": WARM_START, "demonstrations": len(pairs), "history": history,
+                  "seconds": time.perf_counter() - started, "made_on": machine_record("float32")}
         atomic_write_json(staging / "warm-start.json", record)
         if target.exists():  # another process finished first: keep theirs
             shutil.rmtree(staging)
@@ -121,8 +110,8 @@ def warm_start_record(path: Path) -> dict | None:
 
 
 def model_for(model: str | None, offline: bool, progress: bool, task, world, log=print) -> str:
-    """The run's model as a folder or hub id: ``--model`` (a GGUF file or a packaged model converted once), else
-    the embedded tiny model warm-started on the task. Rank 0 makes it (showing ``progress``); the others wait."""
+    """The run's model as a folder or hub id: ``--model`` (materialised), else the tiny model warm-started on the
+    task. Rank 0 makes it (showing ``progress``); the others wait."""
     def resolve(progress: bool) -> str:
         if model is None:
             return str(ensure_warm_started(task, progress=progress, log=log))
