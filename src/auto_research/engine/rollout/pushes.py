@@ -218,10 +218,9 @@ def collective_push(handler):
     if bad is not None:  # every tensor received: the link stays whole for the next push
         raise Refused(400, f"tensor {bad!r} has NaN or infinite values")
     tensors = with_ties(tensors, link.tied, serving.served.spec)  # the served order, as every push loads
-    if not adopts:
-        return handler.load_checked(tensors)
-    answer = handler.load_checked(tensors, adopt=True)
-    link.adopted = into
+    answer = handler.load_checked(tensors, adopt=adopts)
+    if adopts:
+        link.adopted = into
     return answer
 
 
