@@ -155,7 +155,6 @@ class ServerSampler:
         self.abandon()
 
     def _lease_headers(self) -> dict:
-        """The API key's header, and the lease's once there is one."""
         return {**self.headers, **({"X-Lease": self.lease} if self.lease else {})}
 
     def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None

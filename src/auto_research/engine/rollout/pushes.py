@@ -65,7 +65,6 @@ def offered_backends(collective) -> list[str]:
 
 
 def choose_backend(ours: list[str], theirs) -> str | None:
-    """The first of ``ours`` (fastest first) that the server offers too; None when they share none."""
     offered = offered_backends(theirs)
     return next((backend for backend in ours if backend in offered), None)
 
@@ -100,7 +99,6 @@ def layout(spec: dict) -> list[tuple[str, list[tuple[str, int, int, tuple]], int
 
 
 def _device(backend: str, device) -> torch.device:
-    """Where a push's tensors travel: the CUDA device under NCCL, the CPU under gloo."""
     return torch.device(device) if backend == "nccl" else torch.device("cpu")
 
 
