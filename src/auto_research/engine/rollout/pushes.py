@@ -99,6 +99,7 @@ def layout(spec: dict) -> list[tuple[str, list[tuple[str, int, int, tuple]], int
 
 
 def _device(backend: str, device) -> torch.device:
+    """Where a push's tensors travel: the CUDA device under NCCL, the CPU under gloo."""
     return torch.device(device) if backend == "nccl" else torch.device("cpu")
 
 
