@@ -104,13 +104,10 @@ class ServerSampler:
         try:
             claim = {"holder": holder, "secret": run_secret(run_dir)}
             answer = self._call("/lease", json.dumps(claim).encode())
-        except UserError as error:
-            return error
-        self.lease, self.lease_seconds = answer["lease"], float(answer["seconds"])
-        threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True).start()
-        host, port = split_address(self.address)
-        offer = Offer(answer.get("shared") if shared else None, collective, host, port, is_loopback(host))
-        try:
+            self.lease, self.lease_seconds = answer["lease"], float(answer["seconds"])
+            threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True).start()
+            host, port = split_address(self.address)
+            offer = Offer(answer.get("shared") if shared else None, collective, host, port, is_loopback(host))
             self.link = choose_link(self, sync, offer)
         except UserError as error:
             return error
@@ -158,7 +155,6 @@ class ServerSampler:
         self.abandon()
 
     def _lease_headers(self) -> dict:
-        """The API key's header, and the lease's once there is one."""
         return {**self.headers, **({"X-Lease": self.lease} if self.lease else {})}
 
     def _call(self, path: str, body: bytes, content_type: str = "application/json", retries: int | None = None

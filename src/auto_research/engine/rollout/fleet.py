@@ -252,13 +252,8 @@ class Fleet:
 
 def _next_unit(todo: list[int], affinity: list, address: str, members: dict) -> int | None:
     """The next unit for an idle server: one that should go to it, else one bound to no server in the pool."""
-    for index in todo:
-        if affinity[index] == address:
-            return index
-    for index in todo:
-        if affinity[index] is None or affinity[index] not in members:
-            return index
-    return None
+    preferred = [index for index in todo if affinity[index] == address]
+    return (preferred or [index for index in todo if affinity[index] not in members] or [None])[0]
 
 
 def _run(done: queue.Queue, index: int, address: str, draw: Callable, member, rows: list[int]) -> None:

@@ -141,11 +141,8 @@ class Stream:
                     ticket.error = self.fleet._none_left()
             if ticket.error is not None:
                 raise ticket.error
-        completions, logprobs = [], []
-        for index in range(units):
-            completions += ticket.answers[index][0]
-            logprobs += ticket.answers[index][1]
-        return completions, logprobs
+        answers = [ticket.answers[index] for index in range(units)]
+        return [row for drawn, _ in answers for row in drawn], [row for _, values in answers for row in values]
 
     def close(self) -> None:
         with self.condition:

@@ -219,14 +219,13 @@ class CollectiveLink:
                                 f"; this trainer, its weights on {client.device.type}, {', '.join(ours) or 'none'})")
             return None
         try:
-            link = cls(client._call, offer.host, offer.port, backend=backend, device=client.device,
+            return cls(client._call, offer.host, offer.port, backend=backend, device=client.device,
                        tied=client.tied, lease=client.lease)
         except (UserError, RuntimeError, OSError) as error:
             if insist:
                 raise UserError(f"--rollout-sync collective: no group with --rollout-server {client.address} "
                                 f"({str(error)[:300]})") from None
             return None
-        return link
 
     def close(self) -> None:
         """The store closed: no more connections to it (the group itself needs it no more)."""

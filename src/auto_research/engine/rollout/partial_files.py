@@ -36,9 +36,8 @@ def pool_to_files(pool, finished: list[Finished]) -> tuple[dict, dict]:
     tensors.update({f"batch/{name}": value.detach().clone() for name, value in pool.batch.items()})
     for index, layer in enumerate(pool.cache.layers if pool.cache is not None else ()):
         tensors[f"cache/{index}/keys"], tensors[f"cache/{index}/values"] = layer.keys.clone(), layer.values.clone()
-    for index, lane in enumerate(finished):
-        for name in ("tokens", "logprobs", "entropies", "versions"):
-            tensors[f"finished/{index}/{name}"] = getattr(lane, name).clone()
+    tensors.update({f"finished/{index}/{name}": getattr(lane, name).clone() for index, lane in enumerate(finished)
+                    for name in FINISHED_FIELDS})
     plain = {"lanes": [{**lane, "key": list(lane["key"])} for lane in pool.lanes], "admitted": pool.admitted,
              "version": pool.version, "layers": len(pool.cache.layers) if pool.cache is not None else 0,
              "finished": [{"key": list(lane.key), "order": lane.order, "prompt_ids": lane.prompt_ids}
@@ -52,6 +51,8 @@ ROW_FIELDS = {"t": (1, torch.long), "ended": (1, torch.bool), "tokens": (2, torc
 BATCH_FIELDS = {"row": (1, torch.long), "attention": (2, "integer"), "position": (None, torch.long),
                 "logits": (2, "float"), "logits_version": (1, torch.long)}
 """The rows decoding (``Pool.batch``), likewise (an attention mask of any integer dtype)."""
+FINISHED_FIELDS = ("tokens", "logprobs", "entropies", "versions")
+"""The tensors of a group done (``Finished``), as a state saves them."""
 
 
 def _with_batch(tensors: dict, count: int) -> dict:
@@ -151,6 +152,5 @@ def pool_from_files(pool, tensors: dict, plain: dict) -> list[Finished]:
                               tensors[f"cache/{index}/values"].to(pool.device, copy=True), index)
         pool._decoding(~pool.rows["ended"][pool.batch["row"]])  # (an older state's ended rows)
     return [Finished(tuple(lane["key"]), lane["order"], lane["prompt_ids"],
-                     *(tensors[f"finished/{index}/{name}"].to(pool.device)
-                       for name in ("tokens", "logprobs", "entropies", "versions")))
+                     *(tensors[f"finished/{index}/{name}"].to(pool.device) for name in FINISHED_FIELDS))
             for index, lane in enumerate(plain["finished"])]

@@ -27,7 +27,7 @@ import safetensors.torch
 
 from auto_research.engine.rollout.guard import MAX_PROMPTS, Refused, all_finite, check_generate
 from auto_research.engine.rollout.partial import SUPPLY_ROUNDS, Rounds, builtin_pool, supply_target
-from auto_research.engine.rollout.partial_files import BATCH_FIELDS, ROW_FIELDS
+from auto_research.engine.rollout.partial_files import BATCH_FIELDS, FINISHED_FIELDS, ROW_FIELDS
 from auto_research.engine.partial_bounds import MAX_IN_FLIGHT_POOL
 from auto_research.errors import one_line
 
@@ -335,9 +335,6 @@ def _kv_width(spec: dict) -> int:
     projections = sum(shape[0] for name, (shape, _) in spec.items()
                       if name.endswith(("k_proj.weight", "v_proj.weight")) and len(shape) == 2)
     return projections or sum(shape[0] for shape, _ in spec.values() if len(shape) == 2)
-
-
-FINISHED_FIELDS = ("tokens", "logprobs", "entropies", "versions")
 
 
 def _is_index(text: str, count: int) -> bool:

@@ -65,7 +65,6 @@ def offered_backends(collective) -> list[str]:
 
 
 def choose_backend(ours: list[str], theirs) -> str | None:
-    """The first of ``ours`` (fastest first) that the server offers too; None when they share none."""
     offered = offered_backends(theirs)
     return next((backend for backend in ours if backend in offered), None)
 
@@ -218,10 +217,9 @@ def collective_push(handler):
     if bad is not None:  # every tensor received: the link stays whole for the next push
         raise Refused(400, f"tensor {bad!r} has NaN or infinite values")
     tensors = with_ties(tensors, link.tied, serving.served.spec)  # the served order, as every push loads
-    if not adopts:
-        return handler.load_checked(tensors)
-    answer = handler.load_checked(tensors, adopt=True)
-    link.adopted = into
+    answer = handler.load_checked(tensors, adopt=adopts)
+    if adopts:
+        link.adopted = into
     return answer
 
 

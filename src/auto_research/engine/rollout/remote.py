@@ -47,16 +47,11 @@ def pushed_weights(model, dtype: torch.dtype, merged: bool = True) -> Iterator[t
 def tied_weights(model) -> dict[str, str]:
     """``{name: the earlier name it repeats}`` for the weights the model ties (SmolLM2's lm_head: 17% of its push),
     never a LoRA layer's base (whose merged weights differ): a push may send them once."""
+    named = [(name, id(parameter)) for name, parameter, module in _named_weights(model) if module is None]
     first: dict[int, str] = {}
-    tied = {}
-    for name, parameter, module in _named_weights(model):
-        if module is not None:
-            continue
-        if id(parameter) in first:
-            tied[name] = first[id(parameter)]
-        else:
-            first[id(parameter)] = name
-    return tied
+    for name, key in named:
+        first.setdefault(key, name)
+    return {name: first[key] for name, key in named if first[key] != name}
 
 
 def adapter_factors(model) -> dict[str, torch.Tensor] | None:

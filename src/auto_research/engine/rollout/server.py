@@ -247,21 +247,19 @@ class Handler(BaseHTTPRequestHandler):
                      "lease": serving.leases.status()}
 
     def _post(self):
+        path = self._path()
         self.serving.intake.prune(self.serving.leases.holds)  # a lapsed lease's buffer goes
-        if self.serving.partial is not None:  # and its partial rollouts
-            from auto_research.engine.rollout.partial_serve import prune  # noqa: PLC0415
-
-            prune(self.serving)
-        if self._path() in self.PARTIAL:
+        if self.serving.partial is not None or path in self.PARTIAL:
             from auto_research.engine.rollout import partial_serve  # noqa: PLC0415 - torch, only when asked
 
-            return getattr(partial_serve, self.PARTIAL[self._path()])(self)
-        if self._path() in self.PUSHES:
-            return self.PUSHES[self._path()](self)
-        name = self.POSTS.get(self._path())
-        if name is None:
-            raise Refused(404, f"no such path {self._path()}")
-        return getattr(self, name)()
+            partial_serve.prune(self.serving)  # and its partial rollouts
+            if path in self.PARTIAL:
+                return getattr(partial_serve, self.PARTIAL[path])(self)
+        if path in self.PUSHES:
+            return self.PUSHES[path](self)
+        if path not in self.POSTS:
+            raise Refused(404, f"no such path {path}")
+        return getattr(self, self.POSTS[path])()
 
     def _generate(self):
         """Drawn whole for the lease holder, in slices between its turns for anyone else (see the module)."""

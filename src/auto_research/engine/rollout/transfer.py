@@ -209,7 +209,6 @@ class Intake:
         return self.shared.take(body)
 
     def prune(self, live) -> None:
-        """Drop the buffer of a lease that is no longer live (``live(token)`` says)."""
         with self.lock:
             if self.shared is not None and not live(self.shared.token):
                 self._close_shared()

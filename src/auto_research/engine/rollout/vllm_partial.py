@@ -139,10 +139,8 @@ class VLLMPool:
 
     def to_files(self, finished: list[Finished]) -> tuple[dict, dict]:
         """The groups done (tensors), and the groups decoding as ``"unfinished"`` (see the module)."""
-        tensors = {}
-        for index, lane in enumerate(finished):
-            for name in ("tokens", "logprobs", "versions"):
-                tensors[f"finished/{index}/{name}"] = getattr(lane, name).clone()
+        tensors = {f"finished/{index}/{name}": getattr(lane, name).clone() for index, lane in enumerate(finished)
+                   for name in ("tokens", "logprobs", "versions")}
         plain = {"finished": [{"key": list(lane.key), "order": lane.order, "prompt_ids": lane.prompt_ids}
                               for lane in finished],
                  "unfinished": [[list(lane["key"]), list(lane["prompt_ids"]), lane["key"][1]] for lane in self.lanes],
