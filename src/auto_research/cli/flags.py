@@ -12,7 +12,7 @@ import difflib
 from dataclasses import MISSING
 from pathlib import Path
 
-from auto_research.config.fields import SECTIONS, flag_of, help_group, setting_fields
+from auto_research.config.fields import SECTIONS, flag_of, flagged_fields, help_group, setting_fields
 from auto_research.errors import UserError
 
 
@@ -47,10 +47,6 @@ def _describe(item) -> str | None:
         return item.metadata["default_text"]
     default = item.default_factory() if item.default_factory is not MISSING else item.default
     return None if default is MISSING or default is None or default == [] or isinstance(default, bool) else str(default)
-
-
-def flagged_fields(cls, exclude=()) -> list:
-    return [item for item in setting_fields(cls) if item.metadata.get("section") is not None and item.name not in exclude]
 
 
 def add_flags(parser: argparse.ArgumentParser, cls, exclude=(), grouped: bool = False, levels: dict | None = None,
