@@ -172,25 +172,16 @@ def episode_rewards(reward: Callable, prompts: list[str], rollout: Rollout, exam
     (when ``scores_replies``); None when the environment raised, or when nothing scored it."""
     replies = [row["reply"] for row in rollout.episodes]
     scored = reward(prompts, replies, examples, rollout.token_lists()) if scores_replies else [None] * len(replies)
-    rewards = []
-    for row, value in zip(rollout.episodes, scored):
-        if row["failed"] is not None or (value is None and (scores_replies or row["environment_reward"] is None)):
-            rewards.append(None)
-        else:
-            rewards.append((row["environment_reward"] or 0.0) + (value or 0.0))
-    return rewards
+    return [None if row["failed"] is not None
+            or (value is None and (scores_replies or row["environment_reward"] is None))
+            else (row["environment_reward"] or 0.0) + (value or 0.0) for row, value in zip(rollout.episodes, scored)]
 
 
 def episode_figures(world, rollout: Rollout) -> dict:
     """The trajectories' figures over every rank: turns, tool calls and errors, truncations, failures, timeouts."""
-    rows = rollout.episodes or []
-    sums = world.total(torch.tensor([float(len(rows)), float(sum(r["turns"] for r in rows)),
-                                     float(sum(r["tool_calls"] for r in rows)),
-                                     float(sum(r["tool_errors"] for r in rows)),
-                                     float(sum(bool(r["truncated"]) for r in rows)),
-                                     float(sum(r["failed"] is not None for r in rows)),
-                                     float(sum(r.get("timed_out") == "environment" for r in rows)),
-                                     float(sum(r.get("timed_out") == "tool" for r in rows))], dtype=torch.float64))
+    per_row = [[1, r["turns"], r["tool_calls"], r["tool_errors"], bool(r["truncated"]), r["failed"] is not None,
+                r.get("timed_out") == "environment", r.get("timed_out") == "tool"] for r in rollout.episodes or []]
+    sums = world.total(torch.tensor([float(sum(column)) for column in zip(*per_row)] or [0.0] * 8, dtype=torch.float64))
     count, turns, calls, errors, cut, failed, environment_timeouts, tool_timeouts = sums.tolist()
     count = max(count, 1.0)
     return {"turns_mean": turns / count, "tool_calls_mean": calls / count, "tool_errors": int(errors),

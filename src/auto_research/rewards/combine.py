@@ -165,11 +165,9 @@ class CombinedReward:
         """Each component's return (or the exception it raised), async components awaited together."""
         outcomes, pending = {}, {}
         for index, (_, function, _) in enumerate(self.components):
+            extra = (completion_ids,) if getattr(function, "takes_completion_ids", False) else ()
             try:
-                if getattr(function, "takes_completion_ids", False):
-                    value = function(list(prompts), list(completions), list(examples), completion_ids)
-                else:
-                    value = function(list(prompts), list(completions), list(examples))
+                value = function(list(prompts), list(completions), list(examples), *extra)
             except Exception as error:
                 value = error
             (pending if inspect.isawaitable(value) else outcomes)[index] = value
