@@ -120,18 +120,12 @@ def trl_given(args: argparse.Namespace, cls) -> tuple[dict, dict]:
     (``--log_completions 4``), else TRL's (``--log_completions false``), as a config file's key is."""
     from auto_research.config import trl
 
-    found = {key[len(TRL_DEST):]: value for key, value in vars(args).items()
-             if key.startswith(TRL_DEST) and value is not None}
+    found = {key[len(TRL_DEST):]: value if isinstance(value, list) else [value] for key, value in vars(args).items()
+             if key.startswith(TRL_DEST) and value is not None}  # name → its words
     fields_by_name = {item.name: item for item in flagged_fields(cls)}
-    ours, theirs = {}, {}
-    for name, value in found.items():
-        words = value if isinstance(value, list) else [value]
-        parsed = _as_ours(fields_by_name.get(name), words)
-        if parsed is not None:
-            ours[name] = parsed
-        else:
-            theirs[name] = trl.parse_flag(name, words)
-    return ours, theirs
+    ours = {name: parsed for name, words in found.items()
+            if (parsed := _as_ours(fields_by_name.get(name), words)) is not None}
+    return ours, {name: trl.parse_flag(name, words) for name, words in found.items() if name not in ours}
 
 
 def _as_ours(item, words: list[str]):

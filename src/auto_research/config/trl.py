@@ -269,7 +269,7 @@ def finish(settings: dict, defaults) -> dict:
                                            "for a warmup")
     if pending.get(_CONSTANT):
         settings.setdefault("warmup_steps", 0)
-    if {_PER_DEVICE, _ACCUMULATION, _STEPS_PER_GENERATION} & set(pending):
+    if has_batch(pending):
         _batch(settings, pending, settings.get("group_size", defaults.group_size))
     return settings
 
