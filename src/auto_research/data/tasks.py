@@ -67,21 +67,17 @@ CALCULATOR_ANNOTATION = re.compile(r"<<[^>]*>>")
 def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int | None, evaluation_examples: int | None) -> Task:
     directory = ensure_gsm8k(dataset_dir, offline)
 
-    def examples(rows):
-        out = []
-        for row in rows:
-            if row.gold is None:
-                continue
-            # Written out in full: "%g" would turn 1450000 into "1.45e+06", which reads back as 6.
-            gold = str(int(row.gold)) if row.gold.is_integer() else repr(row.gold)
-            # The official solutions end with "#### <number>"; calculator annotations are dropped.
-            solution = " " + CALCULATOR_ANNOTATION.sub("", row.answer).strip()
-            out.append(Example(f"Question: {row.question.strip()}\nAnswer:", gold, solution,
-                               {"question": row.question, "answer": row.answer}))
-        return out
+    def example(row) -> Example:
+        # Written out in full: "%g" would turn 1450000 into "1.45e+06", which reads back as 6.
+        gold = str(int(row.gold)) if row.gold.is_integer() else repr(row.gold)
+        # The official solutions end with "#### <number>"; calculator annotations are dropped.
+        solution = " " + CALCULATOR_ANNOTATION.sub("", row.answer).strip()
+        return Example(f"Question: {row.question.strip()}\nAnswer:", gold, solution,
+                       {"question": row.question, "answer": row.answer})
 
-    train = examples(read_gsm8k(directory / "train.jsonl", maximum_examples))
-    evaluation = examples(read_gsm8k(directory / "test.jsonl", evaluation_examples))
+    train = [example(row) for row in read_gsm8k(directory / "train.jsonl", maximum_examples) if row.gold is not None]
+    evaluation = [example(row) for row in read_gsm8k(directory / "test.jsonl", evaluation_examples)
+                  if row.gold is not None]
     return Task("gsm8k-generate", train, evaluation, train, verifier="gsm8k",
                 source=f"GSM8K {directory.resolve()} (train first {len(train)}, test first {len(evaluation)})")
 

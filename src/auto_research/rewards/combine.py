@@ -62,13 +62,11 @@ def checked(values, source: str = "the reward", parts: dict | None = None, cause
     parts = getattr(values, "parts", None) if parts is None else parts
     causes = getattr(values, "causes", None) if causes is None else causes
     causes = [None] * len(values) if causes is None else list(causes)
-    kept = []
-    for index, value in enumerate(values):
-        problem = None if value is None else reward_problem(value)
-        if problem is not None:
-            causes[index] = causes[index] or f"{source} returned {problem}"
-        kept.append(None if value is None or problem is not None else float(value))
-    return Scored(kept, parts, causes)
+    problems = [None if value is None else reward_problem(value) for value in values]
+    causes = [cause if problem is None else cause or f"{source} returned {problem}"
+              for cause, problem in zip(causes, problems)]
+    return Scored([None if value is None or problem is not None else float(value)
+                   for value, problem in zip(values, problems)], parts, causes)
 
 
 def invalid_count(scored) -> int:
