@@ -181,13 +181,10 @@ def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str | 
         rows.append(_example(where, number, row, fields, solution_field))
     if len(rows) < 2:
         raise UserError(f"{where}: needs at least 2 rows (one to train on, one to evaluate), found {len(rows)}")
-    if evaluation_examples is None:
-        held = min(DEFAULT_HELD_OUT, max(1, len(rows) // 5))
-    elif evaluation_examples >= len(rows):
+    if evaluation_examples is not None and evaluation_examples >= len(rows):
         raise UserError(f"--evaluation-examples {evaluation_examples}: {where} has {len(rows)} rows, and at least one "
                         "must be left to train on")
-    else:
-        held = evaluation_examples
+    held = min(DEFAULT_HELD_OUT, max(1, len(rows) // 5)) if evaluation_examples is None else evaluation_examples
     answered = fields.answer is not None
     if verifier is not None and not answered:
         raise UserError(f"--verifier {verifier} judges answers, and the rows of {where} have none ({NO_ANSWERS_WHY})")
