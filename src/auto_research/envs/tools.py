@@ -97,20 +97,16 @@ def parse_calls(text: str, form: str) -> tuple[list[ToolCall], int]:
     else:
         start = text.find("{")
         blocks = [text[start: text.rfind("}") + 1]] if start >= 0 and '"name"' in text else []
-    calls, broken = [], 0
+    items, broken = [], 0
     for block in blocks:
         try:
             value = json.loads(block)
         except ValueError:
             broken += 1
             continue
-        for item in value if isinstance(value, list) else [value]:
-            call = _as_call(item)
-            if call is None:
-                broken += 1
-            else:
-                calls.append(call)
-    return calls, broken
+        items += value if isinstance(value, list) else [value]
+    calls = [call for call in map(_as_call, items) if call is not None]
+    return calls, broken + len(items) - len(calls)
 
 
 _KINDS = {  # a JSON schema type → its name in a message, and whether a JSON value is one (a bool is no number)

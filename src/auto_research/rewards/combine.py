@@ -208,6 +208,5 @@ def build_reward(resolved: list[tuple[str, Callable, bool]], weights: list[float
     if reward_model:
         functions.append((f"reward-model:{reward_model}", RewardModel(reward_model, device, offline)))
     weights = [1.0] * len(functions) if weights is None else weights
-    names = metric_names([(name, function) for name, function, _ in resolved]
-                         + ([(functions[-1][0], functions[-1][1])] if reward_model else []))
+    names = metric_names([(name, function) for name, function, _ in resolved] + functions[len(resolved):])
     return CombinedReward([(name, function, weight) for (name, function), weight in zip(functions, weights)], names)
