@@ -156,14 +156,11 @@ def trajectory_rollout(tokenizer, trajectories: list[Trajectory], group_size: in
     texts = [tokenizer.decode(t.ids, skip_special_tokens=False) if t.text is None else t.text for t in trajectories]
     episodes = [{"turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
                  "truncated": t.truncated, "environment_reward": t.reward, "failed": t.failed,
-                 "timed_out": t.timed_out, "limit": t.limit, "reply": _final_reply(t)} for t in trajectories]
+                 "timed_out": t.timed_out, "limit": t.limit,
+                 "reply": next((m["content"] for m in reversed(t.messages) if m["role"] == "assistant"), "")}
+                for t in trajectories]
     return Rollout(torch.cat([prompt, completion], dim=1), prompt_mask, span, texts, group_size, logprobs * owned,
                    None, False, None, owned, episodes)
-
-
-def _final_reply(trajectory: Trajectory) -> str:
-    replies = [m["content"] for m in trajectory.messages if m["role"] == "assistant"]
-    return replies[-1] if replies else ""
 
 
 def episode_rewards(reward: Callable, prompts: list[str], rollout: Rollout, examples: list[Example],

@@ -127,14 +127,6 @@ def _keywords(function: Callable) -> set[str] | None:
     return None if takes_any else {parameter.name for parameter in parameters}
 
 
-def _settle(pending: dict[int, object]) -> dict[int, object]:
-    """Await every component's coroutine together (async rewards run concurrently); exceptions are returned."""
-    async def gather():
-        return await asyncio.gather(*pending.values(), return_exceptions=True)
-
-    return dict(zip(pending, asyncio.run(gather())))
-
-
 @dataclass
 class CombinedReward:
     """Weighted sum of reward components; None when any component gives None or an invalid value. A component
@@ -169,8 +161,11 @@ class CombinedReward:
             except Exception as error:
                 value = error
             (pending if inspect.isawaitable(value) else outcomes)[index] = value
-        if pending:
-            outcomes.update(_settle(pending))
+        if pending:  # async components awaited together, so they run concurrently; their exceptions returned
+            async def gather():
+                return await asyncio.gather(*pending.values(), return_exceptions=True)
+
+            outcomes.update(zip(pending, asyncio.run(gather())))
         return [outcomes[index] for index in range(len(self.components))]
 
     @staticmethod
