@@ -167,13 +167,12 @@ def given(args: argparse.Namespace, cls, exclude=(), trl_names: bool = False) ->
     from auto_research.config import trl
 
     settings.update({key: value for key, value in from_file.items() if key.startswith("_")})
-    flags = flag_names(cls)
     ours, theirs = trl_given(args, cls)
     from_flags = {**ours, **from_flags}
     translated = trl.translate(theirs)
     for key, value in translated.items():
         if key in from_flags and from_flags[key] != value:
-            raise UserError(f"{flags.get(key, key)} {from_flags[key]} and a TRL flag that sets it to {value} were "
+            raise UserError(f"{flag_names(cls).get(key, key)} {from_flags[key]} and a TRL flag that sets it to {value} were "
                             "both given: give one")
     return {**settings, **translated, **from_flags}
 

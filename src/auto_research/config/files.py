@@ -35,16 +35,10 @@ def _flagged(classes) -> dict[str, object]:
 def _expected(annotation: str) -> tuple[set, bool]:
     """The JSON kinds a field takes (str, int, float, bool, list), and whether null is allowed, from its
     annotation as written (``int | None``, ``list[str]``, ``Path``)."""
-    kinds, nullable = set(), False
     names = {"str": str, "Path": str, "int": int, "float": float, "bool": bool}
-    for part in (piece.strip() for piece in str(annotation).split("|")):
-        if part == "None":
-            nullable = True
-        elif part.startswith("list"):
-            kinds.add(list)
-        elif part in names:
-            kinds.add(names[part])
-    return kinds, nullable
+    parts = [piece.strip() for piece in str(annotation).split("|")]
+    return ({list if part.startswith("list") else names[part] for part in parts
+             if part.startswith("list") or part in names}, "None" in parts)
 
 
 def _check_type(where: str, key: str, value, item):
