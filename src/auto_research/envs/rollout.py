@@ -77,8 +77,7 @@ class Runner:
     """What both runners do with their ``trajectories``: the rollout side's ``sample``, the evaluation's ``greedy``."""
 
     def sample(self, examples: list[Example], group_size: int, seeds: list[int]) -> Rollout:
-        return trajectory_rollout(self.tokenizer, self.trajectories(examples, group_size, seeds), group_size,
-                                  self.pad)
+        return trajectory_rollout(self.tokenizer, self.trajectories(examples, group_size, seeds), group_size, self.pad)
 
     def greedy(self, model, examples: list[Example]) -> Rollout:
         """One greedy trajectory per example from ``model``, whatever the run's sampler."""
