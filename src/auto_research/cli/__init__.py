@@ -23,17 +23,15 @@ ALGORITHMS = tuple(REGISTRY)
 LEVELS = {"candidate level": CandidateConfig}
 
 
-def _post_train(parser) -> None:
-    add_flags(parser, GenerationConfig, grouped=True, levels=LEVELS, defaults={"dataset": "arithmetic-smoke"})
-    add_flags(parser, PostTrainOptions)
-    add_trl_flags(parser)
+def _run_flags(options, exclude=()):
+    """post-train's and compare's flags: a run's settings (less ``exclude``), ``options``, then TRL's names."""
+    def add(parser) -> None:
+        add_flags(parser, GenerationConfig, exclude=exclude, grouped=True, levels=LEVELS,
+                  defaults={"dataset": "arithmetic-smoke"})
+        add_flags(parser, options)
+        add_trl_flags(parser)
 
-
-def _compare(parser) -> None:
-    add_flags(parser, GenerationConfig, exclude=("algorithm", "group_size"), grouped=True, levels=LEVELS,
-              defaults={"dataset": "arithmetic-smoke"})
-    add_flags(parser, CompareOptions)
-    add_trl_flags(parser)
+    return add
 
 
 def _recipe(name: str):
@@ -60,10 +58,11 @@ class Subcommand(NamedTuple):
 
 
 SUBCOMMANDS = {
-    "post-train": Subcommand("train a policy with one algorithm and report before/after", _post_train,
-                             commands.post_train),
+    "post-train": Subcommand("train a policy with one algorithm and report before/after",
+                             _run_flags(PostTrainOptions), commands.post_train),
     "compare": Subcommand("run several algorithms on identical data and settings (generation level: each run in its "
-                          "own process, with its time and memory)", _compare, commands.compare),
+                          "own process, with its time and memory)",
+                          _run_flags(CompareOptions, exclude=("algorithm", "group_size")), commands.compare),
     "sft": Subcommand("supervised fine-tuning of a causal LM on a dataset's demonstrations", _recipe("SFTConfig"),
                       commands.sft),
     "reward-model": Subcommand("train a reward model (one scalar head) on preference pairs, Bradley–Terry",
@@ -73,8 +72,7 @@ SUBCOMMANDS = {
     "data": Subcommand("download a dataset into --dataset-dir", _recipe("DataConfig"), commands.data),
     "rollout-serve": Subcommand("serve one rollout engine (vLLM, or --engine builtin) over HTTP for post-train "
                                 "--rollout-mode server", _serve, commands.rollout_serve),
-    "vllm-serve": Subcommand("the same as rollout-serve (its first name)", _serve,
-                             commands.rollout_serve),
+    "vllm-serve": Subcommand("the same as rollout-serve (its first name)", _serve, commands.rollout_serve),
 }
 
 

@@ -18,7 +18,7 @@ from auto_research.config.fields import GENERATION_DATASETS, check_candidate_dat
 from auto_research.engine.launch import environment_rank
 from auto_research.errors import UserError
 
-CANDIDATE_FIELDS = {name for name in flag_names(CandidateConfig)}
+CANDIDATE_FIELDS = set(flag_names(CandidateConfig))
 
 
 def _stderr(text: str) -> None:

@@ -12,7 +12,7 @@ import difflib
 from dataclasses import MISSING
 from pathlib import Path
 
-from auto_research.config.fields import SECTIONS, flag_of, help_group, setting_fields
+from auto_research.config.fields import SECTIONS, flag_of, flagged_fields, help_group, setting_fields
 from auto_research.errors import UserError
 
 
@@ -47,10 +47,6 @@ def _describe(item) -> str | None:
         return item.metadata["default_text"]
     default = item.default_factory() if item.default_factory is not MISSING else item.default
     return None if default is MISSING or default is None or default == [] or isinstance(default, bool) else str(default)
-
-
-def flagged_fields(cls, exclude=()) -> list:
-    return [item for item in setting_fields(cls) if item.metadata.get("section") is not None and item.name not in exclude]
 
 
 def add_flags(parser: argparse.ArgumentParser, cls, exclude=(), grouped: bool = False, levels: dict | None = None,
@@ -124,18 +120,12 @@ def trl_given(args: argparse.Namespace, cls) -> tuple[dict, dict]:
     (``--log_completions 4``), else TRL's (``--log_completions false``), as a config file's key is."""
     from auto_research.config import trl
 
-    found = {key[len(TRL_DEST):]: value for key, value in vars(args).items()
-             if key.startswith(TRL_DEST) and value is not None}
+    found = {key[len(TRL_DEST):]: value if isinstance(value, list) else [value] for key, value in vars(args).items()
+             if key.startswith(TRL_DEST) and value is not None}  # name → its words
     fields_by_name = {item.name: item for item in flagged_fields(cls)}
-    ours, theirs = {}, {}
-    for name, value in found.items():
-        words = value if isinstance(value, list) else [value]
-        parsed = _as_ours(fields_by_name.get(name), words)
-        if parsed is not None:
-            ours[name] = parsed
-        else:
-            theirs[name] = trl.parse_flag(name, words)
-    return ours, theirs
+    ours = {name: parsed for name, words in found.items()
+            if (parsed := _as_ours(fields_by_name.get(name), words)) is not None}
+    return ours, {name: trl.parse_flag(name, words) for name, words in found.items() if name not in ours}
 
 
 def _as_ours(item, words: list[str]):
@@ -177,13 +167,12 @@ def given(args: argparse.Namespace, cls, exclude=(), trl_names: bool = False) ->
     from auto_research.config import trl
 
     settings.update({key: value for key, value in from_file.items() if key.startswith("_")})
-    flags = flag_names(cls)
     ours, theirs = trl_given(args, cls)
     from_flags = {**ours, **from_flags}
     translated = trl.translate(theirs)
     for key, value in translated.items():
         if key in from_flags and from_flags[key] != value:
-            raise UserError(f"{flags.get(key, key)} {from_flags[key]} and a TRL flag that sets it to {value} were "
+            raise UserError(f"{flag_names(cls).get(key, key)} {from_flags[key]} and a TRL flag that sets it to {value} were "
                             "both given: give one")
     return {**settings, **translated, **from_flags}
 

@@ -89,10 +89,10 @@ class TurnsSection:
                 raise UserError(f"{flag} must be a number of seconds >= 0 (0: no limit), got {seconds}")
         if self.max_turns < 1:
             raise UserError(f"--max-turns must be >= 1, got {self.max_turns}")
-        if self.max_trajectory_tokens is not None and self.max_trajectory_tokens < 1:
-            raise UserError(f"--max-trajectory-tokens must be >= 1, got {self.max_trajectory_tokens}")
-        if self.max_observation_tokens is not None and self.max_observation_tokens < 1:
-            raise UserError(f"--max-observation-tokens must be >= 1, got {self.max_observation_tokens}")
+        for flag, value in (("--max-trajectory-tokens", self.max_trajectory_tokens),
+                            ("--max-observation-tokens", self.max_observation_tokens)):
+            if value is not None and value < 1:
+                raise UserError(f"{flag} must be >= 1, got {value}")
         if self.env_concurrency < 1:
             raise UserError(f"--env-concurrency must be >= 1 (1: one call at a time), got {self.env_concurrency}")
 

@@ -71,6 +71,12 @@ def setting_fields(cls) -> list:
     return cls.flat_fields() if hasattr(cls, "flat_fields") else list(fields(cls))
 
 
+def flagged_fields(cls, exclude=()) -> list:
+    """The settings of ``cls`` that have a flag (a ``section``), less ``exclude``."""
+    return [item for item in setting_fields(cls)
+            if item.metadata.get("section") is not None and item.name not in exclude]
+
+
 def help_group(cls, item) -> str | None:
     """The --help group of a setting: its section's (a run's settings), else its own metadata's."""
     return cls.section_of(item.name) if hasattr(cls, "section_of") else item.metadata.get("section")
@@ -162,33 +168,30 @@ def looks_like_a_file(name: str) -> bool:
     return "/" in name or os.sep in name or Path(name).suffix != "" or Path(name).exists()
 
 
-def _not_a_data_file(name: str) -> UserError:
-    return UserError(f"--dataset {name}: a data file must be {data_file_kinds().replace('.jsonl', '.jsonl (JSON Lines)')}"
-                     ", or a folder written by datasets' save_to_disk")
+def _unknown_dataset(name: str, choices: tuple[str, ...]) -> UserError:
+    if looks_like_a_file(name):
+        return UserError(f"--dataset {name}: a data file must be "
+                         f"{data_file_kinds().replace('.jsonl', '.jsonl (JSON Lines)')}, or a folder written by "
+                         "datasets' save_to_disk")
+    return UserError(f"unknown dataset {name!r}; choose one of: {', '.join(choices)}, or a .jsonl file")
 
 
 def check_candidate_dataset(name: str) -> None:
     if is_generation_dataset(name):
         raise UserError(f"{name} is a generation-level dataset; 'compare' and --seeds run the candidate "
                         f"level ({', '.join(task_names('candidate'))})")
-    if task_record(name, "candidate") is not None:
-        return
-    if looks_like_a_file(name):
-        raise _not_a_data_file(name)
-    raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(task_names())}, or a .jsonl file")
+    if task_record(name, "candidate") is None:
+        raise _unknown_dataset(name, task_names())
 
 
 def check_generation_dataset(name: str) -> None:
     """One line for a dataset the generation level cannot take, saying what it can."""
     if is_generation_dataset(name):
         return
-    generation = ", ".join(task_names("generation"))
     if task_record(name, "candidate") is not None:
         raise UserError(f"{name} is a candidate-level dataset (no text to generate); the generation level takes "
-                        f"{generation} or a .jsonl file")
-    if looks_like_a_file(name):
-        raise _not_a_data_file(name)
-    raise UserError(f"unknown dataset {name!r}; choose one of: {generation}, or a .jsonl file")
+                        f"{', '.join(task_names('generation'))} or a .jsonl file")
+    raise _unknown_dataset(name, task_names("generation"))
 
 
 def json_ready(payload: dict) -> dict:

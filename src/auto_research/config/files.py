@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from auto_research.config import trl
-from auto_research.config.fields import flag_of, setting_fields
+from auto_research.config.fields import flag_of, flagged_fields, json_ready
 from auto_research.errors import UserError
 from auto_research.files import atomic_write_json, atomic_write_text
 
@@ -27,25 +27,18 @@ def _flagged(classes) -> dict[str, object]:
     """key → field, for every field with a flag in ``classes`` (the first class that has a name wins)."""
     found = {}
     for cls in classes:
-        for item in setting_fields(cls):
-            if item.metadata.get("section") is not None:
-                found.setdefault(key_of(item), item)
+        for item in flagged_fields(cls):
+            found.setdefault(key_of(item), item)
     return found
 
 
 def _expected(annotation: str) -> tuple[set, bool]:
     """The JSON kinds a field takes (str, int, float, bool, list), and whether null is allowed, from its
     annotation as written (``int | None``, ``list[str]``, ``Path``)."""
-    kinds, nullable = set(), False
     names = {"str": str, "Path": str, "int": int, "float": float, "bool": bool}
-    for part in (piece.strip() for piece in str(annotation).split("|")):
-        if part == "None":
-            nullable = True
-        elif part.startswith("list"):
-            kinds.add(list)
-        elif part in names:
-            kinds.add(names[part])
-    return kinds, nullable
+    parts = [piece.strip() for piece in str(annotation).split("|")]
+    return ({list if part.startswith("list") else names[part] for part in parts
+             if part.startswith("list") or part in names}, "None" in parts)
 
 
 def _check_type(where: str, key: str, value, item):
@@ -120,11 +113,8 @@ def _parse_json(path: Path, text: str) -> tuple[object, dict]:
     except json.JSONDecodeError as error:
         raise UserError(f"--config {path}: not valid JSON at line {error.lineno}, column {error.colno} "
                         f"({error.msg})") from None
-    lines = {}
-    for key in payload if isinstance(payload, dict) else ():
-        found = _json_lines(text, key)
-        lines[key] = found[0] if found else None
-    return payload, lines
+    keys = payload if isinstance(payload, dict) else ()
+    return payload, {key: next(iter(_json_lines(text, key)), None) for key in keys}
 
 
 def _unique_key_loader():
@@ -246,13 +236,7 @@ def _from_trl(where: str, trl_settings: dict, settings: dict, known: dict) -> di
 
 def config_payload(config) -> dict:
     """A config dataclass as a config file's mapping (every field with a flag, by its key)."""
-    payload = {}
-    for item in setting_fields(type(config)):
-        if item.metadata.get("section") is None:
-            continue
-        value = getattr(config, item.name)
-        payload[key_of(item)] = str(value) if isinstance(value, Path) else value
-    return payload
+    return json_ready({key_of(item): getattr(config, item.name) for item in flagged_fields(type(config))})
 
 
 def write_config_file(path: str | Path, config) -> Path:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from auto_research.algorithms.registry import (AGGREGATIONS, DISTILL_BASELINES, KL_ESTIMATORS, KL_PLACEMENTS, POLICY_LOSSES,
                                                RATIO_FREE_LOSSES, REGISTRY, STANDARD_DEVIATIONS, described,
                                                kl_in_loss, kl_shapes_reward, names_by)
-from auto_research.config.fields import (check_choice, check_non_negative_finite, check_positive_finite,
-                                         check_positive_integers, setting)
+from auto_research.config.fields import (check_choice, check_non_negative_finite, check_non_negative_integers,
+                                         check_positive_finite, check_positive_integers, setting)
 from auto_research.errors import UserError
 
 
@@ -145,8 +145,7 @@ class LossSection:
                             "batch that serves several updates (--ppo-epochs, --ppo-mini-batches) needs a ratio: "
                             f"{', '.join(name for name in POLICY_LOSSES if name not in RATIO_FREE_LOSSES)}")
         check_non_negative_finite("--entropy-coef", self.entropy_coef)
-        if self.overlong_buffer is not None and self.overlong_buffer < 0:
-            raise UserError(f"--overlong-buffer must be >= 0, got {self.overlong_buffer}")
+        check_non_negative_integers(("--overlong-buffer", self.overlong_buffer))
         if self.overlong_penalty is not None:
             check_non_negative_finite("--overlong-penalty", self.overlong_penalty)
             if not self.overlong_buffer:

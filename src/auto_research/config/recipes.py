@@ -211,18 +211,17 @@ class ServeConfig:
 
     def _check_builtin(self) -> None:
         """vLLM's settings, refused for the builtin engine with what it does instead."""
-        why = {"--rollout-memory": "the builtin engine samples in float32 with the model's own cache, as the "
-                                   "trainer does",
-               "--tensor-parallel-size": "the builtin engine runs on one device (several servers behind one trainer "
-                                         "spread its groups: docs/scaling-out.md)",
-               "--enable-lora": "the builtin engine always takes a LoRA run's adapter alone"}
-        why["--dtype"], why["--data-parallel-size"] = why["--rollout-memory"], why["--tensor-parallel-size"]
-        given = {"--rollout-memory": self.rollout_memory is not None, "--dtype": self.dtype != "auto",
-                 "--tensor-parallel-size": self.tensor_parallel_size != 1,
-                 "--data-parallel-size": self.data_parallel_size != 1, "--enable-lora": self.enable_lora}
-        flag = next((flag for flag, set_ in given.items() if set_), None)
-        if flag is not None:
-            raise UserError(f"{flag} is vLLM's (--engine vllm); {why[flag]}")
+        float32 = "the builtin engine samples in float32 with the model's own cache, as the trainer does"
+        one_device = ("the builtin engine runs on one device (several servers behind one trainer spread its groups: "
+                      "docs/scaling-out.md)")
+        for flag, given, why in (("--rollout-memory", self.rollout_memory is not None, float32),
+                                 ("--dtype", self.dtype != "auto", float32),
+                                 ("--tensor-parallel-size", self.tensor_parallel_size != 1, one_device),
+                                 ("--data-parallel-size", self.data_parallel_size != 1, one_device),
+                                 ("--enable-lora", self.enable_lora, "the builtin engine always takes a LoRA run's "
+                                                                     "adapter alone")):
+            if given:
+                raise UserError(f"{flag} is vLLM's (--engine vllm); {why}")
 
     def validate(self) -> "ServeConfig":
         from auto_research.engine.sources import require_vllm

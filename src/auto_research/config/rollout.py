@@ -86,8 +86,7 @@ class RolloutSection:
     def check(self) -> None:
         check_choice("--sampler", self.sampler, ENGINES)  # engine/samplers.py lists them, a registered one too
         check_choice("--rollout-mode", self.rollout_mode, ROLLOUT_MODES)
-        if self.rollout_correction is not None:
-            check_choice("--rollout-correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        check_choice("--rollout-correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         check_positive_finite("--rollout-correction-cap", self.rollout_correction_cap)
         check_positive_finite("--max-rollout-mismatch", self.max_rollout_mismatch)
         if self.rollout_correction_cap < 1:

@@ -166,8 +166,7 @@ class LoraSection:
                 raise UserError("--merge-lora needs --lora-r (LoRA is off without it)")
         if not (0 <= self.lora_dropout < 1):
             raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.lora_target_modules is not None and not [name for name in self.lora_target_modules.split(",")
-                                                         if name.strip()]:
+        if self.lora_target_modules is not None and not self.lora_target_modules.replace(",", "").strip():
             raise UserError("--lora-target-modules is empty; give module names such as q_proj,v_proj")
 
 

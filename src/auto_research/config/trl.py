@@ -159,8 +159,7 @@ MAPPED: dict[str, TrlField] = {
     "vllm_importance_sampling_mode": TrlField("text", "--rollout-correction",
                                               _choice("vllm_importance_sampling_mode", _CORRECTION_MODES,
                                                       {"token_mask": "(masking tokens) is not built"})),
-    "vllm_importance_sampling_clip_max": TrlField("float", "--rollout-correction-cap",
-                                                  _same("rollout_correction_cap")),
+    "vllm_importance_sampling_clip_max": TrlField("float", "--rollout-correction-cap", _same("rollout_correction_cap")),
     "vllm_importance_sampling_cap": TrlField("float", "--rollout-correction-cap", _same("rollout_correction_cap")),
     "max_tool_calling_iterations": TrlField("int", "--max-turns (iterations + 1)",
                                             lambda value: {} if value is None else {"max_turns": int(value) + 1}),
@@ -269,7 +268,7 @@ def finish(settings: dict, defaults) -> dict:
                                            "for a warmup")
     if pending.get(_CONSTANT):
         settings.setdefault("warmup_steps", 0)
-    if {_PER_DEVICE, _ACCUMULATION, _STEPS_PER_GENERATION} & set(pending):
+    if has_batch(pending):
         _batch(settings, pending, settings.get("group_size", defaults.group_size))
     return settings
 

@@ -5,6 +5,7 @@ and online, downloaded once, checked against their published sha256 and written 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 import tempfile
@@ -46,14 +47,12 @@ class Problem:
 def read_gsm8k(path: str | os.PathLike, limit: int | None = None) -> list[Problem]:
     """The first ``limit`` problems of a GSM8K JSONL file, in file order. A row whose answer has no ``####``
     number keeps its place with ``gold=None`` (the candidate protocol skips it but counts it)."""
-    problems: list[Problem] = []
     if limit is not None and limit <= 0:
-        return problems
-    for number, row in iter_jsonl(path):
+        return []
+    problems = []
+    for number, row in itertools.islice(iter_jsonl(path), limit):
         question, answer = (text_field(path, number, row, key) for key in ("question", "answer"))
         problems.append(Problem(question, answer, parse_gold(answer), number))
-        if limit is not None and len(problems) >= limit:
-            break
     if not any(problem.gold is not None for problem in problems):
         what = "has no rows" if not problems else f"has no row with a '#### <number>' final answer among its first {len(problems)}"
         raise UserError(f"{path} {what}: GSM8K answers end with '#### <number>'")

@@ -67,21 +67,17 @@ CALCULATOR_ANNOTATION = re.compile(r"<<[^>]*>>")
 def gsm8k_task(dataset_dir, offline: bool, maximum_examples: int | None, evaluation_examples: int | None) -> Task:
     directory = ensure_gsm8k(dataset_dir, offline)
 
-    def examples(rows):
-        out = []
-        for row in rows:
-            if row.gold is None:
-                continue
-            # Written out in full: "%g" would turn 1450000 into "1.45e+06", which reads back as 6.
-            gold = str(int(row.gold)) if row.gold.is_integer() else repr(row.gold)
-            # The official solutions end with "#### <number>"; calculator annotations are dropped.
-            solution = " " + CALCULATOR_ANNOTATION.sub("", row.answer).strip()
-            out.append(Example(f"Question: {row.question.strip()}\nAnswer:", gold, solution,
-                               {"question": row.question, "answer": row.answer}))
-        return out
+    def example(row) -> Example:
+        # Written out in full: "%g" would turn 1450000 into "1.45e+06", which reads back as 6.
+        gold = str(int(row.gold)) if row.gold.is_integer() else repr(row.gold)
+        # The official solutions end with "#### <number>"; calculator annotations are dropped.
+        solution = " " + CALCULATOR_ANNOTATION.sub("", row.answer).strip()
+        return Example(f"Question: {row.question.strip()}\nAnswer:", gold, solution,
+                       {"question": row.question, "answer": row.answer})
 
-    train = examples(read_gsm8k(directory / "train.jsonl", maximum_examples))
-    evaluation = examples(read_gsm8k(directory / "test.jsonl", evaluation_examples))
+    train = [example(row) for row in read_gsm8k(directory / "train.jsonl", maximum_examples) if row.gold is not None]
+    evaluation = [example(row) for row in read_gsm8k(directory / "test.jsonl", evaluation_examples)
+                  if row.gold is not None]
     return Task("gsm8k-generate", train, evaluation, train, verifier="gsm8k",
                 source=f"GSM8K {directory.resolve()} (train first {len(train)}, test first {len(evaluation)})")
 
@@ -185,13 +181,10 @@ def rows_task(numbered_rows, where, name: str, source: str, prompt_field: str | 
         rows.append(_example(where, number, row, fields, solution_field))
     if len(rows) < 2:
         raise UserError(f"{where}: needs at least 2 rows (one to train on, one to evaluate), found {len(rows)}")
-    if evaluation_examples is None:
-        held = min(DEFAULT_HELD_OUT, max(1, len(rows) // 5))
-    elif evaluation_examples >= len(rows):
+    if evaluation_examples is not None and evaluation_examples >= len(rows):
         raise UserError(f"--evaluation-examples {evaluation_examples}: {where} has {len(rows)} rows, and at least one "
                         "must be left to train on")
-    else:
-        held = evaluation_examples
+    held = min(DEFAULT_HELD_OUT, max(1, len(rows) // 5)) if evaluation_examples is None else evaluation_examples
     answered = fields.answer is not None
     if verifier is not None and not answered:
         raise UserError(f"--verifier {verifier} judges answers, and the rows of {where} have none ({NO_ANSWERS_WHY})")

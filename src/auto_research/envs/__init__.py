@@ -70,18 +70,15 @@ class EnvironmentFactory:
         make = self.factory if self.trl else (lambda: self.factory(row))
         worker = Worker() if self.timeout or tool_timeout else None  # the trajectory's thread, made here
         environment = bounded(make, self.timeout, EnvironmentTimeout, "make_env(row)", worker)
-        step, reset = getattr(environment, "step", None), getattr(environment, "reset", None)
-        if callable(step):
-            if not callable(reset):
-                raise UserError(f"--environment {self.spec}: the object it returns has step but no reset method "
-                                "(an environment has reset() and step(text))")
-            return Episode(environment, row, dict(tools or {}), False, timeout=self.timeout, tool_timeout=tool_timeout,
-                           worker=worker)
-        methods = public_methods(environment)
-        if not self.trl or not methods:
+        ours = callable(getattr(environment, "step", None))  # a step method makes it ours, else TRL's shape
+        if ours and not callable(getattr(environment, "reset", None)):
+            raise UserError(f"--environment {self.spec}: the object it returns has step but no reset method "
+                            "(an environment has reset() and step(text))")
+        methods = {} if ours else public_methods(environment)
+        if not ours and not (self.trl and methods):
             raise UserError(f"--environment {self.spec}: the object it returns has no reset/step methods "
                             f"(an environment has reset() and step(text); got {type(environment).__name__})")
-        return Episode(environment, row, {**methods, **(tools or {})}, True, timeout=self.timeout,
+        return Episode(environment, row, {**methods, **(tools or {})}, not ours, timeout=self.timeout,
                        tool_timeout=tool_timeout, worker=worker)
 
 

@@ -107,9 +107,7 @@ class FunctionRunner(Runner):
         logprobs = [_finite(where, "logprobs", value, position) if owned else 0.0
                     for position, (value, owned) in enumerate(zip(logprobs, mask))]
         _check_probabilities(where, ids, logprobs)
-        reward = item["reward"]
-        if reward is not None:
-            reward = _finite(where, "reward", reward)
+        reward = None if item["reward"] is None else _finite(where, "reward", item["reward"])
         if len(ids) > self.max_tokens:
             raise RewardError(f"{where}: 'completion_ids' holds {len(ids)} tokens, more than context.max_tokens "
                               f"{self.max_tokens} (--max-trajectory-tokens)")

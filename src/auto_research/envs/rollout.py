@@ -77,8 +77,7 @@ class Runner:
     """What both runners do with their ``trajectories``: the rollout side's ``sample``, the evaluation's ``greedy``."""
 
     def sample(self, examples: list[Example], group_size: int, seeds: list[int]) -> Rollout:
-        return trajectory_rollout(self.tokenizer, self.trajectories(examples, group_size, seeds), group_size,
-                                  self.pad)
+        return trajectory_rollout(self.tokenizer, self.trajectories(examples, group_size, seeds), group_size, self.pad)
 
     def greedy(self, model, examples: list[Example]) -> Rollout:
         """One greedy trajectory per example from ``model``, whatever the run's sampler."""
@@ -156,14 +155,11 @@ def trajectory_rollout(tokenizer, trajectories: list[Trajectory], group_size: in
     texts = [tokenizer.decode(t.ids, skip_special_tokens=False) if t.text is None else t.text for t in trajectories]
     episodes = [{"turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
                  "truncated": t.truncated, "environment_reward": t.reward, "failed": t.failed,
-                 "timed_out": t.timed_out, "limit": t.limit, "reply": _final_reply(t)} for t in trajectories]
+                 "timed_out": t.timed_out, "limit": t.limit,
+                 "reply": next((m["content"] for m in reversed(t.messages) if m["role"] == "assistant"), "")}
+                for t in trajectories]
     return Rollout(torch.cat([prompt, completion], dim=1), prompt_mask, span, texts, group_size, logprobs * owned,
                    None, False, None, owned, episodes)
-
-
-def _final_reply(trajectory: Trajectory) -> str:
-    replies = [m["content"] for m in trajectory.messages if m["role"] == "assistant"]
-    return replies[-1] if replies else ""
 
 
 def episode_rewards(reward: Callable, prompts: list[str], rollout: Rollout, examples: list[Example],
@@ -172,25 +168,16 @@ def episode_rewards(reward: Callable, prompts: list[str], rollout: Rollout, exam
     (when ``scores_replies``); None when the environment raised, or when nothing scored it."""
     replies = [row["reply"] for row in rollout.episodes]
     scored = reward(prompts, replies, examples, rollout.token_lists()) if scores_replies else [None] * len(replies)
-    rewards = []
-    for row, value in zip(rollout.episodes, scored):
-        if row["failed"] is not None or (value is None and (scores_replies or row["environment_reward"] is None)):
-            rewards.append(None)
-        else:
-            rewards.append((row["environment_reward"] or 0.0) + (value or 0.0))
-    return rewards
+    return [None if row["failed"] is not None
+            or (value is None and (scores_replies or row["environment_reward"] is None))
+            else (row["environment_reward"] or 0.0) + (value or 0.0) for row, value in zip(rollout.episodes, scored)]
 
 
 def episode_figures(world, rollout: Rollout) -> dict:
     """The trajectories' figures over every rank: turns, tool calls and errors, truncations, failures, timeouts."""
-    rows = rollout.episodes or []
-    sums = world.total(torch.tensor([float(len(rows)), float(sum(r["turns"] for r in rows)),
-                                     float(sum(r["tool_calls"] for r in rows)),
-                                     float(sum(r["tool_errors"] for r in rows)),
-                                     float(sum(bool(r["truncated"]) for r in rows)),
-                                     float(sum(r["failed"] is not None for r in rows)),
-                                     float(sum(r.get("timed_out") == "environment" for r in rows)),
-                                     float(sum(r.get("timed_out") == "tool" for r in rows))], dtype=torch.float64))
+    per_row = [[1, r["turns"], r["tool_calls"], r["tool_errors"], bool(r["truncated"]), r["failed"] is not None,
+                r.get("timed_out") == "environment", r.get("timed_out") == "tool"] for r in rollout.episodes or []]
+    sums = world.total(torch.tensor([float(sum(column)) for column in zip(*per_row)] or [0.0] * 8, dtype=torch.float64))
     count, turns, calls, errors, cut, failed, environment_timeouts, tool_timeouts = sums.tolist()
     count = max(count, 1.0)
     return {"turns_mean": turns / count, "tool_calls_mean": calls / count, "tool_errors": int(errors),

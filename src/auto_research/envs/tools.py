@@ -97,34 +97,25 @@ def parse_calls(text: str, form: str) -> tuple[list[ToolCall], int]:
     else:
         start = text.find("{")
         blocks = [text[start: text.rfind("}") + 1]] if start >= 0 and '"name"' in text else []
-    calls, broken = [], 0
+    items, broken = [], 0
     for block in blocks:
         try:
             value = json.loads(block)
         except ValueError:
             broken += 1
             continue
-        for item in value if isinstance(value, list) else [value]:
-            call = _as_call(item)
-            if call is None:
-                broken += 1
-            else:
-                calls.append(call)
-    return calls, broken
+        items += value if isinstance(value, list) else [value]
+    calls = [call for call in map(_as_call, items) if call is not None]
+    return calls, broken + len(items) - len(calls)
 
 
-_KINDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
-          "array": "a list", "object": "an object", "null": "null"}
-
-
-def _is(value, kind: str) -> bool:
-    """Whether a JSON value is of a JSON schema type (a bool is no number, as Python's hints mean it)."""
-    checks = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-              "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
-              "array": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict),
-              "null": lambda v: v is None}
-    return checks.get(kind, lambda v: True)(value)
+_KINDS = {  # a JSON schema type → its name in a message, and whether a JSON value is one (a bool is no number)
+    "integer": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "number": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "string": ("a string", lambda v: isinstance(v, str)), "boolean": ("true or false", lambda v: isinstance(v, bool)),
+    "array": ("a list", lambda v: isinstance(v, list)), "object": ("an object", lambda v: isinstance(v, dict)),
+    "null": ("null", lambda v: v is None),
+}
 
 
 def value_problem(value, schema: dict, where: str) -> str | None:
@@ -133,8 +124,8 @@ def value_problem(value, schema: dict, where: str) -> str | None:
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
     if value is None and schema.get("nullable"):
         return None
-    if kinds and not any(_is(value, kind) for kind in kinds):
-        wanted = " or ".join(_KINDS.get(kind, kind) for kind in kinds)
+    if kinds and not any(kind not in _KINDS or _KINDS[kind][1](value) for kind in kinds):
+        wanted = " or ".join(_KINDS[kind][0] if kind in _KINDS else kind for kind in kinds)
         return f"{where} must be {wanted}, got {json.dumps(value)[:60]}"
     if "enum" in schema and value not in schema["enum"]:
         return f"{where} must be one of {json.dumps(schema['enum'])[:80]}, got {json.dumps(value)[:60]}"

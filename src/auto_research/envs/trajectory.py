@@ -47,9 +47,8 @@ class Conversation:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        if not self.templated:
-            return self.content_ids("\n".join(message["content"] for message in messages))
-        return self.content_ids(self._render(messages, True))
+        text = self._render(messages, True) if self.templated else "\n".join(message["content"] for message in messages)
+        return self.content_ids(text)
 
     def continuation(self, history: list[dict], new: list[dict], ended: bool) -> list[int]:
         """The ids that follow the model's last reply (``history[-1]``) when ``new`` messages answer it: the

@@ -62,13 +62,11 @@ def checked(values, source: str = "the reward", parts: dict | None = None, cause
     parts = getattr(values, "parts", None) if parts is None else parts
     causes = getattr(values, "causes", None) if causes is None else causes
     causes = [None] * len(values) if causes is None else list(causes)
-    kept = []
-    for index, value in enumerate(values):
-        problem = None if value is None else reward_problem(value)
-        if problem is not None:
-            causes[index] = causes[index] or f"{source} returned {problem}"
-        kept.append(None if value is None or problem is not None else float(value))
-    return Scored(kept, parts, causes)
+    problems = [None if value is None else reward_problem(value) for value in values]
+    causes = [cause if problem is None else cause or f"{source} returned {problem}"
+              for cause, problem in zip(causes, problems)]
+    return Scored([None if value is None or problem is not None else float(value)
+                   for value, problem in zip(values, problems)], parts, causes)
 
 
 def invalid_count(scored) -> int:
@@ -129,14 +127,6 @@ def _keywords(function: Callable) -> set[str] | None:
     return None if takes_any else {parameter.name for parameter in parameters}
 
 
-def _settle(pending: dict[int, object]) -> dict[int, object]:
-    """Await every component's coroutine together (async rewards run concurrently); exceptions are returned."""
-    async def gather():
-        return await asyncio.gather(*pending.values(), return_exceptions=True)
-
-    return dict(zip(pending, asyncio.run(gather())))
-
-
 @dataclass
 class CombinedReward:
     """Weighted sum of reward components; None when any component gives None or an invalid value. A component
@@ -165,16 +155,17 @@ class CombinedReward:
         """Each component's return (or the exception it raised), async components awaited together."""
         outcomes, pending = {}, {}
         for index, (_, function, _) in enumerate(self.components):
+            extra = (completion_ids,) if getattr(function, "takes_completion_ids", False) else ()
             try:
-                if getattr(function, "takes_completion_ids", False):
-                    value = function(list(prompts), list(completions), list(examples), completion_ids)
-                else:
-                    value = function(list(prompts), list(completions), list(examples))
+                value = function(list(prompts), list(completions), list(examples), *extra)
             except Exception as error:
                 value = error
             (pending if inspect.isawaitable(value) else outcomes)[index] = value
-        if pending:
-            outcomes.update(_settle(pending))
+        if pending:  # async components awaited together, so they run concurrently; their exceptions returned
+            async def gather():
+                return await asyncio.gather(*pending.values(), return_exceptions=True)
+
+            outcomes.update(zip(pending, asyncio.run(gather())))
         return [outcomes[index] for index in range(len(self.components))]
 
     @staticmethod
@@ -212,6 +203,5 @@ def build_reward(resolved: list[tuple[str, Callable, bool]], weights: list[float
     if reward_model:
         functions.append((f"reward-model:{reward_model}", RewardModel(reward_model, device, offline)))
     weights = [1.0] * len(functions) if weights is None else weights
-    names = metric_names([(name, function) for name, function, _ in resolved]
-                         + ([(functions[-1][0], functions[-1][1])] if reward_model else []))
+    names = metric_names([(name, function) for name, function, _ in resolved] + functions[len(resolved):])
     return CombinedReward([(name, function, weight) for (name, function), weight in zip(functions, weights)], names)

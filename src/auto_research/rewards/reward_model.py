@@ -47,8 +47,7 @@ class RewardModel:
         self.model = self.model.to(device).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.device = device
-        self.batch_size = batch_size
+        self.device, self.batch_size = device, batch_size
         self.__name__ = f"reward-model:{path}"
 
     def __call__(self, prompts, completions, examples) -> list[float]:

@@ -14,13 +14,8 @@ NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 def final_number(text: str) -> float | None:
     """The number after the last ``####`` if any, else the last number in the text."""
     tail = text.rsplit("####", 1)[-1] if "####" in text else text
-    found = NUMBER.findall(tail)
-    if not found:
-        return None
-    try:
-        return float(found[-1].replace(",", ""))
-    except ValueError:
-        return None
+    found = NUMBER.findall(tail)  # each match, its commas dropped, reads as a float
+    return float(found[-1].replace(",", "")) if found else None
 
 
 def _same_number(completion: str, answer: str) -> bool:
