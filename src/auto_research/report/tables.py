@@ -42,17 +42,16 @@ def column_names(metrics: dict) -> tuple[str, str]:
 
 def before_after_table(metrics: dict) -> str:
     before, after = column_names(metrics)
-    rows = [f"| metric | {before} | {after} |", "|---|---:|---:|"]
-    for key in _metrics_of(metrics):
-        rows.append(f"| {LABELS[key]} | {figure(metrics['baseline'].get(key))} | {figure(metrics['final'][key])} |")
-    return "\n".join(rows)
+    rows = [f"| {LABELS[key]} | {figure(metrics['baseline'].get(key))} | {figure(metrics['final'][key])} |"
+            for key in _metrics_of(metrics)]
+    return "\n".join([f"| metric | {before} | {after} |", "|---|---:|---:|", *rows])
 
 
 def console_table(metrics: dict) -> str:
     before, after = column_names(metrics)
-    lines = [f"{'metric':<16}{before:>12}{after:>12}"]
-    for key in _metrics_of(metrics):
-        lines.append(f"{LABELS[key]:<16}{figure(metrics['baseline'].get(key)):>12}{figure(metrics['final'][key]):>12}")
+    lines = [f"{'metric':<16}{before:>12}{after:>12}",
+             *(f"{LABELS[key]:<16}{figure(metrics['baseline'].get(key)):>12}{figure(metrics['final'][key]):>12}"
+               for key in _metrics_of(metrics))]
     if metrics["relative_accuracy"] is not None:  # None: rows without answers
         lines.append(f"{'relative acc.':<16}{'':>12}{metrics['relative_accuracy']:>+12.4f}")
     return "\n".join(lines)

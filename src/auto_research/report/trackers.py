@@ -6,6 +6,7 @@ Where each writes, and how a resumed run continues its tracker runs: docs/genera
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 import json
@@ -194,8 +195,6 @@ class Trackers:
 
     def close(self) -> None:
         for tracker in self.open.values():
-            try:
+            with contextlib.suppress(Exception):  # closing is best effort; what was logged is kept
                 tracker.close()
-            except Exception:  # noqa: BLE001 — closing is best effort; what was logged is kept
-                pass
         self.open = {}
