@@ -23,10 +23,8 @@ from auto_research.files import atomic_write_json, make_tree_shareable
 
 def capture_rng(numpy_rng) -> dict:
     """Every random state a step consumes: torch (CPU and CUDA) and the prompt sampler's."""
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
-            state[f"cuda{index}"] = cuda_state
+    cuda = enumerate(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else ()
+    state = {"torch": torch.get_rng_state(), **{f"cuda{index}": cuda_state for index, cuda_state in cuda}}
     return {"tensors": state, "numpy": numpy_rng.bit_generator.state}
 
 
