@@ -197,7 +197,7 @@ def verified_checkpoint(run_dir: Path, log) -> Path:
                     f"resuming from {folder.name}")
             return folder
         problems.append(problem)
-    raise UserError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'} verifies: {problems[0]}")
+    raise UserError(f"--resume: no checkpoint in {root} verifies: {problems[0]}")
 
 
 def differing_keys(saved: dict, current: dict) -> list[str]:
