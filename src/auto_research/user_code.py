@@ -57,16 +57,13 @@ USER_CODE_SETTINGS = ("reward", "judge", "environment", "tools", "rollout_functi
 def resolved_settings(settings: dict) -> dict:
     """Those of ``settings`` (a config's, or a checkpoint's saved one) that name user code, each resolved: what a
     run records, and what a resumed run is compared with."""
-    resolved = {}
-    for key in [key for key in USER_CODE_SETTINGS if key in settings]:
-        value = settings[key]
-        if key == "tools":  # a comma-separated list
-            resolved[key] = value and ",".join(resolved_spec(item.strip()) for item in value.split(",") if item.strip())
-        elif isinstance(value, list):
-            resolved[key] = [resolved_spec(item) for item in value]
-        else:
-            resolved[key] = resolved_spec(value)
-    return resolved
+    return {key: _resolved(key, settings[key]) for key in USER_CODE_SETTINGS if key in settings}
+
+
+def _resolved(key: str, value):
+    if key == "tools":  # a comma-separated list
+        return value and ",".join(resolved_spec(item.strip()) for item in value.split(",") if item.strip())
+    return [resolved_spec(item) for item in value] if isinstance(value, list) else resolved_spec(value)
 
 
 def spec_of(function) -> str | None:
