@@ -211,7 +211,6 @@ def generation_comparison(results: dict) -> tuple[dict, str]:
             if values:
                 entry["final"][key] = mean_and_std(values)
         summary[f"{algorithm}-k{K}"] = entry
-        win = [run["final"]["win_rate"] for run in runs if run["final"].get("win_rate") is not None]
         lines.append(
             f"| {algorithm} | {K} | {_mean_std(take('baseline', 'accuracy'))} → {_mean_std(take('final', 'accuracy'))} | "
             f"{_mean_std(take('baseline', 'mean_reward'))} → {_mean_std(take('final', 'mean_reward'))} | "
@@ -219,7 +218,7 @@ def generation_comparison(results: dict) -> tuple[dict, str]:
             f"{_mean_std([run['step_seconds_median'] for run in runs])} | "
             f"{_mean_std([run['training']['peak_memory_mb'] for run in runs])} | "
             f"{parameters.get('trainable', 0):,} / {parameters.get('total', 0):,} | "
-            f"{_mean_std(win) if win else 'n/a'} |")
+            f"{_mean_std([run['final'].get('win_rate') for run in runs])} |")
     return summary, "\n".join(lines)
 
 
