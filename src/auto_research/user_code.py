@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -132,10 +133,8 @@ def _import_file(path: Path):
     private = f"_user_code_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}_{path.stem}"
     if private in sys.modules:
         return sys.modules[private]
-    from importlib.util import module_from_spec, spec_from_file_location  # noqa: PLC0415
-
-    found = spec_from_file_location(private, path)
-    module = module_from_spec(found)
+    found = importlib.util.spec_from_file_location(private, path)
+    module = importlib.util.module_from_spec(found)
     sys.modules[private] = module  # dataclasses and pickle look a module up by its name
     try:
         found.loader.exec_module(module)
