@@ -88,11 +88,8 @@ def check_writable_directory(path: str | os.PathLike) -> Path:
     ancestor = path
     while not ancestor.exists() and ancestor.parent != ancestor:
         ancestor = ancestor.parent
-    problem = None
-    if not ancestor.is_dir():
-        problem = f"{ancestor} is not a folder"
-    elif not os.access(ancestor, os.W_OK | os.X_OK):
-        problem = f"no permission to write in {ancestor}"
+    problem = (f"{ancestor} is not a folder" if not ancestor.is_dir() else f"no permission to write in {ancestor}"
+               if not os.access(ancestor, os.W_OK | os.X_OK) else None)
     if problem:
         raise UserError(f"cannot write to output directory {str(path)!r}: {problem}")
     return path

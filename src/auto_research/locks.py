@@ -50,6 +50,11 @@ def describe_holder(path: Path) -> str:
     return f"host {holder.get('host', '?')}, PID {holder.get('pid', '?')}, since {since}"
 
 
+def _in_use(folder, what: str, path: Path) -> UserError:
+    return UserError(f"{folder} is in use by another {what} ({describe_holder(path)}): one process writes a folder at "
+                     "a time; wait for it to finish, or stop it first")
+
+
 class FolderLock:
     """The exclusive lock on one folder, held from ``acquire`` to ``release``. ``created``: the outermost folder
     acquiring created (None when the folder existed), removed again by a run that fails before it wrote anything
@@ -86,9 +91,7 @@ class FolderLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise UserError(f"{self.folder} is in use by another {self.what} ({describe_holder(self.path)}): "
-                                "one process writes a folder at a time; wait for it to finish, or stop it "
-                                "first") from None
+                raise _in_use(self.folder, self.what, self.path) from None
             except OSError as error:
                 if error.errno not in _UNSUPPORTED:
                     os.close(fd)
@@ -119,11 +122,9 @@ class FolderLock:
     def release(self) -> None:
         if self.fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             if self._same_file(self.fd):
                 os.unlink(self.path)
-        except OSError:
-            pass
         os.close(self.fd)
         self.fd = None
 
@@ -160,8 +161,7 @@ def check_unlocked(folder: str | os.PathLike, what: str = "run") -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise UserError(f"{folder} is in use by another {what} ({describe_holder(path)}): one process writes a "
-                        "folder at a time; wait for it to finish, or stop it first") from None
+        raise _in_use(folder, what, path) from None
     except OSError:
         pass
     finally:

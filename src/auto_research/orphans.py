@@ -6,6 +6,7 @@ built in a worker thread would lose its rollout process with that thread.) Light
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -39,10 +40,8 @@ def watch_parent(parent: int, gone: Callable[[], None], poll: float = PARENT_POL
 
 def say(line: str) -> None:
     """One line on stderr, without Python's buffers: the parent that read it may be gone (a closed pipe)."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         os.write(sys.stderr.fileno(), f"auto-research: {line}\n".encode())
-    except (OSError, ValueError):
-        pass
 
 
 def stop_with_trainer(environment=os.environ, poll: float = PARENT_POLL_SECONDS) -> threading.Thread | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -57,16 +58,13 @@ USER_CODE_SETTINGS = ("reward", "judge", "environment", "tools", "rollout_functi
 def resolved_settings(settings: dict) -> dict:
     """Those of ``settings`` (a config's, or a checkpoint's saved one) that name user code, each resolved: what a
     run records, and what a resumed run is compared with."""
-    resolved = {}
-    for key in [key for key in USER_CODE_SETTINGS if key in settings]:
-        value = settings[key]
-        if key == "tools":  # a comma-separated list
-            resolved[key] = value and ",".join(resolved_spec(item.strip()) for item in value.split(",") if item.strip())
-        elif isinstance(value, list):
-            resolved[key] = [resolved_spec(item) for item in value]
-        else:
-            resolved[key] = resolved_spec(value)
-    return resolved
+    return {key: _resolved(key, settings[key]) for key in USER_CODE_SETTINGS if key in settings}
+
+
+def _resolved(key: str, value):
+    if key == "tools":  # a comma-separated list
+        return value and ",".join(resolved_spec(item.strip()) for item in value.split(",") if item.strip())
+    return [resolved_spec(item) for item in value] if isinstance(value, list) else resolved_spec(value)
 
 
 def spec_of(function) -> str | None:
@@ -135,10 +133,8 @@ def _import_file(path: Path):
     private = f"_user_code_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}_{path.stem}"
     if private in sys.modules:
         return sys.modules[private]
-    from importlib.util import module_from_spec, spec_from_file_location  # noqa: PLC0415
-
-    found = spec_from_file_location(private, path)
-    module = module_from_spec(found)
+    found = importlib.util.spec_from_file_location(private, path)
+    module = importlib.util.module_from_spec(found)
     sys.modules[private] = module  # dataclasses and pickle look a module up by its name
     try:
         found.loader.exec_module(module)

@@ -23,10 +23,8 @@ from auto_research.files import atomic_write_json, make_tree_shareable
 
 def capture_rng(numpy_rng) -> dict:
     """Every random state a step consumes: torch (CPU and CUDA) and the prompt sampler's."""
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
-            state[f"cuda{index}"] = cuda_state
+    cuda = enumerate(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else ()
+    state = {"torch": torch.get_rng_state(), **{f"cuda{index}": cuda_state for index, cuda_state in cuda}}
     return {"tensors": state, "numpy": numpy_rng.bit_generator.state}
 
 
@@ -40,14 +38,11 @@ def restore_rng(captured: dict, numpy_rng) -> None:
 
 def _optimizer_to_files(state_dict: dict) -> tuple[dict, dict]:
     """Split an optimizer state keyed by parameter name into tensors (safetensors) and plain values (JSON)."""
-    tensors, plain_state = {}, {}
-    for parameter, values in state_dict["state"].items():
-        plain_state[str(parameter)] = {}
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{parameter}/{key}"] = value.detach().cpu().contiguous()
-            else:
-                plain_state[str(parameter)][key] = value
+    state = state_dict["state"]
+    tensors = {f"{parameter}/{key}": value.detach().cpu().contiguous() for parameter, values in state.items()
+               for key, value in values.items() if isinstance(value, torch.Tensor)}
+    plain_state = {str(parameter): {key: value for key, value in values.items() if not isinstance(value, torch.Tensor)}
+                   for parameter, values in state.items()}
     return tensors, {"keys": "names", "state": plain_state, "param_groups": state_dict["param_groups"]}
 
 

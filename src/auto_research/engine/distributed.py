@@ -247,8 +247,5 @@ def unwrap(model):
 
 def decoder_layers(model) -> list:
     """The repeated blocks to shard one by one: the longest ModuleList in the model (its decoder layers)."""
-    best = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
-            best = list(module)
-    return best
+    return max((list(module) for module in model.modules() if isinstance(module, torch.nn.ModuleList)), key=len,
+               default=[])

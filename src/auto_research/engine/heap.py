@@ -27,7 +27,6 @@ def _trim():
 def release_free_memory() -> bool:
     """Return the C heap's free pages to the operating system; whether this C library can (glibc)."""
     trim = _trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
+    if trim is not None:
+        trim(0)
+    return trim is not None

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from auto_research.engine import onednn
 from auto_research.engine.embedding import tied_weight
-from auto_research.engine.packing import (Grouped, Packed, grouped_layout, layout, takes_block_masks,
+from auto_research.engine.packing import (Grouped, Packed, grouped_layout, layout, takes_block_masks, unwrapped,
                                          whole_groups_with_one_prompt)
 
 
@@ -42,8 +42,7 @@ def completion_logits(model, sequences: torch.Tensor, prompt_mask: torch.Tensor,
 
 def accepts(model, argument: str) -> bool:
     """Whether the model under any wrappers (DDP, PEFT, a LoRA reference) takes ``argument`` in forward."""
-    inner = model
-    for _ in range(6):
+    for inner in unwrapped(model, 6):
         forward = getattr(inner, "forward", None)
         if forward is not None:
             parameters = inspect.signature(forward).parameters
@@ -51,9 +50,6 @@ def accepts(model, argument: str) -> bool:
                 return True
             if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
                 return False
-        inner = next((getattr(inner, name) for name in ("module", "model", "base_model") if hasattr(inner, name)), None)
-        if inner is None:
-            return False
     return False
 
 

@@ -39,25 +39,26 @@ def attach_saved_adapter(model, name: str, trainable: bool):
         raise UserError(f"--model {name}: cannot load the adapter ({one_line(error)})") from None
 
 
-class AdaptersDisabled:
-    """Calls the model with its adapters off: the base model, the reference of a fresh LoRA run."""
+class _Reference:
+    """A reference that calls the policy's own PEFT model (its parameters are the model's)."""
 
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, **inputs):
-        with self.model.disable_adapter():
-            return self.model(**inputs)
+    def __init__(self, model, adapter: str | None = None):
+        self.model, self.adapter = model, adapter
 
     def parameters(self):
         return self.model.parameters()
 
 
-class AdapterSwitched:
-    """Calls the model with another (frozen) adapter active, then switches back to the trained one."""
+class AdaptersDisabled(_Reference):
+    """Calls the model with its adapters off: the base model, the reference of a fresh LoRA run."""
 
-    def __init__(self, model, adapter: str):
-        self.model, self.adapter = model, adapter
+    def __call__(self, **inputs):
+        with self.model.disable_adapter():
+            return self.model(**inputs)
+
+
+class AdapterSwitched(_Reference):
+    """Calls the model with another (frozen) adapter active, then switches back to the trained one."""
 
     def __call__(self, **inputs):
         self.model.set_adapter(self.adapter)
@@ -66,9 +67,6 @@ class AdapterSwitched:
         finally:
             self.model.set_adapter("default")
             _freeze(self.model, self.adapter)
-
-    def parameters(self):
-        return self.model.parameters()
 
 
 def _freeze(model, adapter: str) -> None:

@@ -38,9 +38,7 @@ def resolve_dtype(name: str, device: str):
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if name == "auto":
-        if device.startswith("cuda") and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
+        return torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else torch.float32
     if name not in table:
         raise UserError(f"--dtype {name!r}: choose one of auto, {', '.join(table)}")
     return table[name]
@@ -123,12 +121,9 @@ def format_prompt(tokenizer, prompt, use_chat_template: bool) -> str:
 
 
 def context_length(model) -> int | None:
-    config = model.config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    values = (getattr(model.config, key, None) for key in ("max_position_embeddings", "n_positions",
+                                                            "max_sequence_length"))
+    return next((value for value in values if isinstance(value, int) and value > 0), None)
 
 
 def load_critic(name: str, device: str, offline: bool, vocabulary: int, flag: str = "--critic-model"):

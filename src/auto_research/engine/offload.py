@@ -11,6 +11,7 @@ instead (verl's ``ref.fsdp_config.param_offload``, OpenRLHF's ``--ref_reward_off
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import tempfile
@@ -78,8 +79,6 @@ class OffloadedReference:
 
 
 def _mapped_resident(mapping) -> int:
-    import ctypes
-
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     try:
         with open("/proc/self/smaps") as stream:

@@ -116,25 +116,21 @@ class OneDNNLinear(torch.nn.Linear):
 def use_onednn(model: torch.nn.Module) -> int:
     """Make each plain ``nn.Linear`` of ``model`` with at least ``MIN_ELEMENTS`` weights an ``OneDNNLinear`` (only
     its class changes); returns how many. Nothing changes in a build without oneDNN."""
-    if not available():
-        return 0
-    changed = 0
-    for module in model.modules():
-        if type(module) is torch.nn.Linear and module.weight.numel() >= MIN_ELEMENTS:
-            module.__class__ = OneDNNLinear
-            changed += 1
-    return changed
+    return _retype(model, torch.nn.Linear, OneDNNLinear, MIN_ELEMENTS) if available() else 0
 
 
 def use_torch(model: torch.nn.Module) -> int:
     """Undo ``use_onednn``: every ``OneDNNLinear`` of ``model`` an ``nn.Linear`` again (before FSDP shards it: its
     gathering of weights around each forward is tested on torch's own layers); returns how many."""
-    changed = 0
-    for module in model.modules():
-        if type(module) is OneDNNLinear:
-            module.__class__ = torch.nn.Linear
-            changed += 1
-    return changed
+    return _retype(model, OneDNNLinear, torch.nn.Linear)
+
+
+def _retype(model: torch.nn.Module, old: type, new: type, minimum: int = 0) -> int:
+    """The class ``new`` for each module of class ``old`` exactly with at least ``minimum`` weights; how many."""
+    changed = [module for module in model.modules() if type(module) is old and module.weight.numel() >= minimum]
+    for module in changed:
+        module.__class__ = new
+    return len(changed)
 
 
 def is_linear(module) -> bool:

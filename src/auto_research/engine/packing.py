@@ -60,17 +60,20 @@ def row_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torc
 _CHECKED: dict = {}
 
 
+def unwrapped(model, depth: int = 8):
+    """``model``, then each model inside its wrappers (DDP, PEFT, a LoRA reference), outermost first."""
+    for _ in range(depth):
+        yield model
+        model = next((getattr(model, name) for name in ("module", "model", "base_model") if hasattr(model, name)),
+                     None)
+        if model is None:
+            return
+
+
 def _inner(model):
     """The model that holds the config under DDP, PEFT or a LoRA reference's wrapper."""
-    inner = model
-    for _ in range(8):
-        if hasattr(inner, "config") and isinstance(inner, torch.nn.Module):
-            return inner
-        inner = next((getattr(inner, name) for name in ("module", "model", "base_model") if hasattr(inner, name)),
-                     None)
-        if inner is None:
-            return None
-    return None
+    holders = (inner for inner in unwrapped(model) if isinstance(inner, torch.nn.Module))
+    return next((inner for inner in holders if hasattr(inner, "config")), None)
 
 
 def takes_block_masks(model) -> bool:

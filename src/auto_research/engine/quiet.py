@@ -98,10 +98,8 @@ def harmless_lines_hidden(enabled: bool = True):
             sys.stderr.flush()
             os.dup2(real, 2)  # the pipe's last writer here gone: the filter reads to its end and exits
             os.close(real)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(FLUSH_SECONDS)
-            except subprocess.TimeoutExpired:
-                pass
 
 
 if __name__ == "__main__":  # the filter process: its stdin (the pipe) to its stderr

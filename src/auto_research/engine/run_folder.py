@@ -197,7 +197,7 @@ def verified_checkpoint(run_dir: Path, log) -> Path:
                     f"resuming from {folder.name}")
             return folder
         problems.append(problem)
-    raise UserError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'} verifies: {problems[0]}")
+    raise UserError(f"--resume: no checkpoint in {root} verifies: {problems[0]}")
 
 
 def differing_keys(saved: dict, current: dict) -> list[str]:
@@ -259,12 +259,9 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "metrics.json", "report.md", "cur
 def run_outputs(run_dir: Path) -> list[str]:
     """The names of RUN_OUTPUTS that hold something in ``run_dir`` (an empty file or folder holds nothing): an
     earlier run that a fresh one would overwrite, and what a failed run keeps rather than deleting its folder."""
-    found = []
-    for name in RUN_OUTPUTS:
-        path = Path(run_dir) / name
-        if (path.is_dir() and any(path.iterdir())) or (path.is_file() and path.stat().st_size > 0):
-            found.append(name)
-    return found
+    paths = {name: Path(run_dir) / name for name in RUN_OUTPUTS}
+    return [name for name, path in paths.items()
+            if (path.is_dir() and any(path.iterdir())) or (path.is_file() and path.stat().st_size > 0)]
 
 
 def check_run_folder(run_dir: Path, resume: bool, overwrite: bool) -> None:

@@ -57,13 +57,10 @@ def safetensors_problem(path: Path) -> str | None:
     metadata = header.get("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         return "has __metadata__ that is not text"
-    spans = []
-    for name, entry in header.items():
-        if name != "__metadata__":
-            span = _span(name, entry)
-            if isinstance(span, str):
-                return span
-            spans.append(span)
+    spans = [_span(name, entry) for name, entry in header.items() if name != "__metadata__"]
+    problem = next((span for span in spans if isinstance(span, str)), None)
+    if problem is not None:
+        return problem
     end = 0
     for begin, stop in sorted(spans):
         if begin != end:

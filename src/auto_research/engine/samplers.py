@@ -13,6 +13,7 @@ from them. A new engine is its records, ``register``-ed from a function named in
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,16 +111,13 @@ def on_the_policy(over_model: Callable) -> Callable[[SamplerNeeds], Any]:
     return lambda needs: over_model(needs.policy, needs.tokenizer, needs.settings, needs.chunk_prompts, needs.context)
 
 
-def _builtin_over(model, tokenizer, settings, chunk_prompts, context):
-    from auto_research.engine.rollout.builtin import BuiltinSampler  # noqa: PLC0415
+def _lazy(module: str, name: str) -> Callable:
+    """``module.name``, imported only when called: this module stays light until an engine is used."""
+    return lambda *args, **kwargs: getattr(importlib.import_module(module), name)(*args, **kwargs)
 
-    return BuiltinSampler(model, tokenizer, settings, chunk_prompts, context)
 
-
-def _builtin_pool(model, tokenizer, group_size: int, settings):
-    from auto_research.engine.rollout.partial import builtin_pool  # noqa: PLC0415
-
-    return builtin_pool(model, tokenizer, group_size, settings)
+_builtin_over = _lazy("auto_research.engine.rollout.builtin", "BuiltinSampler")
+_builtin_pool = _lazy("auto_research.engine.rollout.partial", "builtin_pool")
 
 
 def _vllm(needs: SamplerNeeds):
@@ -192,18 +190,6 @@ def _builtin_process(needs: SamplerNeeds):
     return sampler
 
 
-def _require_vllm() -> None:
-    from auto_research.engine.sources import require_vllm  # noqa: PLC0415
-
-    require_vllm()
-
-
-def _check_servable(model_config, device: str, model_name: str) -> None:
-    from auto_research.engine.rollout.vllm import check_servable  # noqa: PLC0415 - imports no vLLM
-
-    check_servable(model_config, device, model_name)
-
-
 def _serve_vllm(options, device: str, log):
     """A vLLM engine over rollout-serve's model (``options``: its ``ServeConfig``), its parallelism checked before
     the model loads."""
@@ -231,12 +217,6 @@ def _serve_vllm(options, device: str, log):
     return sampler, model, tokenizer, name, dtype
 
 
-def _serve_builtin(options, device: str, log):
-    from auto_research.engine.rollout.serve import serve_builtin  # noqa: PLC0415 - torch
-
-    return serve_builtin(options, device, log)
-
-
 SAMPLERS: dict[str, SamplerRecord] = {}
 
 
@@ -259,12 +239,13 @@ def served_engines() -> tuple[str, ...]:
 
 register(SamplerRecord("builtin", "colocate", on_the_policy(_builtin_over), is_the_trainer=True,
                        over_model=_builtin_over, pool=_builtin_pool))
-register(SamplerRecord("vllm", "colocate", _vllm, _require_vllm, _check_servable, pushes_weights=True))
+register(SamplerRecord("vllm", "colocate", _vllm, _lazy("auto_research.engine.sources", "require_vllm"),
+                       _lazy("auto_research.engine.rollout.vllm", "check_servable"), pushes_weights=True))
 # A server may live in an environment of its own: the trainer needs no vLLM.
 register(server_record("vllm", _serve_vllm))
 # The builtin sampler in a process of its own (auto-research rollout-serve --engine builtin): its draws are the
 # in-process sampler's, from weights pushed to it, without sharing the trainer's interpreter lock.
-register(server_record("builtin", _serve_builtin, chunked=True))
+register(server_record("builtin", _lazy("auto_research.engine.rollout.serve", "serve_builtin"), chunked=True))
 # The same server, started and stopped by the run itself on cores of its own (--rollout-mode process).
 register(SamplerRecord("builtin", "process", _builtin_process, pushes_weights=True))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -126,7 +127,5 @@ VLLM_INSTALL = ("--sampler vllm needs vLLM, which is not installed: on a CPU `pi
 
 def require_vllm() -> None:
     """--sampler vllm without vLLM installed: one line saying how to install it, before any work."""
-    import importlib.util  # noqa: PLC0415
-
     if importlib.util.find_spec("vllm") is None:
         raise UserError(VLLM_INSTALL)

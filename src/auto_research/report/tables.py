@@ -42,17 +42,16 @@ def column_names(metrics: dict) -> tuple[str, str]:
 
 def before_after_table(metrics: dict) -> str:
     before, after = column_names(metrics)
-    rows = [f"| metric | {before} | {after} |", "|---|---:|---:|"]
-    for key in _metrics_of(metrics):
-        rows.append(f"| {LABELS[key]} | {figure(metrics['baseline'].get(key))} | {figure(metrics['final'][key])} |")
-    return "\n".join(rows)
+    rows = [f"| {LABELS[key]} | {figure(metrics['baseline'].get(key))} | {figure(metrics['final'][key])} |"
+            for key in _metrics_of(metrics)]
+    return "\n".join([f"| metric | {before} | {after} |", "|---|---:|---:|", *rows])
 
 
 def console_table(metrics: dict) -> str:
     before, after = column_names(metrics)
-    lines = [f"{'metric':<16}{before:>12}{after:>12}"]
-    for key in _metrics_of(metrics):
-        lines.append(f"{LABELS[key]:<16}{figure(metrics['baseline'].get(key)):>12}{figure(metrics['final'][key]):>12}")
+    lines = [f"{'metric':<16}{before:>12}{after:>12}",
+             *(f"{LABELS[key]:<16}{figure(metrics['baseline'].get(key)):>12}{figure(metrics['final'][key]):>12}"
+               for key in _metrics_of(metrics))]
     if metrics["relative_accuracy"] is not None:  # None: rows without answers
         lines.append(f"{'relative acc.':<16}{'':>12}{metrics['relative_accuracy']:>+12.4f}")
     return "\n".join(lines)
@@ -212,7 +211,6 @@ def generation_comparison(results: dict) -> tuple[dict, str]:
             if values:
                 entry["final"][key] = mean_and_std(values)
         summary[f"{algorithm}-k{K}"] = entry
-        win = [run["final"]["win_rate"] for run in runs if run["final"].get("win_rate") is not None]
         lines.append(
             f"| {algorithm} | {K} | {_mean_std(take('baseline', 'accuracy'))} → {_mean_std(take('final', 'accuracy'))} | "
             f"{_mean_std(take('baseline', 'mean_reward'))} → {_mean_std(take('final', 'mean_reward'))} | "
@@ -220,7 +218,7 @@ def generation_comparison(results: dict) -> tuple[dict, str]:
             f"{_mean_std([run['step_seconds_median'] for run in runs])} | "
             f"{_mean_std([run['training']['peak_memory_mb'] for run in runs])} | "
             f"{parameters.get('trainable', 0):,} / {parameters.get('total', 0):,} | "
-            f"{_mean_std(win) if win else 'n/a'} |")
+            f"{_mean_std([run['final'].get('win_rate') for run in runs])} |")
     return summary, "\n".join(lines)
 
 

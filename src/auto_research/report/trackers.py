@@ -6,6 +6,7 @@ Where each writes, and how a resumed run continues its tracker runs: docs/genera
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 import json
@@ -15,6 +16,8 @@ import uuid
 from pathlib import Path
 
 from auto_research.errors import UserError, one_line
+from auto_research.files import atomic_write_json
+from auto_research.report.tables import markdown_table
 
 # name → (module to find, PyPI package of the extra)
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
@@ -71,8 +74,6 @@ class TensorBoard:
             self.writer.add_scalar(key, value, step)
 
     def table(self, key: str, rows: list[dict], step: int) -> None:
-        from auto_research.report.tables import markdown_table
-
         self.writer.add_text(key, markdown_table(rows), step)
 
     def close(self) -> None:
@@ -171,8 +172,6 @@ class Trackers:
             except Exception as error:  # noqa: BLE001 — any tracker's failure to start is the same one line
                 self.close()
                 raise UserError(f"--report-to {name}: the tracker did not start ({one_line(error)})") from None
-        from auto_research.files import atomic_write_json
-
         atomic_write_json(path, ids)
 
     def _each(self, method: str, *args) -> None:
@@ -194,8 +193,6 @@ class Trackers:
 
     def close(self) -> None:
         for tracker in self.open.values():
-            try:
+            with contextlib.suppress(Exception):  # closing is best effort; what was logged is kept
                 tracker.close()
-            except Exception:  # noqa: BLE001 — closing is best effort; what was logged is kept
-                pass
         self.open = {}
