@@ -70,8 +70,15 @@ def test_a_round_is_the_servers_lanes_in_their_order_whichever_answers_first():
 
 
 def test_a_server_that_fails_or_left_the_pool_stops_the_round_naming_it():
-    rounds, fleet = _fleet_rounds([_Member(["a"]), _Member(["b"], fails=ValueError("the engine broke"))])
-    with pytest.raises(RolloutEngineError, match=r"^--rollout-server b:2: ValueError: the engine broke$"):
+    """A server's failure stops the round with its own line (the first server's of several); any other error (a
+    bug) is raised as it is."""
+    broken = [RolloutEngineError("--rollout-server a:1: /partial/round failed"),
+              RolloutEngineError("--rollout-server b:2: /partial/round failed")]
+    rounds, _ = _fleet_rounds([_Member(["a"], fails=broken[0], delay=0.2), _Member(["b"], fails=broken[1])])
+    with pytest.raises(RolloutEngineError, match=r"^--rollout-server a:1: /partial/round failed$"):
+        rounds.run(1, 0, 2, 2, -1, [], False)
+    rounds, fleet = _fleet_rounds([_Member(["a"]), _Member(["b"], fails=ValueError("a bug"))])
+    with pytest.raises(ValueError, match=r"^a bug$"):
         rounds.run(1, 0, 2, 2, -1, [], False)
     fleet.left["a:1"] = ("its push failed", 0.0)
     del fleet.members["a:1"]

@@ -17,13 +17,13 @@ with their KV caches; on vLLM they are drawn again, by the uninterrupted run too
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 import torch
 
 from auto_research.engine.rollout import Rollout, eos_ids
 from auto_research.engine.partial_bounds import pool_groups
+from auto_research.engine.rollout.fleet import Fleet, each_server
 from auto_research.engine.rollout.partial import Rounds, lanes_to_rows, supply_target
 from auto_research.engine.rollout.partial_files import Finished
 from auto_research.engine.rollout.partial_serve import KEPT_STATES
@@ -148,8 +148,13 @@ class FleetRounds:
         shares, pools = _split(per_step, n), _split(pool_groups, n)
         targets = [supply_target(p, g) for p, g in zip(shares, pools)]
         dealt = self._deal(supply, targets)
-        answers = _each([(lambda i=i: self.members[i].run(number, version, shares[i], pools[i], oldest_allowed,
-                                                         dealt[i], settle)) for i in range(n)], self.addresses)
+        answered: dict[int, tuple] = {}
+        failures = each_server({address: (lambda i=i: answered.__setitem__(i, self.members[i].run(
+            number, version, shares[i], pools[i], oldest_allowed, dealt[i], settle)))
+            for i, address in enumerate(self.addresses[:n])}, concurrently=True)
+        if failures:  # the first server's, in their order
+            raise RolloutEngineError(next(failures[address] for address in self.addresses if address in failures))
+        answers = [answered[i] for i in range(n)]
         self.pendings = [pending for _, _, pending in answers]
         self.after[number] = list(self.pendings)
         for older in [kept for kept in self.after if kept <= number - KEPT_STATES]:
@@ -187,33 +192,8 @@ def _split(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
-def _each(calls: list, addresses: list[str]) -> list:
-    """Every call at once, one thread each; their answers in order, or the first failure naming its server."""
-    answers, failures = [None] * len(calls), {}
-
-    def call(i):
-        try:
-            answers[i] = calls[i]()
-        except Exception as error:  # noqa: BLE001 - raised below, in the caller's thread
-            failures[i] = error
-
-    threads = [threading.Thread(target=call, args=(i,), name=f"round-{addresses[i]}", daemon=True)
-               for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for i in sorted(failures):
-        error = failures[i]
-        raise error if isinstance(error, RolloutEngineError) else RolloutEngineError(
-            f"--rollout-server {addresses[i]}: {type(error).__name__}: {error}") from error
-    return answers
-
-
 def remote_rounds(sampler, source: RolloutSource, settings, recompute_kv: bool):
     """The rounds in one rollout server (``RemoteRounds``), or in each of a fleet's (``FleetRounds``)."""
-    from auto_research.engine.rollout.fleet import Fleet  # noqa: PLC0415
-
     clients = list(sampler.members.values()) if isinstance(sampler, Fleet) else [sampler]
     for client in clients:
         if not client.partial:

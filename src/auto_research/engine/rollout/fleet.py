@@ -125,7 +125,7 @@ class Fleet:
         push is collective); a server whose push fails leaves the pool."""
         started = time.perf_counter()
         pool = self._agreed_pool()
-        failures = _push_each({address: (lambda member=self.members[address]: member.load_weights(model))
+        failures = each_server({address: (lambda member=self.members[address]: member.load_weights(model))
                                for address in pool}, concurrently=not self.world.distributed)
         for address, why in failures.items():
             self._leave(address, why)
@@ -266,13 +266,14 @@ def _run(done: queue.Queue, index: int, address: str, draw: Callable, member, ro
         done.put((index, address, None, f"{type(error).__name__}: {error}"))
 
 
-def _push_each(pushes: dict[str, Callable], concurrently: bool) -> dict[str, str]:
-    """Run each push (each in a thread of its own when ``concurrently``); the servers' failures by address. Any
-    other error (a tensor the run cannot send, a bug) is raised here, as a push in this thread would."""
+def each_server(calls: dict[str, Callable], concurrently: bool) -> dict[str, str]:
+    """Run each server's call (a push, a round; each in a thread of its own when ``concurrently``); the servers'
+    failures by address. Any other error (a tensor the run cannot send, a bug) is raised here, as a call in this
+    thread would."""
     failures: dict[str, str] = {}
     raised: list[BaseException] = []
 
-    def push(address: str, call: Callable) -> None:
+    def run(address: str, call: Callable) -> None:
         try:
             call()
         except RolloutEngineError as error:
@@ -281,15 +282,15 @@ def _push_each(pushes: dict[str, Callable], concurrently: bool) -> dict[str, str
             raised.append(error)
 
     if concurrently:
-        threads = [threading.Thread(target=push, args=item, name=f"push-{item[0]}", daemon=True)
-                   for item in pushes.items()]
+        threads = [threading.Thread(target=run, args=item, name=f"call-{item[0]}", daemon=True)
+                   for item in calls.items()]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
     else:
-        for item in pushes.items():
-            push(*item)
+        for item in calls.items():
+            run(*item)
             if raised:
                 break
     if raised:
