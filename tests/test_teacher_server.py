@@ -276,21 +276,28 @@ class _FailsAfterOne(BuiltinEngine):
         return super().logprobs(prompts, completions)
 
 
+def _teacher_served_well_and_broken(tmp_path, monkeypatch):
+    """A teacher model saved to a folder, and two servers of it: one as it is, one whose engine fails after its first
+    answer; (the folder, (server, address), (broken server, its address))."""
+    from transformers import AutoModelForCausalLM
+
+    from test_distillation import _other_model
+
+    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
+    folder = _other_model(tmp_path / "teacher")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), build_tokenizer()
+    _FailsAfterOne.calls = 0
+    return folder, serve(model, tokenizer), serve(model, tokenizer, engine=_FailsAfterOne(model, tokenizer))
+
+
 def test_a_run_with_a_served_teacher_trains_as_with_the_same_teacher_loaded_and_stops_in_one_line_when_it_fails(
         tiny_model_dir, tmp_path, monkeypatch):
     """--teacher-model http://HOST:PORT: the server's log-probs in place of the local forward give the run that
     loads the same teacher (every figure within 1e-5, the same rewards); a teacher server that fails (after the
     client's retries) stops the run in one line naming it and what was kept, never a zero term."""
-    from transformers import AutoModelForCausalLM
+    from test_distillation import _compared, _rows as run_rows
 
-    from test_distillation import _compared, _other_model, _rows as run_rows
-
-    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
-    folder = _other_model(tmp_path / "teacher")
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), build_tokenizer()
-    server, address = serve(model, tokenizer)
-    _FailsAfterOne.calls = 0
-    broken, broken_address = serve(model, tokenizer, engine=_FailsAfterOne(model, tokenizer))
+    folder, (server, address), (broken, broken_address) = _teacher_served_well_and_broken(tmp_path, monkeypatch)
     try:
         loaded = run_rows(tmp_path, "loaded", tiny_model_dir, teacher_model=str(folder), steps=3)
         served = run_rows(tmp_path, "served", tiny_model_dir, teacher_model=f"http://{address}", steps=3)
@@ -327,17 +334,9 @@ def test_several_teachers_score_their_own_rows_and_one_that_fails_leaves_its_row
     """--teacher-model NAME=SOURCE twice, a ``teacher`` column naming each row's: each row is scored by its own
     teacher (tokens per teacher), and a teacher whose server breaks after its first answer leaves its rows unscored,
     with its cause counted, while the run goes on with the other teacher's rows."""
-    from transformers import AutoModelForCausalLM
-
     from auto_research import post_train
-    from test_distillation import _other_model
 
-    monkeypatch.delenv("AUTO_RESEARCH_API_KEY", raising=False)
-    folder = _other_model(tmp_path / "teacher")
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), build_tokenizer()
-    good, good_address = serve(model, tokenizer)
-    _FailsAfterOne.calls = 0
-    broken, broken_address = serve(model, tokenizer, engine=_FailsAfterOne(model, tokenizer))
+    _, (good, good_address), (broken, broken_address) = _teacher_served_well_and_broken(tmp_path, monkeypatch)
     rows = _taught_rows(40, ("good", "good", "broken"))
     try:
         post_train(rows, model=str(tiny_model_dir), teacher_model=[f"good=http://{good_address}",
